@@ -1,0 +1,64 @@
+//! `ckpt diff`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use ckptstore::{Checkpoint, Result};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// First checkpoint.
+    a: PathBuf,
+    /// Second checkpoint.
+    b: PathBuf,
+    /// Print one JSON object: {same, difference}.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The first difference between two checkpoints, in name order, or `None`.
+fn first_difference(a: &Checkpoint, b: &Checkpoint) -> Option<String> {
+    let mut an: Vec<&str> = a.tensors().iter().map(|t| t.name.as_str()).collect();
+    let mut bn: Vec<&str> = b.tensors().iter().map(|t| t.name.as_str()).collect();
+    an.sort_unstable();
+    bn.sort_unstable();
+    for n in &an {
+        if bn.binary_search(n).is_err() {
+            return Some(format!("tensor {n:?} is only in A"));
+        }
+    }
+    for n in &bn {
+        if an.binary_search(n).is_err() {
+            return Some(format!("tensor {n:?} is only in B"));
+        }
+    }
+    for n in an {
+        let (Ok(x), Ok(y)) = (a.tensor(n), b.tensor(n)) else { continue };
+        if x.dtype() != y.dtype() {
+            return Some(format!("tensor {n:?}: dtype {} vs {}", x.dtype(), y.dtype()));
+        }
+        if x.shape() != y.shape() {
+            return Some(format!("tensor {n:?}: shape {:?} vs {:?}", x.shape(), y.shape()));
+        }
+        if x.bytes() != y.bytes() {
+            let at = x.bytes().iter().zip(y.bytes()).position(|(p, q)| p != q).unwrap_or(0);
+            return Some(format!("tensor {n:?}: bytes differ, first at byte {at} (element {})", at / x.dtype().size()));
+        }
+    }
+    None
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let ca = Checkpoint::open(&a.a)?;
+    let cb = Checkpoint::open(&a.b)?;
+    let d = first_difference(&ca, &cb);
+    if a.json {
+        println!("{}", serde_json::json!({"same": d.is_none(), "difference": d}));
+    } else {
+        match &d {
+            None => println!("same: {} tensors, identical names, dtypes, shapes and bytes", ca.tensors().len()),
+            Some(s) => println!("differ: {s}"),
+        }
+    }
+    Ok(if d.is_none() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}

@@ -1,0 +1,86 @@
+//! `ckpt inspect`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use ckptstore::{Checkpoint, Kind, Result};
+use serde_json::json;
+
+use crate::util::human;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Checkpoint directory, .safetensors file, or HF sharded directory.
+    path: PathBuf,
+    /// Print one JSON object: {path, kind, checkpoint_id, shards:[{file,size}],
+    /// tensors:[{name,dtype,shape,bytes,shard,file,crc32}], total_tensors, total_bytes,
+    /// metadata, optimizer}.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let ck = Checkpoint::open(&a.path)?;
+    let kind = match ck.kind() {
+        Kind::Native => "ckptstore",
+        Kind::Safetensors => "safetensors",
+        Kind::HfSharded => "hf-sharded",
+        _ => "unknown",
+    };
+    let total: u64 = ck.data_bytes();
+    if a.json {
+        let tensors: Vec<_> = ck
+            .tensors()
+            .iter()
+            .map(|t| {
+                json!({"name": t.name, "dtype": t.dtype.name(), "shape": t.shape, "bytes": t.nbytes(),
+                       "shard": t.shard, "file": ck.shards()[t.shard].file, "crc32": t.crc32})
+            })
+            .collect();
+        let shards: Vec<_> = ck
+            .shards()
+            .iter()
+            .map(|s| json!({"file": s.file, "size": s.bytes.as_ref().len()}))
+            .collect();
+        let out = json!({
+            "path": a.path, "kind": kind,
+            "checkpoint_id": ck.manifest().map(|m| m.checkpoint_id.clone()),
+            "shards": shards, "tensors": tensors,
+            "total_tensors": ck.tensors().len(), "total_bytes": total,
+            "metadata": ck.metadata(),
+            "optimizer": ck.manifest().and_then(|m| m.optimizer.as_ref()),
+        });
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{} ({kind})", a.path.display());
+    if let Some(m) = ck.manifest() {
+        println!("checkpoint id: {}", m.checkpoint_id);
+    }
+    let w = ck.tensors().iter().map(|t| t.name.len()).max().unwrap_or(4).clamp(4, 60);
+    println!("{:<w$}  {:<5}  {:<20}  {:>12}  shard", "name", "dtype", "shape", "bytes");
+    for t in ck.tensors() {
+        println!(
+            "{:<w$}  {:<5}  {:<20}  {:>12}  {}",
+            t.name,
+            t.dtype.name(),
+            format!("{:?}", t.shape),
+            t.nbytes(),
+            ck.shards()[t.shard].file
+        );
+    }
+    println!("{} tensors, {} in {} shard file(s)", ck.tensors().len(), human(total), ck.shards().len());
+    let meta = ck.metadata();
+    if meta.as_object().is_some_and(|o| !o.is_empty()) {
+        println!("metadata: {meta}");
+    }
+    if let Some(o) = ck.manifest().and_then(|m| m.optimizer.as_ref()) {
+        let with_state = o.params.iter().filter(|p| !p.state.is_empty()).count();
+        println!(
+            "optimizer: {} group(s), {} parameter(s), {with_state} with state",
+            o.groups.len(),
+            o.params.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

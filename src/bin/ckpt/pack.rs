@@ -1,0 +1,64 @@
+//! `ckpt pack`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use ckptstore::{save, Checkpoint, Error, Result, SaveOptions, TensorRef};
+
+use crate::util::{callback, human, parse_size, progress};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// safetensors files, HF sharded directories or ckptstore checkpoints.
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// Output checkpoint directory (created if missing; a checkpoint there is replaced atomically).
+    #[arg(long)]
+    out: PathBuf,
+    /// Most tensor bytes per shard (e.g. 2GiB, 512MiB).
+    #[arg(long, value_parser = parse_size, default_value = "4GiB")]
+    max_shard_size: u64,
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let cks = a.inputs.iter().map(Checkpoint::open).collect::<Result<Vec<_>>>()?;
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut tensors = Vec::new();
+    let mut meta = serde_json::Map::new();
+    for (i, ck) in cks.iter().enumerate() {
+        if let Some(o) = ck.metadata().as_object() {
+            meta.extend(o.clone());
+        }
+        for t in ck.tensors() {
+            if let Some(j) = seen.insert(&t.name, i) {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor {:?} is in both {} and {}",
+                    t.name,
+                    a.inputs[j].display(),
+                    a.inputs[i].display()
+                )));
+            }
+            let v = ck.tensor_verified(&t.name)?;
+            tensors.push(TensorRef::new(t.name.as_str(), t.dtype, &t.shape, v.bytes()));
+        }
+    }
+    let total: u64 = cks.iter().map(|c| c.data_bytes()).sum();
+    let pb = progress(total, "pack");
+    let opts = SaveOptions {
+        max_shard_size: a.max_shard_size,
+        metadata: meta.into(),
+        progress: Some(callback(&pb)),
+    };
+    let info = save(&a.out, &tensors, &opts)?;
+    pb.finish_and_clear();
+    println!(
+        "packed {} tensors ({}) into {} shard(s) at {} (checkpoint {})",
+        info.tensors,
+        human(info.data_bytes),
+        info.shards,
+        a.out.display(),
+        info.checkpoint_id
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,562 @@
+//! Reading checkpoints: [`Checkpoint`] over ckptstore directories, plain safetensors files
+//! and Hugging Face sharded directories.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+
+use crate::crc::crc32_parallel;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::format::header::{self, Header};
+use crate::format::manifest::{self, check_file_name, DecodeError, Manifest, MANIFEST_FILE};
+use crate::mmap::Map;
+use crate::view::TensorView;
+
+/// Metadata key, in every ckptstore shard header, holding the checkpoint id.
+pub(crate) const META_CHECKPOINT_ID: &str = "ckptstore.checkpoint_id";
+/// The index file of a Hugging Face sharded directory.
+pub const HF_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// What kind of store a [`Checkpoint`] was opened from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Kind {
+    /// A ckptstore checkpoint directory: manifest plus shards, with CRC32 per tensor.
+    Native,
+    /// A single safetensors file (read-only, no checksums).
+    Safetensors,
+    /// A Hugging Face sharded directory with `model.safetensors.index.json` (read-only,
+    /// no checksums).
+    HfSharded,
+}
+
+/// Where one tensor lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape; empty for 0-dim.
+    pub shape: Vec<u64>,
+    /// Index of the shard holding it.
+    pub shard: usize,
+    /// Absolute byte range `[begin, end)` in the shard file.
+    pub offsets: [u64; 2],
+    /// The CRC32 recorded at save time (native checkpoints only).
+    pub crc32: Option<u32>,
+}
+
+impl TensorInfo {
+    /// Size of the tensor's data in bytes.
+    pub fn nbytes(&self) -> u64 {
+        self.offsets[1] - self.offsets[0]
+    }
+}
+
+/// One shard: its file name and its bytes (a read-only map, or any `AsRef<[u8]>`).
+#[derive(Debug)]
+pub struct Shard<B> {
+    /// File name inside the checkpoint directory (or the path opened, for a single file).
+    pub file: String,
+    /// The whole file.
+    pub bytes: B,
+}
+
+/// What [`Checkpoint::verify`] checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// Tensors whose CRC32 was checked.
+    pub tensors: usize,
+    /// Bytes whose CRC32 was checked.
+    pub bytes: u64,
+    /// False for stores without checksums (plain safetensors, HF directories): only the
+    /// structure was validated.
+    pub checksummed: bool,
+}
+
+/// An open checkpoint: validated structure, shards mapped read-only, no tensor data read.
+///
+/// Generic over storage so tests and fuzzers can run on `Vec<u8>`; [`Checkpoint::open`]
+/// uses read-only memory maps ([`Map`]).
+#[derive(Debug)]
+pub struct Checkpoint<B: AsRef<[u8]> = Map> {
+    root: PathBuf,
+    kind: Kind,
+    shards: Vec<Shard<B>>,
+    tensors: Vec<TensorInfo>,
+    by_name: HashMap<String, usize>,
+    metadata: serde_json::Value,
+    manifest: Option<Manifest>,
+}
+
+fn open_map(path: &Path) -> Result<Map> {
+    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    Map::open(&file, path)
+}
+
+impl Checkpoint<Map> {
+    /// Open a checkpoint: a ckptstore directory (holding `ckpt-manifest.json`), a Hugging
+    /// Face sharded directory (holding `model.safetensors.index.json`), a directory holding
+    /// `model.safetensors`, or a single `.safetensors` file.
+    ///
+    /// Reads and validates the manifest and every shard header, checks file sizes and the
+    /// header CRCs, and maps every shard read-only. Reads no tensor data: the cost is
+    /// proportional to the number of tensors, not to their size.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when there is no checkpoint at `path`; [`Error::InvalidManifest`],
+    /// [`Error::InvalidHeader`], [`Error::ShardMismatch`], [`Error::ChecksumMismatch`],
+    /// [`Error::UnsupportedVersion`], [`Error::UnsupportedFeature`] for damaged or foreign
+    /// stores; [`Error::Io`] for I/O failures. Each names the file involved.
+    ///
+    /// # Example
+    /// ```
+    /// # fn main() -> ckptstore::Result<()> {
+    /// use ckptstore::{save, Checkpoint, DType, SaveOptions, TensorRef};
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let w: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
+    /// save(dir.path(), &[TensorRef::from_slice("w", &[2, 2], &w)], &SaveOptions::default())?;
+    /// let ckpt = Checkpoint::open(dir.path())?;
+    /// assert_eq!(ckpt.tensor("w")?.as_slice::<f32>()?, &w[..]);
+    /// ckpt.verify()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::NotFound {
+                path: path.to_path_buf(),
+                reason: "the path does not exist".into(),
+            },
+            _ => Error::io("stat", path, e),
+        })?;
+        if meta.is_file() {
+            let bytes = open_map(path)?;
+            return Checkpoint::from_safetensors(path.to_path_buf(), bytes);
+        }
+        let manifest_path = path.join(MANIFEST_FILE);
+        if manifest_path.exists() {
+            return Self::open_native(path, &manifest_path);
+        }
+        let index = path.join(HF_INDEX_FILE);
+        if index.exists() {
+            return Self::open_hf(path, &index);
+        }
+        let single = path.join("model.safetensors");
+        if single.is_file() {
+            let bytes = open_map(&single)?;
+            return Checkpoint::from_safetensors(single, bytes);
+        }
+        Err(Error::NotFound {
+            path: path.to_path_buf(),
+            reason: format!(
+                "no {MANIFEST_FILE} (ckptstore), {HF_INDEX_FILE} (Hugging Face) or model.safetensors in the directory"
+            ),
+        })
+    }
+
+    fn open_native(root: &Path, manifest_path: &Path) -> Result<Self> {
+        let bytes = read_capped(manifest_path, crate::format::MAX_MANIFEST_SIZE)?;
+        let m = decode_manifest(&bytes, MANIFEST_FILE)?;
+        let shards = m
+            .shards
+            .par_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let p = root.join(&s.file);
+                let lmeta = std::fs::symlink_metadata(&p).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => Error::ShardMismatch {
+                        shard: i,
+                        file: s.file.clone(),
+                        reason: "the file is missing".into(),
+                    },
+                    _ => Error::io("stat", &p, e),
+                })?;
+                if !lmeta.file_type().is_file() {
+                    return Err(Error::ShardMismatch {
+                        shard: i,
+                        file: s.file.clone(),
+                        reason: "not a regular file (ckptstore never writes links or directories as shards)".into(),
+                    });
+                }
+                Ok(Shard { file: s.file.clone(), bytes: open_map(&p)? })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Checkpoint::build_native(root.to_path_buf(), m, shards)
+    }
+
+    fn open_hf(root: &Path, index_path: &Path) -> Result<Self> {
+        let fname = HF_INDEX_FILE;
+        let bytes = read_capped(index_path, crate::format::MAX_MANIFEST_SIZE)?;
+        #[derive(serde::Deserialize)]
+        struct Index {
+            #[serde(default)]
+            metadata: serde_json::Value,
+            weight_map: std::collections::BTreeMap<String, String>,
+        }
+        let idx: Index = serde_json::from_slice(&bytes).map_err(|e| Error::manifest(fname, format!("JSON: {e}")))?;
+        let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
+        files.sort();
+        files.dedup();
+        for f in &files {
+            check_file_name(f).map_err(|e| Error::manifest(fname, e))?;
+        }
+        let shards = files
+            .par_iter()
+            .map(|f| Ok(Shard { file: f.clone(), bytes: open_map(&root.join(f))? }))
+            .collect::<Result<Vec<_>>>()?;
+        let mut ck = Checkpoint::from_foreign(root.to_path_buf(), Kind::HfSharded, shards)?;
+        // The index must name exactly the tensors the files hold, each in its file.
+        if idx.weight_map.len() != ck.tensors.len() {
+            return Err(Error::manifest(
+                fname,
+                format!("weight_map names {} tensors but the shard files hold {}", idx.weight_map.len(), ck.tensors.len()),
+            ));
+        }
+        for (name, file) in &idx.weight_map {
+            let t = ck.info(name).map_err(|_| {
+                Error::manifest(fname, format!("weight_map names tensor {name:?} in {file:?}, which does not hold it"))
+            })?;
+            if ck.shards[t.shard].file != *file {
+                return Err(Error::manifest(
+                    fname,
+                    format!("weight_map puts tensor {name:?} in {file:?} but it is in {:?}", ck.shards[t.shard].file),
+                ));
+            }
+        }
+        if idx.metadata.is_object() {
+            ck.metadata = idx.metadata;
+        }
+        Ok(ck)
+    }
+}
+
+fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut v = Vec::new();
+    f.take(cap + 1).read_to_end(&mut v).map_err(|e| Error::io("read", path, e))?;
+    if v.len() as u64 > cap {
+        return Err(Error::manifest(path.display().to_string(), format!("larger than the {cap}-byte cap")));
+    }
+    Ok(v)
+}
+
+pub(crate) fn decode_manifest(bytes: &[u8], file: &str) -> Result<Manifest> {
+    manifest::decode(bytes).map_err(|e| match e {
+        DecodeError::Checksum { expected, got } => Error::ChecksumMismatch {
+            what: "manifest".into(),
+            shard: 0,
+            file: file.into(),
+            expected,
+            got,
+        },
+        DecodeError::Version(v) => Error::UnsupportedVersion { file: file.into(), found: v, supported: manifest::VERSION },
+        DecodeError::Feature(f) => Error::UnsupportedFeature { file: file.into(), feature: f },
+        DecodeError::Invalid(r) => Error::manifest(file, r),
+    })
+}
+
+impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// Build a native checkpoint from manifest bytes and the shard files' bytes, given in
+    /// the manifest's shard order. Performs every check [`Checkpoint::open`] does.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::open`]; [`Error::InvalidArgument`] if the number of shards differs
+    /// from the manifest's.
+    pub fn from_parts(manifest_bytes: &[u8], shards: Vec<B>) -> Result<Self> {
+        let m = decode_manifest(manifest_bytes, MANIFEST_FILE)?;
+        if shards.len() != m.shards.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} shard buffers given for a manifest of {} shards",
+                shards.len(),
+                m.shards.len()
+            )));
+        }
+        let shards = m.shards.iter().zip(shards).map(|(s, bytes)| Shard { file: s.file.clone(), bytes }).collect();
+        Self::build_native(PathBuf::new(), m, shards)
+    }
+
+    fn build_native(root: PathBuf, m: Manifest, shards: Vec<Shard<B>>) -> Result<Self> {
+        let headers: Vec<Header> = m
+            .shards
+            .par_iter()
+            .zip(shards.par_iter())
+            .enumerate()
+            .map(|(i, (entry, shard))| {
+                let bytes = shard.bytes.as_ref();
+                let mismatch = |reason: String| Error::ShardMismatch { shard: i, file: entry.file.clone(), reason };
+                if bytes.len() as u64 != entry.size {
+                    return Err(mismatch(format!(
+                        "the file is {} bytes but the manifest records {} (truncated or replaced)",
+                        bytes.len(),
+                        entry.size
+                    )));
+                }
+                // size >= 8 + header_size was validated with the manifest.
+                let hjson = bytes.get(8..8 + entry.header_size as usize).unwrap_or(&[]);
+                let got = crc32fast::hash(hjson);
+                if got != entry.header_crc32 {
+                    return Err(Error::ChecksumMismatch {
+                        what: "shard header".into(),
+                        shard: i,
+                        file: entry.file.clone(),
+                        expected: entry.header_crc32,
+                        got,
+                    });
+                }
+                let h = header::parse(bytes).map_err(|r| Error::header(&entry.file, r))?;
+                if h.header_size != entry.header_size {
+                    return Err(mismatch(format!(
+                        "header length {} differs from the manifest's {}",
+                        h.header_size, entry.header_size
+                    )));
+                }
+                match h.metadata.get(META_CHECKPOINT_ID) {
+                    Some(id) if *id == m.checkpoint_id => Ok(h),
+                    other => Err(mismatch(format!(
+                        "the shard belongs to checkpoint {other:?}, not {:?} (a shard from another checkpoint?)",
+                        m.checkpoint_id
+                    ))),
+                }
+            })
+            .collect::<Result<_>>()?;
+
+        // Manifest and headers must describe the same tensors.
+        let mut counts = vec![0usize; shards.len()];
+        let header_maps: Vec<HashMap<&str, &header::HeaderEntry>> =
+            headers.iter().map(|h| h.tensors.iter().map(|t| (t.name.as_str(), t)).collect()).collect();
+        let mut tensors = Vec::with_capacity(m.tensors.len());
+        for t in &m.tensors {
+            let file = &m.shards[t.shard].file;
+            let h = &headers[t.shard];
+            let he = header_maps[t.shard].get(t.name.as_str()).ok_or_else(|| Error::ShardMismatch {
+                shard: t.shard,
+                file: file.clone(),
+                reason: format!("the manifest places tensor {:?} here but the shard header does not list it", t.name),
+            })?;
+            let dtype = he.dtype;
+            let abs = [he.data_offsets[0] + h.data_start(), he.data_offsets[1] + h.data_start()];
+            if dtype.name() != t.dtype || he.shape != t.shape || abs != t.offsets {
+                return Err(Error::ShardMismatch {
+                    shard: t.shard,
+                    file: file.clone(),
+                    reason: format!(
+                        "tensor {:?}: header says {} {:?} at {:?}, manifest says {} {:?} at {:?}",
+                        t.name, dtype, he.shape, abs, t.dtype, t.shape, t.offsets
+                    ),
+                });
+            }
+            counts[t.shard] += 1;
+            tensors.push(TensorInfo {
+                name: t.name.clone(),
+                dtype,
+                shape: t.shape.clone(),
+                shard: t.shard,
+                offsets: t.offsets,
+                crc32: Some(t.crc32),
+            });
+        }
+        for (i, h) in headers.iter().enumerate() {
+            if counts[i] != h.tensors.len() || h.tensors.is_empty() {
+                return Err(Error::ShardMismatch {
+                    shard: i,
+                    file: m.shards[i].file.clone(),
+                    reason: format!(
+                        "the shard header lists {} tensors but the manifest places {} here",
+                        h.tensors.len(),
+                        counts[i]
+                    ),
+                });
+            }
+        }
+        let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Ok(Checkpoint {
+            root,
+            kind: Kind::Native,
+            shards,
+            tensors,
+            by_name,
+            metadata: m.metadata.clone(),
+            manifest: Some(m),
+        })
+    }
+
+    /// Open one safetensors file held in `bytes` (read-only, no checksums).
+    ///
+    /// # Errors
+    /// [`Error::InvalidHeader`] if the header is malformed.
+    pub fn from_safetensors(path: PathBuf, bytes: B) -> Result<Self> {
+        let file = path.display().to_string();
+        let mut ck = Self::from_foreign(path, Kind::Safetensors, vec![Shard { file, bytes }])?;
+        ck.root = ck.root.parent().map(Path::to_path_buf).unwrap_or_default();
+        Ok(ck)
+    }
+
+    fn from_foreign(root: PathBuf, kind: Kind, shards: Vec<Shard<B>>) -> Result<Self> {
+        let headers = shards
+            .par_iter()
+            .map(|s| header::parse(s.bytes.as_ref()).map_err(|r| Error::header(&s.file, r)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut tensors = Vec::new();
+        let mut by_name = HashMap::new();
+        let mut metadata = serde_json::Map::new();
+        for (i, h) in headers.into_iter().enumerate() {
+            let ds = h.data_start();
+            for (k, v) in h.metadata {
+                metadata.insert(k, serde_json::Value::String(v));
+            }
+            for e in h.tensors {
+                if by_name.insert(e.name.clone(), tensors.len()).is_some() {
+                    return Err(Error::header(
+                        &shards[i].file,
+                        format!("tensor {:?} is also held by another shard file", e.name),
+                    ));
+                }
+                tensors.push(TensorInfo {
+                    name: e.name,
+                    dtype: e.dtype,
+                    shape: e.shape,
+                    shard: i,
+                    offsets: [e.data_offsets[0] + ds, e.data_offsets[1] + ds],
+                    crc32: None,
+                });
+            }
+        }
+        Ok(Checkpoint { root, kind, shards, tensors, by_name, metadata: metadata.into(), manifest: None })
+    }
+
+    /// The directory (or file's directory) the checkpoint was opened from.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// What kind of store this is.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// The manifest, for native checkpoints.
+    pub fn manifest(&self) -> Option<&Manifest> {
+        self.manifest.as_ref()
+    }
+
+    /// User metadata (for foreign stores: the safetensors `__metadata__` / HF index
+    /// `metadata` as a JSON object).
+    pub fn metadata(&self) -> &serde_json::Value {
+        &self.metadata
+    }
+
+    /// Every tensor, in manifest (or header) order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// The shards, in index order.
+    pub fn shards(&self) -> &[Shard<B>] {
+        &self.shards
+    }
+
+    /// Look up a tensor's location.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`].
+    pub fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.by_name
+            .get(name)
+            .and_then(|&i| self.tensors.get(i))
+            .ok_or_else(|| Error::TensorNotFound { name: name.to_string() })
+    }
+
+    /// A zero-copy view of a tensor. Does not check its CRC; see [`Checkpoint::verify`] and
+    /// [`Checkpoint::tensor_verified`].
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`].
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let t = self.info(name)?;
+        Ok(self.view(t))
+    }
+
+    pub(crate) fn view<'a>(&'a self, t: &'a TensorInfo) -> TensorView<'a> {
+        // Offsets were validated against the shard's length when the checkpoint was built.
+        let bytes = self.shards[t.shard]
+            .bytes
+            .as_ref()
+            .get(t.offsets[0] as usize..t.offsets[1] as usize)
+            .unwrap_or(&[]);
+        TensorView::new(&t.name, t.dtype, &t.shape, bytes)
+    }
+
+    /// A zero-copy view of a tensor whose CRC32 was checked just now.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::ChecksumMismatch`] if the bytes are damaged.
+    pub fn tensor_verified(&self, name: &str) -> Result<TensorView<'_>> {
+        let t = self.info(name)?;
+        let v = self.view(t);
+        self.check_crc(t, crc32_parallel(v.bytes()))?;
+        Ok(v)
+    }
+
+    pub(crate) fn check_crc(&self, t: &TensorInfo, got: u32) -> Result<()> {
+        match t.crc32 {
+            Some(expected) if expected != got => Err(Error::ChecksumMismatch {
+                what: format!("tensor {:?}", t.name),
+                shard: t.shard,
+                file: self.shards[t.shard].file.clone(),
+                expected,
+                got,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Check the CRC32 of every tensor, rayon-parallel across tensors and within large ones.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] naming the shard and tensor of the first mismatch in
+    /// manifest order. For stores without checksums the structure was validated at open
+    /// and the report says `checksummed: false`.
+    pub fn verify(&self) -> Result<VerifyReport> {
+        self.verify_with_progress(&|_| {})
+    }
+
+    /// [`Checkpoint::verify`], calling `progress` with the byte count of each tensor checked.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify`].
+    pub fn verify_with_progress(&self, progress: &(dyn Fn(u64) + Sync)) -> Result<VerifyReport> {
+        if self.kind != Kind::Native {
+            return Ok(VerifyReport { tensors: 0, bytes: 0, checksummed: false });
+        }
+        let first_bad = self
+            .tensors
+            .par_iter()
+            .enumerate()
+            .filter_map(|(i, t)| {
+                let v = self.view(t);
+                let r = self.check_crc(t, crc32_parallel(v.bytes()));
+                progress(t.nbytes());
+                r.err().map(|e| (i, e))
+            })
+            .min_by_key(|(i, _)| *i);
+        if let Some((_, e)) = first_bad {
+            return Err(e);
+        }
+        Ok(VerifyReport {
+            tensors: self.tensors.len(),
+            bytes: self.tensors.iter().map(TensorInfo::nbytes).sum(),
+            checksummed: true,
+        })
+    }
+
+    /// Total bytes of tensor data.
+    pub fn data_bytes(&self) -> u64 {
+        self.tensors.iter().map(TensorInfo::nbytes).sum()
+    }
+}

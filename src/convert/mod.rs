@@ -1,0 +1,360 @@
+//! Dtype conversion kernels: FP32 <-> FP16 with a per-tensor scale (TransformerEngine
+//! FusedAdam arithmetic), FP32 <-> BF16 (round to nearest even), widening copies.
+//!
+//! Every kernel reads a borrowed source and writes a destination the caller allocated
+//! fresh: there is no in-place variant, so a load cannot modify its source. Large inputs
+//! are split into chunks processed rayon-parallel; results are identical to the scalar
+//! reference in [`reference`] (property-tested), whatever the chunking.
+//!
+//! Arithmetic (format-spec/optimizer.md §Conversions): `s = absmax(x) / 32752` in FP32;
+//! `r = 1 / s` if `s > 0` else `0`; `q = f16(x * r)` (product in FP32, round to nearest
+//! even); the value of `q` is `f32(q) * s`.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// FP16 max over two: the target range of scaled values (TransformerEngine's `max_range`).
+pub const F16_MAX_RANGE: f32 = 32752.0;
+
+/// Elements per parallel chunk.
+const PAR_CHUNK: usize = 1 << 16;
+/// Elements per inner block (stack buffer).
+const BLOCK: usize = 1024;
+
+/// Why an FP16 scaling cannot be done.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScaleError {
+    /// The input holds an infinity or NaN: the scale would turn every finite value into 0
+    /// or NaN.
+    NonFinite,
+    /// `absmax` is so small that `1/s` overflows FP32 (below about 9.6e-35).
+    ScaleUnderflow(f32),
+}
+
+impl std::fmt::Display for ScaleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ScaleError::NonFinite => f.write_str(
+                "the FP32 values hold an infinity or NaN, which FP16 scaling cannot represent; load as F32 or BF16 instead",
+            ),
+            ScaleError::ScaleUnderflow(a) => write!(
+                f,
+                "absmax {a:e} is too small for FP16 scaling (1/scale overflows FP32); load as F32 or BF16 instead"
+            ),
+        }
+    }
+}
+
+/// The largest absolute value, or `None` if any element is not finite.
+pub fn absmax_f32(x: &[f32]) -> Option<f32> {
+    let m = x
+        .par_chunks(PAR_CHUNK)
+        .map(|c| {
+            // Max of |x| with NaN detection folded in: NaN compares false and is caught below.
+            let mut m = 0f32;
+            let mut finite = true;
+            for &v in c {
+                let a = v.abs();
+                finite &= a.is_finite();
+                m = if a > m { a } else { m };
+            }
+            if finite {
+                m
+            } else {
+                f32::INFINITY
+            }
+        })
+        .reduce(|| 0f32, f32::max);
+    m.is_finite().then_some(m)
+}
+
+/// The scale and its reciprocal for a given absmax.
+///
+/// # Errors
+/// [`ScaleError::ScaleUnderflow`] if `1/s` is not finite.
+pub fn scale_for(absmax: f32) -> Result<(f32, f32), ScaleError> {
+    let s = absmax / F16_MAX_RANGE;
+    if s > 0.0 {
+        let r = 1.0 / s;
+        if !r.is_finite() {
+            return Err(ScaleError::ScaleUnderflow(absmax));
+        }
+        Ok((s, r))
+    } else {
+        Ok((0.0, 0.0))
+    }
+}
+
+/// Scale FP32 values into FP16 codes: returns the scale `s` and writes `q` into `dst`.
+///
+/// # Errors
+/// [`ScaleError`] for non-finite input or an underflowing scale; `dst` is then untouched
+/// or partly written (it is a fresh buffer the caller discards).
+///
+/// # Panics
+/// If `dst.len() != src.len()` (a caller bug, not an input property).
+pub fn f32_to_f16_scaled(src: &[f32], dst: &mut [f16]) -> Result<f32, ScaleError> {
+    assert_eq!(src.len(), dst.len());
+    let absmax = absmax_f32(src).ok_or(ScaleError::NonFinite)?;
+    let (s, r) = scale_for(absmax)?;
+    f32_mul_to_f16(src, r, dst);
+    Ok(s)
+}
+
+/// `dst[i] = f16(src[i] * r)`, rayon-parallel, with F16C where the CPU has it.
+pub fn f32_mul_to_f16(src: &[f32], r: f32, dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK).zip(src.par_chunks(PAR_CHUNK)).for_each(|(d, s)| {
+        let mut buf = [0f32; BLOCK];
+        for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
+            let b = &mut buf[..sc.len()];
+            for (o, &v) in b.iter_mut().zip(sc) {
+                *o = v * r;
+            }
+            dc.convert_from_f32_slice(b);
+        }
+    });
+}
+
+/// Plain FP32 -> FP16 (no scale), rayon-parallel: the baseline kernel for benchmarks.
+pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| d.convert_from_f32_slice(s));
+}
+
+/// `dst[i] = f32(q[i]) * s`.
+pub fn f16_scaled_to_f32(q: &[f16], s: f32, dst: &mut [f32]) {
+    assert_eq!(q.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK).zip(q.par_chunks(PAR_CHUNK)).for_each(|(d, q)| {
+        q.convert_to_f32_slice(d);
+        for v in d.iter_mut() {
+            *v *= s;
+        }
+    });
+}
+
+/// `dst[i] = bf16(src[i])`, round to nearest even; NaN stays NaN, infinities stay.
+pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| d.convert_from_f32_slice(s));
+}
+
+/// `dst[i] = f32(src[i])`, exact.
+pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| s.convert_to_f32_slice(d));
+}
+
+/// `dst[i] = f32(src[i])`, exact.
+pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| s.convert_to_f32_slice(d));
+}
+
+/// `dst[i] = bf16(f32(q[i]) * s)`.
+pub fn f16_scaled_to_bf16(q: &[f16], s: f32, dst: &mut [bf16]) {
+    assert_eq!(q.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK).zip(q.par_chunks(PAR_CHUNK)).for_each(|(d, q)| {
+        let mut buf = [0f32; BLOCK];
+        for (dc, qc) in d.chunks_mut(BLOCK).zip(q.chunks(BLOCK)) {
+            let b = &mut buf[..qc.len()];
+            qc.convert_to_f32_slice(b);
+            for v in b.iter_mut() {
+                *v *= s;
+            }
+            dc.convert_from_f32_slice(b);
+        }
+    });
+}
+
+/// Parallel copy (the memcpy baseline, and exact same-dtype loads).
+pub fn copy_bytes(src: &[u8], dst: &mut [u8]) {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK * 4)
+        .zip(src.par_chunks(PAR_CHUNK * 4))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+/// Scalar reference implementations of the formulas, one element at a time. The kernels
+/// above must agree with these bit for bit.
+pub mod reference {
+    use half::{bf16, f16};
+
+    /// FP32 -> FP16 scaled, straight from the formula.
+    pub fn f32_to_f16_scaled(x: &[f32]) -> Result<(Vec<f16>, f32), super::ScaleError> {
+        let mut absmax = 0f32;
+        for &v in x {
+            if !v.is_finite() {
+                return Err(super::ScaleError::NonFinite);
+            }
+            absmax = absmax.max(v.abs());
+        }
+        let s = absmax / 32752.0;
+        let r = if s > 0.0 { 1.0 / s } else { 0.0 };
+        if !r.is_finite() {
+            return Err(super::ScaleError::ScaleUnderflow(absmax));
+        }
+        Ok((x.iter().map(|&v| f16::from_f32(v * r)).collect(), s))
+    }
+
+    /// FP16 scaled -> FP32.
+    pub fn f16_scaled_to_f32(q: &[f16], s: f32) -> Vec<f32> {
+        q.iter().map(|&v| f32::from(v) * s).collect()
+    }
+
+    /// FP32 -> BF16, round to nearest even, written out bitwise (independent of `half`).
+    pub fn f32_to_bf16(x: &[f32]) -> Vec<bf16> {
+        x.iter()
+            .map(|&v| {
+                let b = v.to_bits();
+                if v.is_nan() {
+                    // Quiet the NaN, keep sign and top payload bits.
+                    return bf16::from_bits(((b >> 16) as u16) | 0x0040);
+                }
+                let round = 0x7fff + ((b >> 16) & 1);
+                bf16::from_bits((b.wrapping_add(round) >> 16) as u16)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn special() -> Vec<f32> {
+        vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-45,
+            65504.0,
+            -65504.0,
+            65520.0,
+            32752.0,
+            1e30,
+            -3.4e38,
+            f32::MAX,
+            0.1,
+            1.0 / 3.0,
+        ]
+    }
+
+    fn check_scaled(x: &[f32]) {
+        let mut q = vec![f16::ZERO; x.len()];
+        let got = f32_to_f16_scaled(x, &mut q);
+        match reference::f32_to_f16_scaled(x) {
+            Ok((rq, rs)) => {
+                let s = got.expect("kernel failed where the reference succeeded");
+                assert_eq!(s.to_bits(), rs.to_bits());
+                assert_eq!(q.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), rq.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+                // Round trip back stays within half an FP16 ulp of scaled magnitude.
+                let mut back = vec![0f32; x.len()];
+                f16_scaled_to_f32(&q, s, &mut back);
+                assert_eq!(back, reference::f16_scaled_to_f32(&rq, rs));
+                // Every scaled value is in FP16 range: no infinities produced.
+                assert!(q.iter().all(|v| v.is_finite()));
+            }
+            Err(e) => assert_eq!(got, Err(e)),
+        }
+    }
+
+    #[test]
+    fn scaled_specials() {
+        check_scaled(&special());
+        check_scaled(&[0.0; 5]);
+        check_scaled(&[]);
+        check_scaled(&[1e-40, -2e-41]); // subnormal absmax: 1/s overflows -> error
+        check_scaled(&[1e-30, 0.0]);
+        let mut q = [f16::ZERO; 2];
+        assert_eq!(f32_to_f16_scaled(&[1.0, f32::NAN], &mut q), Err(ScaleError::NonFinite));
+        assert_eq!(f32_to_f16_scaled(&[1.0, f32::NEG_INFINITY], &mut q), Err(ScaleError::NonFinite));
+        // All-zero input: s = 0, r = 0, q all +0.
+        let s = f32_to_f16_scaled(&[0.0, -0.0], &mut q).unwrap();
+        assert_eq!(s, 0.0);
+        assert_eq!(q[0].to_bits(), 0);
+        // absmax maps to exactly 32752.
+        let s = f32_to_f16_scaled(&[65504.0, 1.0], &mut q).unwrap();
+        assert_eq!(s, 2.0);
+        assert_eq!(f32::from(q[0]), 32752.0);
+    }
+
+    #[test]
+    fn bf16_specials_match_reference() {
+        let mut x = special();
+        x.extend([f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000)]);
+        let mut d = vec![bf16::ZERO; x.len()];
+        f32_to_bf16(&x, &mut d);
+        let r = reference::f32_to_bf16(&x);
+        for (i, (a, b)) in d.iter().zip(&r).enumerate() {
+            if x[i].is_nan() {
+                assert!(a.is_nan() && b.is_nan());
+            } else {
+                assert_eq!(a.to_bits(), b.to_bits(), "x = {:e}", x[i]);
+            }
+        }
+        // Ties to even: 1 + 2^-8 rounds down to 1, 1 + 3*2^-8 rounds up.
+        assert_eq!(d[d.len() - 2].to_bits(), 0x3f80);
+        assert_eq!(d[d.len() - 1].to_bits(), 0x3f82);
+    }
+
+    fn any_f32() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            any::<f32>(),
+            -1e4f32..1e4,
+            (-1e-6f32..1e-6),
+            prop::sample::select(special()),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn scaled_matches_reference(x in prop::collection::vec(any_f32(), 0..3000)) {
+            check_scaled(&x);
+        }
+
+        #[test]
+        fn bf16_matches_reference(x in prop::collection::vec(any_f32(), 0..3000)) {
+            let mut d = vec![bf16::ZERO; x.len()];
+            f32_to_bf16(&x, &mut d);
+            let r = reference::f32_to_bf16(&x);
+            for (i, (a, b)) in d.iter().zip(&r).enumerate() {
+                if x[i].is_nan() { prop_assert!(a.is_nan() && b.is_nan()); }
+                else { prop_assert_eq!(a.to_bits(), b.to_bits()); }
+            }
+            let mut back = vec![0f32; x.len()];
+            bf16_to_f32(&d, &mut back);
+            for (i, v) in back.iter().enumerate() {
+                prop_assert!(v.to_bits() == f32::from(d[i]).to_bits() || v.is_nan());
+            }
+        }
+
+        #[test]
+        fn scaled_to_bf16_matches_reference(x in prop::collection::vec(-1e3f32..1e3, 1..500)) {
+            let (q, s) = reference::f32_to_f16_scaled(&x).unwrap();
+            let mut d = vec![bf16::ZERO; q.len()];
+            f16_scaled_to_bf16(&q, s, &mut d);
+            let want = reference::f32_to_bf16(&reference::f16_scaled_to_f32(&q, s));
+            prop_assert_eq!(d, want);
+        }
+    }
+
+    #[test]
+    fn large_inputs_are_chunk_independent() {
+        let x: Vec<f32> = (0..(3 * PAR_CHUNK + 17)).map(|i| ((i as f32) * 0.37).sin() * 100.0).collect();
+        check_scaled(&x);
+    }
+}

@@ -1,0 +1,197 @@
+//! The crate's one error type.
+
+use std::path::PathBuf;
+
+/// Result alias used throughout ckptstore.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every failure ckptstore reports.
+///
+/// Variants carry the context a user needs to act: the file, the shard, the tensor, the
+/// parameter and optimizer state, and for mismatches what was expected and what was found.
+/// The enum is `#[non_exhaustive]`: match with a wildcard arm.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An operating-system I/O call failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done ("open", "read", "fsync", "rename", ...).
+        op: &'static str,
+        /// The file or directory involved.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// No checkpoint (no manifest, no safetensors file, no index) exists at the path.
+    #[error("no checkpoint at {path}: {reason}")]
+    NotFound {
+        /// The path that was opened.
+        path: PathBuf,
+        /// What was looked for.
+        reason: String,
+    },
+
+    /// A safetensors shard header is malformed or inconsistent with its file.
+    #[error("invalid shard header in {file}: {reason}")]
+    InvalidHeader {
+        /// The shard file (as named in the manifest, or the path opened).
+        file: String,
+        /// What is wrong, naming the tensor where one is involved.
+        reason: String,
+    },
+
+    /// The checkpoint manifest (or a Hugging Face index) is malformed or inconsistent.
+    #[error("invalid manifest {file}: {reason}")]
+    InvalidManifest {
+        /// The manifest file.
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// The manifest declares a format version this reader does not know.
+    #[error("{file}: unsupported format version {found} (this reader supports version {supported}); upgrade ckptstore")]
+    UnsupportedVersion {
+        /// The manifest file.
+        file: String,
+        /// The version found.
+        found: u64,
+        /// The newest version this build reads.
+        supported: u64,
+    },
+
+    /// The manifest requires a feature this reader does not implement.
+    #[error("{file}: requires feature {feature:?} that this reader does not implement; upgrade ckptstore")]
+    UnsupportedFeature {
+        /// The manifest file.
+        file: String,
+        /// The feature name.
+        feature: String,
+    },
+
+    /// A shard file's size or identity does not match what the manifest recorded.
+    #[error("shard {shard} ({file}): {reason}")]
+    ShardMismatch {
+        /// Index of the shard in the manifest.
+        shard: usize,
+        /// The shard file name.
+        file: String,
+        /// What disagrees.
+        reason: String,
+    },
+
+    /// Stored bytes do not match their recorded CRC32.
+    #[error("checksum mismatch in {what} (shard {shard}, file {file}): expected crc32 {expected:#010x}, got {got:#010x}")]
+    ChecksumMismatch {
+        /// What was checked: `tensor "NAME"`, `shard header`, or `manifest`.
+        what: String,
+        /// Index of the shard in the manifest (0 for the manifest itself).
+        shard: usize,
+        /// The file holding the bytes.
+        file: String,
+        /// The CRC32 recorded at save time.
+        expected: u32,
+        /// The CRC32 of the bytes now on disk.
+        got: u32,
+    },
+
+    /// A tensor name was looked up that the checkpoint does not hold.
+    #[error("no tensor named {name:?} in the checkpoint")]
+    TensorNotFound {
+        /// The requested name.
+        name: String,
+    },
+
+    /// A tensor given to the writer, or asked of a view, is inconsistent.
+    #[error("tensor {name:?}: {reason}")]
+    InvalidTensor {
+        /// The tensor name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A typed view was requested with the wrong element type or an unaligned buffer.
+    #[error("tensor {name:?}: cannot view as {requested}: {reason}")]
+    BadView {
+        /// The tensor name.
+        name: String,
+        /// The requested element type.
+        requested: &'static str,
+        /// Why not.
+        reason: String,
+    },
+
+    /// The optimizer section of a checkpoint, or an optimizer state handed to the writer,
+    /// is inconsistent.
+    #[error("optimizer state: parameter {param:?}, state {state:?}: {reason}")]
+    InvalidOptimizerState {
+        /// The parameter name ("" when the error concerns the whole section).
+        param: String,
+        /// The state name ("" when the error concerns the parameter or a group).
+        state: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A checkpoint's optimizer state does not fit the live optimizer or model it is
+    /// restored into; nothing was changed.
+    #[error("cannot restore optimizer state: {reason}")]
+    IncompatibleState {
+        /// What does not fit, naming the group, parameter or state.
+        reason: String,
+    },
+
+    /// A dtype conversion was asked that cannot be done, or would lose data.
+    #[error("parameter {param:?}, state {state:?}: {reason}")]
+    Conversion {
+        /// The parameter name.
+        param: String,
+        /// The state name.
+        state: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// The checkpoint has no checksums to verify (a plain safetensors file or HF directory).
+    #[error("{path}: {reason}")]
+    NoChecksums {
+        /// The path opened.
+        path: PathBuf,
+        /// Explanation.
+        reason: &'static str,
+    },
+
+    /// An argument given to the API is invalid.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl Error {
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { op, path: path.into(), source }
+    }
+
+    pub(crate) fn header(file: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidHeader { file: file.into(), reason: reason.into() }
+    }
+
+    pub(crate) fn manifest(file: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidManifest { file: file.into(), reason: reason.into() }
+    }
+
+    pub(crate) fn optim(
+        param: impl Into<String>,
+        state: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::InvalidOptimizerState {
+            param: param.into(),
+            state: state.into(),
+            reason: reason.into(),
+        }
+    }
+}

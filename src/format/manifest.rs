@@ -1,0 +1,385 @@
+//! The checkpoint manifest: serde types, encoding with its CRC trailer, and validation
+//! (format-spec/manifest.md).
+
+use serde::{Deserialize, Serialize};
+
+use super::{check_tensor_name, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS};
+use crate::dtype::{checked_nbytes, DType};
+
+/// File name of the manifest inside a checkpoint directory (format-spec/manifest.md §File).
+pub const MANIFEST_FILE: &str = "ckpt-manifest.json";
+/// Value of the manifest's `format` field.
+pub const FORMAT_NAME: &str = "ckptstore";
+/// The manifest version this build writes and the newest it reads.
+pub const VERSION: u64 = 1;
+/// Features (`features` field) this build understands. A manifest that requires any
+/// other feature is refused (format-spec/README.md §Versioning).
+pub const KNOWN_FEATURES: &[&str] = &["optimizer"];
+
+/// `,"manifest_crc32":"` — the start of the fixed trailer (format-spec/manifest.md §Trailer).
+const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
+/// Length of the whole trailer: head, 8 hex digits, `"}`, newline.
+pub const TRAILER_LEN: usize = TRAILER_HEAD.len() + 8 + 3;
+
+/// The manifest of a ckptstore checkpoint.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    /// Always `"ckptstore"`.
+    pub format: String,
+    /// Format version; see [`VERSION`].
+    pub version: u64,
+    /// Features a reader must implement to read this checkpoint correctly.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
+    /// 32 lowercase hex digits, random per save.
+    pub checkpoint_id: String,
+    /// The shard files, in index order.
+    pub shards: Vec<ShardEntry>,
+    /// Every tensor, in save order.
+    pub tensors: Vec<TensorEntry>,
+    /// User metadata: any JSON object.
+    #[serde(default = "empty_object")]
+    pub metadata: serde_json::Value,
+    /// The optimizer section (format-spec/optimizer.md), if the checkpoint holds one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OptimizerSection>,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(Default::default())
+}
+
+/// One shard file as the manifest records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ShardEntry {
+    /// File name inside the checkpoint directory (no directory components).
+    pub file: String,
+    /// Exact file size in bytes.
+    pub size: u64,
+    /// The shard's header length (the value of its 8-byte prefix).
+    pub header_size: u64,
+    /// CRC32 of the header JSON bytes (file bytes `[8, 8 + header_size)`).
+    pub header_crc32: u32,
+}
+
+/// One tensor as the manifest records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Tensor name, unique in the checkpoint.
+    pub name: String,
+    /// Index into `shards`.
+    pub shard: usize,
+    /// safetensors dtype name.
+    pub dtype: String,
+    /// Shape; empty for 0-dim.
+    pub shape: Vec<u64>,
+    /// Absolute byte range `[begin, end)` in the shard file.
+    pub offsets: [u64; 2],
+    /// CRC32 of the tensor's bytes.
+    pub crc32: u32,
+}
+
+/// The optimizer section (format-spec/optimizer.md).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OptimizerSection {
+    /// Parameter groups in order.
+    pub groups: Vec<GroupEntry>,
+    /// Every parameter named by a group, with its shape and state.
+    pub params: Vec<ParamEntry>,
+}
+
+/// One parameter group.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GroupEntry {
+    /// Parameter names, in group order.
+    pub params: Vec<String>,
+    /// Hyperparameters (lr, betas, ...): a JSON object.
+    #[serde(default = "empty_object")]
+    pub hyper: serde_json::Value,
+}
+
+/// One parameter: its shape and its named state.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ParamEntry {
+    /// Parameter name.
+    pub name: String,
+    /// The parameter's shape.
+    pub shape: Vec<u64>,
+    /// Its state tensors; empty before the first step.
+    #[serde(default)]
+    pub state: Vec<StateEntry>,
+}
+
+/// One named state of a parameter.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StateEntry {
+    /// State name (`step`, `exp_avg`, ...).
+    pub name: String,
+    /// The tensor holding the values (or the FP16 codes, for `f16_scaled`).
+    pub tensor: String,
+    /// How the tensor encodes the state.
+    pub encoding: Encoding,
+    /// For `f16_scaled`: the F32 scale tensor (0-dim or `[1]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<String>,
+}
+
+/// How a state tensor encodes its values (format-spec/optimizer.md §Encodings).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    /// The tensor holds the values directly, in its dtype.
+    Plain,
+    /// F16 codes `q` and an F32 scale `s`; the value is `f32(q) * s`.
+    F16Scaled,
+}
+
+/// Serialize a manifest with its CRC trailer (format-spec/manifest.md §Trailer).
+pub fn encode(m: &Manifest) -> Vec<u8> {
+    // Serializing plain data types into a Vec cannot fail.
+    let mut body = serde_json::to_vec(m).unwrap_or_default();
+    // `body` ends with the object's closing brace; the trailer replaces it.
+    body.pop();
+    let crc = crc32fast::hash(&body);
+    body.extend_from_slice(TRAILER_HEAD);
+    body.extend_from_slice(format!("{crc:08x}\"}}\n").as_bytes());
+    body
+}
+
+/// Errors from [`decode`] that callers distinguish.
+#[derive(Debug)]
+pub enum DecodeError {
+    /// The CRC trailer does not match the bytes before it.
+    Checksum {
+        /// Recorded in the trailer.
+        expected: u32,
+        /// Computed now.
+        got: u32,
+    },
+    /// The version is newer than this reader.
+    Version(u64),
+    /// A required feature is unknown.
+    Feature(String),
+    /// Anything else, with the reason.
+    Invalid(String),
+}
+
+/// Check the trailer, parse and validate a manifest (format-spec/manifest.md §Validation).
+///
+/// Validation covers everything that needs no shard file: format name, version, features,
+/// id syntax, shard file names, tensor names unique, dtypes known, byte ranges consistent
+/// with shapes, aligned to the element size, inside the recorded shard size and after the
+/// recorded header, and non-overlapping within each shard. Shard files are checked by
+/// the caller.
+///
+/// # Errors
+/// A [`DecodeError`] saying what is wrong.
+///
+/// # Panics
+/// Never, for any input.
+pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
+    use DecodeError::Invalid;
+    if bytes.len() as u64 > MAX_MANIFEST_SIZE {
+        return Err(Invalid(format!("{} bytes exceed the {MAX_MANIFEST_SIZE}-byte cap", bytes.len())));
+    }
+    let split = bytes
+        .len()
+        .checked_sub(TRAILER_LEN)
+        .ok_or_else(|| Invalid(format!("{} bytes is too short to hold the CRC trailer", bytes.len())))?;
+    let (body, trailer) = bytes.split_at(split);
+    let hex = trailer
+        .strip_prefix(TRAILER_HEAD)
+        .and_then(|t| t.strip_suffix(b"\"}\n"))
+        .filter(|h| h.iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c)))
+        .ok_or_else(|| Invalid("missing or malformed manifest_crc32 trailer".into()))?;
+    let expected = std::str::from_utf8(hex)
+        .ok()
+        .and_then(|h| u32::from_str_radix(h, 16).ok())
+        .ok_or_else(|| Invalid("malformed manifest_crc32".into()))?;
+    let got = crc32fast::hash(body);
+    if got != expected {
+        return Err(DecodeError::Checksum { expected, got });
+    }
+    if body.first() != Some(&b'{') {
+        return Err(Invalid("does not start with '{'".into()));
+    }
+    // Peek at format and version first, so a newer version gets its own error even if
+    // its fields have changed shape.
+    #[derive(Deserialize)]
+    struct Head {
+        format: String,
+        version: u64,
+        #[serde(default)]
+        features: Vec<String>,
+    }
+    let head: Head = serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
+    if head.format != FORMAT_NAME {
+        return Err(Invalid(format!("format is {:?}, expected {FORMAT_NAME:?}", head.format)));
+    }
+    if head.version != VERSION {
+        return Err(DecodeError::Version(head.version));
+    }
+    if let Some(f) = head.features.iter().find(|f| !KNOWN_FEATURES.contains(&f.as_str())) {
+        return Err(DecodeError::Feature(f.clone()));
+    }
+    let m: Manifest = serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
+    validate(&m).map_err(Invalid)?;
+    Ok(m)
+}
+
+/// A shard file name must be a plain file name (format-spec/manifest.md §Shard files).
+pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 255
+        && name != "."
+        && name != ".."
+        && !name.starts_with('.')
+        && !name.contains(['/', '\\', '\0'])
+        && name != MANIFEST_FILE;
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("shard file name {name:?} is not a plain file name inside the checkpoint directory"))
+    }
+}
+
+fn validate(m: &Manifest) -> Result<(), String> {
+    if m.checkpoint_id.len() != 32 || !m.checkpoint_id.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)) {
+        return Err(format!("checkpoint_id {:?} is not 32 lowercase hex digits", m.checkpoint_id));
+    }
+    if m.shards.len() > MAX_SHARDS {
+        return Err(format!("{} shards exceed the limit of {MAX_SHARDS}", m.shards.len()));
+    }
+    if m.tensors.len() > MAX_TENSORS {
+        return Err(format!("{} tensors exceed the limit of {MAX_TENSORS}", m.tensors.len()));
+    }
+    if !m.metadata.is_object() {
+        return Err("metadata is not a JSON object".into());
+    }
+    let mut files = std::collections::HashSet::new();
+    for (i, s) in m.shards.iter().enumerate() {
+        check_file_name(&s.file).map_err(|e| format!("shard {i}: {e}"))?;
+        if !files.insert(s.file.as_str()) {
+            return Err(format!("shard {i}: file {:?} is listed twice", s.file));
+        }
+        let data_start = s.header_size.checked_add(8).filter(|&d| d <= s.size && s.header_size <= super::MAX_HEADER_SIZE);
+        if data_start.is_none() {
+            return Err(format!("shard {i} ({}): header_size {} does not fit size {}", s.file, s.header_size, s.size));
+        }
+    }
+    let mut names = std::collections::HashSet::with_capacity(m.tensors.len());
+    // Per shard: (begin, end, tensor index) for the overlap check.
+    let mut ranges: Vec<Vec<(u64, u64, usize)>> = vec![Vec::new(); m.shards.len()];
+    for (i, t) in m.tensors.iter().enumerate() {
+        check_tensor_name(&t.name).map_err(|e| format!("tensor {i}: {e}"))?;
+        if !names.insert(t.name.as_str()) {
+            return Err(format!("tensor {:?} is listed twice", t.name));
+        }
+        let shard = m.shards.get(t.shard).ok_or_else(|| {
+            format!("tensor {:?}: shard index {} out of range ({} shards)", t.name, t.shard, m.shards.len())
+        })?;
+        let dtype = DType::from_name(&t.dtype).ok_or_else(|| format!("tensor {:?}: unknown dtype {:?}", t.name, t.dtype))?;
+        if t.shape.len() > MAX_RANK {
+            return Err(format!("tensor {:?}: rank {} exceeds {MAX_RANK}", t.name, t.shape.len()));
+        }
+        let nbytes = checked_nbytes(dtype, &t.shape).ok_or_else(|| format!("tensor {:?}: shape {:?} overflows", t.name, t.shape))?;
+        let [b, e] = t.offsets;
+        let data_start = shard.header_size + 8; // checked above
+        if b > e || e - b != nbytes || b < data_start || e > shard.size {
+            return Err(format!(
+                "tensor {:?}: offsets [{b}, {e}] do not hold {dtype} {:?} ({nbytes} bytes) inside the data section [{data_start}, {}) of shard {}",
+                t.name, t.shape, shard.size, t.shard
+            ));
+        }
+        if b % dtype.size() as u64 != 0 {
+            return Err(format!("tensor {:?}: offset {b} is not a multiple of its {}-byte element size", t.name, dtype.size()));
+        }
+        if let Some(r) = ranges.get_mut(t.shard) {
+            r.push((b, e, i));
+        }
+    }
+    for (s, r) in ranges.iter_mut().enumerate() {
+        r.sort_unstable();
+        for w in r.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(format!(
+                    "tensors {:?} and {:?} overlap in shard {s}",
+                    m.tensors[w[0].2].name, m.tensors[w[1].2].name
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Manifest {
+        Manifest {
+            format: FORMAT_NAME.into(),
+            version: VERSION,
+            features: vec![],
+            checkpoint_id: "0123456789abcdef0123456789abcdef".into(),
+            shards: vec![ShardEntry { file: "s0.safetensors".into(), size: 8 + 64 + 12, header_size: 64, header_crc32: 7 }],
+            tensors: vec![
+                TensorEntry { name: "a".into(), shard: 0, dtype: "F32".into(), shape: vec![2], offsets: [72, 80], crc32: 1 },
+                TensorEntry { name: "b".into(), shard: 0, dtype: "I32".into(), shape: vec![], offsets: [80, 84], crc32: 2 },
+            ],
+            metadata: serde_json::json!({"step": 3}),
+            optimizer: None,
+        }
+    }
+
+    #[test]
+    fn round_trip_with_trailer() {
+        let m = sample();
+        let bytes = encode(&m);
+        assert!(bytes.ends_with(b"\"}\n"));
+        assert_eq!(decode(&bytes).unwrap(), m);
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert!(v["manifest_crc32"].is_string());
+    }
+
+    #[test]
+    fn every_bit_flip_is_rejected() {
+        let bytes = encode(&sample());
+        for i in 0..bytes.len() * 8 {
+            let mut b = bytes.clone();
+            b[i / 8] ^= 1 << (i % 8);
+            assert!(decode(&b).is_err(), "flip of bit {i} accepted");
+        }
+    }
+
+    #[test]
+    fn rejects_bad_contents() {
+        let cases: Vec<(fn(&mut Manifest), &str)> = vec![
+            (|m| m.shards[0].file = "../x".into(), "plain file name"),
+            (|m| m.shards[0].file = "/etc/passwd".into(), "plain file name"),
+            (|m| m.shards[0].file = "a\0b".into(), "plain file name"),
+            (|m| m.tensors[1].name = "a".into(), "listed twice"),
+            (|m| m.tensors[1].offsets = [76, 80], "overlap"),
+            (|m| { m.shards[0].size = 96; m.tensors[1].offsets = [82, 86] }, "multiple"),
+            (|m| m.tensors[0].offsets = [0, 8], "data section"),
+            (|m| m.tensors[0].shard = 5, "out of range"),
+            (|m| m.tensors[0].shape = vec![u64::MAX, 4], "overflows"),
+            (|m| m.checkpoint_id = "xyz".into(), "checkpoint_id"),
+            (|m| m.shards.push(m.shards[0].clone()), "listed twice"),
+        ];
+        for (f, want) in cases {
+            let mut m = sample();
+            f(&mut m);
+            match decode(&encode(&m)) {
+                Err(DecodeError::Invalid(r)) => assert!(r.contains(want), "{want:?} not in {r:?}"),
+                other => panic!("expected Invalid({want}), got {other:?}"),
+            }
+        }
+        let mut m = sample();
+        m.version = 2;
+        assert!(matches!(decode(&encode(&m)), Err(DecodeError::Version(2))));
+        let mut m = sample();
+        m.features = vec!["ranks".into()];
+        assert!(matches!(decode(&encode(&m)), Err(DecodeError::Feature(f)) if f == "ranks"));
+    }
+}

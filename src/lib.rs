@@ -1,0 +1,21 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+pub mod checkpoint;
+mod crc;
+pub mod dtype;
+pub mod error;
+pub mod format;
+pub mod mmap;
+pub mod view;
+pub mod write;
+
+pub use checkpoint::{Checkpoint, Kind, Shard, TensorInfo, VerifyReport};
+pub use crc::crc32_parallel;
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use mmap::Map;
+pub use view::{Element, TensorView};
+pub use write::{save, CommitInfo, SaveOptions, TensorRef};
+pub mod convert;
+pub mod optim;

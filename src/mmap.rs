@@ -1,0 +1,66 @@
+//! The only module with `unsafe`: read-only memory maps of shard files.
+#![allow(unsafe_code)]
+
+use std::fs::File;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+/// A read-only memory map of a whole file.
+///
+/// # Contract
+///
+/// Mapping a file is only sound while nobody changes or truncates it: a concurrent write
+/// would change bytes we hand out as `&[u8]`, and a truncation would turn a read into
+/// `SIGBUS`. ckptstore keeps its side of that contract by construction:
+///
+/// * it never writes to a committed file: shards and manifests are written to temporary
+///   files and renamed into place, and a save over an existing checkpoint writes files
+///   with new names; files that leave a checkpoint are unlinked, never truncated, and an
+///   unlinked file stays valid for every process that still maps it;
+/// * maps are `PROT_READ` (via [`memmap2::Mmap`]): a load cannot write through to its source.
+///
+/// Other programs must keep the same rule: do not edit, truncate or overwrite shard files
+/// of a checkpoint that may be open. Replace checkpoints with `ckpt pack` or the writer.
+#[derive(Debug)]
+pub struct Map {
+    // `None` for an empty file: mapping zero bytes is an error on some platforms.
+    map: Option<memmap2::Mmap>,
+}
+
+impl Map {
+    /// Map `file` (opened read-only at `path`, used in errors) whole.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the size cannot be read or `mmap` fails.
+    pub fn open(file: &File, path: &Path) -> Result<Map> {
+        let len = file.metadata().map_err(|e| Error::io("stat", path, e))?.len();
+        if len == 0 {
+            return Ok(Map { map: None });
+        }
+        // SAFETY: the map is read-only, and the files we map are never modified in place
+        // while a checkpoint is open (see the contract on this type). A file modified by
+        // another program in violation of that contract can change the bytes we read, which
+        // is caught by CRC verification, but cannot cause undefined behaviour in safe code
+        // that only reads `u8`s and Pod values out of the slice.
+        let map = unsafe { memmap2::MmapOptions::new().map(file) }.map_err(|e| Error::io("mmap", path, e))?;
+        Ok(Map { map: Some(map) })
+    }
+
+    /// Hint the kernel that the whole map will be read sequentially soon.
+    pub fn advise_sequential(&self) {
+        if let Some(m) = &self.map {
+            // Advice is a hint; failure is harmless.
+            let _ = m.advise(memmap2::Advice::Sequential);
+        }
+    }
+}
+
+impl AsRef<[u8]> for Map {
+    fn as_ref(&self) -> &[u8] {
+        match &self.map {
+            Some(m) => m,
+            None => &[],
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Loading optimizer state from a checkpoint into fresh buffers.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::{validate_section, OptimizerState, ParamGroup, ParamSpec, StateValue, Tensor};
+use crate::checkpoint::{Checkpoint, TensorInfo};
+use crate::convert;
+use crate::crc::crc32_parallel;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::format::manifest::Encoding;
+use crate::view::{Element, TensorView};
+
+/// The shape of the scale tensor of an FP16-scaled state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScaleShape {
+    /// Keep the checkpoint's scale shape when the stored state is FP16-scaled; `[1]`
+    /// (as TransformerEngine's FusedAdam) when it is converted from plain values.
+    #[default]
+    Keep,
+    /// A 0-dim scale, shape `[]`.
+    Scalar,
+    /// A one-element scale, shape `[1]`.
+    One,
+}
+
+impl ScaleShape {
+    pub(crate) fn dims(self) -> &'static [u64] {
+        match self {
+            ScaleShape::Scalar => &[],
+            ScaleShape::Keep | ScaleShape::One => &[1],
+        }
+    }
+}
+
+/// What the live optimizer holds for a state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Target {
+    /// Whatever the checkpoint stores, copied exactly.
+    #[default]
+    AsStored,
+    /// FP32 values.
+    F32,
+    /// BF16 values (round to nearest even from FP32).
+    BF16,
+    /// FP16 codes with a per-tensor F32 scale (TransformerEngine FusedAdam arithmetic).
+    F16Scaled(ScaleShape),
+}
+
+/// Per state name (and optionally per parameter), the target the live optimizer holds.
+///
+/// Resolution order: a `(parameter, state)` entry, then a state-name entry, then the
+/// default. Explicit entries apply as given and fail on a non-floating-point state; the
+/// default applies only to floating-point states shaped like their parameter, so scalar
+/// states such as `step` stay as stored.
+///
+/// # Example
+/// ```
+/// use ckptstore::optim::{ScaleShape, StateLayout, Target};
+/// let layout = StateLayout::default()
+///     .state("exp_avg", Target::F16Scaled(ScaleShape::Keep))
+///     .state("exp_avg_sq", Target::F16Scaled(ScaleShape::Keep))
+///     .param_state("embed.weight", "exp_avg", Target::F32);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct StateLayout {
+    default: Target,
+    states: HashMap<String, Target>,
+    params: HashMap<(String, String), Target>,
+}
+
+impl StateLayout {
+    /// A layout whose default target is `t`.
+    pub fn with_default(t: Target) -> Self {
+        StateLayout { default: t, ..Default::default() }
+    }
+
+    /// Set the target of every state named `state`.
+    pub fn state(mut self, state: impl Into<String>, t: Target) -> Self {
+        self.states.insert(state.into(), t);
+        self
+    }
+
+    /// Set the target of one parameter's state.
+    pub fn param_state(mut self, param: impl Into<String>, state: impl Into<String>, t: Target) -> Self {
+        self.params.insert((param.into(), state.into()), t);
+        self
+    }
+
+    /// The target for a state, and whether it was given explicitly.
+    fn resolve(&self, param: &str, state: &str) -> (Target, bool) {
+        if let Some(&t) = self.params.get(&(param.to_string(), state.to_string())) {
+            return (t, true);
+        }
+        if let Some(&t) = self.states.get(state) {
+            return (t, true);
+        }
+        (self.default, false)
+    }
+}
+
+enum Source<'a> {
+    Plain(&'a TensorInfo),
+    Scaled { q: &'a TensorInfo, scale: &'a TensorInfo },
+}
+
+struct Job<'a> {
+    param: &'a str,
+    state: &'a str,
+    source: Source<'a>,
+    target: Target,
+}
+
+impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// Load the checkpoint's optimizer state in `layout`, into freshly allocated buffers.
+    ///
+    /// Rayon-parallel across tensors and within large ones. The source mapping is only
+    /// read; the CRC32 of every tensor read is checked against the manifest. Parameters
+    /// without state in the checkpoint have no entry in the returned state.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOptimizerState`] if the checkpoint has no optimizer section or it is
+    /// inconsistent (naming parameter and state); [`Error::ChecksumMismatch`] for damaged
+    /// bytes; [`Error::Conversion`] for a conversion that cannot be done (a non-float state
+    /// asked as F32, an FP32 state with infinities asked as F16-scaled).
+    pub fn load_optimizer(&self, layout: &StateLayout) -> Result<OptimizerState> {
+        let sec = self
+            .manifest()
+            .and_then(|m| m.optimizer.as_ref())
+            .ok_or_else(|| Error::optim("", "", "the checkpoint holds no optimizer state"))?;
+        validate_section(sec, self)?;
+        let shapes: HashMap<&str, &[u64]> = sec.params.iter().map(|p| (p.name.as_str(), p.shape.as_slice())).collect();
+        let mut jobs = Vec::new();
+        for p in &sec.params {
+            for s in &p.state {
+                // Validated above: every tensor exists.
+                let source = match (s.encoding, &s.scale) {
+                    (Encoding::F16Scaled, Some(sc)) => Source::Scaled { q: self.info(&s.tensor)?, scale: self.info(sc)? },
+                    _ => Source::Plain(self.info(&s.tensor)?),
+                };
+                let (target, explicit) = layout.resolve(&p.name, &s.name);
+                let target = match &source {
+                    Source::Plain(t) if !explicit && !(t.dtype.is_float() && t.shape == p.shape) => Target::AsStored,
+                    _ => target,
+                };
+                jobs.push(Job { param: &p.name, state: &s.name, source, target });
+            }
+        }
+        let values: Vec<StateValue> = jobs.par_iter().map(|j| self.run_job(j)).collect::<Result<_>>()?;
+
+        let mut state: BTreeMap<String, BTreeMap<String, StateValue>> = BTreeMap::new();
+        for (j, v) in jobs.iter().zip(values) {
+            state.entry(j.param.to_string()).or_default().insert(j.state.to_string(), v);
+        }
+        let groups = sec
+            .groups
+            .iter()
+            .map(|g| ParamGroup {
+                params: g.params.iter().map(|n| ParamSpec::new(n.clone(), shapes.get(n.as_str()).copied().unwrap_or(&[]))).collect(),
+                hyper: g.hyper.as_object().cloned().unwrap_or_default(),
+            })
+            .collect();
+        Ok(OptimizerState { groups, state })
+    }
+
+    /// A view of `t` whose CRC32 was just checked.
+    fn checked_view<'a>(&'a self, t: &'a TensorInfo) -> Result<TensorView<'a>> {
+        let v = self.view(t);
+        self.check_crc(t, crc32_parallel(v.bytes()))?;
+        Ok(v)
+    }
+
+    fn run_job(&self, j: &Job<'_>) -> Result<StateValue> {
+        let conv = |reason: String| Error::Conversion { param: j.param.into(), state: j.state.into(), reason };
+        match (&j.source, j.target) {
+            (Source::Plain(t), Target::AsStored) => Ok(StateValue::Plain(copy_tensor(&self.checked_view(t)?)?)),
+            (Source::Scaled { q, scale }, Target::AsStored | Target::F16Scaled(ScaleShape::Keep)) => {
+                let (qv, sv) = (self.checked_view(q)?, self.checked_view(scale)?);
+                Ok(StateValue::F16Scaled { q: copy_tensor(&qv)?, scale: copy_tensor(&sv)? })
+            }
+            (Source::Scaled { q, scale }, t) => {
+                let (qv, sv) = (self.checked_view(q)?, self.checked_view(scale)?);
+                let codes = typed::<f16>(&qv);
+                let s = typed::<f32>(&sv).first().copied().ok_or_else(|| conv("empty scale".into()))?;
+                let shape = qv.shape();
+                match t {
+                    Target::F16Scaled(sh) => Ok(StateValue::F16Scaled {
+                        q: copy_tensor(&qv)?,
+                        scale: Tensor::scalar_f32(s).reshaped(sh.dims()),
+                    }),
+                    Target::F32 => {
+                        let mut out = Tensor::zeros(DType::F32, shape)?;
+                        convert::f16_scaled_to_f32(&codes, s, out.as_mut_slice()?);
+                        Ok(StateValue::Plain(out))
+                    }
+                    Target::BF16 => {
+                        let mut out = Tensor::zeros(DType::BF16, shape)?;
+                        convert::f16_scaled_to_bf16(&codes, s, out.as_mut_slice()?);
+                        Ok(StateValue::Plain(out))
+                    }
+                    Target::AsStored => unreachable_as_stored(),
+                }
+            }
+            (Source::Plain(t), target) => {
+                let v = self.checked_view(t)?;
+                let shape = v.shape();
+                if !v.dtype().is_float() {
+                    return Err(conv(format!("the stored {} state is not floating-point and cannot be loaded as {target:?}", v.dtype())));
+                }
+                match target {
+                    Target::F32 if v.dtype() == DType::F32 => Ok(StateValue::Plain(copy_tensor(&v)?)),
+                    Target::BF16 if v.dtype() == DType::BF16 => Ok(StateValue::Plain(copy_tensor(&v)?)),
+                    Target::F32 => {
+                        let mut out = Tensor::zeros(DType::F32, shape)?;
+                        widen_to_f32(&v, out.as_mut_slice()?);
+                        Ok(StateValue::Plain(out))
+                    }
+                    Target::BF16 => {
+                        let mut out = Tensor::zeros(DType::BF16, shape)?;
+                        match v.dtype() {
+                            DType::F64 => {
+                                for (o, &x) in out.as_mut_slice::<bf16>()?.iter_mut().zip(typed::<f64>(&v).iter()) {
+                                    *o = bf16::from_f64(x);
+                                }
+                            }
+                            _ => {
+                                let x = to_f32(&v);
+                                convert::f32_to_bf16(&x, out.as_mut_slice()?);
+                            }
+                        }
+                        Ok(StateValue::Plain(out))
+                    }
+                    Target::F16Scaled(sh) => {
+                        let x = to_f32(&v);
+                        StateValue::f16_scaled_from_f32(shape, &x, sh).map_err(|e| match e {
+                            Error::Conversion { reason, .. } => conv(reason),
+                            e => e,
+                        })
+                    }
+                    Target::AsStored => unreachable_as_stored(),
+                }
+            }
+        }
+    }
+}
+
+/// Matched earlier in `run_job`; kept as an error rather than a panic.
+fn unreachable_as_stored<T>() -> Result<T> {
+    Err(Error::InvalidArgument("internal: AsStored handled above".into()))
+}
+
+/// A fresh copy of a view (parallel for large tensors).
+fn copy_tensor(v: &TensorView<'_>) -> Result<Tensor> {
+    let mut t = Tensor::zeros(v.dtype(), v.shape())?;
+    convert::copy_bytes(v.bytes(), t.bytes_mut());
+    Ok(t)
+}
+
+/// The view's elements as `T`: borrowed when aligned (always, for ckptstore shards),
+/// copied otherwise.
+fn typed<'a, T: Element>(v: &TensorView<'a>) -> Cow<'a, [T]> {
+    match v.as_slice::<T>() {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(v.bytes())),
+    }
+}
+
+fn widen_to_f32(v: &TensorView<'_>, out: &mut [f32]) {
+    match v.dtype() {
+        DType::BF16 => convert::bf16_to_f32(&typed::<bf16>(v), out),
+        DType::F16 => convert::f16_to_f32(&typed::<f16>(v), out),
+        DType::F64 => {
+            for (o, &x) in out.iter_mut().zip(typed::<f64>(v).iter()) {
+                *o = x as f32;
+            }
+        }
+        _ => convert::copy_bytes(v.bytes(), bytemuck::cast_slice_mut(out)),
+    }
+}
+
+fn to_f32<'a>(v: &TensorView<'a>) -> Cow<'a, [f32]> {
+    if v.dtype() == DType::F32 {
+        return typed::<f32>(v);
+    }
+    let mut out = vec![0f32; v.numel()];
+    widen_to_f32(v, &mut out);
+    Cow::Owned(out)
+}

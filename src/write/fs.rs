@@ -1,0 +1,65 @@
+//! The file-system seam of the writer: every operation the commit protocol performs goes
+//! through [`Fs`], so tests can substitute a fault-injecting implementation.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::Path;
+
+/// The file operations of a save (format-spec/durability.md §Operations).
+///
+/// Implementations must not reorder or cache operations in a way the real file system
+/// would not; [`StdFs`] maps each call to one system call.
+pub trait Fs: Sync {
+    /// A file open for writing.
+    type File: Write + Send;
+    /// Create a new file (failing if it exists) for writing.
+    fn create(&self, path: &Path) -> io::Result<Self::File>;
+    /// Flush the file's data and metadata to stable storage (`fsync`).
+    fn sync(&self, file: &mut Self::File, path: &Path) -> io::Result<()>;
+    /// Atomically rename `from` to `to`, replacing `to` if it exists.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Flush the directory's entries to stable storage (`fsync` on the directory).
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Remove a file.
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    /// List the names of the entries of a directory.
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+}
+
+/// The real file system.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StdFs;
+
+impl Fs for StdFs {
+    type File = File;
+
+    fn create(&self, path: &Path) -> io::Result<File> {
+        OpenOptions::new().write(true).create_new(true).open(path)
+    }
+
+    fn sync(&self, file: &mut File, _path: &Path) -> io::Result<()> {
+        file.sync_all()
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(dir)? {
+            if let Ok(name) = e?.file_name().into_string() {
+                out.push(name);
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,496 @@
+//! Writing checkpoints: shard planning, parallel shard writes and the commit protocol
+//! (format-spec/durability.md).
+
+pub mod fs;
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::checkpoint::META_CHECKPOINT_ID;
+use crate::dtype::{checked_nbytes, checked_numel, DType};
+use crate::error::{Error, Result};
+use crate::format::header::{self, HeaderEntry};
+use crate::format::manifest::{self, Manifest, OptimizerSection, ShardEntry, TensorEntry, MANIFEST_FILE};
+use crate::format::{check_tensor_name, MAX_RANK};
+use crate::view::Element;
+use fs::{Fs, StdFs};
+
+/// Prefix of every temporary file the writer creates (format-spec/durability.md §Names).
+pub const TEMP_PREFIX: &str = ".ckpt-tmp-";
+/// Name of the writer's lock file inside a checkpoint directory.
+pub const LOCK_FILE: &str = ".ckpt-lock";
+/// Default maximum shard size: 4 GiB of tensor data.
+pub const DEFAULT_MAX_SHARD_SIZE: u64 = 4 << 30;
+/// Size of the chunks in which data is checksummed and written.
+const CHUNK: usize = 8 << 20;
+
+/// The name of shard `index` of checkpoint `id` (format-spec/durability.md §Names).
+pub fn shard_file_name(id: &str, index: usize) -> String {
+    format!("shard-{id}-{index:05}.safetensors")
+}
+
+/// True for names the engine creates: shard files and temporary files. Only such files
+/// are ever removed by cleanup.
+pub fn is_engine_file(name: &str) -> bool {
+    if name.starts_with(TEMP_PREFIX) {
+        return true;
+    }
+    let Some(rest) = name.strip_prefix("shard-").and_then(|r| r.strip_suffix(".safetensors")) else {
+        return false;
+    };
+    let b = rest.as_bytes();
+    b.len() == 32 + 1 + 5
+        && b[..32].iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+        && b[32] == b'-'
+        && b[33..].iter().all(u8::is_ascii_digit)
+}
+
+/// A tensor handed to the writer: borrowed bytes, contiguous or strided.
+#[derive(Debug, Clone)]
+pub struct TensorRef<'a> {
+    name: Cow<'a, str>,
+    dtype: DType,
+    shape: Vec<u64>,
+    data: &'a [u8],
+    /// Strides and start offset, in elements; `None` for C-contiguous data.
+    strided: Option<(Vec<u64>, u64)>,
+}
+
+impl<'a> TensorRef<'a> {
+    /// A C-contiguous tensor over raw little-endian bytes. Sizes are checked by [`save`].
+    pub fn new(name: impl Into<Cow<'a, str>>, dtype: DType, shape: &[u64], data: &'a [u8]) -> Self {
+        TensorRef { name: name.into(), dtype, shape: shape.to_vec(), data, strided: None }
+    }
+
+    /// A C-contiguous tensor over a typed slice.
+    pub fn from_slice<T: Element>(name: impl Into<Cow<'a, str>>, shape: &[u64], data: &'a [T]) -> Self {
+        Self::new(name, T::DTYPE, shape, bytemuck::cast_slice(data))
+    }
+
+    /// A strided tensor: element `(i0, i1, ...)` is at element index
+    /// `offset + i0 * strides[0] + i1 * strides[1] + ...` of `data`. The writer gathers it
+    /// contiguously. Strides are in elements, as in PyTorch and NumPy-divided-by-itemsize.
+    pub fn strided(
+        name: impl Into<Cow<'a, str>>,
+        dtype: DType,
+        shape: &[u64],
+        strides: &[u64],
+        offset: u64,
+        data: &'a [u8],
+    ) -> Self {
+        TensorRef { name: name.into(), dtype, shape: shape.to_vec(), data, strided: Some((strides.to_vec(), offset)) }
+    }
+
+    /// The tensor's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes the tensor occupies once gathered.
+    fn validate(&self) -> Result<u64> {
+        let bad = |reason: String| Error::InvalidTensor { name: self.name.to_string(), reason };
+        check_tensor_name(&self.name).map_err(bad)?;
+        if self.shape.len() > MAX_RANK {
+            return Err(bad(format!("rank {} exceeds {MAX_RANK}", self.shape.len())));
+        }
+        let nbytes = checked_nbytes(self.dtype, &self.shape).ok_or_else(|| bad("shape overflows".into()))?;
+        let avail = self.data.len() as u64;
+        match &self.strided {
+            None if nbytes != avail => Err(bad(format!(
+                "{} {:?} needs {nbytes} bytes but {avail} were given",
+                self.dtype, self.shape
+            ))),
+            None => Ok(nbytes),
+            Some((strides, offset)) => {
+                if strides.len() != self.shape.len() {
+                    return Err(bad(format!("{} strides for {} dimensions", strides.len(), self.shape.len())));
+                }
+                if avail % self.dtype.size() as u64 != 0 {
+                    return Err(bad("data length is not a multiple of the element size".into()));
+                }
+                if checked_numel(&self.shape) == Some(0) {
+                    return Ok(0);
+                }
+                let last = self
+                    .shape
+                    .iter()
+                    .zip(strides)
+                    .try_fold(*offset, |acc, (&d, &s)| (d - 1).checked_mul(s).and_then(|x| x.checked_add(acc)))
+                    .ok_or_else(|| bad("strides overflow".into()))?;
+                if last >= avail / self.dtype.size() as u64 {
+                    return Err(bad(format!(
+                        "strided view reaches element {last} but the buffer holds {}",
+                        avail / self.dtype.size() as u64
+                    )));
+                }
+                Ok(nbytes)
+            }
+        }
+    }
+
+    /// Stream the gathered bytes to `sink` in chunks of about [`CHUNK`] bytes.
+    fn for_each_chunk(&self, sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        let Some((strides, offset)) = &self.strided else {
+            for c in self.data.chunks(CHUNK) {
+                sink(c)?;
+            }
+            return Ok(());
+        };
+        let es = self.dtype.size();
+        let numel = checked_numel(&self.shape).unwrap_or(0) as usize;
+        if numel == 0 {
+            return Ok(());
+        }
+        // Gather rows: the innermost dimension is copied as one run when its stride is 1.
+        let rank = self.shape.len();
+        let (inner_len, inner_stride) = match rank {
+            0 => (1usize, 1u64),
+            _ => (self.shape[rank - 1] as usize, strides[rank - 1]),
+        };
+        let outer = &self.shape[..rank.saturating_sub(1)];
+        let mut idx = vec![0u64; outer.len()];
+        let mut buf: Vec<u8> = Vec::with_capacity(CHUNK.max(inner_len * es));
+        loop {
+            let base = outer.iter().zip(strides).zip(&idx).fold(*offset, |a, ((_, &s), &i)| a + i * s) as usize;
+            if inner_stride == 1 {
+                buf.extend_from_slice(&self.data[base * es..(base + inner_len) * es]);
+            } else {
+                for j in 0..inner_len {
+                    let e = (base + j * inner_stride as usize) * es;
+                    buf.extend_from_slice(&self.data[e..e + es]);
+                }
+            }
+            if buf.len() >= CHUNK {
+                sink(&buf)?;
+                buf.clear();
+            }
+            // Advance the outer multi-index.
+            let mut d = outer.len();
+            loop {
+                if d == 0 {
+                    if !buf.is_empty() {
+                        sink(&buf)?;
+                    }
+                    return Ok(());
+                }
+                d -= 1;
+                idx[d] += 1;
+                if idx[d] < outer[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+    }
+}
+
+/// Options for [`save`].
+#[derive(Clone)]
+pub struct SaveOptions {
+    /// Most bytes of tensor data per shard; a larger tensor gets a shard of its own.
+    pub max_shard_size: u64,
+    /// User metadata stored in the manifest: a JSON object.
+    pub metadata: serde_json::Value,
+    /// Called with the byte count of each chunk written (for progress bars).
+    pub progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            max_shard_size: DEFAULT_MAX_SHARD_SIZE,
+            metadata: serde_json::Value::Object(Default::default()),
+            progress: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for SaveOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveOptions")
+            .field("max_shard_size", &self.max_shard_size)
+            .field("metadata", &self.metadata)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a committed save wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitInfo {
+    /// The new checkpoint's id.
+    pub checkpoint_id: String,
+    /// Number of shard files.
+    pub shards: usize,
+    /// Number of tensors.
+    pub tensors: usize,
+    /// Bytes of tensor data.
+    pub data_bytes: u64,
+    /// Files of earlier checkpoints (or interrupted saves) removed after the commit.
+    pub removed: usize,
+}
+
+/// Save `tensors` as a checkpoint in `dir`, atomically replacing any checkpoint there.
+///
+/// Follows the commit protocol of format-spec/durability.md: shards are written to
+/// temporary files in `dir` (rayon-parallel), fsynced and renamed to names unique to the new
+/// checkpoint id; the directory is fsynced; the manifest is written to a temporary file,
+/// fsynced and renamed over `ckpt-manifest.json`; the directory is fsynced again; only
+/// then does the save count as committed, and files of the previous checkpoint are removed.
+/// A crash at any point leaves either the old or the new checkpoint. A reader that has the
+/// old checkpoint open keeps reading its old bytes.
+///
+/// # Errors
+/// [`Error::InvalidTensor`] (before anything is written) for duplicate names or sizes that
+/// do not fit; [`Error::Io`] naming the file for I/O failures, in which case the previous
+/// checkpoint, if any, is still the committed one.
+pub fn save(dir: impl AsRef<Path>, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
+    save_locked(dir.as_ref(), tensors, opts, None)
+}
+
+/// Create `dir` if needed, take the writer lock, and save through the real file system.
+pub(crate) fn save_locked(
+    dir: &Path,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+) -> Result<CommitInfo> {
+    prepare_dir(dir)?;
+    let _lock = lock_dir(dir)?;
+    save_impl(&StdFs, dir, tensors, opts, optimizer)
+}
+
+/// Create `dir` (and its parents) if missing, making the new entry durable.
+pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        StdFs.sync_dir(parent).map_err(|e| Error::io("fsync directory", parent, e))?;
+    }
+    Ok(())
+}
+
+/// Take the exclusive writer lock of `dir` (format-spec/durability.md §Writers): one save
+/// at a time per directory, across processes. Released when the returned file is dropped.
+pub(crate) fn lock_dir(dir: &Path) -> Result<std::fs::File> {
+    let path = dir.join(LOCK_FILE);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io("open lock file", &path, e))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::io(
+            "lock",
+            &path,
+            std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "another save into this directory is in progress; wait for it or choose another directory",
+            ),
+        )),
+        Err(std::fs::TryLockError::Error(e)) => Err(Error::io("lock", &path, e)),
+    }
+}
+
+struct PlannedShard<'t, 'a> {
+    tensors: Vec<&'t TensorRef<'a>>,
+    entries: Vec<HeaderEntry>,
+}
+
+fn random_id() -> Result<String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| Error::io("getrandom", "", std::io::Error::other(e.to_string())))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn plan<'t, 'a>(tensors: &'t [TensorRef<'a>], sizes: &[u64], max: u64) -> Vec<PlannedShard<'t, 'a>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut cur: Vec<usize> = Vec::new();
+    let mut cur_size = 0u64;
+    for (i, &sz) in sizes.iter().enumerate() {
+        if !cur.is_empty() && cur_size.saturating_add(sz) > max {
+            groups.push(std::mem::take(&mut cur));
+            cur_size = 0;
+        }
+        cur.push(i);
+        cur_size = cur_size.saturating_add(sz);
+    }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    groups
+        .into_iter()
+        .map(|mut g| {
+            // Larger elements first: every offset is then a multiple of its element size
+            // (format-spec/shard.md §Alignment).
+            g.sort_by_key(|&i| std::cmp::Reverse(tensors[i].dtype.size()));
+            let mut off = 0u64;
+            let entries = g
+                .iter()
+                .map(|&i| {
+                    let t = &tensors[i];
+                    let e = HeaderEntry {
+                        name: t.name.to_string(),
+                        dtype: t.dtype,
+                        shape: t.shape.clone(),
+                        data_offsets: [off, off + sizes[i]],
+                    };
+                    off += sizes[i];
+                    e
+                })
+                .collect();
+            PlannedShard { tensors: g.iter().map(|&i| &tensors[i]).collect(), entries }
+        })
+        .collect()
+}
+
+pub(crate) fn save_impl<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+) -> Result<CommitInfo> {
+    // 1. Validate everything before touching the disk.
+    if !opts.metadata.is_object() {
+        return Err(Error::InvalidArgument("metadata must be a JSON object".into()));
+    }
+    if opts.max_shard_size == 0 {
+        return Err(Error::InvalidArgument("max_shard_size must be positive".into()));
+    }
+    let sizes = tensors.iter().map(TensorRef::validate).collect::<Result<Vec<_>>>()?;
+    let mut names = HashSet::with_capacity(tensors.len());
+    for t in tensors {
+        if !names.insert(t.name.as_ref()) {
+            return Err(Error::InvalidTensor { name: t.name.to_string(), reason: "the name is given twice".into() });
+        }
+    }
+    let id = random_id()?;
+    let shards = plan(tensors, &sizes, opts.max_shard_size);
+
+    // 2. Write shards to temporary files, fsync, rename to their final names.
+    let written: Vec<(ShardEntry, Vec<u32>)> = shards
+        .par_iter()
+        .enumerate()
+        .map(|(i, s)| write_shard(fs, dir, &id, i, s, opts))
+        .collect::<Result<_>>()?;
+    // 3. Make the renames durable before the manifest can reference them.
+    fs.sync_dir(dir).map_err(|e| Error::io("fsync directory", dir, e))?;
+
+    // 4. The manifest.
+    let mut m = Manifest {
+        format: manifest::FORMAT_NAME.into(),
+        version: manifest::VERSION,
+        features: if optimizer.is_some() { vec!["optimizer".into()] } else { vec![] },
+        checkpoint_id: id.clone(),
+        shards: Vec::with_capacity(shards.len()),
+        tensors: Vec::with_capacity(tensors.len()),
+        metadata: opts.metadata.clone(),
+        optimizer,
+    };
+    // Manifest tensors in the caller's order.
+    let mut by_name: BTreeMap<&str, TensorEntry> = BTreeMap::new();
+    for (si, (s, (entry, crcs))) in shards.iter().zip(written).enumerate() {
+        let ds = 8 + entry.header_size;
+        for (e, crc) in s.entries.iter().zip(crcs) {
+            by_name.insert(
+                e.name.as_str(),
+                TensorEntry {
+                    name: e.name.clone(),
+                    shard: si,
+                    dtype: e.dtype.name().into(),
+                    shape: e.shape.clone(),
+                    offsets: [ds + e.data_offsets[0], ds + e.data_offsets[1]],
+                    crc32: crc,
+                },
+            );
+        }
+        m.shards.push(entry);
+    }
+    for t in tensors {
+        if let Some(e) = by_name.remove(t.name.as_ref()) {
+            m.tensors.push(e);
+        }
+    }
+    let bytes = manifest::encode(&m);
+    let tmp = dir.join(format!("{TEMP_PREFIX}{id}-manifest"));
+    let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    f.write_all(&bytes).map_err(|e| Error::io("write", &tmp, e))?;
+    fs.sync(&mut f, &tmp).map_err(|e| Error::io("fsync", &tmp, e))?;
+    drop(f);
+    let target = dir.join(MANIFEST_FILE);
+    fs.rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
+    // 5. The commit point: the new manifest's directory entry is durable.
+    fs.sync_dir(dir).map_err(|e| Error::io("fsync directory", dir, e))?;
+
+    // 6. Cleanup: engine files the new manifest does not reference. Failures here leave
+    //    garbage, never damage: the new checkpoint is committed.
+    let keep: HashSet<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
+    let mut removed = 0;
+    if let Ok(entries) = fs.list(dir) {
+        for name in entries {
+            if is_engine_file(&name) && !keep.contains(name.as_str()) && fs.remove(&dir.join(&name)).is_ok() {
+                removed += 1;
+            }
+        }
+    }
+    Ok(CommitInfo {
+        checkpoint_id: id,
+        shards: m.shards.len(),
+        tensors: m.tensors.len(),
+        data_bytes: sizes.iter().sum(),
+        removed,
+    })
+}
+
+fn write_shard<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    id: &str,
+    index: usize,
+    s: &PlannedShard<'_, '_>,
+    opts: &SaveOptions,
+) -> Result<(ShardEntry, Vec<u32>)> {
+    let meta: BTreeMap<String, String> = [
+        (META_CHECKPOINT_ID.to_string(), id.to_string()),
+        ("ckptstore.shard".to_string(), index.to_string()),
+    ]
+    .into();
+    let head = header::emit(&s.entries, &meta);
+    let header_size = head.len() as u64 - 8;
+    let header_crc32 = crc32fast::hash(&head[8..]);
+    let name = shard_file_name(id, index);
+    let tmp: PathBuf = dir.join(format!("{TEMP_PREFIX}{name}"));
+    let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    let io = |e| Error::io("write", &tmp, e);
+    f.write_all(&head).map_err(io)?;
+    let mut size = head.len() as u64;
+    let mut crcs = Vec::with_capacity(s.tensors.len());
+    for t in &s.tensors {
+        let mut h = crc32fast::Hasher::new();
+        t.for_each_chunk(&mut |chunk| {
+            h.update(chunk);
+            f.write_all(chunk)?;
+            size += chunk.len() as u64;
+            if let Some(p) = &opts.progress {
+                p(chunk.len() as u64);
+            }
+            Ok(())
+        })
+        .map_err(io)?;
+        crcs.push(h.finalize());
+    }
+    fs.sync(&mut f, &tmp).map_err(|e| Error::io("fsync", &tmp, e))?;
+    drop(f);
+    let fin = dir.join(&name);
+    fs.rename(&tmp, &fin).map_err(|e| Error::io("rename", &tmp, e))?;
+    Ok((ShardEntry { file: name, size, header_size, header_crc32 }, crcs))
+}
