@@ -57,7 +57,9 @@ pub enum Target {
 /// Resolution order: a `(parameter, state)` entry, then a state-name entry, then the
 /// default. Explicit entries apply as given and fail on a non-floating-point state; the
 /// default applies only to floating-point states shaped like their parameter, so scalar
-/// states such as `step` stay as stored.
+/// states such as `step` stay as stored. For a 0-dim parameter the default cannot tell
+/// `step` from a moment (both are 0-dim floats): name the states explicitly, as in the
+/// example.
 ///
 /// # Example
 /// ```

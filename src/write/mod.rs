@@ -259,9 +259,10 @@ pub(crate) fn save_locked(
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
+    let sizes = validate_inputs(tensors, opts)?;
     prepare_dir(dir)?;
     let _lock = lock_dir(dir)?;
-    save_impl(&StdFs, dir, tensors, opts, optimizer)
+    commit(&StdFs, dir, tensors, &sizes, opts, optimizer)
 }
 
 /// Create `dir` (and its parents) if missing, making the new entry durable.
@@ -352,14 +353,9 @@ fn plan<'t, 'a>(tensors: &'t [TensorRef<'a>], sizes: &[u64], max: u64) -> Vec<Pl
         .collect()
 }
 
-pub(crate) fn save_impl<F: Fs>(
-    fs: &F,
-    dir: &Path,
-    tensors: &[TensorRef<'_>],
-    opts: &SaveOptions,
-    optimizer: Option<OptimizerSection>,
-) -> Result<CommitInfo> {
-    // 1. Validate everything before touching the disk.
+/// Step 0 of the protocol: validate everything before touching the disk. Returns each
+/// tensor's byte size.
+fn validate_inputs(tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<Vec<u64>> {
     if !opts.metadata.is_object() {
         return Err(Error::InvalidArgument("metadata must be a JSON object".into()));
     }
@@ -373,8 +369,44 @@ pub(crate) fn save_impl<F: Fs>(
             return Err(Error::InvalidTensor { name: t.name.to_string(), reason: "the name is given twice".into() });
         }
     }
+    Ok(sizes)
+}
+
+/// [`save`] through a substitute file system, into an existing directory, without the
+/// writer lock: the seam for fault-injection tests (format-spec/durability.md §Operations).
+#[doc(hidden)]
+pub fn save_with_fs<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+) -> Result<CommitInfo> {
+    save_impl(fs, dir, tensors, opts, None)
+}
+
+/// Validation, then the commit protocol, through `fs`.
+pub(crate) fn save_impl<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+) -> Result<CommitInfo> {
+    let sizes = validate_inputs(tensors, opts)?;
+    commit(fs, dir, tensors, &sizes, opts, optimizer)
+}
+
+/// Steps 1-5 of the protocol on validated input.
+fn commit<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    tensors: &[TensorRef<'_>],
+    sizes: &[u64],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+) -> Result<CommitInfo> {
     let id = random_id()?;
-    let shards = plan(tensors, &sizes, opts.max_shard_size);
+    let shards = plan(tensors, sizes, opts.max_shard_size);
 
     // 2. Write shards to temporary files, fsync, rename to their final names.
     let written: Vec<(ShardEntry, Vec<u32>)> = shards

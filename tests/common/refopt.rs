@@ -15,6 +15,8 @@ pub enum Storage {
     F32,
     BF16,
     F16Scaled,
+    /// Moments widened to F64 (the arithmetic stays FP32).
+    F64,
 }
 
 impl Storage {
@@ -28,7 +30,21 @@ impl Storage {
                 StateValue::Plain(Tensor::from_slice(shape, &v).unwrap())
             }
             Storage::F16Scaled => StateValue::f16_scaled_from_f32(shape, x, ScaleShape::One).unwrap(),
+            Storage::F64 => {
+                let v: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+                StateValue::Plain(Tensor::from_slice(shape, &v).unwrap())
+            }
         }
+    }
+
+    /// The load layout a live optimizer with this storage asks for: the moment states by
+    /// name (`step` stays as stored).
+    pub fn layout(self) -> ckptstore::optim::StateLayout {
+        let t = self.target();
+        ckptstore::optim::StateLayout::default()
+            .state("exp_avg", t)
+            .state("exp_avg_sq", t)
+            .state("momentum_buffer", t)
     }
 
     /// The load target that keeps this storage.
@@ -38,6 +54,7 @@ impl Storage {
             Storage::F32 => Target::F32,
             Storage::BF16 => Target::BF16,
             Storage::F16Scaled => Target::F16Scaled(ScaleShape::Keep),
+            Storage::F64 => Target::AsStored,
         }
     }
 }
