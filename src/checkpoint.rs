@@ -10,13 +10,15 @@ use rayon::prelude::*;
 use crate::crc::crc32_parallel;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::format::header::{self, Header};
+use crate::format::header;
 use crate::format::manifest::{self, check_file_name, DecodeError, Manifest, MANIFEST_FILE};
 use crate::mmap::Map;
 use crate::view::TensorView;
 
 /// Metadata key, in every ckptstore shard header, holding the checkpoint id.
 pub(crate) const META_CHECKPOINT_ID: &str = "ckptstore.checkpoint_id";
+/// Reason given when a shard file the manifest lists does not exist.
+const SHARD_MISSING: &str = "the file is missing";
 /// The index file of a Hugging Face sharded directory.
 pub const HF_INDEX_FILE: &str = "model.safetensors.index.json";
 
@@ -103,9 +105,12 @@ impl Checkpoint<Map> {
     /// Face sharded directory (holding `model.safetensors.index.json`), a directory holding
     /// `model.safetensors`, or a single `.safetensors` file.
     ///
-    /// Reads and validates the manifest and every shard header, checks file sizes and the
-    /// header CRCs, and maps every shard read-only. Reads no tensor data: the cost is
-    /// proportional to the number of tensors, not to their size.
+    /// Reads and validates the manifest (its CRC trailer, every field, every byte range
+    /// against the recorded file sizes), checks each shard file's size, header length and
+    /// header CRC32 against the manifest, and maps every shard read-only. For foreign
+    /// stores it parses and validates every safetensors header. Reads no tensor data: the
+    /// cost is proportional to the number of tensors, not to their size. [`Checkpoint::verify`]
+    /// does the deep checks: every header parsed and cross-checked, every tensor's CRC.
     ///
     /// # Errors
     /// [`Error::NotFound`] when there is no checkpoint at `path`; [`Error::InvalidManifest`],
@@ -140,7 +145,20 @@ impl Checkpoint<Map> {
         }
         let manifest_path = path.join(MANIFEST_FILE);
         if manifest_path.exists() {
-            return Self::open_native(path, &manifest_path);
+            // A save that commits while we open may remove the shards of the manifest we
+            // read (format-spec/durability.md §Readers): if a shard is missing and the
+            // manifest has changed since, open the new one.
+            let mut attempts = 0;
+            loop {
+                match Self::open_native(path, &manifest_path) {
+                    Err(Error::ShardMismatch { ref reason, .. })
+                        if reason == SHARD_MISSING && attempts < 3 =>
+                    {
+                        attempts += 1;
+                    }
+                    r => return r,
+                }
+            }
         }
         let index = path.join(HF_INDEX_FILE);
         if index.exists() {
@@ -172,7 +190,7 @@ impl Checkpoint<Map> {
                     std::io::ErrorKind::NotFound => Error::ShardMismatch {
                         shard: i,
                         file: s.file.clone(),
-                        reason: "the file is missing".into(),
+                        reason: SHARD_MISSING.into(),
                     },
                     _ => Error::io("stat", &p, e),
                 })?;
@@ -198,7 +216,8 @@ impl Checkpoint<Map> {
             metadata: serde_json::Value,
             weight_map: std::collections::BTreeMap<String, String>,
         }
-        let idx: Index = serde_json::from_slice(&bytes).map_err(|e| Error::manifest(fname, format!("JSON: {e}")))?;
+        let idx: Index = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::manifest(fname, format!("JSON: {e}")))?;
         let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
         files.sort();
         files.dedup();
@@ -207,24 +226,39 @@ impl Checkpoint<Map> {
         }
         let shards = files
             .par_iter()
-            .map(|f| Ok(Shard { file: f.clone(), bytes: open_map(&root.join(f))? }))
+            .map(|f| {
+                Ok(Shard {
+                    file: f.clone(),
+                    bytes: open_map(&root.join(f))?,
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
         let mut ck = Checkpoint::from_foreign(root.to_path_buf(), Kind::HfSharded, shards)?;
         // The index must name exactly the tensors the files hold, each in its file.
         if idx.weight_map.len() != ck.tensors.len() {
             return Err(Error::manifest(
                 fname,
-                format!("weight_map names {} tensors but the shard files hold {}", idx.weight_map.len(), ck.tensors.len()),
+                format!(
+                    "weight_map names {} tensors but the shard files hold {}",
+                    idx.weight_map.len(),
+                    ck.tensors.len()
+                ),
             ));
         }
         for (name, file) in &idx.weight_map {
             let t = ck.info(name).map_err(|_| {
-                Error::manifest(fname, format!("weight_map names tensor {name:?} in {file:?}, which does not hold it"))
+                Error::manifest(
+                    fname,
+                    format!("weight_map names tensor {name:?} in {file:?}, which does not hold it"),
+                )
             })?;
             if ck.shards[t.shard].file != *file {
                 return Err(Error::manifest(
                     fname,
-                    format!("weight_map puts tensor {name:?} in {file:?} but it is in {:?}", ck.shards[t.shard].file),
+                    format!(
+                        "weight_map puts tensor {name:?} in {file:?} but it is in {:?}",
+                        ck.shards[t.shard].file
+                    ),
                 ));
             }
         }
@@ -239,9 +273,14 @@ fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
     use std::io::Read;
     let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
     let mut v = Vec::new();
-    f.take(cap + 1).read_to_end(&mut v).map_err(|e| Error::io("read", path, e))?;
+    f.take(cap + 1)
+        .read_to_end(&mut v)
+        .map_err(|e| Error::io("read", path, e))?;
     if v.len() as u64 > cap {
-        return Err(Error::manifest(path.display().to_string(), format!("larger than the {cap}-byte cap")));
+        return Err(Error::manifest(
+            path.display().to_string(),
+            format!("larger than the {cap}-byte cap"),
+        ));
     }
     Ok(v)
 }
@@ -255,8 +294,15 @@ pub(crate) fn decode_manifest(bytes: &[u8], file: &str) -> Result<Manifest> {
             expected,
             got,
         },
-        DecodeError::Version(v) => Error::UnsupportedVersion { file: file.into(), found: v, supported: manifest::VERSION },
-        DecodeError::Feature(f) => Error::UnsupportedFeature { file: file.into(), feature: f },
+        DecodeError::Version(v) => Error::UnsupportedVersion {
+            file: file.into(),
+            found: v,
+            supported: manifest::VERSION,
+        },
+        DecodeError::Feature(f) => Error::UnsupportedFeature {
+            file: file.into(),
+            feature: f,
+        },
         DecodeError::Invalid(r) => Error::manifest(file, r),
     })
 }
@@ -277,19 +323,34 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 m.shards.len()
             )));
         }
-        let shards = m.shards.iter().zip(shards).map(|(s, bytes)| Shard { file: s.file.clone(), bytes }).collect();
+        let shards = m
+            .shards
+            .iter()
+            .zip(shards)
+            .map(|(s, bytes)| Shard {
+                file: s.file.clone(),
+                bytes,
+            })
+            .collect();
         Self::build_native(PathBuf::new(), m, shards)
     }
 
     fn build_native(root: PathBuf, m: Manifest, shards: Vec<Shard<B>>) -> Result<Self> {
-        let headers: Vec<Header> = m
-            .shards
+        // Cheap per-shard checks (format-spec/integrity.md §Open): exact size, the header
+        // length prefix, and the CRC of the header bytes. A header whose CRC matches is the
+        // one written together with this manifest, so it need not be parsed again here;
+        // `verify` parses and cross-checks every header.
+        m.shards
             .par_iter()
             .zip(shards.par_iter())
             .enumerate()
-            .map(|(i, (entry, shard))| {
+            .try_for_each(|(i, (entry, shard))| {
                 let bytes = shard.bytes.as_ref();
-                let mismatch = |reason: String| Error::ShardMismatch { shard: i, file: entry.file.clone(), reason };
+                let mismatch = |reason: String| Error::ShardMismatch {
+                    shard: i,
+                    file: entry.file.clone(),
+                    reason,
+                };
                 if bytes.len() as u64 != entry.size {
                     return Err(mismatch(format!(
                         "the file is {} bytes but the manifest records {} (truncated or replaced)",
@@ -298,6 +359,13 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     )));
                 }
                 // size >= 8 + header_size was validated with the manifest.
+                let prefix = bytes.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok());
+                if prefix.map(u64::from_le_bytes) != Some(entry.header_size) {
+                    return Err(mismatch(format!(
+                        "the header length prefix differs from the manifest's {}",
+                        entry.header_size
+                    )));
+                }
                 let hjson = bytes.get(8..8 + entry.header_size as usize).unwrap_or(&[]);
                 let got = crc32fast::hash(hjson);
                 if got != entry.header_crc32 {
@@ -309,49 +377,18 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                         got,
                     });
                 }
-                let h = header::parse(bytes).map_err(|r| Error::header(&entry.file, r))?;
-                if h.header_size != entry.header_size {
-                    return Err(mismatch(format!(
-                        "header length {} differs from the manifest's {}",
-                        h.header_size, entry.header_size
-                    )));
-                }
-                match h.metadata.get(META_CHECKPOINT_ID) {
-                    Some(id) if *id == m.checkpoint_id => Ok(h),
-                    other => Err(mismatch(format!(
-                        "the shard belongs to checkpoint {other:?}, not {:?} (a shard from another checkpoint?)",
-                        m.checkpoint_id
-                    ))),
-                }
-            })
-            .collect::<Result<_>>()?;
-
-        // Manifest and headers must describe the same tensors.
-        let mut counts = vec![0usize; shards.len()];
-        let header_maps: Vec<HashMap<&str, &header::HeaderEntry>> =
-            headers.iter().map(|h| h.tensors.iter().map(|t| (t.name.as_str(), t)).collect()).collect();
-        let mut tensors = Vec::with_capacity(m.tensors.len());
-        for t in &m.tensors {
-            let file = &m.shards[t.shard].file;
-            let h = &headers[t.shard];
-            let he = header_maps[t.shard].get(t.name.as_str()).ok_or_else(|| Error::ShardMismatch {
-                shard: t.shard,
-                file: file.clone(),
-                reason: format!("the manifest places tensor {:?} here but the shard header does not list it", t.name),
+                Ok(())
             })?;
-            let dtype = he.dtype;
-            let abs = [he.data_offsets[0] + h.data_start(), he.data_offsets[1] + h.data_start()];
-            if dtype.name() != t.dtype || he.shape != t.shape || abs != t.offsets {
-                return Err(Error::ShardMismatch {
-                    shard: t.shard,
-                    file: file.clone(),
-                    reason: format!(
-                        "tensor {:?}: header says {} {:?} at {:?}, manifest says {} {:?} at {:?}",
-                        t.name, dtype, he.shape, abs, t.dtype, t.shape, t.offsets
-                    ),
-                });
-            }
+
+        let mut counts = vec![0usize; shards.len()];
+        let mut tensors = Vec::with_capacity(m.tensors.len());
+        let mut by_name = HashMap::with_capacity(m.tensors.len());
+        for (i, t) in m.tensors.iter().enumerate() {
+            // dtype names were validated with the manifest.
+            let dtype = DType::from_name(&t.dtype)
+                .ok_or_else(|| Error::manifest(MANIFEST_FILE, "unknown dtype"))?;
             counts[t.shard] += 1;
+            by_name.insert(t.name.clone(), i);
             tensors.push(TensorInfo {
                 name: t.name.clone(),
                 dtype,
@@ -361,20 +398,13 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 crc32: Some(t.crc32),
             });
         }
-        for (i, h) in headers.iter().enumerate() {
-            if counts[i] != h.tensors.len() || h.tensors.is_empty() {
-                return Err(Error::ShardMismatch {
-                    shard: i,
-                    file: m.shards[i].file.clone(),
-                    reason: format!(
-                        "the shard header lists {} tensors but the manifest places {} here",
-                        h.tensors.len(),
-                        counts[i]
-                    ),
-                });
-            }
+        if let Some(i) = counts.iter().position(|&c| c == 0) {
+            return Err(Error::ShardMismatch {
+                shard: i,
+                file: m.shards[i].file.clone(),
+                reason: "the manifest places no tensor in this shard".into(),
+            });
         }
-        let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(Checkpoint {
             root,
             kind: Kind::Native,
@@ -383,6 +413,52 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             by_name,
             metadata: m.metadata.clone(),
             manifest: Some(m),
+        })
+    }
+
+    /// Parse every shard header and check that it describes exactly the tensors the
+    /// manifest places in that shard, with the same dtype, shape and offsets, and carries
+    /// this checkpoint's id (format-spec/integrity.md §Verify).
+    fn check_headers(&self) -> Result<()> {
+        let Some(m) = &self.manifest else {
+            return Ok(());
+        };
+        self.shards.par_iter().enumerate().try_for_each(|(i, shard)| {
+            let file = &shard.file;
+            let mismatch = |reason: String| Error::ShardMismatch { shard: i, file: file.clone(), reason };
+            let h = header::parse(shard.bytes.as_ref()).map_err(|r| Error::header(file, r))?;
+            match h.metadata.get(META_CHECKPOINT_ID) {
+                Some(id) if *id == m.checkpoint_id => {}
+                other => {
+                    return Err(mismatch(format!(
+                        "the shard belongs to checkpoint {other:?}, not {:?} (a shard from another checkpoint?)",
+                        m.checkpoint_id
+                    )))
+                }
+            }
+            let mine: HashMap<&str, &TensorInfo> =
+                self.tensors.iter().filter(|t| t.shard == i).map(|t| (t.name.as_str(), t)).collect();
+            if mine.len() != h.tensors.len() {
+                return Err(mismatch(format!(
+                    "the shard header lists {} tensors but the manifest places {} here",
+                    h.tensors.len(),
+                    mine.len()
+                )));
+            }
+            let ds = h.data_start();
+            for he in &h.tensors {
+                let t = mine.get(he.name.as_str()).ok_or_else(|| {
+                    mismatch(format!("the header lists tensor {:?}, which the manifest does not place here", he.name))
+                })?;
+                let abs = [he.data_offsets[0] + ds, he.data_offsets[1] + ds];
+                if he.dtype != t.dtype || he.shape != t.shape || abs != t.offsets {
+                    return Err(mismatch(format!(
+                        "tensor {:?}: header says {} {:?} at {:?}, manifest says {} {:?} at {:?}",
+                        t.name, he.dtype, he.shape, abs, t.dtype, t.shape, t.offsets
+                    )));
+                }
+            }
+            Ok(())
         })
     }
 
@@ -427,7 +503,15 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 });
             }
         }
-        Ok(Checkpoint { root, kind, shards, tensors, by_name, metadata: metadata.into(), manifest: None })
+        Ok(Checkpoint {
+            root,
+            kind,
+            shards,
+            tensors,
+            by_name,
+            metadata: metadata.into(),
+            manifest: None,
+        })
     }
 
     /// The directory (or file's directory) the checkpoint was opened from.
@@ -469,7 +553,9 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         self.by_name
             .get(name)
             .and_then(|&i| self.tensors.get(i))
-            .ok_or_else(|| Error::TensorNotFound { name: name.to_string() })
+            .ok_or_else(|| Error::TensorNotFound {
+                name: name.to_string(),
+            })
     }
 
     /// A zero-copy view of a tensor. Does not check its CRC; see [`Checkpoint::verify`] and
@@ -516,9 +602,14 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         }
     }
 
-    /// Check the CRC32 of every tensor, rayon-parallel across tensors and within large ones.
+    /// Check everything `open` does not: parse every shard header and check it agrees
+    /// with the manifest (names, dtypes, shapes, offsets, checkpoint id), check the
+    /// optimizer section's references, and check the CRC32 of every tensor, rayon-parallel
+    /// across tensors and within large ones.
     ///
     /// # Errors
+    /// [`Error::InvalidHeader`] / [`Error::ShardMismatch`] for a header that disagrees with
+    /// the manifest; [`Error::InvalidOptimizerState`] for a broken optimizer section;
     /// [`Error::ChecksumMismatch`] naming the shard and tensor of the first mismatch in
     /// manifest order. For stores without checksums the structure was validated at open
     /// and the report says `checksummed: false`.
@@ -531,8 +622,16 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// As [`Checkpoint::verify`].
     pub fn verify_with_progress(&self, progress: &(dyn Fn(u64) + Sync)) -> Result<VerifyReport> {
+        self.check_headers()?;
+        if let Some(sec) = self.manifest.as_ref().and_then(|m| m.optimizer.as_ref()) {
+            crate::optim::validate_section(sec, self)?;
+        }
         if self.kind != Kind::Native {
-            return Ok(VerifyReport { tensors: 0, bytes: 0, checksummed: false });
+            return Ok(VerifyReport {
+                tensors: 0,
+                bytes: 0,
+                checksummed: false,
+            });
         }
         let first_bad = self
             .tensors

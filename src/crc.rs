@@ -30,7 +30,9 @@ pub fn crc32_parallel(bytes: &[u8]) -> u32 {
 mod tests {
     #[test]
     fn parallel_equals_serial() {
-        let v: Vec<u8> = (0..(9 << 20) + 13).map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let v: Vec<u8> = (0..(9 << 20) + 13)
+            .map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
         assert_eq!(super::crc32_parallel(&v), crc32fast::hash(&v));
         assert_eq!(super::crc32_parallel(&v[..5]), crc32fast::hash(&v[..5]));
         assert_eq!(super::crc32_parallel(&[]), 0);

@@ -156,15 +156,6 @@ pub enum Error {
         reason: String,
     },
 
-    /// The checkpoint has no checksums to verify (a plain safetensors file or HF directory).
-    #[error("{path}: {reason}")]
-    NoChecksums {
-        /// The path opened.
-        path: PathBuf,
-        /// Explanation.
-        reason: &'static str,
-    },
-
     /// An argument given to the API is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -172,15 +163,25 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { op, path: path.into(), source }
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
     }
 
     pub(crate) fn header(file: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidHeader { file: file.into(), reason: reason.into() }
+        Error::InvalidHeader {
+            file: file.into(),
+            reason: reason.into(),
+        }
     }
 
     pub(crate) fn manifest(file: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidManifest { file: file.into(), reason: reason.into() }
+        Error::InvalidManifest {
+            file: file.into(),
+            reason: reason.into(),
+        }
     }
 
     pub(crate) fn optim(

@@ -16,6 +16,6 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use mmap::Map;
 pub use view::{Element, TensorView};
-pub use write::{save, CommitInfo, SaveOptions, TensorRef};
+pub use write::{save, save_with_section, CommitInfo, SaveOptions, TensorRef};
 pub mod convert;
 pub mod optim;

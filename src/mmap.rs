@@ -34,7 +34,10 @@ impl Map {
     /// # Errors
     /// [`Error::Io`] when the size cannot be read or `mmap` fails.
     pub fn open(file: &File, path: &Path) -> Result<Map> {
-        let len = file.metadata().map_err(|e| Error::io("stat", path, e))?.len();
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io("stat", path, e))?
+            .len();
         if len == 0 {
             return Ok(Map { map: None });
         }
@@ -43,7 +46,8 @@ impl Map {
         // another program in violation of that contract can change the bytes we read, which
         // is caught by CRC verification, but cannot cause undefined behaviour in safe code
         // that only reads `u8`s and Pod values out of the slice.
-        let map = unsafe { memmap2::MmapOptions::new().map(file) }.map_err(|e| Error::io("mmap", path, e))?;
+        let map = unsafe { memmap2::MmapOptions::new().map(file) }
+            .map_err(|e| Error::io("mmap", path, e))?;
         Ok(Map { map: Some(map) })
     }
 

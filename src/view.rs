@@ -28,7 +28,12 @@ impl<'a> TensorView<'a> {
     /// Build a view; `bytes.len()` must equal the shape's byte size (checked by callers
     /// that construct views from validated headers).
     pub fn new(name: &'a str, dtype: DType, shape: &'a [u64], bytes: &'a [u8]) -> Self {
-        TensorView { name, dtype, shape, bytes }
+        TensorView {
+            name,
+            dtype,
+            shape,
+            bytes,
+        }
     }
 
     /// The tensor's name.
@@ -72,7 +77,9 @@ impl<'a> TensorView<'a> {
             return Err(bad(format!("the tensor's dtype is {}", self.dtype)));
         }
         if cfg!(target_endian = "big") {
-            return Err(bad("stored bytes are little-endian and this host is big-endian".into()));
+            return Err(bad(
+                "stored bytes are little-endian and this host is big-endian".into(),
+            ));
         }
         bytemuck::try_cast_slice(self.bytes).map_err(|e| {
             bad(format!(

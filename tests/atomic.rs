@@ -10,15 +10,27 @@ use ckptstore::write::save_with_fs;
 use ckptstore::{save, Checkpoint, SaveOptions, TensorRef};
 
 fn tensors(seed: f32) -> Vec<Vec<f32>> {
-    (0..5).map(|k| (0..(100 * (k + 1))).map(|i| seed + i as f32 + k as f32 * 0.5).collect()).collect()
+    (0..5)
+        .map(|k| {
+            (0..(100 * (k + 1)))
+                .map(|i| seed + i as f32 + k as f32 * 0.5)
+                .collect()
+        })
+        .collect()
 }
 
 fn refs(data: &[Vec<f32>]) -> Vec<TensorRef<'_>> {
-    data.iter().enumerate().map(|(k, v)| TensorRef::from_slice(format!("t{k}"), &[v.len() as u64], v)).collect()
+    data.iter()
+        .enumerate()
+        .map(|(k, v)| TensorRef::from_slice(format!("t{k}"), &[v.len() as u64], v))
+        .collect()
 }
 
 fn opts() -> SaveOptions {
-    SaveOptions { max_shard_size: 1200, ..Default::default() }
+    SaveOptions {
+        max_shard_size: 1200,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -35,14 +47,23 @@ fn reader_keeps_old_bytes_across_replacing_saves() {
         assert!(info.removed > 0, "old shard files are cleaned up");
     }
     for (k, v) in old.iter().enumerate() {
-        assert_eq!(ck.tensor(&format!("t{k}")).unwrap().as_slice::<f32>().unwrap(), &v[..]);
+        assert_eq!(
+            ck.tensor(&format!("t{k}"))
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap(),
+            &v[..]
+        );
     }
     ck.verify().unwrap();
     let now = Checkpoint::open(dir.path()).unwrap();
     assert_ne!(now.manifest().unwrap().checkpoint_id, old_id);
     assert_eq!(now.tensor("t0").unwrap().as_slice::<f32>().unwrap()[0], 3.0);
     // Only the manifest, the new shards and the lock file remain.
-    let mut names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     names.sort();
     let mut want: Vec<String> = now.shards().iter().map(|s| s.file.clone()).collect();
     want.extend([".ckpt-lock".to_string(), "ckpt-manifest.json".to_string()]);
@@ -57,7 +78,10 @@ fn foreign_files_are_never_removed() {
     std::fs::write(dir.path().join("shard-not-ours.safetensors"), b"x").unwrap();
     save(dir.path(), &refs(&tensors(1.0)), &opts()).unwrap();
     save(dir.path(), &refs(&tensors(2.0)), &opts()).unwrap();
-    assert_eq!(std::fs::read(dir.path().join("notes.txt")).unwrap(), b"mine");
+    assert_eq!(
+        std::fs::read(dir.path().join("notes.txt")).unwrap(),
+        b"mine"
+    );
     assert!(dir.path().join("shard-not-ours.safetensors").exists());
 }
 
@@ -65,7 +89,10 @@ fn foreign_files_are_never_removed() {
 fn second_writer_is_refused_while_the_lock_is_held() {
     let dir = tempfile::tempdir().unwrap();
     save(dir.path(), &refs(&tensors(1.0)), &opts()).unwrap();
-    let lock = std::fs::OpenOptions::new().write(true).open(dir.path().join(".ckpt-lock")).unwrap();
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join(".ckpt-lock"))
+        .unwrap();
     lock.lock().unwrap();
     let err = save(dir.path(), &refs(&tensors(2.0)), &opts()).unwrap_err();
     assert!(err.to_string().contains("another save"), "{err}");
@@ -112,7 +139,11 @@ impl Fs for CrashFs {
     type File = CrashFile;
     fn create(&self, path: &Path) -> io::Result<CrashFile> {
         self.tick()?;
-        Ok(CrashFile { inner: StdFs.create(path)?, fail_at: self.fail_at, ops: self.ops.clone() })
+        Ok(CrashFile {
+            inner: StdFs.create(path)?,
+            fail_at: self.fail_at,
+            ops: self.ops.clone(),
+        })
     }
     fn sync(&self, f: &mut CrashFile, path: &Path) -> io::Result<()> {
         self.tick()?;
@@ -143,8 +174,14 @@ fn contents(dir: &Path) -> Option<Vec<(String, Vec<u8>)>> {
         Err(ckptstore::Error::NotFound { .. }) => return None,
         Err(e) => panic!("a crash left a damaged checkpoint: {e}"),
     };
-    ck.verify().expect("a crash left a checkpoint that fails verify");
-    Some(ck.tensors().iter().map(|t| (t.name.clone(), ck.tensor(&t.name).unwrap().bytes().to_vec())).collect())
+    ck.verify()
+        .expect("a crash left a checkpoint that fails verify");
+    Some(
+        ck.tensors()
+            .iter()
+            .map(|t| (t.name.clone(), ck.tensor(&t.name).unwrap().bytes().to_vec()))
+            .collect(),
+    )
 }
 
 fn crash_at_every_operation(with_old: bool) -> usize {
@@ -157,7 +194,10 @@ fn crash_at_every_operation(with_old: bool) -> usize {
             save(dir.path(), &refs(&old), &opts()).unwrap();
         }
         let old_c = contents(dir.path());
-        let fs = CrashFs { fail_at: k, ops: Arc::new(AtomicUsize::new(0)) };
+        let fs = CrashFs {
+            fail_at: k,
+            ops: Arc::new(AtomicUsize::new(0)),
+        };
         let r = save_with_fs(&fs, dir.path(), &refs(&new), &opts());
         let after = contents(dir.path());
         let new_c = {
@@ -167,7 +207,10 @@ fn crash_at_every_operation(with_old: bool) -> usize {
         };
         match &r {
             Ok(_) => assert_eq!(after, new_c, "an acknowledged save must be visible"),
-            Err(_) => assert!(after == old_c || after == new_c, "crash at op {k}: neither old nor new"),
+            Err(_) => assert!(
+                after == old_c || after == new_c,
+                "crash at op {k}: neither old nor new"
+            ),
         }
         if r.is_ok() {
             return k;

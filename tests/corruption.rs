@@ -20,7 +20,11 @@ fn small_checkpoint(dir: &Path) {
             TensorRef::new("c", ckptstore::DType::Bool, &[3], &c),
             TensorRef::from_slice("s", &[], &s),
         ],
-        &SaveOptions { max_shard_size: 24, metadata: serde_json::json!({"k": "v"}), ..Default::default() },
+        &SaveOptions {
+            max_shard_size: 24,
+            metadata: serde_json::json!({"k": "v"}),
+            ..Default::default()
+        },
     )
     .unwrap();
 }
@@ -55,7 +59,11 @@ fn every_bit_flip_in_manifest_and_headers_is_caught() {
         let orig = std::fs::read(&f).unwrap();
         let is_manifest = f.ends_with(MANIFEST);
         // Whole manifest; for shards the 8-byte length and the header JSON.
-        let end = if is_manifest { orig.len() } else { header_len(&orig) };
+        let end = if is_manifest {
+            orig.len()
+        } else {
+            header_len(&orig)
+        };
         for bit in 0..end * 8 {
             let mut b = orig.clone();
             b[bit / 8] ^= 1 << (bit % 8);
@@ -87,7 +95,13 @@ fn every_bit_flip_in_tensor_data_fails_verify_naming_the_tensor() {
             std::fs::write(&path, &b).unwrap();
             let ck = Checkpoint::open(dir.path()).unwrap();
             match ck.verify() {
-                Err(Error::ChecksumMismatch { what, shard, file, expected, got }) => {
+                Err(Error::ChecksumMismatch {
+                    what,
+                    shard,
+                    file,
+                    expected,
+                    got,
+                }) => {
                     assert_eq!(what, format!("tensor {:?}", t.name));
                     assert_eq!(shard, t.shard);
                     assert_eq!(file, shard_files[t.shard]);
@@ -127,7 +141,11 @@ fn missing_shard_names_the_file() {
     drop(ck);
     std::fs::remove_file(dir.path().join(&f)).unwrap();
     match Checkpoint::open(dir.path()) {
-        Err(Error::ShardMismatch { shard: 1, file, reason }) => {
+        Err(Error::ShardMismatch {
+            shard: 1,
+            file,
+            reason,
+        }) => {
             assert_eq!(file, f);
             assert!(reason.contains("missing"));
         }
@@ -151,19 +169,82 @@ fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
 fn hostile_manifests_are_refused() {
     type Edit = Box<dyn Fn(&mut serde_json::Value, &Path)>;
     let cases: Vec<(&str, Edit, &str)> = vec![
-        ("dotdot", Box::new(|v, _| v["shards"][0]["file"] = "../escape.safetensors".into()), "plain file name"),
-        ("absolute", Box::new(|v, _| v["shards"][0]["file"] = "/etc/passwd".into()), "plain file name"),
-        ("nul", Box::new(|v, _| v["shards"][0]["file"] = "a\u{0}b".into()), "plain file name"),
-        ("duplicate shard", Box::new(|v, _| v["shards"][1] = v["shards"][0].clone()), "listed twice"),
-        ("wrong size", Box::new(|v, _| v["shards"][0]["size"] = 10_000.into()), "manifest records 10000"),
-        ("tensor outside", Box::new(|v, _| v["tensors"][0]["offsets"] = serde_json::json!([0, 24])), "data section"),
-        ("duplicate tensor", Box::new(|v, _| v["tensors"][1]["name"] = "a".into()), "listed twice"),
-        ("shape lies", Box::new(|v, _| v["tensors"][0]["shape"] = serde_json::json!([3, 2])), "header says"),
-        ("dtype lies", Box::new(|v, _| v["tensors"][0]["dtype"] = "I32".into()), "header says"),
-        ("dropped tensor", Box::new(|v, _| { v["tensors"].as_array_mut().unwrap().remove(0); }), "lists"),
-        ("huge shard index", Box::new(|v, _| v["tensors"][0]["shard"] = u64::MAX.into()), "out of range"),
-        ("version", Box::new(|v, _| v["version"] = 99.into()), "unsupported format version 99"),
-        ("feature", Box::new(|v, _| v["features"] = serde_json::json!(["chunked"])), "chunked"),
+        (
+            "dotdot",
+            Box::new(|v, _| v["shards"][0]["file"] = "../escape.safetensors".into()),
+            "plain file name",
+        ),
+        (
+            "absolute",
+            Box::new(|v, _| v["shards"][0]["file"] = "/etc/passwd".into()),
+            "plain file name",
+        ),
+        (
+            "nul",
+            Box::new(|v, _| v["shards"][0]["file"] = "a\u{0}b".into()),
+            "plain file name",
+        ),
+        (
+            "duplicate shard",
+            Box::new(|v, _| v["shards"][1] = v["shards"][0].clone()),
+            "listed twice",
+        ),
+        (
+            "wrong size",
+            Box::new(|v, _| v["shards"][0]["size"] = 10_000.into()),
+            "manifest records 10000",
+        ),
+        (
+            "tensor outside",
+            Box::new(|v, _| v["tensors"][0]["offsets"] = serde_json::json!([0, 24])),
+            "data section",
+        ),
+        (
+            "duplicate tensor",
+            Box::new(|v, _| v["tensors"][1]["name"] = "a".into()),
+            "listed twice",
+        ),
+        (
+            "shape lies",
+            Box::new(|v, _| v["tensors"][0]["shape"] = serde_json::json!([3, 2])),
+            "header says",
+        ),
+        (
+            "dtype lies",
+            Box::new(|v, _| v["tensors"][0]["dtype"] = "I32".into()),
+            "header says",
+        ),
+        (
+            "dropped tensor",
+            Box::new(|v, _| {
+                v["tensors"].as_array_mut().unwrap().remove(0);
+            }),
+            "shard 0",
+        ),
+        (
+            "dropped one of two tensors in a shard",
+            Box::new(|v, _| {
+                let t = v["tensors"].as_array_mut().unwrap();
+                let last = t.len() - 1;
+                t.remove(last);
+            }),
+            "header lists",
+        ),
+        (
+            "huge shard index",
+            Box::new(|v, _| v["tensors"][0]["shard"] = u64::MAX.into()),
+            "out of range",
+        ),
+        (
+            "version",
+            Box::new(|v, _| v["version"] = 99.into()),
+            "unsupported format version 99",
+        ),
+        (
+            "feature",
+            Box::new(|v, _| v["features"] = serde_json::json!(["chunked"])),
+            "chunked",
+        ),
         (
             "symlink outside",
             Box::new(|v, dir| {
@@ -182,7 +263,10 @@ fn hostile_manifests_are_refused() {
         small_checkpoint(&dir);
         rewrite_manifest(&dir, |v| edit(v, &dir));
         let err = check(&dir).expect_err(what);
-        assert!(err.to_string().contains(want), "{what}: {want:?} not in {err}");
+        assert!(
+            err.to_string().contains(want),
+            "{what}: {want:?} not in {err}"
+        );
     }
 }
 
@@ -199,7 +283,10 @@ fn shard_from_another_checkpoint_is_caught() {
     drop((ca, cb));
     std::fs::copy(b.path().join(&fb), a.path().join(&fa)).unwrap();
     let err = Checkpoint::open(a.path()).unwrap_err();
-    assert!(matches!(err, Error::ChecksumMismatch { ref what, shard: 0, .. } if what == "shard header"), "{err}");
+    assert!(
+        matches!(err, Error::ChecksumMismatch { ref what, shard: 0, .. } if what == "shard header"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -214,7 +301,11 @@ fn error_messages_name_file_shard_and_tensor() {
     let mut bytes = std::fs::read(&p).unwrap();
     bytes[t.offsets[0] as usize] ^= 0xff;
     std::fs::write(&p, &bytes).unwrap();
-    let msg = Checkpoint::open(dir.path()).unwrap().verify().unwrap_err().to_string();
+    let msg = Checkpoint::open(dir.path())
+        .unwrap()
+        .verify()
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("tensor \"b\""), "{msg}");
     assert!(msg.contains(&file), "{msg}");
     assert!(msg.contains(&format!("shard {}", t.shard)), "{msg}");
@@ -225,30 +316,62 @@ fn foreign_safetensors_and_hf_directories_open_read_only() {
     let dir = tempfile::tempdir().unwrap();
     // A stock safetensors file written by the safetensors crate.
     let data: Vec<f32> = vec![1.0, 2.0, 3.0];
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![3], bytemuck::cast_slice(&data)).unwrap();
+    let view = safetensors::tensor::TensorView::new(
+        safetensors::Dtype::F32,
+        vec![3],
+        bytemuck::cast_slice(&data),
+    )
+    .unwrap();
     let bytes = safetensors::serialize([("w", view.clone())], &None).unwrap();
     std::fs::write(dir.path().join("model-00001-of-00002.safetensors"), &bytes).unwrap();
     let bytes2 = safetensors::serialize([("v", view)], &None).unwrap();
     std::fs::write(dir.path().join("model-00002-of-00002.safetensors"), &bytes2).unwrap();
     let single = Checkpoint::open(dir.path().join("model-00001-of-00002.safetensors")).unwrap();
     assert_eq!(single.kind(), ckptstore::Kind::Safetensors);
-    assert_eq!(single.tensor("w").unwrap().as_slice::<f32>().unwrap(), &data[..]);
+    assert_eq!(
+        single.tensor("w").unwrap().as_slice::<f32>().unwrap(),
+        &data[..]
+    );
     let rep = single.verify().unwrap();
     assert!(!rep.checksummed);
     // No index yet: the directory is not a checkpoint (we follow indexes, never glob).
-    assert!(matches!(Checkpoint::open(dir.path()), Err(Error::NotFound { .. })));
+    assert!(matches!(
+        Checkpoint::open(dir.path()),
+        Err(Error::NotFound { .. })
+    ));
     let index = serde_json::json!({"metadata": {"total_size": 24},
         "weight_map": {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}});
-    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
     let hf = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(hf.kind(), ckptstore::Kind::HfSharded);
     assert_eq!(hf.tensors().len(), 2);
-    assert_eq!(hf.tensor("v").unwrap().as_slice::<f32>().unwrap(), &data[..]);
+    assert_eq!(
+        hf.tensor("v").unwrap().as_slice::<f32>().unwrap(),
+        &data[..]
+    );
     // An index that lies is refused.
     let bad = serde_json::json!({"weight_map": {"w": "model-00002-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}});
-    std::fs::write(dir.path().join("model.safetensors.index.json"), bad.to_string()).unwrap();
-    assert!(matches!(Checkpoint::open(dir.path()), Err(Error::InvalidManifest { .. })));
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        bad.to_string(),
+    )
+    .unwrap();
+    assert!(matches!(
+        Checkpoint::open(dir.path()),
+        Err(Error::InvalidManifest { .. })
+    ));
     let bad = serde_json::json!({"weight_map": {"w": "../x.safetensors"}});
-    std::fs::write(dir.path().join("model.safetensors.index.json"), bad.to_string()).unwrap();
-    assert!(matches!(Checkpoint::open(dir.path()), Err(Error::InvalidManifest { .. })));
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        bad.to_string(),
+    )
+    .unwrap();
+    assert!(matches!(
+        Checkpoint::open(dir.path()),
+        Err(Error::InvalidManifest { .. })
+    ));
 }

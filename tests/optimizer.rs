@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use ckptstore::convert::reference;
-use ckptstore::optim::{OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor};
+use ckptstore::optim::{
+    OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
+};
 use ckptstore::{Checkpoint, Error, SaveOptions};
 use half::f16;
 use refopt::{Hyper, Kind, Model, Storage};
@@ -17,17 +19,30 @@ fn file_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap())
-        .map(|e| (e.file_name().into_string().unwrap(), std::fs::read(e.path()).unwrap()))
+        .map(|e| {
+            (
+                e.file_name().into_string().unwrap(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
         .collect()
 }
 
 fn small_opts() -> SaveOptions {
-    SaveOptions { max_shard_size: 2048, ..Default::default() }
+    SaveOptions {
+        max_shard_size: 2048,
+        ..Default::default()
+    }
 }
 
 /// An FP32 Adam state over a model with a 0-dim parameter, trained a few steps.
 fn fp32_adam() -> (Model, OptimizerState) {
-    let mut model = Model::new(&[("w", &[8, 16]), ("b", &[16]), ("temp", &[]), ("big", &[3000])]);
+    let mut model = Model::new(&[
+        ("w", &[8, 16]),
+        ("b", &[16]),
+        ("temp", &[]),
+        ("big", &[3000]),
+    ]);
     let h = Hyper::new(Kind::Adam);
     let mut opt = refopt::optimizer_for(&model, &h, 1);
     for s in 1..=3 {
@@ -37,14 +52,17 @@ fn fp32_adam() -> (Model, OptimizerState) {
 }
 
 fn f16_layout(shape: ScaleShape) -> StateLayout {
-    StateLayout::default().state("exp_avg", Target::F16Scaled(shape)).state("exp_avg_sq", Target::F16Scaled(shape))
+    StateLayout::default()
+        .state("exp_avg", Target::F16Scaled(shape))
+        .state("exp_avg_sq", Target::F16Scaled(shape))
 }
 
 #[test]
 fn fused_adam_fp32_checkpoint_loaded_twice_into_f16_scaled_is_identical_and_source_unchanged() {
     let dir = tempfile::tempdir().unwrap();
     let (model, opt) = fp32_adam();
-    opt.save(dir.path(), &refopt::model_refs(&model), &small_opts()).unwrap();
+    opt.save(dir.path(), &refopt::model_refs(&model), &small_opts())
+        .unwrap();
     let before = file_bytes(dir.path());
     let ck = Checkpoint::open(dir.path()).unwrap();
     assert!(ck.shards().len() >= 2);
@@ -53,7 +71,11 @@ fn fused_adam_fp32_checkpoint_loaded_twice_into_f16_scaled_is_identical_and_sour
     let b = ck.load_optimizer(&layout).unwrap();
     refopt::state_bit_eq(&a, &b).unwrap();
     drop(ck);
-    assert_eq!(before, file_bytes(dir.path()), "shard files changed by a load");
+    assert_eq!(
+        before,
+        file_bytes(dir.path()),
+        "shard files changed by a load"
+    );
 
     // The loaded codes are exactly the formula applied to the ORIGINAL FP32 values: a
     // loader that scaled its source in place would give other codes on the second load.
@@ -62,11 +84,22 @@ fn fused_adam_fp32_checkpoint_loaded_twice_into_f16_scaled_is_identical_and_sour
             let x = states[name].to_f32().unwrap();
             let (rq, rs) = reference::f32_to_f16_scaled(&x).unwrap();
             for loaded in [&a, &b] {
-                let StateValue::F16Scaled { q, scale } = &loaded.state[param][name] else { panic!("not scaled") };
+                let StateValue::F16Scaled { q, scale } = &loaded.state[param][name] else {
+                    panic!("not scaled")
+                };
                 assert_eq!(q.shape(), states[name].shape(), "{param}/{name} shape");
-                assert_eq!(scale.shape(), &[1], "converted scales default to [1] as in FusedAdam");
+                assert_eq!(
+                    scale.shape(),
+                    &[1],
+                    "converted scales default to [1] as in FusedAdam"
+                );
                 assert_eq!(scale.as_slice::<f32>().unwrap()[0].to_bits(), rs.to_bits());
-                let got: Vec<u16> = q.as_slice::<f16>().unwrap().iter().map(|v| v.to_bits()).collect();
+                let got: Vec<u16> = q
+                    .as_slice::<f16>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
                 let want: Vec<u16> = rq.iter().map(|v| v.to_bits()).collect();
                 assert_eq!(got, want, "{param}/{name}");
             }
@@ -83,7 +116,8 @@ fn in_memory_source_bytes_are_never_written() {
     // The same scenario over Vec<u8> buffers: the bytes are compared directly.
     let dir = tempfile::tempdir().unwrap();
     let (model, opt) = fp32_adam();
-    opt.save(dir.path(), &refopt::model_refs(&model), &small_opts()).unwrap();
+    opt.save(dir.path(), &refopt::model_refs(&model), &small_opts())
+        .unwrap();
     let files = file_bytes(dir.path());
     let manifest = &files["ckpt-manifest.json"];
     let m = ckptstore::format::manifest::decode(manifest).unwrap();
@@ -92,7 +126,8 @@ fn in_memory_source_bytes_are_never_written() {
     let ck = Checkpoint::from_parts(manifest, shards).unwrap();
     for _ in 0..2 {
         ck.load_optimizer(&f16_layout(ScaleShape::Scalar)).unwrap();
-        ck.load_optimizer(&StateLayout::with_default(Target::BF16)).unwrap();
+        ck.load_optimizer(&StateLayout::with_default(Target::BF16))
+            .unwrap();
     }
     for (s, c) in ck.shards().iter().zip(&copy) {
         assert_eq!(&s.bytes, c);
@@ -108,12 +143,24 @@ fn scale_shapes_are_kept_or_set_by_the_layout() {
         hyper: Default::default(),
     }]);
     let mut sp = BTreeMap::new();
-    sp.insert("m0".to_string(), StateValue::f16_scaled_from_f32(&[10], &x, ScaleShape::Scalar).unwrap());
-    sp.insert("m1".to_string(), StateValue::f16_scaled_from_f32(&[10], &x, ScaleShape::One).unwrap());
-    sp.insert("m2".to_string(), StateValue::Plain(Tensor::from_slice(&[10], &x).unwrap()));
+    sp.insert(
+        "m0".to_string(),
+        StateValue::f16_scaled_from_f32(&[10], &x, ScaleShape::Scalar).unwrap(),
+    );
+    sp.insert(
+        "m1".to_string(),
+        StateValue::f16_scaled_from_f32(&[10], &x, ScaleShape::One).unwrap(),
+    );
+    sp.insert(
+        "m2".to_string(),
+        StateValue::Plain(Tensor::from_slice(&[10], &x).unwrap()),
+    );
     opt.state.insert("p".into(), sp);
     let mut ss = BTreeMap::new();
-    ss.insert("m0".to_string(), StateValue::f16_scaled_from_f32(&[], &[3.0], ScaleShape::Scalar).unwrap());
+    ss.insert(
+        "m0".to_string(),
+        StateValue::f16_scaled_from_f32(&[], &[3.0], ScaleShape::Scalar).unwrap(),
+    );
     opt.state.insert("s".into(), ss);
     opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
@@ -122,7 +169,11 @@ fn scale_shapes_are_kept_or_set_by_the_layout() {
         StateValue::F16Scaled { scale, .. } => scale.shape().to_vec(),
         _ => panic!("not scaled"),
     };
-    let keep = ck.load_optimizer(&StateLayout::with_default(Target::F16Scaled(ScaleShape::Keep))).unwrap();
+    let keep = ck
+        .load_optimizer(&StateLayout::with_default(Target::F16Scaled(
+            ScaleShape::Keep,
+        )))
+        .unwrap();
     assert_eq!(scale_shape(&keep, "p", "m0"), Vec::<u64>::new());
     assert_eq!(scale_shape(&keep, "p", "m1"), vec![1]);
     assert_eq!(scale_shape(&keep, "p", "m2"), vec![1]);
@@ -130,42 +181,81 @@ fn scale_shapes_are_kept_or_set_by_the_layout() {
     assert_eq!(keep.state["s"]["m0"].shape(), &[] as &[u64]);
     // Kept scaled states are exact copies.
     assert!(keep.state["p"]["m0"].bit_eq(&opt.state["p"]["m0"]));
-    let scalar = ck.load_optimizer(&StateLayout::with_default(Target::F16Scaled(ScaleShape::Scalar))).unwrap();
+    let scalar = ck
+        .load_optimizer(&StateLayout::with_default(Target::F16Scaled(
+            ScaleShape::Scalar,
+        )))
+        .unwrap();
     assert_eq!(scale_shape(&scalar, "p", "m1"), Vec::<u64>::new());
     assert_eq!(scale_shape(&scalar, "p", "m2"), Vec::<u64>::new());
-    let one = ck.load_optimizer(&StateLayout::with_default(Target::F16Scaled(ScaleShape::One))).unwrap();
+    let one = ck
+        .load_optimizer(&StateLayout::with_default(Target::F16Scaled(
+            ScaleShape::One,
+        )))
+        .unwrap();
     assert_eq!(scale_shape(&one, "p", "m0"), vec![1]);
     // As stored: everything bit-identical to what was saved.
     let same = ck.load_optimizer(&StateLayout::default()).unwrap();
     refopt::state_bit_eq(&same, &opt).unwrap();
     // F16-scaled -> F32 and -> BF16 follow the formulas.
-    let f = ck.load_optimizer(&StateLayout::with_default(Target::F32)).unwrap();
-    let StateValue::F16Scaled { q, scale } = &opt.state["p"]["m1"] else { panic!() };
-    let want = reference::f16_scaled_to_f32(q.as_slice().unwrap(), scale.as_slice::<f32>().unwrap()[0]);
+    let f = ck
+        .load_optimizer(&StateLayout::with_default(Target::F32))
+        .unwrap();
+    let StateValue::F16Scaled { q, scale } = &opt.state["p"]["m1"] else {
+        panic!()
+    };
+    let want =
+        reference::f16_scaled_to_f32(q.as_slice().unwrap(), scale.as_slice::<f32>().unwrap()[0]);
     assert_eq!(f.state["p"]["m1"].to_f32().unwrap(), want);
-    let b = ck.load_optimizer(&StateLayout::with_default(Target::BF16)).unwrap();
-    let StateValue::Plain(t) = &b.state["p"]["m1"] else { panic!() };
-    assert_eq!(t.as_slice::<half::bf16>().unwrap(), &reference::f32_to_bf16(&want)[..]);
+    let b = ck
+        .load_optimizer(&StateLayout::with_default(Target::BF16))
+        .unwrap();
+    let StateValue::Plain(t) = &b.state["p"]["m1"] else {
+        panic!()
+    };
+    assert_eq!(
+        t.as_slice::<half::bf16>().unwrap(),
+        &reference::f32_to_bf16(&want)[..]
+    );
 }
 
 #[test]
 fn non_finite_values_cannot_be_scaled_and_say_so() {
     let dir = tempfile::tempdir().unwrap();
-    let mut opt = OptimizerState::new(vec![ParamGroup { params: vec![ParamSpec::new("p", &[3])], hyper: Default::default() }]);
+    let mut opt = OptimizerState::new(vec![ParamGroup {
+        params: vec![ParamSpec::new("p", &[3])],
+        hyper: Default::default(),
+    }]);
     let x = [1.0f32, f32::INFINITY, 2.0];
-    opt.state.insert("p".into(), [("exp_avg".to_string(), StateValue::Plain(Tensor::from_slice(&[3], &x).unwrap()))].into());
+    opt.state.insert(
+        "p".into(),
+        [(
+            "exp_avg".to_string(),
+            StateValue::Plain(Tensor::from_slice(&[3], &x).unwrap()),
+        )]
+        .into(),
+    );
     opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
     match ck.load_optimizer(&f16_layout(ScaleShape::Keep)) {
-        Err(Error::Conversion { param, state, reason }) => {
+        Err(Error::Conversion {
+            param,
+            state,
+            reason,
+        }) => {
             assert_eq!((param.as_str(), state.as_str()), ("p", "exp_avg"));
             assert!(reason.contains("infinity or NaN"), "{reason}");
         }
         other => panic!("{other:?}"),
     }
     // BF16 keeps the infinity.
-    let b = ck.load_optimizer(&StateLayout::with_default(Target::BF16)).unwrap();
-    assert_eq!(b.state["p"]["exp_avg"].to_f32().unwrap(), vec![1.0, f32::INFINITY, 2.0]);
+    let b = ck
+        .load_optimizer(&StateLayout::with_default(Target::BF16))
+        .unwrap();
+    assert_eq!(
+        b.state["p"]["exp_avg"].to_f32().unwrap(),
+        vec![1.0, f32::INFINITY, 2.0]
+    );
 }
 
 /// The ColossalAI scenario for one optimizer configuration.
@@ -175,7 +265,9 @@ fn stale_state_scenario(kind: Kind, ngroups: usize, storage: Storage) {
     let model0 = Model::new(&[("a", &[4, 4]), ("b", &[7]), ("c", &[]), ("d", &[2, 3])]);
     let fresh = refopt::optimizer_for(&model0, &h, ngroups);
     // Saved before the first step: groups, no state.
-    fresh.save(dir.path(), &refopt::model_refs(&model0), &small_opts()).unwrap();
+    fresh
+        .save(dir.path(), &refopt::model_refs(&model0), &small_opts())
+        .unwrap();
 
     // Train, so state accumulates; add stale non-parameter state too.
     let mut model = model0.clone();
@@ -183,14 +275,25 @@ fn stale_state_scenario(kind: Kind, ngroups: usize, storage: Storage) {
     for s in 1..=3 {
         refopt::step(&mut model, &mut opt, &h, storage, s);
     }
-    opt.state.insert("ghost".into(), [("momentum_buffer".to_string(), storage.encode(&[2], &[1.0, 2.0]))].into());
+    opt.state.insert(
+        "ghost".into(),
+        [(
+            "momentum_buffer".to_string(),
+            storage.encode(&[2], &[1.0, 2.0]),
+        )]
+        .into(),
+    );
     assert!(!opt.state.is_empty());
 
     // Restore model and optimizer from the checkpoint.
     let ck = Checkpoint::open(dir.path()).unwrap();
     let layout = storage.layout();
     opt.restore_from(&ck, &layout).unwrap();
-    assert!(opt.state.is_empty(), "{kind:?}: state survived the restore: {:?}", opt.state.keys());
+    assert!(
+        opt.state.is_empty(),
+        "{kind:?}: state survived the restore: {:?}",
+        opt.state.keys()
+    );
     let mut model = refopt::model_from(&ck, &model0);
 
     // The next step equals a fresh optimizer's first step.
@@ -198,7 +301,10 @@ fn stale_state_scenario(kind: Kind, ngroups: usize, storage: Storage) {
     let mut opt_f = fresh.clone();
     refopt::step(&mut model, &mut opt, &h, storage, 1);
     refopt::step(&mut model_f, &mut opt_f, &h, storage, 1);
-    assert_eq!(model, model_f, "{kind:?} {ngroups} groups {storage:?}: parameters differ");
+    assert_eq!(
+        model, model_f,
+        "{kind:?} {ngroups} groups {storage:?}: parameters differ"
+    );
     refopt::state_bit_eq(&opt, &opt_f).unwrap();
 }
 
@@ -223,7 +329,10 @@ fn colossalai_the_point_nine_example() {
     let dir = tempfile::tempdir().unwrap();
     let mut opt = OptimizerState::new(vec![ParamGroup {
         params: vec![ParamSpec::new("p", &[])],
-        hyper: serde_json::json!({"lr": 0.1, "momentum": 0.9}).as_object().unwrap().clone(),
+        hyper: serde_json::json!({"lr": 0.1, "momentum": 0.9})
+            .as_object()
+            .unwrap()
+            .clone(),
     }]);
     opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
     let sgd = |p: f32, st: &mut OptimizerState| -> f32 {
@@ -231,12 +340,19 @@ fn colossalai_the_point_nine_example() {
             Some(b) => 0.9 * b.to_f32().unwrap()[0] + 1.0,
             None => 1.0,
         };
-        st.state.entry("p".into()).or_default().insert("momentum_buffer".into(), StateValue::Plain(Tensor::scalar_f32(buf)));
+        st.state.entry("p".into()).or_default().insert(
+            "momentum_buffer".into(),
+            StateValue::Plain(Tensor::scalar_f32(buf)),
+        );
         p - 0.1 * buf
     };
     let p = sgd(1.0, &mut opt); // momentum accumulates
     assert_eq!(p, 0.9);
-    opt.restore_from(&Checkpoint::open(dir.path()).unwrap(), &StateLayout::default()).unwrap();
+    opt.restore_from(
+        &Checkpoint::open(dir.path()).unwrap(),
+        &StateLayout::default(),
+    )
+    .unwrap();
     let next = sgd(1.0, &mut opt);
     assert_eq!(next, 0.9);
     assert_ne!(next, 1.0 - 0.1 * (0.9 * 1.0 + 1.0)); // 0.81: what merging gives
@@ -250,7 +366,9 @@ fn incompatible_checkpoints_fail_without_changing_anything() {
     let mut saved = refopt::optimizer_for(&model, &h, 2);
     let mut m = model.clone();
     refopt::step(&mut m, &mut saved, &h, Storage::F32, 1);
-    saved.save(dir.path(), &[], &SaveOptions::default()).unwrap();
+    saved
+        .save(dir.path(), &[], &SaveOptions::default())
+        .unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
 
     let mut live_model = model.clone();
@@ -273,7 +391,10 @@ fn incompatible_checkpoints_fail_without_changing_anything() {
         }
         let snapshot = live.clone();
         let err = live.restore_from(&ck, &StateLayout::default()).unwrap_err();
-        assert!(matches!(err, Error::IncompatibleState { .. }), "{what}: {err}");
+        assert!(
+            matches!(err, Error::IncompatibleState { .. }),
+            "{what}: {err}"
+        );
         assert!(err.to_string().contains(what), "{what}: {err}");
         refopt::state_bit_eq(&live, &snapshot).unwrap();
     }
@@ -292,14 +413,54 @@ fn edit_section(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 fn bad_optimizer_sections_name_parameter_and_state_and_change_nothing() {
     type Edit = fn(&mut serde_json::Value);
     let cases: Vec<(&str, Edit, &str, &str)> = vec![
-        ("missing tensor", |o| o["params"][0]["state"][0]["tensor"] = "nope".into(), "a", "does not hold"),
-        ("shape", |o| o["params"][0]["state"][1]["tensor"] = "optim/b/exp_avg".into(), "a", "fits neither"),
-        ("scale is the codes", |o| o["params"][1]["state"][0]["scale"] = "optim/b/exp_avg".into(), "b", "referenced twice"),
-        ("scale shape", |o| o["params"][1]["state"][0]["scale"] = "optim/b/exp_avg_sq".into(), "b", "must be F32 of shape"),
-        ("codes not f16", |o| o["params"][0]["state"][0]["encoding"] = "f16_scaled".into(), "a", "no scale"),
-        ("overlap", |o| o["groups"][1]["params"] = serde_json::json!(["b", "a"]), "a", "more than one group"),
-        ("unknown param", |o| o["groups"][0]["params"] = serde_json::json!(["a", "q"]), "", "named by"),
-        ("plain with scale", |o| o["params"][0]["state"][0]["scale"] = "optim/a/step".into(), "a", "plain state has a scale"),
+        (
+            "missing tensor",
+            |o| o["params"][0]["state"][0]["tensor"] = "nope".into(),
+            "a",
+            "does not hold",
+        ),
+        (
+            "shape",
+            |o| o["params"][0]["state"][1]["tensor"] = "optim/b/exp_avg".into(),
+            "a",
+            "fits neither",
+        ),
+        (
+            "scale is the codes",
+            |o| o["params"][1]["state"][0]["scale"] = "optim/b/exp_avg".into(),
+            "b",
+            "referenced twice",
+        ),
+        (
+            "scale shape",
+            |o| o["params"][1]["state"][0]["scale"] = "optim/b/exp_avg_sq".into(),
+            "b",
+            "must be F32 of shape",
+        ),
+        (
+            "codes not f16",
+            |o| o["params"][0]["state"][0]["encoding"] = "f16_scaled".into(),
+            "a",
+            "no scale",
+        ),
+        (
+            "overlap",
+            |o| o["groups"][1]["params"] = serde_json::json!(["b", "a"]),
+            "a",
+            "more than one group",
+        ),
+        (
+            "unknown param",
+            |o| o["groups"][0]["params"] = serde_json::json!(["a", "q"]),
+            "",
+            "named by",
+        ),
+        (
+            "plain with scale",
+            |o| o["params"][0]["state"][0]["scale"] = "optim/a/step".into(),
+            "a",
+            "plain state has a scale",
+        ),
     ];
     for (what, edit, param, want) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -310,8 +471,17 @@ fn bad_optimizer_sections_name_parameter_and_state_and_change_nothing() {
         refopt::step(&mut m, &mut saved, &h, Storage::F32, 1);
         // b's exp_avg as F16-scaled, so its state has a scale.
         let x = saved.state["b"]["exp_avg"].to_f32().unwrap();
-        saved.state.get_mut("b").unwrap().insert("exp_avg".into(), StateValue::f16_scaled_from_f32(&[5], &x, ScaleShape::One).unwrap());
-        saved.save(dir.path(), &refopt::model_refs(&model), &SaveOptions::default()).unwrap();
+        saved.state.get_mut("b").unwrap().insert(
+            "exp_avg".into(),
+            StateValue::f16_scaled_from_f32(&[5], &x, ScaleShape::One).unwrap(),
+        );
+        saved
+            .save(
+                dir.path(),
+                &refopt::model_refs(&model),
+                &SaveOptions::default(),
+            )
+            .unwrap();
         edit_section(dir.path(), edit);
         let ck = Checkpoint::open(dir.path()).unwrap();
         let mut live = refopt::optimizer_for(&model, &h, 2);
@@ -321,7 +491,10 @@ fn bad_optimizer_sections_name_parameter_and_state_and_change_nothing() {
         let msg = err.to_string();
         assert!(msg.contains(want), "{what}: {want:?} not in {msg}");
         if !param.is_empty() {
-            assert!(msg.contains(&format!("parameter {param:?}")), "{what}: {msg}");
+            assert!(
+                msg.contains(&format!("parameter {param:?}")),
+                "{what}: {msg}"
+            );
         }
         refopt::state_bit_eq(&live, &snapshot).unwrap();
     }
@@ -331,7 +504,8 @@ fn bad_optimizer_sections_name_parameter_and_state_and_change_nothing() {
 fn damaged_state_bytes_fail_the_restore_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let (model, opt) = fp32_adam();
-    opt.save(dir.path(), &refopt::model_refs(&model), &small_opts()).unwrap();
+    opt.save(dir.path(), &refopt::model_refs(&model), &small_opts())
+        .unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
     let t = ck.info("optim/big/exp_avg_sq").unwrap().clone();
     let file = dir.path().join(&ck.shards()[t.shard].file);
@@ -343,8 +517,13 @@ fn damaged_state_bytes_fail_the_restore_and_change_nothing() {
     let mut live = opt.clone();
     live.state.insert("extra".into(), BTreeMap::new());
     let snapshot = live.clone();
-    let err = live.restore_from(&ck, &f16_layout(ScaleShape::Keep)).unwrap_err();
-    assert!(matches!(err, Error::ChecksumMismatch { ref what, .. } if what.contains("optim/big/exp_avg_sq")), "{err}");
+    let err = live
+        .restore_from(&ck, &f16_layout(ScaleShape::Keep))
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::ChecksumMismatch { ref what, .. } if what.contains("optim/big/exp_avg_sq")),
+        "{err}"
+    );
     assert_eq!(live, snapshot);
 }
 
@@ -352,17 +531,33 @@ fn damaged_state_bytes_fail_the_restore_and_change_nothing() {
 fn checkpoint_without_optimizer_section_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let v = [1f32];
-    ckptstore::save(dir.path(), &[ckptstore::TensorRef::from_slice("w", &[1], &v)], &SaveOptions::default()).unwrap();
-    let err = Checkpoint::open(dir.path()).unwrap().load_optimizer(&StateLayout::default()).unwrap_err();
+    ckptstore::save(
+        dir.path(),
+        &[ckptstore::TensorRef::from_slice("w", &[1], &v)],
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let err = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_optimizer(&StateLayout::default())
+        .unwrap_err();
     assert!(err.to_string().contains("no optimizer state"), "{err}");
 }
 
 #[test]
 fn orphan_state_is_refused_at_save() {
     let dir = tempfile::tempdir().unwrap();
-    let mut opt = OptimizerState::new(vec![ParamGroup { params: vec![ParamSpec::new("p", &[2])], hyper: Default::default() }]);
-    opt.state.insert("q".into(), [("m".to_string(), StateValue::Plain(Tensor::scalar_f32(1.0)))].into());
-    let err = opt.save(dir.path(), &[], &SaveOptions::default()).unwrap_err();
+    let mut opt = OptimizerState::new(vec![ParamGroup {
+        params: vec![ParamSpec::new("p", &[2])],
+        hyper: Default::default(),
+    }]);
+    opt.state.insert(
+        "q".into(),
+        [("m".to_string(), StateValue::Plain(Tensor::scalar_f32(1.0)))].into(),
+    );
+    let err = opt
+        .save(dir.path(), &[], &SaveOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("no group names"), "{err}");
     assert!(!dir.path().join("ckpt-manifest.json").exists());
 }

@@ -18,8 +18,14 @@ enum Layout {
     OneLarge,
 }
 
-const LAYOUTS: [Layout; 6] =
-    [Layout::Scalar, Layout::OneD, Layout::TwoD, Layout::NonContiguous, Layout::ManySmall, Layout::OneLarge];
+const LAYOUTS: [Layout; 6] = [
+    Layout::Scalar,
+    Layout::OneD,
+    Layout::TwoD,
+    Layout::NonContiguous,
+    Layout::ManySmall,
+    Layout::OneLarge,
+];
 
 fn model_for(layout: Layout) -> Model {
     match layout {
@@ -29,8 +35,11 @@ fn model_for(layout: Layout) -> Model {
         Layout::NonContiguous => Model::new(&[("t", &[24, 40])]),
         Layout::ManySmall => {
             let names: Vec<String> = (0..200).map(|i| format!("layer{i:03}.w")).collect();
-            let specs: Vec<(&str, &[u64])> =
-                names.iter().enumerate().map(|(i, n)| (n.as_str(), if i % 2 == 0 { &[3][..] } else { &[2, 2][..] })).collect();
+            let specs: Vec<(&str, &[u64])> = names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.as_str(), if i % 2 == 0 { &[3][..] } else { &[2, 2][..] }))
+                .collect();
             Model::new(&specs)
         }
         Layout::OneLarge => Model::new(&[("big", &[1 << 18])]),
@@ -39,15 +48,34 @@ fn model_for(layout: Layout) -> Model {
 
 /// Save the model's parameters; the non-contiguous layout keeps its parameter as the
 /// transpose of a column-major backing buffer and hands the writer a strided view.
-fn save(model: &Model, opt: &ckptstore::optim::OptimizerState, layout: Layout, dir: &std::path::Path) -> usize {
-    let total: u64 = model.params.values().map(|(_, v)| v.len() as u64 * 12).sum();
-    let opts = SaveOptions { max_shard_size: (total / 4).max(1), ..Default::default() };
+fn save(
+    model: &Model,
+    opt: &ckptstore::optim::OptimizerState,
+    layout: Layout,
+    dir: &std::path::Path,
+) -> usize {
+    let total: u64 = model
+        .params
+        .values()
+        .map(|(_, v)| v.len() as u64 * 12)
+        .sum();
+    let opts = SaveOptions {
+        max_shard_size: (total / 4).max(1),
+        ..Default::default()
+    };
     let backing: Vec<f32>;
     let refs: Vec<TensorRef<'_>> = if layout == Layout::NonContiguous {
         let (shape, v) = &model.params["t"];
         let (r, c) = (shape[0] as usize, shape[1] as usize);
         backing = (0..r * c).map(|k| v[(k % r) * c + k / r]).collect();
-        vec![TensorRef::strided("t", DType::F32, shape, &[1, r as u64], 0, bytemuck::cast_slice(&backing))]
+        vec![TensorRef::strided(
+            "t",
+            DType::F32,
+            shape,
+            &[1, r as u64],
+            0,
+            bytemuck::cast_slice(&backing),
+        )]
     } else {
         refopt::model_refs(model)
     };
@@ -64,7 +92,10 @@ fn run(kind: Kind, storage: Storage, layout: Layout) {
     }
     let dir = tempfile::tempdir().unwrap();
     let shards = save(&model, &opt, layout, dir.path());
-    assert!(shards >= 2, "{kind:?} {storage:?} {layout:?}: only {shards} shard");
+    assert!(
+        shards >= 2,
+        "{kind:?} {storage:?} {layout:?}: only {shards} shard"
+    );
 
     let ck = Checkpoint::open(dir.path()).unwrap();
     let mut restored = refopt::optimizer_for(&model, &h, 1 + (layout as usize % 2));
@@ -77,8 +108,12 @@ fn run(kind: Kind, storage: Storage, layout: Layout) {
         refopt::step(&mut model, &mut opt, &h, storage, s);
         refopt::step(&mut rmodel, &mut restored, &h, storage, s);
     }
-    assert_eq!(rmodel, model, "{kind:?} {storage:?} {layout:?}: parameters diverged");
-    refopt::state_bit_eq(&restored, &opt).unwrap_or_else(|e| panic!("{kind:?} {storage:?} {layout:?}: {e}"));
+    assert_eq!(
+        rmodel, model,
+        "{kind:?} {storage:?} {layout:?}: parameters diverged"
+    );
+    refopt::state_bit_eq(&restored, &opt)
+        .unwrap_or_else(|e| panic!("{kind:?} {storage:?} {layout:?}: {e}"));
 }
 
 #[test]

@@ -37,7 +37,12 @@ fn case() -> impl Strategy<Value = Case> {
             })
             .collect();
         let transposed = transposed && shape.len() >= 2;
-        Case { dtype, shape, bytes, transposed }
+        Case {
+            dtype,
+            shape,
+            bytes,
+            transposed,
+        }
     })
 }
 
@@ -157,10 +162,16 @@ fn zero_dim_and_empty_keep_exact_shapes() {
     save(dir.path(), &tensors, &SaveOptions::default()).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(ck.tensor("scalar").unwrap().shape(), &[] as &[u64]);
-    assert_eq!(ck.tensor("scalar").unwrap().as_slice::<f32>().unwrap(), &[3.5]);
+    assert_eq!(
+        ck.tensor("scalar").unwrap().as_slice::<f32>().unwrap(),
+        &[3.5]
+    );
     assert_eq!(ck.tensor("one").unwrap().shape(), &[1]);
     assert_eq!(ck.tensor("empty").unwrap().shape(), &[0, 7]);
-    assert_eq!(ck.tensor("empty").unwrap().as_slice::<f32>().unwrap().len(), 0);
+    assert_eq!(
+        ck.tensor("empty").unwrap().as_slice::<f32>().unwrap().len(),
+        0
+    );
     assert_eq!(ck.tensor("empty1").unwrap().shape(), &[0]);
     ck.verify().unwrap();
 }
@@ -176,8 +187,14 @@ fn strided_with_offset_and_broadcast_gathers() {
     let bc = TensorRef::strided("bc", DType::I32, &[3, 2], &[0, 1], 7, bytes);
     save(dir.path(), &[col, bc], &SaveOptions::default()).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
-    assert_eq!(ck.tensor("col").unwrap().as_slice::<i32>().unwrap(), &[1, 6, 11, 16]);
-    assert_eq!(ck.tensor("bc").unwrap().as_slice::<i32>().unwrap(), &[7, 8, 7, 8, 7, 8]);
+    assert_eq!(
+        ck.tensor("col").unwrap().as_slice::<i32>().unwrap(),
+        &[1, 6, 11, 16]
+    );
+    assert_eq!(
+        ck.tensor("bc").unwrap().as_slice::<i32>().unwrap(),
+        &[7, 8, 7, 8, 7, 8]
+    );
 }
 
 #[test]
@@ -187,12 +204,40 @@ fn invalid_inputs_are_rejected_before_touching_disk() {
     let bytes: &[u8] = bytemuck::cast_slice(&v);
     let cases: Vec<(Vec<TensorRef<'_>>, &str)> = vec![
         (vec![TensorRef::from_slice("a", &[3], &v)], "needs 12 bytes"),
-        (vec![TensorRef::from_slice("a", &[2], &v), TensorRef::from_slice("a", &[2], &v)], "given twice"),
-        (vec![TensorRef::from_slice("", &[2], &v)], "empty tensor name"),
-        (vec![TensorRef::from_slice("__metadata__", &[2], &v)], "reserved"),
-        (vec![TensorRef::strided("s", DType::F32, &[2, 2], &[2, 1], 0, bytes)], "reaches element"),
-        (vec![TensorRef::strided("s", DType::F32, &[2], &[1, 1], 0, bytes)], "strides for"),
-        (vec![TensorRef::new("s", DType::F32, &[u64::MAX, 2], bytes)], "overflows"),
+        (
+            vec![
+                TensorRef::from_slice("a", &[2], &v),
+                TensorRef::from_slice("a", &[2], &v),
+            ],
+            "given twice",
+        ),
+        (
+            vec![TensorRef::from_slice("", &[2], &v)],
+            "empty tensor name",
+        ),
+        (
+            vec![TensorRef::from_slice("__metadata__", &[2], &v)],
+            "reserved",
+        ),
+        (
+            vec![TensorRef::strided(
+                "s",
+                DType::F32,
+                &[2, 2],
+                &[2, 1],
+                0,
+                bytes,
+            )],
+            "reaches element",
+        ),
+        (
+            vec![TensorRef::strided("s", DType::F32, &[2], &[1, 1], 0, bytes)],
+            "strides for",
+        ),
+        (
+            vec![TensorRef::new("s", DType::F32, &[u64::MAX, 2], bytes)],
+            "overflows",
+        ),
     ];
     for (t, want) in cases {
         let err = save(dir.path().join("x"), &t, &SaveOptions::default()).unwrap_err();
@@ -208,10 +253,19 @@ fn in_memory_checkpoint_from_parts() {
     // Core types are generic over storage: rebuild a checkpoint from Vec<u8> buffers.
     let dir = tempfile::tempdir().unwrap();
     let v: Vec<f64> = (0..100).map(|i| i as f64 * 0.5).collect();
-    save(dir.path(), &[TensorRef::from_slice("v", &[10, 10], &v)], &SaveOptions::default()).unwrap();
+    save(
+        dir.path(),
+        &[TensorRef::from_slice("v", &[10, 10], &v)],
+        &SaveOptions::default(),
+    )
+    .unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
     let manifest = std::fs::read(dir.path().join("ckpt-manifest.json")).unwrap();
-    let shards: Vec<Vec<u8>> = ck.shards().iter().map(|s| std::fs::read(dir.path().join(&s.file)).unwrap()).collect();
+    let shards: Vec<Vec<u8>> = ck
+        .shards()
+        .iter()
+        .map(|s| std::fs::read(dir.path().join(&s.file)).unwrap())
+        .collect();
     let mem = Checkpoint::from_parts(&manifest, shards).unwrap();
     assert_eq!(mem.tensor("v").unwrap().as_slice::<f64>().unwrap(), &v[..]);
     mem.verify().unwrap();

@@ -105,16 +105,18 @@ pub fn f32_to_f16_scaled(src: &[f32], dst: &mut [f16]) -> Result<f32, ScaleError
 /// `dst[i] = f16(src[i] * r)`, rayon-parallel, with F16C where the CPU has it.
 pub fn f32_mul_to_f16(src: &[f32], r: f32, dst: &mut [f16]) {
     assert_eq!(src.len(), dst.len());
-    dst.par_chunks_mut(PAR_CHUNK).zip(src.par_chunks(PAR_CHUNK)).for_each(|(d, s)| {
-        let mut buf = [0f32; BLOCK];
-        for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
-            let b = &mut buf[..sc.len()];
-            for (o, &v) in b.iter_mut().zip(sc) {
-                *o = v * r;
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, s)| {
+            let mut buf = [0f32; BLOCK];
+            for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
+                let b = &mut buf[..sc.len()];
+                for (o, &v) in b.iter_mut().zip(sc) {
+                    *o = v * r;
+                }
+                dc.convert_from_f32_slice(b);
             }
-            dc.convert_from_f32_slice(b);
-        }
-    });
+        });
 }
 
 /// Plain FP32 -> FP16 (no scale), rayon-parallel: the baseline kernel for benchmarks.
@@ -128,12 +130,14 @@ pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
 /// `dst[i] = f32(q[i]) * s`.
 pub fn f16_scaled_to_f32(q: &[f16], s: f32, dst: &mut [f32]) {
     assert_eq!(q.len(), dst.len());
-    dst.par_chunks_mut(PAR_CHUNK).zip(q.par_chunks(PAR_CHUNK)).for_each(|(d, q)| {
-        q.convert_to_f32_slice(d);
-        for v in d.iter_mut() {
-            *v *= s;
-        }
-    });
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(q.par_chunks(PAR_CHUNK))
+        .for_each(|(d, q)| {
+            q.convert_to_f32_slice(d);
+            for v in d.iter_mut() {
+                *v *= s;
+            }
+        });
 }
 
 /// `dst[i] = bf16(src[i])`, round to nearest even; NaN stays NaN, infinities stay.
@@ -163,17 +167,38 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
 /// `dst[i] = bf16(f32(q[i]) * s)`.
 pub fn f16_scaled_to_bf16(q: &[f16], s: f32, dst: &mut [bf16]) {
     assert_eq!(q.len(), dst.len());
-    dst.par_chunks_mut(PAR_CHUNK).zip(q.par_chunks(PAR_CHUNK)).for_each(|(d, q)| {
-        let mut buf = [0f32; BLOCK];
-        for (dc, qc) in d.chunks_mut(BLOCK).zip(q.chunks(BLOCK)) {
-            let b = &mut buf[..qc.len()];
-            qc.convert_to_f32_slice(b);
-            for v in b.iter_mut() {
-                *v *= s;
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(q.par_chunks(PAR_CHUNK))
+        .for_each(|(d, q)| {
+            let mut buf = [0f32; BLOCK];
+            for (dc, qc) in d.chunks_mut(BLOCK).zip(q.chunks(BLOCK)) {
+                let b = &mut buf[..qc.len()];
+                qc.convert_to_f32_slice(b);
+                for v in b.iter_mut() {
+                    *v *= s;
+                }
+                dc.convert_from_f32_slice(b);
             }
-            dc.convert_from_f32_slice(b);
+        });
+}
+
+/// `bf16(x)` for an `f64`, correctly rounded to nearest even (no double rounding): the
+/// value is first rounded to `f32` by round-to-odd, which is exact enough for a second
+/// rounding to the 8-bit BF16 significand to be correct.
+pub fn f64_to_bf16(x: f64) -> bf16 {
+    if !x.is_finite() {
+        return bf16::from_f32(x as f32);
+    }
+    let t = x as f32; // round to nearest
+    let mut bits = t.to_bits();
+    if t.is_finite() && t as f64 != x {
+        // Round toward zero, then set the lowest bit: round-to-odd.
+        if (t as f64).abs() > x.abs() {
+            bits -= 1;
         }
-    });
+        bits |= 1;
+    }
+    bf16::from_f32(f32::from_bits(bits))
 }
 
 /// Parallel copy (the memcpy baseline, and exact same-dtype loads).
@@ -260,7 +285,10 @@ mod tests {
             Ok((rq, rs)) => {
                 let s = got.expect("kernel failed where the reference succeeded");
                 assert_eq!(s.to_bits(), rs.to_bits());
-                assert_eq!(q.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), rq.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+                assert_eq!(
+                    q.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    rq.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
                 // Round trip back stays within half an FP16 ulp of scaled magnitude.
                 let mut back = vec![0f32; x.len()];
                 f16_scaled_to_f32(&q, s, &mut back);
@@ -280,8 +308,14 @@ mod tests {
         check_scaled(&[1e-40, -2e-41]); // subnormal absmax: 1/s overflows -> error
         check_scaled(&[1e-30, 0.0]);
         let mut q = [f16::ZERO; 2];
-        assert_eq!(f32_to_f16_scaled(&[1.0, f32::NAN], &mut q), Err(ScaleError::NonFinite));
-        assert_eq!(f32_to_f16_scaled(&[1.0, f32::NEG_INFINITY], &mut q), Err(ScaleError::NonFinite));
+        assert_eq!(
+            f32_to_f16_scaled(&[1.0, f32::NAN], &mut q),
+            Err(ScaleError::NonFinite)
+        );
+        assert_eq!(
+            f32_to_f16_scaled(&[1.0, f32::NEG_INFINITY], &mut q),
+            Err(ScaleError::NonFinite)
+        );
         // All-zero input: s = 0, r = 0, q all +0.
         let s = f32_to_f16_scaled(&[0.0, -0.0], &mut q).unwrap();
         assert_eq!(s, 0.0);
@@ -295,7 +329,14 @@ mod tests {
     #[test]
     fn bf16_specials_match_reference() {
         let mut x = special();
-        x.extend([f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000)]);
+        x.extend([
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+        ]);
         let mut d = vec![bf16::ZERO; x.len()];
         f32_to_bf16(&x, &mut d);
         let r = reference::f32_to_bf16(&x);
@@ -353,8 +394,36 @@ mod tests {
     }
 
     #[test]
+    fn f64_to_bf16_is_correctly_rounded() {
+        // 1 + 2^-8 + 2^-40 is just above the tie between 1 and 1 + 2^-7: must round up.
+        // Rounding through f32 first would give exactly the tie and round down to even.
+        let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+        assert_eq!(f64_to_bf16(x).to_bits(), 0x3f81);
+        assert_eq!(f64_to_bf16(1.0 + 2f64.powi(-8)).to_bits(), 0x3f80);
+        assert_eq!(f64_to_bf16(-2.5).to_f32(), -2.5);
+        assert!(f64_to_bf16(f64::NAN).is_nan());
+        assert_eq!(f64_to_bf16(f64::INFINITY).to_f32(), f32::INFINITY);
+        assert_eq!(f64_to_bf16(1e300).to_f32(), f32::INFINITY);
+    }
+
+    proptest! {
+        #[test]
+        fn f64_to_bf16_matches_exact_rounding(x in -1e30f64..1e30) {
+            // Exact reference: compare the two bf16 neighbours in f64.
+            let got = f64_to_bf16(x);
+            let g = got.to_f64();
+            let up = bf16::from_bits(got.to_bits().wrapping_add(1)).to_f64();
+            let down = bf16::from_bits(got.to_bits().wrapping_sub(1)).to_f64();
+            let err = (g - x).abs();
+            prop_assert!(err <= (up - x).abs() && err <= (down - x).abs());
+        }
+    }
+
+    #[test]
     fn large_inputs_are_chunk_independent() {
-        let x: Vec<f32> = (0..(3 * PAR_CHUNK + 17)).map(|i| ((i as f32) * 0.37).sin() * 100.0).collect();
+        let x: Vec<f32> = (0..(3 * PAR_CHUNK + 17))
+            .map(|i| ((i as f32) * 0.37).sin() * 100.0)
+            .collect();
         check_scaled(&x);
     }
 }

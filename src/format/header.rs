@@ -110,7 +110,12 @@ pub fn parse(file: &[u8]) -> Result<Header, String> {
     let prefix: [u8; 8] = file
         .get(..8)
         .and_then(|b| b.try_into().ok())
-        .ok_or_else(|| format!("file is {} bytes, shorter than the 8-byte header length", file.len()))?;
+        .ok_or_else(|| {
+            format!(
+                "file is {} bytes, shorter than the 8-byte header length",
+                file.len()
+            )
+        })?;
     let header_size = u64::from_le_bytes(prefix);
     if header_size > MAX_HEADER_SIZE {
         return Err(format!(
@@ -121,7 +126,9 @@ pub fn parse(file: &[u8]) -> Result<Header, String> {
     let data_start = 8u64
         .checked_add(header_size)
         .filter(|&e| e <= file_len)
-        .ok_or_else(|| format!("header length {header_size} runs past the end of the {file_len}-byte file"))?;
+        .ok_or_else(|| {
+            format!("header length {header_size} runs past the end of the {file_len}-byte file")
+        })?;
     // data_start <= file.len(), so these conversions and slices are in bounds.
     let json = file
         .get(8..data_start as usize)
@@ -129,8 +136,7 @@ pub fn parse(file: &[u8]) -> Result<Header, String> {
     if json.first() != Some(&b'{') {
         return Err("header JSON does not start with '{'".into());
     }
-    let raw: RawHeader =
-        serde_json::from_slice(json).map_err(|e| format!("header JSON: {e}"))?;
+    let raw: RawHeader = serde_json::from_slice(json).map_err(|e| format!("header JSON: {e}"))?;
     let data_len = file_len - data_start;
 
     let mut metadata = BTreeMap::new();
@@ -152,7 +158,9 @@ pub fn parse(file: &[u8]) -> Result<Header, String> {
                     .ok_or_else(|| format!("tensor {name:?}: shape {:?} overflows", e.shape))?;
                 let [b, end] = e.data_offsets;
                 if b > end {
-                    return Err(format!("tensor {name:?}: inverted data_offsets [{b}, {end}]"));
+                    return Err(format!(
+                        "tensor {name:?}: inverted data_offsets [{b}, {end}]"
+                    ));
                 }
                 if end > data_len {
                     return Err(format!(
@@ -166,12 +174,21 @@ pub fn parse(file: &[u8]) -> Result<Header, String> {
                         e.shape
                     ));
                 }
-                tensors.push(HeaderEntry { name, dtype, shape: e.shape, data_offsets: e.data_offsets });
+                tensors.push(HeaderEntry {
+                    name,
+                    dtype,
+                    shape: e.shape,
+                    data_offsets: e.data_offsets,
+                });
             }
         }
     }
     check_tiling(&tensors, data_len)?;
-    Ok(Header { header_size, tensors, metadata })
+    Ok(Header {
+        header_size,
+        tensors,
+        metadata,
+    })
 }
 
 /// The tensors, sorted by offset, must cover `[0, data_len)` exactly.
@@ -182,15 +199,25 @@ fn check_tiling(tensors: &[HeaderEntry], data_len: u64) -> Result<(), String> {
     for e in order {
         let [b, end] = e.data_offsets;
         if b < pos {
-            return Err(format!("tensor {:?}: data_offsets [{b}, {end}] overlap the previous tensor", e.name));
+            return Err(format!(
+                "tensor {:?}: data_offsets [{b}, {end}] overlap the previous tensor",
+                e.name
+            ));
         }
         if b > pos {
-            return Err(format!("gap of {} bytes before tensor {:?} at data offset {pos}", b - pos, e.name));
+            return Err(format!(
+                "gap of {} bytes before tensor {:?} at data offset {pos}",
+                b - pos,
+                e.name
+            ));
         }
         pos = end;
     }
     if pos != data_len {
-        return Err(format!("{} trailing bytes after the last tensor", data_len - pos));
+        return Err(format!(
+            "{} trailing bytes after the last tensor",
+            data_len - pos
+        ));
     }
     Ok(())
 }
@@ -234,9 +261,24 @@ mod tests {
     #[test]
     fn emit_then_parse() {
         let entries = vec![
-            HeaderEntry { name: "a".into(), dtype: DType::F32, shape: vec![2], data_offsets: [0, 8] },
-            HeaderEntry { name: "s".into(), dtype: DType::I64, shape: vec![], data_offsets: [8, 16] },
-            HeaderEntry { name: "e".into(), dtype: DType::F16, shape: vec![0, 3], data_offsets: [16, 16] },
+            HeaderEntry {
+                name: "a".into(),
+                dtype: DType::F32,
+                shape: vec![2],
+                data_offsets: [0, 8],
+            },
+            HeaderEntry {
+                name: "s".into(),
+                dtype: DType::I64,
+                shape: vec![],
+                data_offsets: [8, 16],
+            },
+            HeaderEntry {
+                name: "e".into(),
+                dtype: DType::F16,
+                shape: vec![0, 3],
+                data_offsets: [16, 16],
+            },
         ];
         let meta: BTreeMap<_, _> = [("k".to_string(), "v".to_string())].into();
         let mut bytes = emit(&entries, &meta);
@@ -253,18 +295,82 @@ mod tests {
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (u64::MAX.to_le_bytes().to_vec(), "cap"),
             (vec![1, 2, 3], "shorter"),
-            (file("", b"")[..8].iter().chain(b"").copied().collect(), "start with"),
-            ({ let mut v = 50u64.to_le_bytes().to_vec(); v.extend(b"{}"); v }, "past the end"),
+            (
+                file("", b"")[..8].iter().chain(b"").copied().collect(),
+                "start with",
+            ),
+            (
+                {
+                    let mut v = 50u64.to_le_bytes().to_vec();
+                    v.extend(b"{}");
+                    v
+                },
+                "past the end",
+            ),
             (file("[]", b""), "start with"),
-            (file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, &[0; 8]), "duplicate key"),
-            (file(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, &[0; 8]), "overlap"),
-            (file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}"#, &[0; 4]), "inverted"),
-            (file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, &[0; 2]), "past the"),
-            (file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, &[0; 8]), "gap"),
-            (file(r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}}"#, &[0; 4]), "overflows"),
-            (file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, &[0; 5]), "trailing"),
-            (file(r#"{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}}"#, &[0; 4]), "unknown dtype"),
-            (file(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#, &[0; 4]), "needs 8"),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                    &[0; 8],
+                ),
+                "duplicate key",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                    &[0; 8],
+                ),
+                "overlap",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}"#,
+                    &[0; 4],
+                ),
+                "inverted",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                    &[0; 2],
+                ),
+                "past the",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                    &[0; 8],
+                ),
+                "gap",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}}"#,
+                    &[0; 4],
+                ),
+                "overflows",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                    &[0; 5],
+                ),
+                "trailing",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}}"#,
+                    &[0; 4],
+                ),
+                "unknown dtype",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+                    &[0; 4],
+                ),
+                "needs 8",
+            ),
         ];
         for (bytes, want) in cases {
             let err = parse(&bytes).expect_err(want);

@@ -156,7 +156,7 @@ pub enum DecodeError {
         /// Computed now.
         got: u32,
     },
-    /// The version is newer than this reader.
+    /// The version is not one this reader knows.
     Version(u64),
     /// A required feature is unknown.
     Feature(String),
@@ -180,17 +180,25 @@ pub enum DecodeError {
 pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
     use DecodeError::Invalid;
     if bytes.len() as u64 > MAX_MANIFEST_SIZE {
-        return Err(Invalid(format!("{} bytes exceed the {MAX_MANIFEST_SIZE}-byte cap", bytes.len())));
+        return Err(Invalid(format!(
+            "{} bytes exceed the {MAX_MANIFEST_SIZE}-byte cap",
+            bytes.len()
+        )));
     }
-    let split = bytes
-        .len()
-        .checked_sub(TRAILER_LEN)
-        .ok_or_else(|| Invalid(format!("{} bytes is too short to hold the CRC trailer", bytes.len())))?;
+    let split = bytes.len().checked_sub(TRAILER_LEN).ok_or_else(|| {
+        Invalid(format!(
+            "{} bytes is too short to hold the CRC trailer",
+            bytes.len()
+        ))
+    })?;
     let (body, trailer) = bytes.split_at(split);
     let hex = trailer
         .strip_prefix(TRAILER_HEAD)
         .and_then(|t| t.strip_suffix(b"\"}\n"))
-        .filter(|h| h.iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c)))
+        .filter(|h| {
+            h.iter()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+        })
         .ok_or_else(|| Invalid("missing or malformed manifest_crc32 trailer".into()))?;
     let expected = std::str::from_utf8(hex)
         .ok()
@@ -203,7 +211,7 @@ pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
     if body.first() != Some(&b'{') {
         return Err(Invalid("does not start with '{'".into()));
     }
-    // Peek at format and version first, so a newer version gets its own error even if
+    // Peek at format and version first, so another version gets its own error even if
     // its fields have changed shape.
     #[derive(Deserialize)]
     struct Head {
@@ -214,15 +222,31 @@ pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
     }
     let head: Head = serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
     if head.format != FORMAT_NAME {
-        return Err(Invalid(format!("format is {:?}, expected {FORMAT_NAME:?}", head.format)));
+        return Err(Invalid(format!(
+            "format is {:?}, expected {FORMAT_NAME:?}",
+            head.format
+        )));
     }
     if head.version != VERSION {
         return Err(DecodeError::Version(head.version));
     }
-    if let Some(f) = head.features.iter().find(|f| !KNOWN_FEATURES.contains(&f.as_str())) {
+    if let Some(f) = head
+        .features
+        .iter()
+        .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
+    {
         return Err(DecodeError::Feature(f.clone()));
     }
     let m: Manifest = serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
+    let mut seen = std::collections::HashSet::new();
+    if let Some(f) = m.features.iter().find(|f| !seen.insert(f.as_str())) {
+        return Err(Invalid(format!("feature {f:?} is listed twice")));
+    }
+    if m.optimizer.is_some() != m.features.iter().any(|f| f == "optimizer") {
+        return Err(Invalid(
+            "the \"optimizer\" feature and the optimizer section must come together".into(),
+        ));
+    }
     validate(&m).map_err(Invalid)?;
     Ok(m)
 }
@@ -239,19 +263,35 @@ pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("shard file name {name:?} is not a plain file name inside the checkpoint directory"))
+        Err(format!(
+            "shard file name {name:?} is not a plain file name inside the checkpoint directory"
+        ))
     }
 }
 
 fn validate(m: &Manifest) -> Result<(), String> {
-    if m.checkpoint_id.len() != 32 || !m.checkpoint_id.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)) {
-        return Err(format!("checkpoint_id {:?} is not 32 lowercase hex digits", m.checkpoint_id));
+    if m.checkpoint_id.len() != 32
+        || !m
+            .checkpoint_id
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+    {
+        return Err(format!(
+            "checkpoint_id {:?} is not 32 lowercase hex digits",
+            m.checkpoint_id
+        ));
     }
     if m.shards.len() > MAX_SHARDS {
-        return Err(format!("{} shards exceed the limit of {MAX_SHARDS}", m.shards.len()));
+        return Err(format!(
+            "{} shards exceed the limit of {MAX_SHARDS}",
+            m.shards.len()
+        ));
     }
     if m.tensors.len() > MAX_TENSORS {
-        return Err(format!("{} tensors exceed the limit of {MAX_TENSORS}", m.tensors.len()));
+        return Err(format!(
+            "{} tensors exceed the limit of {MAX_TENSORS}",
+            m.tensors.len()
+        ));
     }
     if !m.metadata.is_object() {
         return Err("metadata is not a JSON object".into());
@@ -262,9 +302,15 @@ fn validate(m: &Manifest) -> Result<(), String> {
         if !files.insert(s.file.as_str()) {
             return Err(format!("shard {i}: file {:?} is listed twice", s.file));
         }
-        let data_start = s.header_size.checked_add(8).filter(|&d| d <= s.size && s.header_size <= super::MAX_HEADER_SIZE);
+        let data_start = s
+            .header_size
+            .checked_add(8)
+            .filter(|&d| d <= s.size && s.header_size <= super::MAX_HEADER_SIZE);
         if data_start.is_none() {
-            return Err(format!("shard {i} ({}): header_size {} does not fit size {}", s.file, s.header_size, s.size));
+            return Err(format!(
+                "shard {i} ({}): header_size {} does not fit size {}",
+                s.file, s.header_size, s.size
+            ));
         }
     }
     let mut names = std::collections::HashSet::with_capacity(m.tensors.len());
@@ -276,13 +322,24 @@ fn validate(m: &Manifest) -> Result<(), String> {
             return Err(format!("tensor {:?} is listed twice", t.name));
         }
         let shard = m.shards.get(t.shard).ok_or_else(|| {
-            format!("tensor {:?}: shard index {} out of range ({} shards)", t.name, t.shard, m.shards.len())
+            format!(
+                "tensor {:?}: shard index {} out of range ({} shards)",
+                t.name,
+                t.shard,
+                m.shards.len()
+            )
         })?;
-        let dtype = DType::from_name(&t.dtype).ok_or_else(|| format!("tensor {:?}: unknown dtype {:?}", t.name, t.dtype))?;
+        let dtype = DType::from_name(&t.dtype)
+            .ok_or_else(|| format!("tensor {:?}: unknown dtype {:?}", t.name, t.dtype))?;
         if t.shape.len() > MAX_RANK {
-            return Err(format!("tensor {:?}: rank {} exceeds {MAX_RANK}", t.name, t.shape.len()));
+            return Err(format!(
+                "tensor {:?}: rank {} exceeds {MAX_RANK}",
+                t.name,
+                t.shape.len()
+            ));
         }
-        let nbytes = checked_nbytes(dtype, &t.shape).ok_or_else(|| format!("tensor {:?}: shape {:?} overflows", t.name, t.shape))?;
+        let nbytes = checked_nbytes(dtype, &t.shape)
+            .ok_or_else(|| format!("tensor {:?}: shape {:?} overflows", t.name, t.shape))?;
         let [b, e] = t.offsets;
         let data_start = shard.header_size + 8; // checked above
         if b > e || e - b != nbytes || b < data_start || e > shard.size {
@@ -292,7 +349,11 @@ fn validate(m: &Manifest) -> Result<(), String> {
             ));
         }
         if b % dtype.size() as u64 != 0 {
-            return Err(format!("tensor {:?}: offset {b} is not a multiple of its {}-byte element size", t.name, dtype.size()));
+            return Err(format!(
+                "tensor {:?}: offset {b} is not a multiple of its {}-byte element size",
+                t.name,
+                dtype.size()
+            ));
         }
         if let Some(r) = ranges.get_mut(t.shard) {
             r.push((b, e, i));
@@ -322,10 +383,29 @@ mod tests {
             version: VERSION,
             features: vec![],
             checkpoint_id: "0123456789abcdef0123456789abcdef".into(),
-            shards: vec![ShardEntry { file: "s0.safetensors".into(), size: 8 + 64 + 12, header_size: 64, header_crc32: 7 }],
+            shards: vec![ShardEntry {
+                file: "s0.safetensors".into(),
+                size: 8 + 64 + 12,
+                header_size: 64,
+                header_crc32: 7,
+            }],
             tensors: vec![
-                TensorEntry { name: "a".into(), shard: 0, dtype: "F32".into(), shape: vec![2], offsets: [72, 80], crc32: 1 },
-                TensorEntry { name: "b".into(), shard: 0, dtype: "I32".into(), shape: vec![], offsets: [80, 84], crc32: 2 },
+                TensorEntry {
+                    name: "a".into(),
+                    shard: 0,
+                    dtype: "F32".into(),
+                    shape: vec![2],
+                    offsets: [72, 80],
+                    crc32: 1,
+                },
+                TensorEntry {
+                    name: "b".into(),
+                    shard: 0,
+                    dtype: "I32".into(),
+                    shape: vec![],
+                    offsets: [80, 84],
+                    crc32: 2,
+                },
             ],
             metadata: serde_json::json!({"step": 3}),
             optimizer: None,
@@ -354,13 +434,23 @@ mod tests {
 
     #[test]
     fn rejects_bad_contents() {
-        let cases: Vec<(fn(&mut Manifest), &str)> = vec![
+        type Edit = fn(&mut Manifest);
+        let cases: Vec<(Edit, &str)> = vec![
             (|m| m.shards[0].file = "../x".into(), "plain file name"),
-            (|m| m.shards[0].file = "/etc/passwd".into(), "plain file name"),
+            (
+                |m| m.shards[0].file = "/etc/passwd".into(),
+                "plain file name",
+            ),
             (|m| m.shards[0].file = "a\0b".into(), "plain file name"),
             (|m| m.tensors[1].name = "a".into(), "listed twice"),
             (|m| m.tensors[1].offsets = [76, 80], "overlap"),
-            (|m| { m.shards[0].size = 96; m.tensors[1].offsets = [82, 86] }, "multiple"),
+            (
+                |m| {
+                    m.shards[0].size = 96;
+                    m.tensors[1].offsets = [82, 86]
+                },
+                "multiple",
+            ),
             (|m| m.tensors[0].offsets = [0, 8], "data section"),
             (|m| m.tensors[0].shard = 5, "out of range"),
             (|m| m.tensors[0].shape = vec![u64::MAX, 4], "overflows"),

@@ -79,7 +79,10 @@ pub struct StateLayout {
 impl StateLayout {
     /// A layout whose default target is `t`.
     pub fn with_default(t: Target) -> Self {
-        StateLayout { default: t, ..Default::default() }
+        StateLayout {
+            default: t,
+            ..Default::default()
+        }
     }
 
     /// Set the target of every state named `state`.
@@ -89,7 +92,12 @@ impl StateLayout {
     }
 
     /// Set the target of one parameter's state.
-    pub fn param_state(mut self, param: impl Into<String>, state: impl Into<String>, t: Target) -> Self {
+    pub fn param_state(
+        mut self,
+        param: impl Into<String>,
+        state: impl Into<String>,
+        t: Target,
+    ) -> Self {
         self.params.insert((param.into(), state.into()), t);
         self
     }
@@ -108,7 +116,10 @@ impl StateLayout {
 
 enum Source<'a> {
     Plain(&'a TensorInfo),
-    Scaled { q: &'a TensorInfo, scale: &'a TensorInfo },
+    Scaled {
+        q: &'a TensorInfo,
+        scale: &'a TensorInfo,
+    },
 }
 
 struct Job<'a> {
@@ -136,34 +147,60 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .and_then(|m| m.optimizer.as_ref())
             .ok_or_else(|| Error::optim("", "", "the checkpoint holds no optimizer state"))?;
         validate_section(sec, self)?;
-        let shapes: HashMap<&str, &[u64]> = sec.params.iter().map(|p| (p.name.as_str(), p.shape.as_slice())).collect();
+        let shapes: HashMap<&str, &[u64]> = sec
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p.shape.as_slice()))
+            .collect();
         let mut jobs = Vec::new();
         for p in &sec.params {
             for s in &p.state {
                 // Validated above: every tensor exists.
                 let source = match (s.encoding, &s.scale) {
-                    (Encoding::F16Scaled, Some(sc)) => Source::Scaled { q: self.info(&s.tensor)?, scale: self.info(sc)? },
+                    (Encoding::F16Scaled, Some(sc)) => Source::Scaled {
+                        q: self.info(&s.tensor)?,
+                        scale: self.info(sc)?,
+                    },
                     _ => Source::Plain(self.info(&s.tensor)?),
                 };
                 let (target, explicit) = layout.resolve(&p.name, &s.name);
                 let target = match &source {
-                    Source::Plain(t) if !explicit && !(t.dtype.is_float() && t.shape == p.shape) => Target::AsStored,
+                    Source::Plain(t) if !(explicit || t.dtype.is_float() && t.shape == p.shape) => {
+                        Target::AsStored
+                    }
                     _ => target,
                 };
-                jobs.push(Job { param: &p.name, state: &s.name, source, target });
+                jobs.push(Job {
+                    param: &p.name,
+                    state: &s.name,
+                    source,
+                    target,
+                });
             }
         }
-        let values: Vec<StateValue> = jobs.par_iter().map(|j| self.run_job(j)).collect::<Result<_>>()?;
+        let values: Vec<StateValue> = jobs
+            .par_iter()
+            .map(|j| self.run_job(j))
+            .collect::<Result<_>>()?;
 
         let mut state: BTreeMap<String, BTreeMap<String, StateValue>> = BTreeMap::new();
         for (j, v) in jobs.iter().zip(values) {
-            state.entry(j.param.to_string()).or_default().insert(j.state.to_string(), v);
+            state
+                .entry(j.param.to_string())
+                .or_default()
+                .insert(j.state.to_string(), v);
         }
         let groups = sec
             .groups
             .iter()
             .map(|g| ParamGroup {
-                params: g.params.iter().map(|n| ParamSpec::new(n.clone(), shapes.get(n.as_str()).copied().unwrap_or(&[]))).collect(),
+                params: g
+                    .params
+                    .iter()
+                    .map(|n| {
+                        ParamSpec::new(n.clone(), shapes.get(n.as_str()).copied().unwrap_or(&[]))
+                    })
+                    .collect(),
                 hyper: g.hyper.as_object().cloned().unwrap_or_default(),
             })
             .collect();
@@ -178,17 +215,32 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     }
 
     fn run_job(&self, j: &Job<'_>) -> Result<StateValue> {
-        let conv = |reason: String| Error::Conversion { param: j.param.into(), state: j.state.into(), reason };
+        let conv = |reason: String| Error::Conversion {
+            param: j.param.into(),
+            state: j.state.into(),
+            reason,
+        };
         match (&j.source, j.target) {
-            (Source::Plain(t), Target::AsStored) => Ok(StateValue::Plain(copy_tensor(&self.checked_view(t)?)?)),
-            (Source::Scaled { q, scale }, Target::AsStored | Target::F16Scaled(ScaleShape::Keep)) => {
+            (Source::Plain(t), Target::AsStored) => {
+                Ok(StateValue::Plain(copy_tensor(&self.checked_view(t)?)?))
+            }
+            (
+                Source::Scaled { q, scale },
+                Target::AsStored | Target::F16Scaled(ScaleShape::Keep),
+            ) => {
                 let (qv, sv) = (self.checked_view(q)?, self.checked_view(scale)?);
-                Ok(StateValue::F16Scaled { q: copy_tensor(&qv)?, scale: copy_tensor(&sv)? })
+                Ok(StateValue::F16Scaled {
+                    q: copy_tensor(&qv)?,
+                    scale: copy_tensor(&sv)?,
+                })
             }
             (Source::Scaled { q, scale }, t) => {
                 let (qv, sv) = (self.checked_view(q)?, self.checked_view(scale)?);
                 let codes = typed::<f16>(&qv);
-                let s = typed::<f32>(&sv).first().copied().ok_or_else(|| conv("empty scale".into()))?;
+                let s = typed::<f32>(&sv)
+                    .first()
+                    .copied()
+                    .ok_or_else(|| conv("empty scale".into()))?;
                 let shape = qv.shape();
                 match t {
                     Target::F16Scaled(sh) => Ok(StateValue::F16Scaled {
@@ -215,8 +267,12 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     return Err(conv(format!("the stored {} state is not floating-point and cannot be loaded as {target:?}", v.dtype())));
                 }
                 match target {
-                    Target::F32 if v.dtype() == DType::F32 => Ok(StateValue::Plain(copy_tensor(&v)?)),
-                    Target::BF16 if v.dtype() == DType::BF16 => Ok(StateValue::Plain(copy_tensor(&v)?)),
+                    Target::F32 if v.dtype() == DType::F32 => {
+                        Ok(StateValue::Plain(copy_tensor(&v)?))
+                    }
+                    Target::BF16 if v.dtype() == DType::BF16 => {
+                        Ok(StateValue::Plain(copy_tensor(&v)?))
+                    }
                     Target::F32 => {
                         let mut out = Tensor::zeros(DType::F32, shape)?;
                         widen_to_f32(&v, out.as_mut_slice()?);
@@ -226,8 +282,12 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                         let mut out = Tensor::zeros(DType::BF16, shape)?;
                         match v.dtype() {
                             DType::F64 => {
-                                for (o, &x) in out.as_mut_slice::<bf16>()?.iter_mut().zip(typed::<f64>(&v).iter()) {
-                                    *o = bf16::from_f64(x);
+                                for (o, &x) in out
+                                    .as_mut_slice::<bf16>()?
+                                    .iter_mut()
+                                    .zip(typed::<f64>(&v).iter())
+                                {
+                                    *o = convert::f64_to_bf16(x);
                                 }
                             }
                             _ => {
@@ -253,7 +313,9 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
 
 /// Matched earlier in `run_job`; kept as an error rather than a panic.
 fn unreachable_as_stored<T>() -> Result<T> {
-    Err(Error::InvalidArgument("internal: AsStored handled above".into()))
+    Err(Error::InvalidArgument(
+        "internal: AsStored handled above".into(),
+    ))
 }
 
 /// A fresh copy of a view (parallel for large tensors).

@@ -52,9 +52,10 @@ impl StateValue {
     pub fn bit_eq(&self, other: &StateValue) -> bool {
         match (self, other) {
             (StateValue::Plain(a), StateValue::Plain(b)) => a.bit_eq(b),
-            (StateValue::F16Scaled { q: a, scale: s }, StateValue::F16Scaled { q: b, scale: t }) => {
-                a.bit_eq(b) && s.bit_eq(t)
-            }
+            (
+                StateValue::F16Scaled { q: a, scale: s },
+                StateValue::F16Scaled { q: b, scale: t },
+            ) => a.bit_eq(b) && s.bit_eq(t),
             _ => false,
         }
     }
@@ -64,14 +65,29 @@ impl StateValue {
     /// # Errors
     /// [`Error::Conversion`] for non-finite input or an underflowing scale (see
     /// [`crate::convert::ScaleError`]).
-    pub fn f16_scaled_from_f32(shape: &[u64], x: &[f32], scale_shape: ScaleShape) -> Result<StateValue> {
+    pub fn f16_scaled_from_f32(
+        shape: &[u64],
+        x: &[f32],
+        scale_shape: ScaleShape,
+    ) -> Result<StateValue> {
         let mut q = Tensor::zeros(DType::F16, shape)?;
         if q.numel() != x.len() {
-            return Err(Error::InvalidArgument(format!("{} values for shape {shape:?}", x.len())));
+            return Err(Error::InvalidArgument(format!(
+                "{} values for shape {shape:?}",
+                x.len()
+            )));
         }
-        let s = crate::convert::f32_to_f16_scaled(x, q.as_mut_slice()?)
-            .map_err(|e| Error::Conversion { param: String::new(), state: String::new(), reason: e.to_string() })?;
-        Ok(StateValue::F16Scaled { q, scale: Tensor::scalar_f32(s).reshaped(scale_shape.dims()) })
+        let s = crate::convert::f32_to_f16_scaled(x, q.as_mut_slice()?).map_err(|e| {
+            Error::Conversion {
+                param: String::new(),
+                state: String::new(),
+                reason: e.to_string(),
+            }
+        })?;
+        Ok(StateValue::F16Scaled {
+            q,
+            scale: Tensor::scalar_f32(s).reshaped(scale_shape.dims()),
+        })
     }
 
     /// The values as FP32 (scaled states unscaled), in a fresh vector.
@@ -79,7 +95,11 @@ impl StateValue {
     /// # Errors
     /// [`Error::Conversion`] for non-floating-point plain states.
     pub fn to_f32(&self) -> Result<Vec<f32>> {
-        let conv = |reason: &str| Error::Conversion { param: String::new(), state: String::new(), reason: reason.into() };
+        let conv = |reason: &str| Error::Conversion {
+            param: String::new(),
+            state: String::new(),
+            reason: reason.into(),
+        };
         match self {
             StateValue::F16Scaled { q, scale } => {
                 let s = scale_value(scale).ok_or_else(|| conv("scale is not a single F32"))?;
@@ -89,8 +109,16 @@ impl StateValue {
             }
             StateValue::Plain(t) => match t.dtype() {
                 DType::F32 => Ok(t.as_slice::<f32>()?.to_vec()),
-                DType::BF16 => Ok(t.as_slice::<half::bf16>()?.iter().map(|v| v.to_f32()).collect()),
-                DType::F16 => Ok(t.as_slice::<half::f16>()?.iter().map(|v| v.to_f32()).collect()),
+                DType::BF16 => Ok(t
+                    .as_slice::<half::bf16>()?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect()),
+                DType::F16 => Ok(t
+                    .as_slice::<half::f16>()?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect()),
                 DType::F64 => Ok(t.as_slice::<f64>()?.iter().map(|&v| v as f32).collect()),
                 d => Err(conv(&format!("{d} is not a floating-point dtype"))),
             },
@@ -116,7 +144,10 @@ pub struct ParamSpec {
 impl ParamSpec {
     /// A parameter spec.
     pub fn new(name: impl Into<String>, shape: &[u64]) -> Self {
-        ParamSpec { name: name.into(), shape: shape.to_vec() }
+        ParamSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+        }
     }
 }
 
@@ -152,12 +183,18 @@ fn state_tensor_name(param: &str, state: &str) -> String {
 impl OptimizerState {
     /// An optimizer with groups and no state (as before the first step).
     pub fn new(groups: Vec<ParamGroup>) -> Self {
-        OptimizerState { groups, state: BTreeMap::new() }
+        OptimizerState {
+            groups,
+            state: BTreeMap::new(),
+        }
     }
 
     /// Find a parameter's spec.
     pub fn param(&self, name: &str) -> Option<&ParamSpec> {
-        self.groups.iter().flat_map(|g| &g.params).find(|p| p.name == name)
+        self.groups
+            .iter()
+            .flat_map(|g| &g.params)
+            .find(|p| p.name == name)
     }
 
     /// Check the invariants of format-spec/optimizer.md §Rules on this in-memory state.
@@ -169,17 +206,25 @@ impl OptimizerState {
         for (gi, g) in self.groups.iter().enumerate() {
             for p in &g.params {
                 if p.name.is_empty() {
-                    return Err(Error::optim("", "", format!("group {gi} has a parameter with an empty name")));
+                    return Err(Error::optim(
+                        "",
+                        "",
+                        format!("group {gi} has a parameter with an empty name"),
+                    ));
                 }
                 if shapes.insert(&p.name, &p.shape).is_some() {
-                    return Err(Error::optim(&p.name, "", "the parameter is named twice in the groups"));
+                    return Err(Error::optim(
+                        &p.name,
+                        "",
+                        "the parameter is named twice in the groups",
+                    ));
                 }
             }
         }
         for (param, states) in &self.state {
-            let pshape = shapes
-                .get(param.as_str())
-                .ok_or_else(|| Error::optim(param, "", "state for a parameter that no group names"))?;
+            let pshape = shapes.get(param.as_str()).ok_or_else(|| {
+                Error::optim(param, "", "state for a parameter that no group names")
+            })?;
             for (name, v) in states {
                 if name.is_empty() {
                     return Err(Error::optim(param, "", "empty state name"));
@@ -188,12 +233,20 @@ impl OptimizerState {
                     return Err(Error::optim(
                         param,
                         name,
-                        format!("shape {:?} fits neither the parameter's {:?} nor a scalar", v.shape(), pshape),
+                        format!(
+                            "shape {:?} fits neither the parameter's {:?} nor a scalar",
+                            v.shape(),
+                            pshape
+                        ),
                     ));
                 }
                 if let StateValue::F16Scaled { q, scale } = v {
                     if q.dtype() != DType::F16 || scale_value(scale).is_none() {
-                        return Err(Error::optim(param, name, "f16_scaled needs F16 codes and an F32 scale of shape [] or [1]"));
+                        return Err(Error::optim(
+                            param,
+                            name,
+                            "f16_scaled needs F16 codes and an F32 scale of shape [] or [1]",
+                        ));
                     }
                 }
             }
@@ -209,7 +262,12 @@ impl OptimizerState {
     /// [`Error::InvalidOptimizerState`] for an inconsistent state, [`Error::InvalidTensor`]
     /// for a model tensor whose name collides with a state tensor, and the errors of
     /// [`crate::save`].
-    pub fn save(&self, dir: impl AsRef<Path>, model: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
+    pub fn save(
+        &self,
+        dir: impl AsRef<Path>,
+        model: &[TensorRef<'_>],
+        opts: &SaveOptions,
+    ) -> Result<CommitInfo> {
         self.validate()?;
         let mut tensors: Vec<TensorRef<'_>> = model.to_vec();
         let mut params = Vec::new();
@@ -220,13 +278,33 @@ impl OptimizerState {
                     let tname = state_tensor_name(&p.name, sname);
                     match v {
                         StateValue::Plain(t) => {
-                            tensors.push(TensorRef::new(tname.clone(), t.dtype(), t.shape(), t.bytes()));
-                            entries.push(StateEntry { name: sname.clone(), tensor: tname, encoding: Encoding::Plain, scale: None });
+                            tensors.push(TensorRef::new(
+                                tname.clone(),
+                                t.dtype(),
+                                t.shape(),
+                                t.bytes(),
+                            ));
+                            entries.push(StateEntry {
+                                name: sname.clone(),
+                                tensor: tname,
+                                encoding: Encoding::Plain,
+                                scale: None,
+                            });
                         }
                         StateValue::F16Scaled { q, scale } => {
                             let sname_t = format!("{tname}.scale");
-                            tensors.push(TensorRef::new(tname.clone(), q.dtype(), q.shape(), q.bytes()));
-                            tensors.push(TensorRef::new(sname_t.clone(), scale.dtype(), scale.shape(), scale.bytes()));
+                            tensors.push(TensorRef::new(
+                                tname.clone(),
+                                q.dtype(),
+                                q.shape(),
+                                q.bytes(),
+                            ));
+                            tensors.push(TensorRef::new(
+                                sname_t.clone(),
+                                scale.dtype(),
+                                scale.shape(),
+                                scale.bytes(),
+                            ));
                             entries.push(StateEntry {
                                 name: sname.clone(),
                                 tensor: tname,
@@ -236,7 +314,11 @@ impl OptimizerState {
                         }
                     }
                 }
-                params.push(ParamEntry { name: p.name.clone(), shape: p.shape.clone(), state: entries });
+                params.push(ParamEntry {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    state: entries,
+                });
             }
         }
         let section = OptimizerSection {
@@ -318,11 +400,19 @@ pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
     let mut in_groups: HashSet<&str> = HashSet::new();
     for (gi, g) in sec.groups.iter().enumerate() {
         if !g.hyper.is_object() {
-            return Err(Error::optim("", "", format!("group {gi}: hyper is not a JSON object")));
+            return Err(Error::optim(
+                "",
+                "",
+                format!("group {gi}: hyper is not a JSON object"),
+            ));
         }
         for p in &g.params {
             if !in_groups.insert(p) {
-                return Err(Error::optim(p, "", format!("named by more than one group entry (group {gi})")));
+                return Err(Error::optim(
+                    p,
+                    "",
+                    format!("named by more than one group entry (group {gi})"),
+                ));
             }
         }
     }
@@ -330,7 +420,11 @@ pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
     let mut used_tensors: HashSet<&str> = HashSet::new();
     for p in &sec.params {
         if !in_groups.contains(p.name.as_str()) {
-            return Err(Error::optim(&p.name, "", "listed in params but named by no group"));
+            return Err(Error::optim(
+                &p.name,
+                "",
+                "listed in params but named by no group",
+            ));
         }
         if !listed.insert(&p.name) {
             return Err(Error::optim(&p.name, "", "listed twice in params"));
@@ -341,7 +435,12 @@ pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
             if s.name.is_empty() || !names.insert(&s.name) {
                 return Err(err("state name empty or repeated".into()));
             }
-            let t = ckpt.info(&s.tensor).map_err(|_| err(format!("names tensor {:?}, which the checkpoint does not hold", s.tensor)))?;
+            let t = ckpt.info(&s.tensor).map_err(|_| {
+                err(format!(
+                    "names tensor {:?}, which the checkpoint does not hold",
+                    s.tensor
+                ))
+            })?;
             if !used_tensors.insert(&s.tensor) {
                 return Err(err(format!("tensor {:?} is referenced twice", s.tensor)));
             }
@@ -354,16 +453,28 @@ pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
             match (s.encoding, &s.scale) {
                 (Encoding::Plain, None) => {}
                 (Encoding::Plain, Some(_)) => return Err(err("a plain state has a scale".into())),
-                (Encoding::F16Scaled, None) => return Err(err("an f16_scaled state has no scale".into())),
+                (Encoding::F16Scaled, None) => {
+                    return Err(err("an f16_scaled state has no scale".into()))
+                }
                 (Encoding::F16Scaled, Some(sc)) => {
                     if t.dtype != DType::F16 {
-                        return Err(err(format!("f16_scaled codes must be F16, tensor {:?} is {}", s.tensor, t.dtype)));
+                        return Err(err(format!(
+                            "f16_scaled codes must be F16, tensor {:?} is {}",
+                            s.tensor, t.dtype
+                        )));
                     }
-                    let st = ckpt.info(sc).map_err(|_| err(format!("names scale tensor {sc:?}, which the checkpoint does not hold")))?;
+                    let st = ckpt.info(sc).map_err(|_| {
+                        err(format!(
+                            "names scale tensor {sc:?}, which the checkpoint does not hold"
+                        ))
+                    })?;
                     if !used_tensors.insert(sc) {
                         return Err(err(format!("tensor {sc:?} is referenced twice")));
                     }
-                    if st.dtype != DType::F32 || st.shape.len() > 1 || checked_numel(&st.shape) != Some(1) {
+                    if st.dtype != DType::F32
+                        || st.shape.len() > 1
+                        || checked_numel(&st.shape) != Some(1)
+                    {
                         return Err(err(format!(
                             "scale tensor {sc:?} must be F32 of shape [] or [1], is {} {:?}",
                             st.dtype, st.shape
@@ -374,7 +485,11 @@ pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
         }
     }
     if let Some(p) = in_groups.iter().find(|p| !listed.contains(*p)) {
-        return Err(Error::optim(*p, "", "named by a group but missing from params"));
+        return Err(Error::optim(
+            *p,
+            "",
+            "named by a group but missing from params",
+        ));
     }
     Ok(())
 }

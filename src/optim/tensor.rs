@@ -15,7 +15,11 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({} {:?}, {} bytes)", self.dtype, self.shape, self.len)
+        write!(
+            f,
+            "Tensor({} {:?}, {} bytes)",
+            self.dtype, self.shape, self.len
+        )
     }
 }
 
@@ -28,7 +32,12 @@ impl Tensor {
         let len = checked_nbytes(dtype, shape)
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| Error::InvalidArgument(format!("{dtype} {shape:?} is too large")))?;
-        Ok(Tensor { dtype, shape: shape.to_vec(), words: vec![0u64; len.div_ceil(8)], len })
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            words: vec![0u64; len.div_ceil(8)],
+            len,
+        })
     }
 
     /// A tensor holding a copy of `data` (typed).
@@ -58,7 +67,12 @@ impl Tensor {
 
     /// A 0-dim F32 tensor.
     pub fn scalar_f32(v: f32) -> Self {
-        let mut t = Tensor { dtype: DType::F32, shape: vec![], words: vec![0], len: 4 };
+        let mut t = Tensor {
+            dtype: DType::F32,
+            shape: vec![],
+            words: vec![0],
+            len: 4,
+        };
         t.bytes_mut().copy_from_slice(&v.to_le_bytes());
         t
     }
@@ -111,7 +125,10 @@ impl Tensor {
             return Err(Error::BadView {
                 name: String::new(),
                 requested: T::DTYPE.name(),
-                reason: format!("the tensor's dtype is {} (or the host is big-endian)", self.dtype),
+                reason: format!(
+                    "the tensor's dtype is {} (or the host is big-endian)",
+                    self.dtype
+                ),
             });
         }
         Ok(())

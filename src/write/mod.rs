@@ -15,8 +15,13 @@ use crate::checkpoint::META_CHECKPOINT_ID;
 use crate::dtype::{checked_nbytes, checked_numel, DType};
 use crate::error::{Error, Result};
 use crate::format::header::{self, HeaderEntry};
-use crate::format::manifest::{self, Manifest, OptimizerSection, ShardEntry, TensorEntry, MANIFEST_FILE};
-use crate::format::{check_tensor_name, MAX_RANK};
+use crate::format::manifest::{
+    self, Manifest, OptimizerSection, ShardEntry, TensorEntry, MANIFEST_FILE,
+};
+use crate::format::{
+    check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS,
+    MAX_TENSORS_PER_SHARD,
+};
 use crate::view::Element;
 use fs::{Fs, StdFs};
 
@@ -40,12 +45,17 @@ pub fn is_engine_file(name: &str) -> bool {
     if name.starts_with(TEMP_PREFIX) {
         return true;
     }
-    let Some(rest) = name.strip_prefix("shard-").and_then(|r| r.strip_suffix(".safetensors")) else {
+    let Some(rest) = name
+        .strip_prefix("shard-")
+        .and_then(|r| r.strip_suffix(".safetensors"))
+    else {
         return false;
     };
     let b = rest.as_bytes();
-    b.len() == 32 + 1 + 5
-        && b[..32].iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+    b.len() >= 32 + 1 + 5
+        && b[..32]
+            .iter()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
         && b[32] == b'-'
         && b[33..].iter().all(u8::is_ascii_digit)
 }
@@ -64,11 +74,21 @@ pub struct TensorRef<'a> {
 impl<'a> TensorRef<'a> {
     /// A C-contiguous tensor over raw little-endian bytes. Sizes are checked by [`save`].
     pub fn new(name: impl Into<Cow<'a, str>>, dtype: DType, shape: &[u64], data: &'a [u8]) -> Self {
-        TensorRef { name: name.into(), dtype, shape: shape.to_vec(), data, strided: None }
+        TensorRef {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            data,
+            strided: None,
+        }
     }
 
     /// A C-contiguous tensor over a typed slice.
-    pub fn from_slice<T: Element>(name: impl Into<Cow<'a, str>>, shape: &[u64], data: &'a [T]) -> Self {
+    pub fn from_slice<T: Element>(
+        name: impl Into<Cow<'a, str>>,
+        shape: &[u64],
+        data: &'a [T],
+    ) -> Self {
         Self::new(name, T::DTYPE, shape, bytemuck::cast_slice(data))
     }
 
@@ -83,7 +103,13 @@ impl<'a> TensorRef<'a> {
         offset: u64,
         data: &'a [u8],
     ) -> Self {
-        TensorRef { name: name.into(), dtype, shape: shape.to_vec(), data, strided: Some((strides.to_vec(), offset)) }
+        TensorRef {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            data,
+            strided: Some((strides.to_vec(), offset)),
+        }
     }
 
     /// The tensor's name.
@@ -93,12 +119,16 @@ impl<'a> TensorRef<'a> {
 
     /// Bytes the tensor occupies once gathered.
     fn validate(&self) -> Result<u64> {
-        let bad = |reason: String| Error::InvalidTensor { name: self.name.to_string(), reason };
+        let bad = |reason: String| Error::InvalidTensor {
+            name: self.name.to_string(),
+            reason,
+        };
         check_tensor_name(&self.name).map_err(bad)?;
         if self.shape.len() > MAX_RANK {
             return Err(bad(format!("rank {} exceeds {MAX_RANK}", self.shape.len())));
         }
-        let nbytes = checked_nbytes(self.dtype, &self.shape).ok_or_else(|| bad("shape overflows".into()))?;
+        let nbytes =
+            checked_nbytes(self.dtype, &self.shape).ok_or_else(|| bad("shape overflows".into()))?;
         let avail = self.data.len() as u64;
         match &self.strided {
             None if nbytes != avail => Err(bad(format!(
@@ -108,10 +138,16 @@ impl<'a> TensorRef<'a> {
             None => Ok(nbytes),
             Some((strides, offset)) => {
                 if strides.len() != self.shape.len() {
-                    return Err(bad(format!("{} strides for {} dimensions", strides.len(), self.shape.len())));
+                    return Err(bad(format!(
+                        "{} strides for {} dimensions",
+                        strides.len(),
+                        self.shape.len()
+                    )));
                 }
-                if avail % self.dtype.size() as u64 != 0 {
-                    return Err(bad("data length is not a multiple of the element size".into()));
+                if !avail.is_multiple_of(self.dtype.size() as u64) {
+                    return Err(bad(
+                        "data length is not a multiple of the element size".into()
+                    ));
                 }
                 if checked_numel(&self.shape) == Some(0) {
                     return Ok(0);
@@ -120,7 +156,9 @@ impl<'a> TensorRef<'a> {
                     .shape
                     .iter()
                     .zip(strides)
-                    .try_fold(*offset, |acc, (&d, &s)| (d - 1).checked_mul(s).and_then(|x| x.checked_add(acc)))
+                    .try_fold(*offset, |acc, (&d, &s)| {
+                        (d - 1).checked_mul(s).and_then(|x| x.checked_add(acc))
+                    })
                     .ok_or_else(|| bad("strides overflow".into()))?;
                 if last >= avail / self.dtype.size() as u64 {
                     return Err(bad(format!(
@@ -134,7 +172,10 @@ impl<'a> TensorRef<'a> {
     }
 
     /// Stream the gathered bytes to `sink` in chunks of about [`CHUNK`] bytes.
-    fn for_each_chunk(&self, sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+    fn for_each_chunk(
+        &self,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
         let Some((strides, offset)) = &self.strided else {
             for c in self.data.chunks(CHUNK) {
                 sink(c)?;
@@ -156,7 +197,11 @@ impl<'a> TensorRef<'a> {
         let mut idx = vec![0u64; outer.len()];
         let mut buf: Vec<u8> = Vec::with_capacity(CHUNK.max(inner_len * es));
         loop {
-            let base = outer.iter().zip(strides).zip(&idx).fold(*offset, |a, ((_, &s), &i)| a + i * s) as usize;
+            let base = outer
+                .iter()
+                .zip(strides)
+                .zip(&idx)
+                .fold(*offset, |a, ((_, &s), &i)| a + i * s) as usize;
             if inner_stride == 1 {
                 buf.extend_from_slice(&self.data[base * es..(base + inner_len) * es]);
             } else {
@@ -245,11 +290,65 @@ pub struct CommitInfo {
 /// old checkpoint open keeps reading its old bytes.
 ///
 /// # Errors
-/// [`Error::InvalidTensor`] (before anything is written) for duplicate names or sizes that
-/// do not fit; [`Error::Io`] naming the file for I/O failures, in which case the previous
-/// checkpoint, if any, is still the committed one.
-pub fn save(dir: impl AsRef<Path>, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
+/// [`Error::InvalidTensor`] or [`Error::InvalidArgument`] (before anything is written) for
+/// duplicate names, sizes that do not fit, or a checkpoint over the format's limits;
+/// [`Error::Io`] naming the file for I/O failures. After an error the directory holds
+/// the previous checkpoint, or, if only the final directory fsync failed, possibly the new
+/// one: never a mix. Only `Ok` guarantees the new checkpoint is durable.
+///
+/// # Example
+/// ```
+/// # fn main() -> ckptstore::Result<()> {
+/// use ckptstore::{save, SaveOptions, TensorRef};
+/// let dir = tempfile::tempdir().unwrap();
+/// let w = vec![0.5f32; 1024];
+/// let step = [1000i64];
+/// let info = save(
+///     dir.path(),
+///     &[TensorRef::from_slice("w", &[32, 32], &w), TensorRef::from_slice("step", &[], &step)],
+///     &SaveOptions { metadata: serde_json::json!({"run": "demo"}), ..Default::default() },
+/// )?;
+/// assert_eq!(info.tensors, 2);
+/// # Ok(()) }
+/// ```
+pub fn save(
+    dir: impl AsRef<Path>,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+) -> Result<CommitInfo> {
     save_locked(dir.as_ref(), tensors, opts, None)
+}
+
+/// [`save`] with an optimizer section (format-spec/optimizer.md) carried as given, for
+/// tools that copy checkpoints (`ckpt pack`). The section must reference only tensors in
+/// `tensors`; prefer [`crate::optim::OptimizerState::save`] to build one.
+///
+/// # Errors
+/// As [`save`]; [`Error::InvalidOptimizerState`] if the section names a tensor that is not
+/// saved.
+pub fn save_with_section(
+    dir: impl AsRef<Path>,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+) -> Result<CommitInfo> {
+    if let Some(sec) = &optimizer {
+        let names: HashSet<&str> = tensors.iter().map(|t| t.name()).collect();
+        for p in &sec.params {
+            for st in &p.state {
+                for t in std::iter::once(&st.tensor).chain(&st.scale) {
+                    if !names.contains(t.as_str()) {
+                        return Err(Error::optim(
+                            &p.name,
+                            &st.name,
+                            format!("names tensor {t:?}, which is not saved"),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    save_locked(dir.as_ref(), tensors, opts, optimizer)
 }
 
 /// Create `dir` if needed, take the writer lock, and save through the real file system.
@@ -270,9 +369,19 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
     if dir.is_dir() {
         return Ok(());
     }
+    // The directories about to be created, deepest first.
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+        .collect();
     std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        StdFs.sync_dir(parent).map_err(|e| Error::io("fsync directory", parent, e))?;
+    // Each new directory's entry lives in its parent: fsync those parents.
+    for d in missing.iter().rev() {
+        if let Some(parent) = d.parent().filter(|p| !p.as_os_str().is_empty()) {
+            StdFs
+                .sync_dir(parent)
+                .map_err(|e| Error::io("fsync directory", parent, e))?;
+        }
     }
     Ok(())
 }
@@ -308,16 +417,23 @@ struct PlannedShard<'t, 'a> {
 
 fn random_id() -> Result<String> {
     let mut b = [0u8; 16];
-    getrandom::fill(&mut b).map_err(|e| Error::io("getrandom", "", std::io::Error::other(e.to_string())))?;
+    getrandom::fill(&mut b)
+        .map_err(|e| Error::io("getrandom", "", std::io::Error::other(e.to_string())))?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-fn plan<'t, 'a>(tensors: &'t [TensorRef<'a>], sizes: &[u64], max: u64) -> Vec<PlannedShard<'t, 'a>> {
+fn plan<'t, 'a>(
+    tensors: &'t [TensorRef<'a>],
+    sizes: &[u64],
+    max: u64,
+) -> Vec<PlannedShard<'t, 'a>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut cur: Vec<usize> = Vec::new();
     let mut cur_size = 0u64;
     for (i, &sz) in sizes.iter().enumerate() {
-        if !cur.is_empty() && cur_size.saturating_add(sz) > max {
+        // The header's `__metadata__` entry counts towards the per-shard entry cap.
+        let full = cur.len() + 1 >= MAX_TENSORS_PER_SHARD;
+        if !cur.is_empty() && (full || cur_size.saturating_add(sz) > max) {
             groups.push(std::mem::take(&mut cur));
             cur_size = 0;
         }
@@ -348,7 +464,10 @@ fn plan<'t, 'a>(tensors: &'t [TensorRef<'a>], sizes: &[u64], max: u64) -> Vec<Pl
                     e
                 })
                 .collect();
-            PlannedShard { tensors: g.iter().map(|&i| &tensors[i]).collect(), entries }
+            PlannedShard {
+                tensors: g.iter().map(|&i| &tensors[i]).collect(),
+                entries,
+            }
         })
         .collect()
 }
@@ -357,16 +476,32 @@ fn plan<'t, 'a>(tensors: &'t [TensorRef<'a>], sizes: &[u64], max: u64) -> Vec<Pl
 /// tensor's byte size.
 fn validate_inputs(tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<Vec<u64>> {
     if !opts.metadata.is_object() {
-        return Err(Error::InvalidArgument("metadata must be a JSON object".into()));
+        return Err(Error::InvalidArgument(
+            "metadata must be a JSON object".into(),
+        ));
     }
     if opts.max_shard_size == 0 {
-        return Err(Error::InvalidArgument("max_shard_size must be positive".into()));
+        return Err(Error::InvalidArgument(
+            "max_shard_size must be positive".into(),
+        ));
     }
-    let sizes = tensors.iter().map(TensorRef::validate).collect::<Result<Vec<_>>>()?;
+    if tensors.len() > MAX_TENSORS {
+        return Err(Error::InvalidArgument(format!(
+            "{} tensors exceed the format's limit of {MAX_TENSORS} per checkpoint",
+            tensors.len()
+        )));
+    }
+    let sizes = tensors
+        .iter()
+        .map(TensorRef::validate)
+        .collect::<Result<Vec<_>>>()?;
     let mut names = HashSet::with_capacity(tensors.len());
     for t in tensors {
         if !names.insert(t.name.as_ref()) {
-            return Err(Error::InvalidTensor { name: t.name.to_string(), reason: "the name is given twice".into() });
+            return Err(Error::InvalidTensor {
+                name: t.name.to_string(),
+                reason: "the name is given twice".into(),
+            });
         }
     }
     Ok(sizes)
@@ -396,7 +531,7 @@ pub(crate) fn save_impl<F: Fs>(
     commit(fs, dir, tensors, &sizes, opts, optimizer)
 }
 
-/// Steps 1-5 of the protocol on validated input.
+/// Steps 1-5 of the protocol (format-spec/durability.md) on validated input.
 fn commit<F: Fs>(
     fs: &F,
     dir: &Path,
@@ -407,21 +542,47 @@ fn commit<F: Fs>(
 ) -> Result<CommitInfo> {
     let id = random_id()?;
     let shards = plan(tensors, sizes, opts.max_shard_size);
+    if shards.len() > MAX_SHARDS {
+        return Err(Error::InvalidArgument(format!(
+            "{} shards exceed the format's limit of {MAX_SHARDS}; raise max_shard_size",
+            shards.len()
+        )));
+    }
+    let headers: Vec<Vec<u8>> = shards
+        .iter()
+        .enumerate()
+        .map(|(i, s)| shard_header(&id, i, s))
+        .collect();
+    if let Some((i, h)) = headers
+        .iter()
+        .enumerate()
+        .find(|(_, h)| h.len() as u64 - 8 > MAX_HEADER_SIZE)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "shard {i}'s header would be {} bytes, over the format's {MAX_HEADER_SIZE}-byte cap; lower max_shard_size or shorten tensor names",
+            h.len() - 8
+        )));
+    }
 
-    // 2. Write shards to temporary files, fsync, rename to their final names.
+    // 1. Write shards to temporary files, fsync, rename to their final names.
     let written: Vec<(ShardEntry, Vec<u32>)> = shards
         .par_iter()
         .enumerate()
-        .map(|(i, s)| write_shard(fs, dir, &id, i, s, opts))
+        .map(|(i, s)| write_shard(fs, dir, &id, i, s, &headers[i], opts))
         .collect::<Result<_>>()?;
-    // 3. Make the renames durable before the manifest can reference them.
-    fs.sync_dir(dir).map_err(|e| Error::io("fsync directory", dir, e))?;
+    // 2. Make the renames durable before the manifest can reference them.
+    fs.sync_dir(dir)
+        .map_err(|e| Error::io("fsync directory", dir, e))?;
 
-    // 4. The manifest.
+    // 3. The manifest.
     let mut m = Manifest {
         format: manifest::FORMAT_NAME.into(),
         version: manifest::VERSION,
-        features: if optimizer.is_some() { vec!["optimizer".into()] } else { vec![] },
+        features: if optimizer.is_some() {
+            vec!["optimizer".into()]
+        } else {
+            vec![]
+        },
         checkpoint_id: id.clone(),
         shards: Vec::with_capacity(shards.len()),
         tensors: Vec::with_capacity(tensors.len()),
@@ -453,23 +614,36 @@ fn commit<F: Fs>(
         }
     }
     let bytes = manifest::encode(&m);
+    if bytes.len() as u64 > MAX_MANIFEST_SIZE {
+        return Err(Error::InvalidArgument(format!(
+            "the manifest would be {} bytes, over the format's {MAX_MANIFEST_SIZE}-byte cap",
+            bytes.len()
+        )));
+    }
     let tmp = dir.join(format!("{TEMP_PREFIX}{id}-manifest"));
     let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-    f.write_all(&bytes).map_err(|e| Error::io("write", &tmp, e))?;
-    fs.sync(&mut f, &tmp).map_err(|e| Error::io("fsync", &tmp, e))?;
+    f.write_all(&bytes)
+        .map_err(|e| Error::io("write", &tmp, e))?;
+    fs.sync(&mut f, &tmp)
+        .map_err(|e| Error::io("fsync", &tmp, e))?;
     drop(f);
     let target = dir.join(MANIFEST_FILE);
-    fs.rename(&tmp, &target).map_err(|e| Error::io("rename", &tmp, e))?;
-    // 5. The commit point: the new manifest's directory entry is durable.
-    fs.sync_dir(dir).map_err(|e| Error::io("fsync directory", dir, e))?;
+    fs.rename(&tmp, &target)
+        .map_err(|e| Error::io("rename", &tmp, e))?;
+    // 4. The commit point: the new manifest's directory entry is durable.
+    fs.sync_dir(dir)
+        .map_err(|e| Error::io("fsync directory", dir, e))?;
 
-    // 6. Cleanup: engine files the new manifest does not reference. Failures here leave
+    // 5. Cleanup: engine files the new manifest does not reference. Failures here leave
     //    garbage, never damage: the new checkpoint is committed.
     let keep: HashSet<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
     let mut removed = 0;
     if let Ok(entries) = fs.list(dir) {
         for name in entries {
-            if is_engine_file(&name) && !keep.contains(name.as_str()) && fs.remove(&dir.join(&name)).is_ok() {
+            if is_engine_file(&name)
+                && !keep.contains(name.as_str())
+                && fs.remove(&dir.join(&name)).is_ok()
+            {
                 removed += 1;
             }
         }
@@ -483,27 +657,32 @@ fn commit<F: Fs>(
     })
 }
 
+/// The header bytes of planned shard `index` (format-spec/shard.md §Layout).
+fn shard_header(id: &str, index: usize, s: &PlannedShard<'_, '_>) -> Vec<u8> {
+    let meta: BTreeMap<String, String> = [
+        (META_CHECKPOINT_ID.to_string(), id.to_string()),
+        ("ckptstore.shard".to_string(), index.to_string()),
+    ]
+    .into();
+    header::emit(&s.entries, &meta)
+}
+
 fn write_shard<F: Fs>(
     fs: &F,
     dir: &Path,
     id: &str,
     index: usize,
     s: &PlannedShard<'_, '_>,
+    head: &[u8],
     opts: &SaveOptions,
 ) -> Result<(ShardEntry, Vec<u32>)> {
-    let meta: BTreeMap<String, String> = [
-        (META_CHECKPOINT_ID.to_string(), id.to_string()),
-        ("ckptstore.shard".to_string(), index.to_string()),
-    ]
-    .into();
-    let head = header::emit(&s.entries, &meta);
     let header_size = head.len() as u64 - 8;
     let header_crc32 = crc32fast::hash(&head[8..]);
     let name = shard_file_name(id, index);
     let tmp: PathBuf = dir.join(format!("{TEMP_PREFIX}{name}"));
     let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
     let io = |e| Error::io("write", &tmp, e);
-    f.write_all(&head).map_err(io)?;
+    f.write_all(head).map_err(io)?;
     let mut size = head.len() as u64;
     let mut crcs = Vec::with_capacity(s.tensors.len());
     for t in &s.tensors {
@@ -520,9 +699,19 @@ fn write_shard<F: Fs>(
         .map_err(io)?;
         crcs.push(h.finalize());
     }
-    fs.sync(&mut f, &tmp).map_err(|e| Error::io("fsync", &tmp, e))?;
+    fs.sync(&mut f, &tmp)
+        .map_err(|e| Error::io("fsync", &tmp, e))?;
     drop(f);
     let fin = dir.join(&name);
-    fs.rename(&tmp, &fin).map_err(|e| Error::io("rename", &tmp, e))?;
-    Ok((ShardEntry { file: name, size, header_size, header_crc32 }, crcs))
+    fs.rename(&tmp, &fin)
+        .map_err(|e| Error::io("rename", &tmp, e))?;
+    Ok((
+        ShardEntry {
+            file: name,
+            size,
+            header_size,
+            header_crc32,
+        },
+        crcs,
+    ))
 }

@@ -29,7 +29,9 @@ impl Storage {
                 let v: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
                 StateValue::Plain(Tensor::from_slice(shape, &v).unwrap())
             }
-            Storage::F16Scaled => StateValue::f16_scaled_from_f32(shape, x, ScaleShape::One).unwrap(),
+            Storage::F16Scaled => {
+                StateValue::f16_scaled_from_f32(shape, x, ScaleShape::One).unwrap()
+            }
             Storage::F64 => {
                 let v: Vec<f64> = x.iter().map(|&v| v as f64).collect();
                 StateValue::Plain(Tensor::from_slice(shape, &v).unwrap())
@@ -102,7 +104,9 @@ impl Model {
     /// Gradient of a quadratic loss pulling parameters towards a fixed target, plus
     /// step-dependent noise.
     pub fn grad(name: &str, step: u64, p: &[f32]) -> Vec<f32> {
-        let h = name.bytes().fold(7u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
+        let h = name
+            .bytes()
+            .fold(7u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
         p.iter()
             .enumerate()
             .map(|(i, &x)| 0.5 * (x - 0.25 * noise(h, i as u64)) + 0.1 * noise(h ^ step, i as u64))
@@ -142,16 +146,28 @@ impl Hyper {
 
 /// Build an optimizer with `ngroups` groups (parameters split round-robin by name order).
 pub fn optimizer_for(model: &Model, h: &Hyper, ngroups: usize) -> OptimizerState {
-    let mut groups: Vec<ParamGroup> =
-        (0..ngroups).map(|_| ParamGroup { params: vec![], hyper: h.to_json() }).collect();
+    let mut groups: Vec<ParamGroup> = (0..ngroups)
+        .map(|_| ParamGroup {
+            params: vec![],
+            hyper: h.to_json(),
+        })
+        .collect();
     for (i, (n, (s, _))) in model.params.iter().enumerate() {
-        groups[i % ngroups].params.push(ParamSpec::new(n.clone(), s));
+        groups[i % ngroups]
+            .params
+            .push(ParamSpec::new(n.clone(), s));
     }
     OptimizerState::new(groups)
 }
 
 /// One optimizer step over every parameter, PyTorch semantics, state stored as `storage`.
-pub fn step(model: &mut Model, opt: &mut OptimizerState, h: &Hyper, storage: Storage, global_step: u64) {
+pub fn step(
+    model: &mut Model,
+    opt: &mut OptimizerState,
+    h: &Hyper,
+    storage: Storage,
+    global_step: u64,
+) {
     for (name, (shape, p)) in model.params.iter_mut() {
         let g = Model::grad(name, global_step, p);
         let st = opt.state.entry(name.clone()).or_default();
@@ -159,7 +175,13 @@ pub fn step(model: &mut Model, opt: &mut OptimizerState, h: &Hyper, storage: Sto
             Kind::Sgd => {
                 let buf: Vec<f32> = match st.get("momentum_buffer") {
                     None => g.clone(),
-                    Some(b) => b.to_f32().unwrap().iter().zip(&g).map(|(&b, &g)| h.momentum * b + g).collect(),
+                    Some(b) => b
+                        .to_f32()
+                        .unwrap()
+                        .iter()
+                        .zip(&g)
+                        .map(|(&b, &g)| h.momentum * b + g)
+                        .collect(),
                 };
                 for (x, b) in p.iter_mut().zip(&buf) {
                     *x -= h.lr * b;
@@ -172,8 +194,14 @@ pub fn step(model: &mut Model, opt: &mut OptimizerState, h: &Hyper, storage: Sto
                     None => 1.0,
                 };
                 let n = p.len();
-                let mut m = st.get("exp_avg").map(|v| v.to_f32().unwrap()).unwrap_or(vec![0.0; n]);
-                let mut v = st.get("exp_avg_sq").map(|v| v.to_f32().unwrap()).unwrap_or(vec![0.0; n]);
+                let mut m = st
+                    .get("exp_avg")
+                    .map(|v| v.to_f32().unwrap())
+                    .unwrap_or(vec![0.0; n]);
+                let mut v = st
+                    .get("exp_avg_sq")
+                    .map(|v| v.to_f32().unwrap())
+                    .unwrap_or(vec![0.0; n]);
                 let (b1, b2) = h.betas;
                 let bc1 = 1.0 - b1.powf(t);
                 let bc2 = 1.0 - b2.powf(t);
@@ -240,7 +268,10 @@ pub fn model_from<B: AsRef<[u8]> + Sync>(ck: &ckptstore::Checkpoint<B>, like: &M
             let v = ck.tensor_verified(n).unwrap();
             assert_eq!(v.dtype(), DType::F32);
             assert_eq!(v.shape(), &s[..]);
-            (n.clone(), (s.clone(), v.as_slice::<f32>().unwrap().to_vec()))
+            (
+                n.clone(),
+                (s.clone(), v.as_slice::<f32>().unwrap().to_vec()),
+            )
         })
         .collect();
     Model { params }

@@ -4,6 +4,7 @@ format-spec/manifest.md describes, read safetensors headers, damage files."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import zlib
@@ -135,6 +136,17 @@ def rewrite_manifest(d: Path, mutate, *, indent=None) -> dict:
     mutate(m)
     (Path(d) / MANIFEST).write_bytes(encode_manifest(m, indent=indent))
     return m
+
+
+def clone_checkpoint(src: Path, dst: Path) -> None:
+    """Copy a checkpoint's manifest and hard-link its shards (for tests that edit only the
+    manifest: no extra disk space)."""
+    dst.mkdir()
+    for name in os.listdir(src):
+        if name == MANIFEST:
+            (dst / name).write_bytes((src / name).read_bytes())
+        elif not name.startswith("."):
+            os.link(src / name, dst / name)
 
 
 def shard_header(path: Path) -> tuple[int, dict, bytes]:

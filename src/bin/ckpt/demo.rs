@@ -39,7 +39,15 @@ struct Checks {
 
 impl Checks {
     fn check(&mut self, what: &str, ok: bool, detail: String) {
-        println!("  [{}] {what}{}", if ok { "ok" } else { "FAIL" }, if ok { String::new() } else { format!(": {detail}") });
+        println!(
+            "  [{}] {what}{}",
+            if ok { "ok" } else { "FAIL" },
+            if ok {
+                String::new()
+            } else {
+                format!(": {detail}")
+            }
+        );
         if !ok {
             self.failed += 1;
         }
@@ -66,7 +74,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let dir = match &a.dir {
         Some(d) => d.clone(),
         None => {
-            tmp = tempfile::tempdir().map_err(|e| ckptstore::Error::Io { op: "create temp dir", path: std::env::temp_dir(), source: e })?;
+            tmp = tempfile::tempdir().map_err(|e| ckptstore::Error::Io {
+                op: "create temp dir",
+                path: std::env::temp_dir(),
+                source: e,
+            })?;
             tmp.path().join("ckpt")
         }
     };
@@ -85,7 +97,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
         ("norm.scale".into(), vec![]),
         ("empty.weight".into(), vec![0, 8]),
     ];
-    let spec_refs: Vec<(&str, &[u64])> = specs.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
+    let spec_refs: Vec<(&str, &[u64])> = specs
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.as_slice()))
+        .collect();
     let mut model = Model::new(&spec_refs);
     let h = Hyper::new(Kind::Adam);
     let storage = Storage::F16Scaled;
@@ -100,7 +115,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     for s in 1..=a.steps {
         refopt::step(&mut model, &mut opt, &h, storage, s);
     }
-    println!("trained {} steps in {:.2} s", a.steps, t.elapsed().as_secs_f64());
+    println!(
+        "trained {} steps in {:.2} s",
+        a.steps,
+        t.elapsed().as_secs_f64()
+    );
 
     let mut checks = Checks { failed: 0 };
     // Save.
@@ -113,7 +132,13 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let info = opt.save(&dir, &refopt::model_refs(&model), &opts)?;
     let save_s = t.elapsed().as_secs_f64();
     let bytes = info.data_bytes;
-    println!("saved {} in {} shards to {} ({} tensors)", human(bytes), info.shards, dir.display(), info.tensors);
+    println!(
+        "saved {} in {} shards to {} ({} tensors)",
+        human(bytes),
+        info.shards,
+        dir.display(),
+        info.tensors
+    );
 
     let before = file_hashes(&dir);
     let t = Instant::now();
@@ -122,7 +147,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let t = Instant::now();
     let rep = ck.verify()?;
     let verify_s = t.elapsed().as_secs_f64();
-    checks.check("verify: every tensor's CRC32 matches", rep.checksummed && rep.tensors == info.tensors, format!("{rep:?}"));
+    checks.check(
+        "verify: every tensor's CRC32 matches",
+        rep.checksummed && rep.tensors == info.tensors,
+        format!("{rep:?}"),
+    );
 
     // Restore twice into fresh optimizers.
     let layout = StateLayout::default()
@@ -140,14 +169,32 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let state_bytes: u64 = ck
         .manifest()
         .and_then(|m| m.optimizer.as_ref())
-        .map(|o| o.params.iter().flat_map(|p| &p.state).map(|s| ck.info(&s.tensor).map(|t| t.nbytes()).unwrap_or(0)).sum())
+        .map(|o| {
+            o.params
+                .iter()
+                .flat_map(|p| &p.state)
+                .map(|s| ck.info(&s.tensor).map(|t| t.nbytes()).unwrap_or(0))
+                .sum()
+        })
         .unwrap_or(0);
     let r1 = refopt::state_bit_eq(&loads[0], &loads[1]);
-    checks.check("two restores are bit-identical", r1.is_ok(), format!("{r1:?}"));
+    checks.check(
+        "two restores are bit-identical",
+        r1.is_ok(),
+        format!("{r1:?}"),
+    );
     let r2 = refopt::state_bit_eq(&loads[0], &opt);
-    checks.check("restored state is bit-identical to the live state", r2.is_ok(), format!("{r2:?}"));
+    checks.check(
+        "restored state is bit-identical to the live state",
+        r2.is_ok(),
+        format!("{r2:?}"),
+    );
     let restored_model = refopt::model_from(&ck, &model);
-    checks.check("restored parameters are bit-identical", restored_model == model, String::new());
+    checks.check(
+        "restored parameters are bit-identical",
+        restored_model == model,
+        String::new(),
+    );
 
     // Resume: three more steps both ways.
     let (mut m1, mut o1) = (model.clone(), opt);
@@ -164,7 +211,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     );
     drop(ck);
     let after = file_hashes(&dir);
-    checks.check("checkpoint files byte-identical before and after both loads", before == after, String::new());
+    checks.check(
+        "checkpoint files byte-identical before and after both loads",
+        before == after,
+        String::new(),
+    );
 
     // memcpy baseline over the same number of bytes as the state load.
     let src = vec![1u8; state_bytes.max(1) as usize];
@@ -175,15 +226,26 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let mc = gibps(state_bytes, memcpy_s);
 
     println!("\nthroughput (this machine, this run):");
-    println!("  save     {:>7.2} GiB/s  ({} incl. fsync)", gibps(bytes, save_s), human(bytes));
-    println!("  open     {:>7.2} ms     ({} tensors, no data read)", open_s * 1e3, info.tensors);
+    println!(
+        "  save     {:>7.2} GiB/s  ({} incl. fsync)",
+        gibps(bytes, save_s),
+        human(bytes)
+    );
+    println!(
+        "  open     {:>7.2} ms     ({} tensors, no data read)",
+        open_s * 1e3,
+        info.tensors
+    );
     println!("  verify   {:>7.2} GiB/s", gibps(bytes, verify_s));
     println!(
         "  load     {:>7.2} GiB/s  (optimizer state into fresh FP16-scaled buffers, CRC checked; {:.2}x memcpy)",
         gibps(state_bytes, load_s),
         gibps(state_bytes, load_s) / mc
     );
-    println!("  memcpy   {:>7.2} GiB/s  (parallel, fresh destination)", mc);
+    println!(
+        "  memcpy   {:>7.2} GiB/s  (parallel, fresh destination)",
+        mc
+    );
     if a.dir.is_none() {
         println!("(checkpoint in a temporary directory, removed; use --dir to keep it)");
     }

@@ -33,16 +33,34 @@ fn first_difference(a: &Checkpoint, b: &Checkpoint) -> Option<String> {
         }
     }
     for n in an {
-        let (Ok(x), Ok(y)) = (a.tensor(n), b.tensor(n)) else { continue };
+        let (Ok(x), Ok(y)) = (a.tensor(n), b.tensor(n)) else {
+            continue;
+        };
         if x.dtype() != y.dtype() {
-            return Some(format!("tensor {n:?}: dtype {} vs {}", x.dtype(), y.dtype()));
+            return Some(format!(
+                "tensor {n:?}: dtype {} vs {}",
+                x.dtype(),
+                y.dtype()
+            ));
         }
         if x.shape() != y.shape() {
-            return Some(format!("tensor {n:?}: shape {:?} vs {:?}", x.shape(), y.shape()));
+            return Some(format!(
+                "tensor {n:?}: shape {:?} vs {:?}",
+                x.shape(),
+                y.shape()
+            ));
         }
         if x.bytes() != y.bytes() {
-            let at = x.bytes().iter().zip(y.bytes()).position(|(p, q)| p != q).unwrap_or(0);
-            return Some(format!("tensor {n:?}: bytes differ, first at byte {at} (element {})", at / x.dtype().size()));
+            let at = x
+                .bytes()
+                .iter()
+                .zip(y.bytes())
+                .position(|(p, q)| p != q)
+                .unwrap_or(0);
+            return Some(format!(
+                "tensor {n:?}: bytes differ, first at byte {at} (element {})",
+                at / x.dtype().size()
+            ));
         }
     }
     None
@@ -53,12 +71,22 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let cb = Checkpoint::open(&a.b)?;
     let d = first_difference(&ca, &cb);
     if a.json {
-        println!("{}", serde_json::json!({"same": d.is_none(), "difference": d}));
+        println!(
+            "{}",
+            serde_json::json!({"same": d.is_none(), "difference": d})
+        );
     } else {
         match &d {
-            None => println!("same: {} tensors, identical names, dtypes, shapes and bytes", ca.tensors().len()),
+            None => println!(
+                "same: {} tensors, identical names, dtypes, shapes and bytes",
+                ca.tensors().len()
+            ),
             Some(s) => println!("differ: {s}"),
         }
     }
-    Ok(if d.is_none() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if d.is_none() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }

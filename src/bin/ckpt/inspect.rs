@@ -57,19 +57,33 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if let Some(m) = ck.manifest() {
         println!("checkpoint id: {}", m.checkpoint_id);
     }
-    let w = ck.tensors().iter().map(|t| t.name.len()).max().unwrap_or(4).clamp(4, 60);
-    println!("{:<w$}  {:<5}  {:<20}  {:>12}  shard", "name", "dtype", "shape", "bytes");
+    let w = ck
+        .tensors()
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 60);
+    println!(
+        "{:<w$}  {:<5}  {:<20}  {:>12}  shard",
+        "name", "dtype", "shape", "bytes"
+    );
     for t in ck.tensors() {
         println!(
             "{:<w$}  {:<5}  {:<20}  {:>12}  {}",
-            t.name,
+            t.name.escape_debug().to_string(),
             t.dtype.name(),
             format!("{:?}", t.shape),
             t.nbytes(),
             ck.shards()[t.shard].file
         );
     }
-    println!("{} tensors, {} in {} shard file(s)", ck.tensors().len(), human(total), ck.shards().len());
+    println!(
+        "{} tensors, {} in {} shard file(s)",
+        ck.tensors().len(),
+        human(total),
+        ck.shards().len()
+    );
     let meta = ck.metadata();
     if meta.as_object().is_some_and(|o| !o.is_empty()) {
         println!("metadata: {meta}");

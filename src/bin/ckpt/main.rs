@@ -65,12 +65,8 @@ fn main() -> ExitCode {
     match r {
         Ok(code) => code,
         Err(e) => {
+            // Display already includes the OS error for I/O failures.
             eprintln!("error: {e}");
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                eprintln!("  caused by: {s}");
-                src = s.source();
-            }
             ExitCode::from(1)
         }
     }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::{save, Checkpoint, Error, Result, SaveOptions, TensorRef};
+use ckptstore::{save_with_section, Checkpoint, Error, Result, SaveOptions, TensorRef};
 
 use crate::util::{callback, human, parse_size, progress};
 
@@ -22,7 +22,27 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let cks = a.inputs.iter().map(Checkpoint::open).collect::<Result<Vec<_>>>()?;
+    let cks = a
+        .inputs
+        .iter()
+        .map(Checkpoint::open)
+        .collect::<Result<Vec<_>>>()?;
+    // An optimizer section is carried over from the one input that has it.
+    let mut sections = cks
+        .iter()
+        .zip(&a.inputs)
+        .filter_map(|(c, p)| Some((c.manifest()?.optimizer.clone()?, p)));
+    let optimizer = sections.next();
+    if let Some((_, second)) = sections.next() {
+        return Err(Error::InvalidArgument(format!(
+            "{} and {} both hold optimizer state; pack them separately",
+            optimizer
+                .as_ref()
+                .map(|(_, p)| p.display().to_string())
+                .unwrap_or_default(),
+            second.display()
+        )));
+    }
     let mut seen: HashMap<&str, usize> = HashMap::new();
     let mut tensors = Vec::new();
     let mut meta = serde_json::Map::new();
@@ -40,7 +60,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 )));
             }
             let v = ck.tensor_verified(&t.name)?;
-            tensors.push(TensorRef::new(t.name.as_str(), t.dtype, &t.shape, v.bytes()));
+            tensors.push(TensorRef::new(
+                t.name.as_str(),
+                t.dtype,
+                &t.shape,
+                v.bytes(),
+            ));
         }
     }
     let total: u64 = cks.iter().map(|c| c.data_bytes()).sum();
@@ -50,7 +75,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         metadata: meta.into(),
         progress: Some(callback(&pb)),
     };
-    let info = save(&a.out, &tensors, &opts)?;
+    let info = save_with_section(&a.out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
     pb.finish_and_clear();
     println!(
         "packed {} tensors ({}) into {} shard(s) at {} (checkpoint {})",

@@ -9,9 +9,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// Parse a size such as `4096`, `64KiB`, `512MiB`, `2GiB`, `1.5GB`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (examples: 4096, 512MiB, 2GiB)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (examples: 4096, 512MiB, 2GiB)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1000,
@@ -22,7 +26,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "gib" => 1 << 30,
         "t" | "tb" => 1_000_000_000_000,
         "tib" => 1 << 40,
-        u => return Err(format!("unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB, KB, MB, GB)")),
+        u => {
+            return Err(format!(
+                "unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ))
+        }
     };
     let v = n * mult as f64;
     if !(v.is_finite() && v >= 1.0 && v < u64::MAX as f64) {
@@ -38,9 +46,11 @@ pub fn progress(total: u64, what: &str) -> ProgressBar {
     }
     let pb = ProgressBar::new(total);
     pb.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
     pb.enable_steady_tick(Duration::from_millis(200));

@@ -31,11 +31,19 @@ pub fn run(a: Args) -> Result<ExitCode> {
             Err(e) => serde_json::json!({"path": a.path, "ok": false, "error": e.to_string()}),
         };
         println!("{v}");
-        return Ok(if res.is_ok() { ExitCode::SUCCESS } else { ExitCode::from(1) });
+        return Ok(if res.is_ok() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
     }
     let r = res?;
     if r.checksummed {
-        println!("ok: {} tensors, {} checked against their CRC32", r.tensors, human(r.bytes));
+        println!(
+            "ok: {} tensors, {} checked against their CRC32",
+            r.tensors,
+            human(r.bytes)
+        );
     } else {
         println!("ok: structure valid; this store has no checksums to check (plain safetensors / Hugging Face)");
     }

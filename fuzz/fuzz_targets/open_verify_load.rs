@@ -1,0 +1,87 @@
+//! The whole read path over in-memory checkpoints: `Checkpoint::from_parts`, `verify`,
+//! `tensor` / `tensor_verified` on every name, and `load_optimizer` in several layouts.
+//! Nothing may panic, whatever the manifest and shard bytes.
+//!
+//! Input: see `ckptstore_fuzz::unframe` (flags byte, manifest, 1-3 shards). The flags may
+//! ask for CRC and size repairs (`ckptstore_fuzz::fix_up`) so that mutated shard bytes get
+//! past the checksums into the loaders and conversion kernels.
+#![no_main]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use ckptstore::optim::{ScaleShape, StateLayout, Target};
+use ckptstore::{Checkpoint, DType, TensorView};
+use ckptstore_fuzz::{fix_up, unframe};
+use libfuzzer_sys::fuzz_target;
+
+fn layouts() -> &'static [StateLayout] {
+    static L: OnceLock<Vec<StateLayout>> = OnceLock::new();
+    L.get_or_init(|| {
+        vec![
+            StateLayout::default(),
+            StateLayout::with_default(Target::F32),
+            StateLayout::with_default(Target::BF16),
+            StateLayout::with_default(Target::F16Scaled(ScaleShape::Keep)),
+            // Explicit entries apply even to non-float and scalar states.
+            StateLayout::with_default(Target::F16Scaled(ScaleShape::Scalar))
+                .state("step", Target::F32)
+                .state("exp_avg", Target::F16Scaled(ScaleShape::One))
+                .state("exp_avg_sq", Target::BF16)
+                .state("momentum_buffer", Target::F16Scaled(ScaleShape::Scalar)),
+        ]
+    })
+}
+
+/// Read a view through its typed accessor (must not panic; may refuse).
+fn touch(v: &TensorView<'_>) {
+    let _ = match v.dtype() {
+        DType::F32 => v.as_slice::<f32>().map(|s| s.len()),
+        DType::F64 => v.as_slice::<f64>().map(|s| s.len()),
+        DType::I64 => v.as_slice::<i64>().map(|s| s.len()),
+        DType::U8 | DType::Bool => v.as_slice::<u8>().map(|s| s.len()),
+        _ => Ok(v.numel()),
+    };
+}
+
+fuzz_target!(|data: &[u8]| {
+    let f = unframe(data);
+    let manifest = fix_up(f.flags, f.manifest, &f.shards);
+    let shards: Vec<Vec<u8>> = f.shards.iter().map(|s| s.to_vec()).collect();
+
+    // Each shard on its own as a plain safetensors file.
+    for s in &shards {
+        if let Ok(ck) = Checkpoint::from_safetensors(PathBuf::from("s.safetensors"), s.clone()) {
+            for t in ck.tensors() {
+                let v = ck.tensor(&t.name).expect("listed tensor");
+                assert_eq!(v.bytes().len() as u64, t.nbytes());
+                touch(&v);
+            }
+        }
+    }
+
+    let Ok(ck) = Checkpoint::from_parts(&manifest, shards) else {
+        return;
+    };
+    let verified = ck.verify();
+    let mut all_ok = true;
+    for t in ck.tensors() {
+        let v = ck.tensor(&t.name).expect("listed tensor");
+        assert_eq!(v.bytes().len() as u64, t.nbytes());
+        assert_eq!(v.shape(), &t.shape[..]);
+        touch(&v);
+        all_ok &= ck.tensor_verified(&t.name).is_ok();
+    }
+    assert_eq!(
+        verified.is_ok(),
+        all_ok,
+        "verify() and tensor_verified() disagree"
+    );
+    if let Ok(r) = &verified {
+        assert!(r.checksummed);
+        assert_eq!(r.tensors, ck.tensors().len());
+    }
+    for layout in layouts() {
+        let _ = ck.load_optimizer(layout);
+    }
+});

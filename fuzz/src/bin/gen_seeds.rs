@@ -1,0 +1,296 @@
+//! Seed corpora for the fuzz targets, written with the library's own writer.
+//!
+//! Saves a few tiny checkpoints (plain tensors of every common dtype, one and several
+//! shards, optimizer states in F32, BF16, F64 and F16-scaled encodings, several groups)
+//! into a temporary directory, then writes:
+//!
+//! * `corpus/header/`: every shard file (a safetensors file: header plus data);
+//! * `corpus/manifest/`: every manifest;
+//! * `corpus/open_verify_load/`: manifest plus shards in the target's framing, once as is
+//!   and once with the CRC-repair flags set.
+//!
+//! Deterministic: every checkpoint's random id is replaced by a fixed one (in the manifest,
+//! the shard file names and the shard headers, with the CRCs recomputed), so the same
+//! source gives byte-identical seeds. Files are named `seed-*`; other corpus entries (what
+//! the fuzzer found) are left alone.
+//!
+//! Usage: `gen_seeds [CORPUS_DIR]` (default: `corpus/` next to the fuzz crate's Cargo.toml).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use ckptstore::format::{header, manifest};
+use ckptstore::optim::{OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateValue, Tensor};
+use ckptstore::{save, Checkpoint, DType, SaveOptions, TensorRef};
+use ckptstore_fuzz::{frame, FIX_ALL};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// One saved checkpoint, made deterministic: manifest bytes and shard files in order.
+struct Saved {
+    name: &'static str,
+    manifest: Vec<u8>,
+    shards: Vec<Vec<u8>>,
+}
+
+/// Deterministic values in [-2, 2).
+fn vals(seed: u32, n: usize) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            let x = (i.wrapping_add(1).wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) >> 8;
+            (x % 4096) as f32 / 1024.0 - 2.0
+        })
+        .collect()
+}
+
+/// BF16 by truncation of the FP32 bits (exact for the values `vals` makes).
+fn bf16_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter()
+        .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+        .collect()
+}
+
+fn f64_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|&v| (v as f64).to_le_bytes()).collect()
+}
+
+/// Replace the checkpoint's random id by `fixed` everywhere and recompute the CRCs.
+fn canonicalize(dir: &Path, name: &'static str, fixed: &str) -> Res<Saved> {
+    let bytes = std::fs::read(dir.join(manifest::MANIFEST_FILE))?;
+    let mut m = manifest::decode(&bytes).map_err(|e| format!("{name}: {e:?}"))?;
+    let old = m.checkpoint_id.clone();
+    assert_eq!(old.len(), fixed.len());
+    let mut shards = Vec::new();
+    for s in &mut m.shards {
+        let mut b = std::fs::read(dir.join(&s.file))?;
+        let end = 8 + s.header_size as usize;
+        let hdr = &mut b[8..end];
+        let mut i = 0;
+        while let Some(p) = hdr[i..].windows(old.len()).position(|w| w == old.as_bytes()) {
+            hdr[i + p..i + p + old.len()].copy_from_slice(fixed.as_bytes());
+            i += p + old.len();
+        }
+        s.header_crc32 = crc32fast::hash(&b[8..end]);
+        s.file = s.file.replace(&old, fixed);
+        shards.push(b);
+    }
+    m.checkpoint_id = fixed.to_string();
+    let manifest = manifest::encode(&m);
+    // The result must be a valid checkpoint.
+    let ck = Checkpoint::from_parts(&manifest, shards.clone())?;
+    ck.verify()?;
+    if ck.manifest().is_some_and(|m| m.optimizer.is_some()) {
+        ck.load_optimizer(&Default::default())?;
+    }
+    Ok(Saved {
+        name,
+        manifest,
+        shards,
+    })
+}
+
+fn model_tensors<'a>(
+    w: &'a [f32],
+    emb: &'a [u8],
+    h: &'a [u8],
+    d: &'a [u8],
+    step: &'a [i64],
+) -> Vec<TensorRef<'a>> {
+    vec![
+        TensorRef::from_slice("model.w", &[2, 3], w),
+        TensorRef::from_slice("train.step", &[], step),
+        TensorRef::new("model.emb", DType::BF16, &[4], emb),
+        TensorRef::new("model.mask", DType::Bool, &[5], &[1, 0, 1, 1, 0]),
+        TensorRef::new("model.ids", DType::U8, &[3], &[7, 0, 255]),
+        TensorRef::new("model.d", DType::F64, &[2], d),
+        TensorRef::new("model.h", DType::F16, &[3], h),
+        TensorRef::from_slice("model.i", &[2], &[-3i32, 9][..]),
+        TensorRef::new("model.empty", DType::F32, &[0, 3], &[]),
+    ]
+}
+
+fn plain_group(params: &[(&str, &[u64])], hyper: serde_json::Value) -> ParamGroup {
+    ParamGroup {
+        params: params.iter().map(|(n, s)| ParamSpec::new(*n, s)).collect(),
+        hyper: hyper.as_object().cloned().unwrap_or_default(),
+    }
+}
+
+fn numel(shape: &[u64]) -> usize {
+    shape.iter().product::<u64>() as usize
+}
+
+/// Adam with F32 moments and an F32 step, over params of shapes [4,4], [4], [].
+fn adam_f32() -> Res<OptimizerState> {
+    let params: [(&str, &[u64]); 3] = [("w", &[4, 4]), ("b", &[4]), ("temp", &[])];
+    let mut opt = OptimizerState::new(vec![plain_group(
+        &params,
+        serde_json::json!({"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}),
+    )]);
+    for (k, (n, s)) in params.iter().enumerate() {
+        let mut st = BTreeMap::new();
+        st.insert("step".to_string(), StateValue::Plain(Tensor::scalar_f32(3.0)));
+        for (j, sn) in ["exp_avg", "exp_avg_sq"].iter().enumerate() {
+            let x = vals(10 * k as u32 + j as u32, numel(s));
+            let x: Vec<f32> = if j == 1 { x.iter().map(|v| v * v).collect() } else { x };
+            st.insert(sn.to_string(), StateValue::Plain(Tensor::from_slice(s, &x)?));
+        }
+        opt.state.insert(n.to_string(), st);
+    }
+    Ok(opt)
+}
+
+/// Two groups; F16-scaled states (scale [] and [1]), BF16, F64 and I64 states; one
+/// parameter without state.
+fn mixed() -> Res<OptimizerState> {
+    let g0: [(&str, &[u64]); 2] = [("enc.w", &[3, 2]), ("enc.b", &[2])];
+    let g1: [(&str, &[u64]); 2] = [("dec.w", &[5]), ("frozen", &[2, 2])];
+    let mut opt = OptimizerState::new(vec![
+        plain_group(&g0, serde_json::json!({"lr": 0.1, "momentum": 0.9})),
+        plain_group(&g1, serde_json::json!({"lr": 0.01, "kind": "AdamW", "fused": true})),
+    ]);
+    let mut a = BTreeMap::new();
+    a.insert(
+        "exp_avg".to_string(),
+        StateValue::f16_scaled_from_f32(&[3, 2], &vals(1, 6), ScaleShape::One)?,
+    );
+    a.insert(
+        "exp_avg_sq".to_string(),
+        StateValue::f16_scaled_from_f32(&[3, 2], &vals(2, 6), ScaleShape::Scalar)?,
+    );
+    a.insert(
+        "step".to_string(),
+        StateValue::Plain(Tensor::from_slice(&[], &[12i64][..])?),
+    );
+    opt.state.insert("enc.w".into(), a);
+    let mut b = BTreeMap::new();
+    b.insert(
+        "momentum_buffer".to_string(),
+        StateValue::Plain(Tensor::from_bytes(DType::BF16, &[2], &bf16_bytes(&vals(3, 2)))?),
+    );
+    opt.state.insert("enc.b".into(), b);
+    let mut c = BTreeMap::new();
+    c.insert(
+        "exp_avg".to_string(),
+        StateValue::Plain(Tensor::from_bytes(DType::F64, &[5], &f64_bytes(&vals(4, 5)))?),
+    );
+    c.insert(
+        "exp_avg_sq".to_string(),
+        StateValue::f16_scaled_from_f32(&[5], &[0.0; 5], ScaleShape::One)?,
+    );
+    c.insert(
+        "step".to_string(),
+        StateValue::Plain(Tensor::from_slice(&[1], &[2.0f32][..])?),
+    );
+    opt.state.insert("dec.w".into(), c);
+    Ok(opt)
+}
+
+fn save_all(tmp: &Path) -> Res<Vec<Saved>> {
+    let w = vals(100, 6);
+    let emb = bf16_bytes(&vals(101, 4));
+    let h: Vec<u8> = [0x3c00u16, 0xbc00, 0x7bff]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let d = f64_bytes(&vals(102, 2));
+    let step = [7i64];
+    let model = model_tensors(&w, &emb, &h, &d, &step);
+    let meta = serde_json::json!({"run": "fuzz-seed", "step": 7, "nested": {"a": [1, 2.5, null]}});
+    let opts = |max: u64| SaveOptions {
+        max_shard_size: max,
+        metadata: meta.clone(),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    let mut k = 0u32;
+    let mut next = |dir: &Path, name: &'static str| -> Res<Saved> {
+        k += 1;
+        canonicalize(dir, name, &format!("5eed{k:028x}"))
+    };
+
+    let dir = tmp.join("model");
+    save(&dir, &model, &opts(1 << 20))?;
+    out.push(next(&dir, "model")?);
+
+    let dir = tmp.join("model3");
+    save(&dir, &model, &opts(32))?;
+    out.push(next(&dir, "model3")?);
+
+    let dir = tmp.join("adam");
+    adam_f32()?.save(&dir, &model[..2], &opts(1 << 20))?;
+    out.push(next(&dir, "adam")?);
+
+    let dir = tmp.join("adam2");
+    adam_f32()?.save(&dir, &[], &opts(100))?;
+    out.push(next(&dir, "adam2")?);
+
+    let dir = tmp.join("mixed");
+    mixed()?.save(&dir, &model[3..5], &SaveOptions::default())?;
+    out.push(next(&dir, "mixed")?);
+
+    Ok(out)
+}
+
+/// A plain safetensors file the writer would not make: no ckptstore metadata, a header
+/// not padded to 8, tensors listed out of offset order.
+fn foreign_safetensors() -> Vec<u8> {
+    let json = br#"{"b":{"dtype":"I16","shape":[2],"data_offsets":[4,8]},"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"__metadata__":{"format":"pt"}}"#;
+    let mut v = (json.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(json);
+    v.extend_from_slice(&1.5f32.to_le_bytes());
+    v.extend_from_slice(&[1, 0, 0xff, 0xff]);
+    v
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> Res<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join(name), bytes)?;
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let corpus = std::env::args_os()
+        .nth(1)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus"));
+    let tmp = tempfile::tempdir()?;
+    let saved = save_all(tmp.path())?;
+
+    let (hdr, man, ovl) = (
+        corpus.join("header"),
+        corpus.join("manifest"),
+        corpus.join("open_verify_load"),
+    );
+    let mut counts = [0usize; 3];
+    for s in &saved {
+        for (i, b) in s.shards.iter().enumerate() {
+            write(&hdr, &format!("seed-{}-shard{i}", s.name), b)?;
+            counts[0] += 1;
+        }
+        write(&man, &format!("seed-{}", s.name), &s.manifest)?;
+        counts[1] += 1;
+        assert!(
+            (1..=3).contains(&s.shards.len()),
+            "{}: {} shards cannot be framed",
+            s.name,
+            s.shards.len()
+        );
+        write(&ovl, &format!("seed-{}", s.name), &frame(0, &s.manifest, &s.shards))?;
+        write(&ovl, &format!("seed-{}-fix", s.name), &frame(FIX_ALL, &s.manifest, &s.shards))?;
+        counts[2] += 2;
+    }
+    let foreign = foreign_safetensors();
+    header::parse(&foreign).map_err(|e| format!("foreign seed: {e}"))?;
+    write(&hdr, "seed-foreign", &foreign)?;
+    counts[0] += 1;
+
+    println!(
+        "gen_seeds: {} header, {} manifest, {} open_verify_load seeds in {}",
+        counts[0],
+        counts[1],
+        counts[2],
+        corpus.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,197 @@
+//! Helpers shared by the ckptstore fuzz targets and the seed generator.
+//!
+//! * [`with_valid_trailer`]: rewrite arbitrary bytes into a manifest candidate whose
+//!   `manifest_crc32` trailer is correct, so the fuzzer gets past the CRC check.
+//! * [`frame`] / [`unframe`]: the input format of the `open_verify_load` target, one flags
+//!   byte, then a manifest and 1-3 shard files, each but the last preceded by its length.
+//! * [`fix_up`]: the optional repairs the flags ask for (manifest trailer, shard sizes and
+//!   header CRCs, tensor CRCs), so mutated shard bytes reach the loaders instead of
+//!   stopping at a checksum.
+
+use ckptstore::format::manifest;
+
+/// `,"manifest_crc32":"` — the start of the manifest trailer (format-spec/manifest.md).
+pub const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
+
+/// Flags bit: recompute the manifest's CRC trailer.
+pub const FIX_TRAILER: u8 = 1 << 2;
+/// Flags bit: set each shard's `size`, `header_size` and `header_crc32` in the manifest
+/// from the shard bytes given (then re-encode the manifest).
+pub const FIX_SHARDS: u8 = 1 << 3;
+/// Flags bit: set each tensor's `crc32` in the manifest from the shard bytes given.
+pub const FIX_TENSORS: u8 = 1 << 4;
+/// Every repair.
+pub const FIX_ALL: u8 = FIX_TRAILER | FIX_SHARDS | FIX_TENSORS;
+
+/// The body of a manifest candidate: `bytes` without a trailer if it has one, else without
+/// trailing whitespace and one closing brace.
+pub fn manifest_body(bytes: &[u8]) -> &[u8] {
+    if let Some(split) = bytes.len().checked_sub(manifest::TRAILER_LEN) {
+        if bytes[split..].starts_with(TRAILER_HEAD) {
+            return &bytes[..split];
+        }
+    }
+    let mut end = bytes.len();
+    while end > 0 && bytes[end - 1].is_ascii_whitespace() {
+        end -= 1;
+    }
+    if end > 0 && bytes[end - 1] == b'}' {
+        end -= 1;
+    }
+    &bytes[..end]
+}
+
+/// `body` followed by the correct CRC trailer for it.
+pub fn append_trailer(body: &[u8]) -> Vec<u8> {
+    let crc = crc32fast::hash(body);
+    let mut out = Vec::with_capacity(body.len() + manifest::TRAILER_LEN);
+    out.extend_from_slice(body);
+    out.extend_from_slice(TRAILER_HEAD);
+    out.extend_from_slice(format!("{crc:08x}\"}}\n").as_bytes());
+    out
+}
+
+/// [`manifest_body`] of `bytes` with a correct trailer: a manifest whose CRC checks.
+pub fn with_valid_trailer(bytes: &[u8]) -> Vec<u8> {
+    append_trailer(manifest_body(bytes))
+}
+
+/// A decoded `open_verify_load` input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Framed<'a> {
+    /// The flags byte (bits 0-1: shard count - 1, modulo 3; the `FIX_*` bits).
+    pub flags: u8,
+    /// The manifest bytes.
+    pub manifest: &'a [u8],
+    /// One to three shard files.
+    pub shards: Vec<&'a [u8]>,
+}
+
+/// Split an `open_verify_load` input: `flags`, then for the manifest and every shard but
+/// the last a little-endian `u32` length (clamped to what is left) and that many bytes;
+/// the last shard is the rest. Never fails: short inputs give empty parts.
+pub fn unframe(data: &[u8]) -> Framed<'_> {
+    let (flags, mut rest) = match data.split_first() {
+        Some((&f, r)) => (f, r),
+        None => (0, data),
+    };
+    let nshards = (flags & 3) % 3 + 1;
+    let take = |rest: &mut &'_ [u8]| -> usize {
+        let mut len = [0u8; 4];
+        let n = rest.len().min(4);
+        len[..n].copy_from_slice(&rest[..n]);
+        *rest = &rest[n..];
+        (u32::from_le_bytes(len) as usize).min(rest.len())
+    };
+    let mut parts = Vec::with_capacity(nshards as usize + 1);
+    for _ in 0..nshards {
+        let n = take(&mut rest);
+        let (a, b) = rest.split_at(n);
+        parts.push(a);
+        rest = b;
+    }
+    parts.push(rest);
+    let manifest = parts.remove(0);
+    Framed {
+        flags,
+        manifest,
+        shards: parts,
+    }
+}
+
+/// The inverse of [`unframe`] for 1-3 shards (the low flag bits are set from their count).
+///
+/// # Panics
+/// If `shards` is empty or holds more than three files, or a part exceeds `u32::MAX` bytes.
+pub fn frame(fix: u8, manifest: &[u8], shards: &[Vec<u8>]) -> Vec<u8> {
+    assert!((1..=3).contains(&shards.len()), "1-3 shards can be framed");
+    let mut out = vec![(fix & !3) | (shards.len() as u8 - 1)];
+    let (last, init) = shards.split_last().expect("non-empty");
+    for part in std::iter::once(manifest).chain(init.iter().map(Vec::as_slice)) {
+        out.extend_from_slice(&u32::try_from(part.len()).expect("small part").to_le_bytes());
+        out.extend_from_slice(part);
+    }
+    out.extend_from_slice(last);
+    out
+}
+
+/// Apply the repairs `flags` asks for to a manifest, given the shard bytes. Returns the
+/// manifest bytes to open (borrowed unchanged when no repair applies).
+pub fn fix_up<'a>(
+    flags: u8,
+    manifest_bytes: &'a [u8],
+    shards: &[&[u8]],
+) -> std::borrow::Cow<'a, [u8]> {
+    use std::borrow::Cow;
+    let mut bytes: Cow<'a, [u8]> = Cow::Borrowed(manifest_bytes);
+    if flags & FIX_TRAILER != 0 {
+        bytes = Cow::Owned(with_valid_trailer(&bytes));
+    }
+    if flags & (FIX_SHARDS | FIX_TENSORS) == 0 {
+        return bytes;
+    }
+    let Ok(mut m) = manifest::decode(&bytes) else {
+        return bytes;
+    };
+    if flags & FIX_SHARDS != 0 {
+        for (s, b) in m.shards.iter_mut().zip(shards) {
+            s.size = b.len() as u64;
+            if let Some(p) = b.get(..8) {
+                let hs = u64::from_le_bytes(p.try_into().expect("8 bytes"));
+                s.header_size = hs;
+                if let Some(h) = usize::try_from(hs)
+                    .ok()
+                    .and_then(|hs| hs.checked_add(8))
+                    .and_then(|e| b.get(8..e))
+                {
+                    s.header_crc32 = crc32fast::hash(h);
+                }
+            }
+        }
+    }
+    if flags & FIX_TENSORS != 0 {
+        for t in &mut m.tensors {
+            let range = shards.get(t.shard).and_then(|b| {
+                let [s, e] = t.offsets;
+                b.get(usize::try_from(s).ok()?..usize::try_from(e).ok()?)
+            });
+            if let Some(r) = range {
+                t.crc32 = crc32fast::hash(r);
+            }
+        }
+    }
+    Cow::Owned(manifest::encode(&m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_round_trip() {
+        let m = b"manifest".to_vec();
+        for n in 1..=3 {
+            let shards: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; 10 + i]).collect();
+            let f = frame(FIX_ALL, &m, &shards);
+            let u = unframe(&f);
+            assert_eq!(u.flags & FIX_ALL, FIX_ALL);
+            assert_eq!(u.manifest, &m[..]);
+            assert_eq!(u.shards, shards.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        }
+        // Short and empty inputs never fail.
+        for l in 0..12 {
+            let u = unframe(&[0xffu8; 12][..l]);
+            assert!(!u.shards.is_empty());
+        }
+    }
+
+    #[test]
+    fn trailer_is_recomputed() {
+        let body = br#"{"a":1"#;
+        let with = append_trailer(body);
+        assert_eq!(with_valid_trailer(&with), with);
+        let v: serde_json::Value = serde_json::from_slice(&with).unwrap();
+        assert_eq!(v["a"], 1);
+        assert_eq!(with_valid_trailer(b"{\"a\":1}\n"), with);
+    }
+}
