@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 
 use crate::crc::crc32_parallel;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::header;
+pub use crate::format::manifest::TensorInfo;
 use crate::format::manifest::{self, check_file_name, DecodeError, Manifest, MANIFEST_FILE};
 use crate::mmap::Map;
 use crate::view::TensorView;
@@ -33,30 +33,6 @@ pub enum Kind {
     /// A Hugging Face sharded directory with `model.safetensors.index.json` (read-only,
     /// no checksums).
     HfSharded,
-}
-
-/// Where one tensor lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TensorInfo {
-    /// Tensor name.
-    pub name: String,
-    /// Element type.
-    pub dtype: DType,
-    /// Shape; empty for 0-dim.
-    pub shape: Vec<u64>,
-    /// Index of the shard holding it.
-    pub shard: usize,
-    /// Absolute byte range `[begin, end)` in the shard file.
-    pub offsets: [u64; 2],
-    /// The CRC32 recorded at save time (native checkpoints only).
-    pub crc32: Option<u32>,
-}
-
-impl TensorInfo {
-    /// Size of the tensor's data in bytes.
-    pub fn nbytes(&self) -> u64 {
-        self.offsets[1] - self.offsets[0]
-    }
 }
 
 /// One shard: its file name and its bytes (a read-only map, or any `AsRef<[u8]>`).
@@ -89,8 +65,10 @@ pub struct Checkpoint<B: AsRef<[u8]> = Map> {
     root: PathBuf,
     kind: Kind,
     shards: Vec<Shard<B>>,
-    tensors: Vec<TensorInfo>,
-    by_name: HashMap<String, usize>,
+    /// Tensors of foreign stores; native checkpoints keep theirs in the manifest.
+    foreign: Vec<TensorInfo>,
+    /// Name -> index into `tensors()`, hashing the names in place (no copies).
+    by_name: NameIndex,
     metadata: serde_json::Value,
     manifest: Option<Manifest>,
 }
@@ -146,8 +124,8 @@ impl Checkpoint<Map> {
         let manifest_path = path.join(MANIFEST_FILE);
         if manifest_path.exists() {
             // A save that commits while we open may remove the shards of the manifest we
-            // read (format-spec/durability.md §Readers): if a shard is missing and the
-            // manifest has changed since, open the new one.
+            // read (format-spec/durability.md §Readers): if a shard is missing, read the
+            // manifest again and retry, a bounded number of times.
             let mut attempts = 0;
             loop {
                 match Self::open_native(path, &manifest_path) {
@@ -186,14 +164,15 @@ impl Checkpoint<Map> {
             .enumerate()
             .map(|(i, s)| {
                 let p = root.join(&s.file);
-                let lmeta = std::fs::symlink_metadata(&p).map_err(|e| match e.kind() {
+                let missing = |e: std::io::Error, op| match e.kind() {
                     std::io::ErrorKind::NotFound => Error::ShardMismatch {
                         shard: i,
                         file: s.file.clone(),
                         reason: SHARD_MISSING.into(),
                     },
-                    _ => Error::io("stat", &p, e),
-                })?;
+                    _ => Error::io(op, &p, e),
+                };
+                let lmeta = std::fs::symlink_metadata(&p).map_err(|e| missing(e, "stat"))?;
                 if !lmeta.file_type().is_file() {
                     return Err(Error::ShardMismatch {
                         shard: i,
@@ -201,7 +180,8 @@ impl Checkpoint<Map> {
                         reason: "not a regular file (ckptstore never writes links or directories as shards)".into(),
                     });
                 }
-                Ok(Shard { file: s.file.clone(), bytes: open_map(&p)? })
+                let file = File::open(&p).map_err(|e| missing(e, "open"))?;
+                Ok(Shard { file: s.file.clone(), bytes: Map::open(&file, &p)? })
             })
             .collect::<Result<Vec<_>>>()?;
         Checkpoint::build_native(root.to_path_buf(), m, shards)
@@ -235,13 +215,13 @@ impl Checkpoint<Map> {
             .collect::<Result<Vec<_>>>()?;
         let mut ck = Checkpoint::from_foreign(root.to_path_buf(), Kind::HfSharded, shards)?;
         // The index must name exactly the tensors the files hold, each in its file.
-        if idx.weight_map.len() != ck.tensors.len() {
+        if idx.weight_map.len() != ck.foreign.len() {
             return Err(Error::manifest(
                 fname,
                 format!(
                     "weight_map names {} tensors but the shard files hold {}",
                     idx.weight_map.len(),
-                    ck.tensors.len()
+                    ck.foreign.len()
                 ),
             ));
         }
@@ -381,22 +361,8 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             })?;
 
         let mut counts = vec![0usize; shards.len()];
-        let mut tensors = Vec::with_capacity(m.tensors.len());
-        let mut by_name = HashMap::with_capacity(m.tensors.len());
-        for (i, t) in m.tensors.iter().enumerate() {
-            // dtype names were validated with the manifest.
-            let dtype = DType::from_name(&t.dtype)
-                .ok_or_else(|| Error::manifest(MANIFEST_FILE, "unknown dtype"))?;
-            counts[t.shard] += 1;
-            by_name.insert(t.name.clone(), i);
-            tensors.push(TensorInfo {
-                name: t.name.clone(),
-                dtype,
-                shape: t.shape.clone(),
-                shard: t.shard,
-                offsets: t.offsets,
-                crc32: Some(t.crc32),
-            });
+        for t in &m.tensors {
+            counts[t.shard] += 1; // shard indexes were validated with the manifest
         }
         if let Some(i) = counts.iter().position(|&c| c == 0) {
             return Err(Error::ShardMismatch {
@@ -405,11 +371,17 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 reason: "the manifest places no tensor in this shard".into(),
             });
         }
+        let by_name = NameIndex::build(&m.tensors).map_err(|i| {
+            Error::manifest(
+                MANIFEST_FILE,
+                format!("tensor {:?} is listed twice", m.tensors[i].name),
+            )
+        })?;
         Ok(Checkpoint {
             root,
             kind: Kind::Native,
             shards,
-            tensors,
+            foreign: Vec::new(),
             by_name,
             metadata: m.metadata.clone(),
             manifest: Some(m),
@@ -437,7 +409,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 }
             }
             let mine: HashMap<&str, &TensorInfo> =
-                self.tensors.iter().filter(|t| t.shard == i).map(|t| (t.name.as_str(), t)).collect();
+                self.tensors().iter().filter(|t| t.shard == i).map(|t| (t.name.as_str(), t)).collect();
             if mine.len() != h.tensors.len() {
                 return Err(mismatch(format!(
                     "the shard header lists {} tensors but the manifest places {} here",
@@ -479,7 +451,6 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .map(|s| header::parse(s.bytes.as_ref()).map_err(|r| Error::header(&s.file, r)))
             .collect::<Result<Vec<_>>>()?;
         let mut tensors = Vec::new();
-        let mut by_name = HashMap::new();
         let mut metadata = serde_json::Map::new();
         for (i, h) in headers.into_iter().enumerate() {
             let ds = h.data_start();
@@ -487,12 +458,6 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 metadata.insert(k, serde_json::Value::String(v));
             }
             for e in h.tensors {
-                if by_name.insert(e.name.clone(), tensors.len()).is_some() {
-                    return Err(Error::header(
-                        &shards[i].file,
-                        format!("tensor {:?} is also held by another shard file", e.name),
-                    ));
-                }
                 tensors.push(TensorInfo {
                     name: e.name,
                     dtype: e.dtype,
@@ -503,11 +468,18 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 });
             }
         }
+        let by_name = NameIndex::build(&tensors).map_err(|i| {
+            let t = &tensors[i];
+            Error::header(
+                &shards[t.shard].file,
+                format!("tensor {:?} is also held by another shard file", t.name),
+            )
+        })?;
         Ok(Checkpoint {
             root,
             kind,
             shards,
-            tensors,
+            foreign: tensors,
             by_name,
             metadata: metadata.into(),
             manifest: None,
@@ -537,7 +509,10 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
 
     /// Every tensor, in manifest (or header) order.
     pub fn tensors(&self) -> &[TensorInfo] {
-        &self.tensors
+        match &self.manifest {
+            Some(m) => &m.tensors,
+            None => &self.foreign,
+        }
     }
 
     /// The shards, in index order.
@@ -550,9 +525,9 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`].
     pub fn info(&self, name: &str) -> Result<&TensorInfo> {
+        let tensors = self.tensors();
         self.by_name
-            .get(name)
-            .and_then(|&i| self.tensors.get(i))
+            .get(tensors, name)
             .ok_or_else(|| Error::TensorNotFound {
                 name: name.to_string(),
             })
@@ -623,9 +598,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// As [`Checkpoint::verify`].
     pub fn verify_with_progress(&self, progress: &(dyn Fn(u64) + Sync)) -> Result<VerifyReport> {
         self.check_headers()?;
-        if let Some(sec) = self.manifest.as_ref().and_then(|m| m.optimizer.as_ref()) {
-            crate::optim::validate_section(sec, self)?;
-        }
+        self.check_optimizer_section()?;
         if self.kind != Kind::Native {
             return Ok(VerifyReport {
                 tensors: 0,
@@ -634,7 +607,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             });
         }
         let first_bad = self
-            .tensors
+            .tensors()
             .par_iter()
             .enumerate()
             .filter_map(|(i, t)| {
@@ -648,14 +621,68 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             return Err(e);
         }
         Ok(VerifyReport {
-            tensors: self.tensors.len(),
-            bytes: self.tensors.iter().map(TensorInfo::nbytes).sum(),
+            tensors: self.tensors().len(),
+            bytes: self.tensors().iter().map(TensorInfo::nbytes).sum(),
             checksummed: true,
         })
     }
 
+    /// Check the optimizer section, if any, against the rules of format-spec/optimizer.md
+    /// (groups, parameters, state entries and the tensors they reference). Cheap: reads no
+    /// tensor data. [`Checkpoint::verify`] and [`Checkpoint::load_optimizer`] run it too.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOptimizerState`] naming the parameter and state.
+    pub fn check_optimizer_section(&self) -> Result<()> {
+        match self.manifest.as_ref().and_then(|m| m.optimizer.as_ref()) {
+            Some(sec) => crate::optim::validate_section(sec, self),
+            None => Ok(()),
+        }
+    }
+
     /// Total bytes of tensor data.
     pub fn data_bytes(&self) -> u64 {
-        self.tensors.iter().map(TensorInfo::nbytes).sum()
+        self.tensors().iter().map(TensorInfo::nbytes).sum()
+    }
+}
+
+/// A hash index from tensor name to position, storing only `u32` positions: the names stay
+/// in the tensor list.
+#[derive(Debug, Default)]
+struct NameIndex {
+    table: hashbrown::HashTable<u32>,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl NameIndex {
+    /// Index `tensors`; on a repeated name, returns the position of the second occurrence.
+    fn build(tensors: &[TensorInfo]) -> Result<NameIndex, usize> {
+        use std::hash::BuildHasher;
+        let mut ix = NameIndex {
+            table: hashbrown::HashTable::with_capacity(tensors.len()),
+            ..Default::default()
+        };
+        for (i, t) in tensors.iter().enumerate() {
+            let h = ix.hasher.hash_one(t.name.as_str());
+            match ix.table.entry(
+                h,
+                |&j| tensors[j as usize].name == t.name,
+                |&j| ix.hasher.hash_one(tensors[j as usize].name.as_str()),
+            ) {
+                hashbrown::hash_table::Entry::Occupied(_) => return Err(i),
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    v.insert(i as u32);
+                }
+            }
+        }
+        Ok(ix)
+    }
+
+    fn get<'t>(&self, tensors: &'t [TensorInfo], name: &str) -> Option<&'t TensorInfo> {
+        use std::hash::BuildHasher;
+        let h = self.hasher.hash_one(name);
+        self.table
+            .find(h, |&j| tensors[j as usize].name == name)
+            .map(|&j| &tensors[j as usize])
     }
 }

@@ -95,6 +95,28 @@ impl DType {
     }
 }
 
+impl serde::Serialize for DType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DType {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = DType;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a safetensors dtype name such as \"F32\"")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<DType, E> {
+                DType::from_name(v).ok_or_else(|| E::custom(format!("unknown dtype {v:?}")))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

@@ -156,7 +156,8 @@ pub fn fix_up<'a>(
                 b.get(usize::try_from(s).ok()?..usize::try_from(e).ok()?)
             });
             if let Some(r) = range {
-                t.crc32 = crc32fast::hash(r);
+                // `.into()`: the field is `u32` or `Option<u32>` depending on the library version.
+                t.crc32 = crc32fast::hash(r).into();
             }
         }
     }

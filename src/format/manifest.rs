@@ -36,7 +36,7 @@ pub struct Manifest {
     /// The shard files, in index order.
     pub shards: Vec<ShardEntry>,
     /// Every tensor, in save order.
-    pub tensors: Vec<TensorEntry>,
+    pub tensors: Vec<TensorInfo>,
     /// User metadata: any JSON object.
     #[serde(default = "empty_object")]
     pub metadata: serde_json::Value,
@@ -62,21 +62,31 @@ pub struct ShardEntry {
     pub header_crc32: u32,
 }
 
-/// One tensor as the manifest records it.
+/// One tensor: as the manifest records it, and as [`crate::Checkpoint`] reports it for
+/// every kind of store.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct TensorEntry {
+pub struct TensorInfo {
     /// Tensor name, unique in the checkpoint.
     pub name: String,
-    /// Index into `shards`.
+    /// Index into the shard list.
     pub shard: usize,
-    /// safetensors dtype name.
-    pub dtype: String,
+    /// Element type (safetensors wire name on disk).
+    pub dtype: DType,
     /// Shape; empty for 0-dim.
     pub shape: Vec<u64>,
     /// Absolute byte range `[begin, end)` in the shard file.
     pub offsets: [u64; 2],
-    /// CRC32 of the tensor's bytes.
-    pub crc32: u32,
+    /// CRC32 of the tensor's bytes. Always present in a manifest; `None` for tensors of
+    /// foreign stores (plain safetensors, Hugging Face), which carry no checksums.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32: Option<u32>,
+}
+
+impl TensorInfo {
+    /// Size of the tensor's data in bytes.
+    pub fn nbytes(&self) -> u64 {
+        self.offsets[1].saturating_sub(self.offsets[0])
+    }
 }
 
 /// The optimizer section (format-spec/optimizer.md).
@@ -211,8 +221,8 @@ pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
     if body.first() != Some(&b'{') {
         return Err(Invalid("does not start with '{'".into()));
     }
-    // Peek at format and version first, so another version gets its own error even if
-    // its fields have changed shape.
+    // One full parse. Only if it fails, peek at format and version, so that another
+    // version gets its own error even if its fields have changed shape.
     #[derive(Deserialize)]
     struct Head {
         format: String,
@@ -220,24 +230,39 @@ pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
         #[serde(default)]
         features: Vec<String>,
     }
-    let head: Head = serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
-    if head.format != FORMAT_NAME {
-        return Err(Invalid(format!(
-            "format is {:?}, expected {FORMAT_NAME:?}",
-            head.format
-        )));
-    }
-    if head.version != VERSION {
-        return Err(DecodeError::Version(head.version));
-    }
-    if let Some(f) = head
-        .features
-        .iter()
-        .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
-    {
-        return Err(DecodeError::Feature(f.clone()));
-    }
-    let m: Manifest = serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
+    let check_head = |head: &Head| -> Result<(), DecodeError> {
+        if head.format != FORMAT_NAME {
+            return Err(Invalid(format!(
+                "format is {:?}, expected {FORMAT_NAME:?}",
+                head.format
+            )));
+        }
+        if head.version != VERSION {
+            return Err(DecodeError::Version(head.version));
+        }
+        if let Some(f) = head
+            .features
+            .iter()
+            .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
+        {
+            return Err(DecodeError::Feature(f.clone()));
+        }
+        Ok(())
+    };
+    let m: Manifest = match serde_json::from_slice(bytes) {
+        Ok(m) => m,
+        Err(e) => {
+            let head: Head =
+                serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
+            check_head(&head)?;
+            return Err(Invalid(format!("JSON: {e}")));
+        }
+    };
+    check_head(&Head {
+        format: m.format.clone(),
+        version: m.version,
+        features: m.features.clone(),
+    })?;
     let mut seen = std::collections::HashSet::new();
     if let Some(f) = m.features.iter().find(|f| !seen.insert(f.as_str())) {
         return Err(Invalid(format!("feature {f:?} is listed twice")));
@@ -313,7 +338,8 @@ fn validate(m: &Manifest) -> Result<(), String> {
             ));
         }
     }
-    let mut names = std::collections::HashSet::with_capacity(m.tensors.len());
+    let mut names: foldhash::HashSet<&str> =
+        foldhash::HashSet::with_capacity_and_hasher(m.tensors.len(), Default::default());
     // Per shard: (begin, end, tensor index) for the overlap check.
     let mut ranges: Vec<Vec<(u64, u64, usize)>> = vec![Vec::new(); m.shards.len()];
     for (i, t) in m.tensors.iter().enumerate() {
@@ -329,8 +355,10 @@ fn validate(m: &Manifest) -> Result<(), String> {
                 m.shards.len()
             )
         })?;
-        let dtype = DType::from_name(&t.dtype)
-            .ok_or_else(|| format!("tensor {:?}: unknown dtype {:?}", t.name, t.dtype))?;
+        let dtype = t.dtype;
+        if t.crc32.is_none() {
+            return Err(format!("tensor {:?}: no crc32", t.name));
+        }
         if t.shape.len() > MAX_RANK {
             return Err(format!(
                 "tensor {:?}: rank {} exceeds {MAX_RANK}",
@@ -390,21 +418,21 @@ mod tests {
                 header_crc32: 7,
             }],
             tensors: vec![
-                TensorEntry {
+                TensorInfo {
                     name: "a".into(),
                     shard: 0,
-                    dtype: "F32".into(),
+                    dtype: DType::F32,
                     shape: vec![2],
                     offsets: [72, 80],
-                    crc32: 1,
+                    crc32: Some(1),
                 },
-                TensorEntry {
+                TensorInfo {
                     name: "b".into(),
                     shard: 0,
-                    dtype: "I32".into(),
+                    dtype: DType::I32,
                     shape: vec![],
                     offsets: [80, 84],
-                    crc32: 2,
+                    crc32: Some(2),
                 },
             ],
             metadata: serde_json::json!({"step": 3}),

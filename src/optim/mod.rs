@@ -391,8 +391,8 @@ fn check_compatible(live: &OptimizerState, new: &OptimizerState) -> Result<()> {
     Ok(())
 }
 
-/// Check the optimizer section against the manifest's tensors; returns the set of names
-/// it references (used by load).
+/// Check the optimizer section against the checkpoint's tensors (format-spec/optimizer.md
+/// §Rules): used by load and by verify.
 pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
     sec: &OptimizerSection,
     ckpt: &crate::Checkpoint<B>,
@@ -484,9 +484,14 @@ pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
             }
         }
     }
-    if let Some(p) = in_groups.iter().find(|p| !listed.contains(*p)) {
+    let unlisted = sec
+        .groups
+        .iter()
+        .flat_map(|g| &g.params)
+        .find(|p| !listed.contains(p.as_str()));
+    if let Some(p) = unlisted {
         return Err(Error::optim(
-            *p,
+            p,
             "",
             "named by a group but missing from params",
         ));

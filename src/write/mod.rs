@@ -16,7 +16,7 @@ use crate::dtype::{checked_nbytes, checked_numel, DType};
 use crate::error::{Error, Result};
 use crate::format::header::{self, HeaderEntry};
 use crate::format::manifest::{
-    self, Manifest, OptimizerSection, ShardEntry, TensorEntry, MANIFEST_FILE,
+    self, Manifest, OptimizerSection, ShardEntry, TensorInfo, MANIFEST_FILE,
 };
 use crate::format::{
     check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS,
@@ -290,8 +290,10 @@ pub struct CommitInfo {
 /// old checkpoint open keeps reading its old bytes.
 ///
 /// # Errors
-/// [`Error::InvalidTensor`] or [`Error::InvalidArgument`] (before anything is written) for
-/// duplicate names, sizes that do not fit, or a checkpoint over the format's limits;
+/// [`Error::InvalidTensor`] or [`Error::InvalidArgument`] for duplicate names, sizes that
+/// do not fit, or a checkpoint over the format's limits (found before any checkpoint file
+/// is written, except an over-large manifest, found after the shards: the old checkpoint
+/// stays committed);
 /// [`Error::Io`] naming the file for I/O failures. After an error the directory holds
 /// the previous checkpoint, or, if only the final directory fsync failed, possibly the new
 /// one: never a mix. Only `Ok` guarantees the new checkpoint is durable.
@@ -377,11 +379,13 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
     // Each new directory's entry lives in its parent: fsync those parents.
     for d in missing.iter().rev() {
-        if let Some(parent) = d.parent().filter(|p| !p.as_os_str().is_empty()) {
-            StdFs
-                .sync_dir(parent)
-                .map_err(|e| Error::io("fsync directory", parent, e))?;
-        }
+        let parent = match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        StdFs
+            .sync_dir(parent)
+            .map_err(|e| Error::io("fsync directory", parent, e))?;
     }
     Ok(())
 }
@@ -531,7 +535,8 @@ pub(crate) fn save_impl<F: Fs>(
     commit(fs, dir, tensors, &sizes, opts, optimizer)
 }
 
-/// Steps 1-5 of the protocol (format-spec/durability.md) on validated input.
+/// The protocol (format-spec/durability.md) on validated input: draw the id, plan the
+/// shards and check the plan against the format's limits (step 0), then steps 1-5.
 fn commit<F: Fs>(
     fs: &F,
     dir: &Path,
@@ -571,8 +576,13 @@ fn commit<F: Fs>(
         .map(|(i, s)| write_shard(fs, dir, &id, i, s, &headers[i], opts))
         .collect::<Result<_>>()?;
     // 2. Make the renames durable before the manifest can reference them.
-    fs.sync_dir(dir)
-        .map_err(|e| Error::io("fsync directory", dir, e))?;
+    fs.sync_dir(dir).map_err(|e| {
+        Error::io(
+            "fsync directory (before commit; the old checkpoint stays)",
+            dir,
+            e,
+        )
+    })?;
 
     // 3. The manifest.
     let mut m = Manifest {
@@ -590,19 +600,19 @@ fn commit<F: Fs>(
         optimizer,
     };
     // Manifest tensors in the caller's order.
-    let mut by_name: BTreeMap<&str, TensorEntry> = BTreeMap::new();
+    let mut by_name: BTreeMap<&str, TensorInfo> = BTreeMap::new();
     for (si, (s, (entry, crcs))) in shards.iter().zip(written).enumerate() {
         let ds = 8 + entry.header_size;
         for (e, crc) in s.entries.iter().zip(crcs) {
             by_name.insert(
                 e.name.as_str(),
-                TensorEntry {
+                TensorInfo {
                     name: e.name.clone(),
                     shard: si,
-                    dtype: e.dtype.name().into(),
+                    dtype: e.dtype,
                     shape: e.shape.clone(),
                     offsets: [ds + e.data_offsets[0], ds + e.data_offsets[1]],
-                    crc32: crc,
+                    crc32: Some(crc),
                 },
             );
         }
@@ -631,8 +641,13 @@ fn commit<F: Fs>(
     fs.rename(&tmp, &target)
         .map_err(|e| Error::io("rename", &tmp, e))?;
     // 4. The commit point: the new manifest's directory entry is durable.
-    fs.sync_dir(dir)
-        .map_err(|e| Error::io("fsync directory", dir, e))?;
+    fs.sync_dir(dir).map_err(|e| {
+        Error::io(
+            "fsync directory (at the commit point; old or new checkpoint, undetermined)",
+            dir,
+            e,
+        )
+    })?;
 
     // 5. Cleanup: engine files the new manifest does not reference. Failures here leave
     //    garbage, never damage: the new checkpoint is committed.

@@ -99,7 +99,7 @@ def _state(m, kind):
 
 # id: (base manifest, mutation, also refused by ckptstore's reader at open?). False: the
 # optimizer cross-reference rules (format-spec/optimizer.md §Rules) are checked when the
-# section is used (restore), not at open; None: the trailer, not a JSON member, to a reader.
+# section is used (verify, load, restore), not at open; None: the trailer, not a JSON member, to a reader.
 BROKEN = {
     "missing checkpoint_id": ("packed", lambda m: m.pop("checkpoint_id"), True),
     "uppercase checkpoint_id": ("packed", lambda m: m.__setitem__("checkpoint_id", m["checkpoint_id"].upper()), True),

@@ -27,6 +27,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
         .iter()
         .map(Checkpoint::open)
         .collect::<Result<Vec<_>>>()?;
+    for ck in &cks {
+        ck.check_optimizer_section()?;
+    }
     // An optimizer section is carried over from the one input that has it.
     let mut sections = cks
         .iter()
