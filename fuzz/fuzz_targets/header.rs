@@ -38,8 +38,10 @@ fuzz_target!(|data: &[u8]| {
         Err(e) => panic!("header parses but from_safetensors fails: {e}"),
     };
     assert_eq!(ck.tensors().len(), h.tensors.len());
+    assert!(ck.tensor("\0absent").is_err());
     for (info, e) in ck.tensors().iter().zip(&h.tensors) {
         assert_eq!(info.name, e.name);
+        assert_eq!(ck.info(&e.name).expect("listed tensor"), info);
         let v = ck.tensor(&info.name).expect("listed tensor");
         assert_eq!(v.bytes().len() as u64, e.data_offsets[1] - e.data_offsets[0]);
         assert_eq!(v.bytes(), &section[e.data_offsets[0] as usize..e.data_offsets[1] as usize]);

@@ -56,7 +56,10 @@ fuzz_target!(|data: &[u8]| {
     // headers, and the optimizer section), so only one direction is an invariant: after a
     // successful verify, every tensor's own CRC check passes too.
     let verified = ck.verify();
+    // Lookups by name find exactly the listed tensor; a name no tensor can have is absent.
+    assert!(ck.tensor("\0absent").is_err());
     for t in ck.tensors() {
+        assert_eq!(ck.info(&t.name).expect("listed tensor"), t);
         let v = ck.tensor(&t.name).expect("listed tensor");
         assert_eq!(v.bytes().len() as u64, t.nbytes());
         assert_eq!(v.shape(), &t.shape[..]);

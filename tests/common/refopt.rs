@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 
+use rayon::prelude::*;
+
 use ckptstore::optim::{OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateValue, Tensor};
 use ckptstore::DType;
 
@@ -94,7 +96,7 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(k, (n, s))| {
-                let v = (0..numel(s)).map(|i| noise(k as u64, i as u64)).collect();
+                let v = (0..numel(s)).into_par_iter().map(|i| noise(k as u64, i as u64)).collect();
                 (n.to_string(), (s.to_vec(), v))
             })
             .collect();
@@ -107,7 +109,7 @@ impl Model {
         let h = name
             .bytes()
             .fold(7u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
-        p.iter()
+        p.par_iter()
             .enumerate()
             .map(|(i, &x)| 0.5 * (x - 0.25 * noise(h, i as u64)) + 0.1 * noise(h ^ step, i as u64))
             .collect()
@@ -183,9 +185,7 @@ pub fn step(
                         .map(|(&b, &g)| h.momentum * b + g)
                         .collect(),
                 };
-                for (x, b) in p.iter_mut().zip(&buf) {
-                    *x -= h.lr * b;
-                }
+                p.par_iter_mut().zip(&buf).for_each(|(x, b)| *x -= h.lr * b);
                 st.insert("momentum_buffer".into(), storage.encode(shape, &buf));
             }
             Kind::Adam | Kind::AdamW => {
@@ -205,19 +205,20 @@ pub fn step(
                 let (b1, b2) = h.betas;
                 let bc1 = 1.0 - b1.powf(t);
                 let bc2 = 1.0 - b2.powf(t);
-                for i in 0..n {
-                    let mut gi = g[i];
+                // Element-wise, so the parallel split cannot change a single bit.
+                p.par_iter_mut().zip(&mut m).zip(&mut v).zip(&g).for_each(|(((p, m), v), &g)| {
+                    let mut gi = g;
                     if h.kind == Kind::Adam && h.weight_decay != 0.0 {
-                        gi += h.weight_decay * p[i];
+                        gi += h.weight_decay * *p;
                     }
                     if h.kind == Kind::AdamW {
-                        p[i] *= 1.0 - h.lr * h.weight_decay;
+                        *p *= 1.0 - h.lr * h.weight_decay;
                     }
-                    m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                    v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                    let denom = (v[i] / bc2).sqrt() + h.eps;
-                    p[i] -= h.lr * (m[i] / bc1) / denom;
-                }
+                    *m = b1 * *m + (1.0 - b1) * gi;
+                    *v = b2 * *v + (1.0 - b2) * gi * gi;
+                    let denom = (*v / bc2).sqrt() + h.eps;
+                    *p -= h.lr * (*m / bc1) / denom;
+                });
                 st.insert("step".into(), StateValue::Plain(Tensor::scalar_f32(t)));
                 st.insert("exp_avg".into(), storage.encode(shape, &m));
                 st.insert("exp_avg_sq".into(), storage.encode(shape, &v));
