@@ -96,7 +96,10 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(k, (n, s))| {
-                let v = (0..numel(s)).into_par_iter().map(|i| noise(k as u64, i as u64)).collect();
+                let v = (0..numel(s))
+                    .into_par_iter()
+                    .map(|i| noise(k as u64, i as u64))
+                    .collect();
                 (n.to_string(), (s.to_vec(), v))
             })
             .collect();
@@ -206,19 +209,23 @@ pub fn step(
                 let bc1 = 1.0 - b1.powf(t);
                 let bc2 = 1.0 - b2.powf(t);
                 // Element-wise, so the parallel split cannot change a single bit.
-                p.par_iter_mut().zip(&mut m).zip(&mut v).zip(&g).for_each(|(((p, m), v), &g)| {
-                    let mut gi = g;
-                    if h.kind == Kind::Adam && h.weight_decay != 0.0 {
-                        gi += h.weight_decay * *p;
-                    }
-                    if h.kind == Kind::AdamW {
-                        *p *= 1.0 - h.lr * h.weight_decay;
-                    }
-                    *m = b1 * *m + (1.0 - b1) * gi;
-                    *v = b2 * *v + (1.0 - b2) * gi * gi;
-                    let denom = (*v / bc2).sqrt() + h.eps;
-                    *p -= h.lr * (*m / bc1) / denom;
-                });
+                p.par_iter_mut()
+                    .zip(&mut m)
+                    .zip(&mut v)
+                    .zip(&g)
+                    .for_each(|(((p, m), v), &g)| {
+                        let mut gi = g;
+                        if h.kind == Kind::Adam && h.weight_decay != 0.0 {
+                            gi += h.weight_decay * *p;
+                        }
+                        if h.kind == Kind::AdamW {
+                            *p *= 1.0 - h.lr * h.weight_decay;
+                        }
+                        *m = b1 * *m + (1.0 - b1) * gi;
+                        *v = b2 * *v + (1.0 - b2) * gi * gi;
+                        let denom = (*v / bc2).sqrt() + h.eps;
+                        *p -= h.lr * (*m / bc1) / denom;
+                    });
                 st.insert("step".into(), StateValue::Plain(Tensor::scalar_f32(t)));
                 st.insert("exp_avg".into(), storage.encode(shape, &m));
                 st.insert("exp_avg_sq".into(), storage.encode(shape, &v));
