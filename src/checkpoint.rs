@@ -287,6 +287,57 @@ pub(crate) fn decode_manifest(bytes: &[u8], file: &str) -> Result<Manifest> {
     })
 }
 
+impl Checkpoint<Map> {
+    /// Stream every tensor, in file order, into a freshly allocated buffer handed to `f`,
+    /// checking each tensor's CRC32 (native checkpoints) before handing it over, and
+    /// releasing the mapped pages it was read from. Resident memory stays bounded by about
+    /// `budget` bytes of mapped pages plus the buffers `f` keeps, however large the
+    /// checkpoint: restore a model larger than memory by moving each tensor on (to a
+    /// device, say) and dropping it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if one tensor is larger than half of `budget`;
+    /// [`Error::ChecksumMismatch`] for damaged bytes; any error `f` returns (which stops
+    /// the stream).
+    pub fn stream_tensors(
+        &self,
+        budget: u64,
+        mut f: impl FnMut(&TensorInfo, crate::optim::Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let mut order: Vec<&TensorInfo> = self.tensors().iter().collect();
+        // A tensor in flight costs its fresh buffer plus, briefly, its mapped pages.
+        if let Some(t) = order.iter().find(|t| t.nbytes().saturating_mul(2) > budget) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {:?} is {} bytes: streaming it needs twice that (its buffer and its mapped pages), over the budget of {budget} bytes",
+                t.name,
+                t.nbytes()
+            )));
+        }
+        order.sort_by_key(|t| (t.shard, t.offsets[0]));
+        for t in order {
+            let shard = &self.shards[t.shard];
+            shard.bytes.advise_sequential();
+            let v = self.view(t);
+            let mut out = crate::optim::Tensor::zeros(t.dtype, &t.shape)?;
+            let mut h = crc32fast::Hasher::new();
+            for (src, dst) in v
+                .bytes()
+                .chunks(1 << 20)
+                .zip(out.bytes_mut().chunks_mut(1 << 20))
+            {
+                h.update(src);
+                dst.copy_from_slice(src);
+            }
+            shard
+                .bytes
+                .release(t.offsets[0] as usize, t.nbytes() as usize);
+            self.check_crc(t, h.finalize())?;
+            f(t, out)?;
+        }
+        Ok(())
+    }
+}
+
 impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// Build a native checkpoint from manifest bytes and the shard files' bytes, given in
     /// the manifest's shard order. Performs every check [`Checkpoint::open`] does.

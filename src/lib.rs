@@ -6,6 +6,7 @@ mod crc;
 pub mod dtype;
 pub mod error;
 pub mod format;
+pub mod manager;
 pub mod mmap;
 pub mod view;
 pub mod write;

@@ -60,6 +60,29 @@ impl Map {
     }
 }
 
+impl Map {
+    /// Release the resident pages of `[offset, offset + len)` (rounded out to whole pages):
+    /// they leave this process's resident set, and a later read faults them in again from
+    /// the file. Used by streaming loads to bound memory. Out-of-range requests are clipped.
+    pub fn release(&self, offset: usize, len: usize) {
+        let Some(m) = &self.map else { return };
+        const PAGE: usize = 4096;
+        let start = offset.min(m.len()) / PAGE * PAGE;
+        let end = offset.saturating_add(len).min(m.len());
+        if end <= start {
+            return;
+        }
+        // SAFETY: this is a read-only, shared mapping of a file. MADV_DONTNEED on such a
+        // mapping only drops our page-table entries; the next access re-reads the file's
+        // bytes, which are unchanged under the contract on this type (committed files are
+        // never modified in place). No reference can observe different bytes, and no
+        // private or anonymous memory is discarded. The range lies inside the mapping.
+        let _ = unsafe {
+            m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
+    }
+}
+
 impl AsRef<[u8]> for Map {
     fn as_ref(&self) -> &[u8] {
         match &self.map {

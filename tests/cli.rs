@@ -179,3 +179,157 @@ fn demo_passes_its_checks() {
     ck.verify().unwrap();
     assert!(ck.manifest().unwrap().optimizer.is_some());
 }
+
+#[test]
+fn ls_and_gc_on_a_manager_root() {
+    use ckptstore::manager::{CheckpointManager, Retention};
+    let root = tempfile::tempdir().unwrap();
+    let mgr = CheckpointManager::new(
+        root.path(),
+        Retention {
+            keep_last: 10,
+            keep_every: None,
+        },
+    )
+    .unwrap();
+    let v = vec![1f32; 100];
+    for step in [10, 20, 30] {
+        mgr.save(
+            step,
+            &[TensorRef::from_slice("w", &[100], &v)],
+            None,
+            &SaveOptions::default(),
+        )
+        .unwrap();
+    }
+    std::fs::create_dir(root.path().join(".tmp-step-40-0011223344556677")).unwrap();
+    let r = root.path().to_str().unwrap();
+    let o = ckpt(&["ls", r, "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["latest"], 30);
+    let steps = v["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 4);
+    assert_eq!(steps[3]["committed"], false);
+    let o = ckpt(&["ls", r]);
+    assert!(
+        text(&o).contains("<- latest") && text(&o).contains("UNCOMMITTED"),
+        "{}",
+        text(&o)
+    );
+    let o = ckpt(&["gc", r, "--keep", "1", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["deleted"], serde_json::json!([10, 20]));
+    assert_eq!(v["interrupted_removed"], 1);
+    assert_eq!(mgr.steps().unwrap(), vec![30]);
+    // Bad input: not a directory, --keep 0.
+    assert_eq!(
+        ckpt(&["ls", root.path().join("nope").to_str().unwrap()])
+            .status
+            .code(),
+        Some(1)
+    );
+    assert_eq!(ckpt(&["gc", r, "--keep", "0"]).status.code(), Some(1));
+    assert_eq!(ckpt(&["gc", r]).status.code(), Some(2));
+}
+
+#[test]
+fn convert_rewrites_state_and_weights_in_another_dtype() {
+    use ckptstore::optim::{StateLayout, StateValue};
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path().join("demo");
+    assert!(
+        ckpt(&["demo", "--dir", d.to_str().unwrap(), "--size", "1MiB"])
+            .status
+            .success()
+    );
+    let src = ckptstore::Checkpoint::open(&d).unwrap();
+    let orig = src.load_optimizer(&StateLayout::default()).unwrap();
+    for (dtype, want) in [
+        ("f32", ckptstore::DType::F32),
+        ("bf16", ckptstore::DType::BF16),
+    ] {
+        let out = root.path().join(dtype);
+        let o = ckpt(&[
+            "convert",
+            d.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--dtype",
+            dtype,
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(ckpt(&["verify", out.to_str().unwrap()]).status.success());
+        let ck = ckptstore::Checkpoint::open(&out).unwrap();
+        assert_eq!(ck.tensor("embed.weight").unwrap().dtype(), want);
+        let st = ck.load_optimizer(&StateLayout::default()).unwrap();
+        for (p, states) in &orig.state {
+            let StateValue::Plain(t) = &st.state[p]["exp_avg"] else {
+                panic!("{p}: still scaled")
+            };
+            assert_eq!(t.dtype(), want);
+            if want == ckptstore::DType::F32 {
+                assert_eq!(
+                    st.state[p]["exp_avg"].to_f32().unwrap(),
+                    states["exp_avg"].to_f32().unwrap()
+                );
+            }
+            // step stays as stored.
+            assert!(st.state[p]["step"].bit_eq(&states["step"]));
+        }
+    }
+    // And back to f16-scaled from f32: the codes are the formula's.
+    let f32dir = root.path().join("f32");
+    let back = root.path().join("back");
+    assert!(ckpt(&[
+        "convert",
+        f32dir.to_str().unwrap(),
+        "--out",
+        back.to_str().unwrap(),
+        "--dtype",
+        "f16-scaled"
+    ])
+    .status
+    .success());
+    let st = ckptstore::Checkpoint::open(&back)
+        .unwrap()
+        .load_optimizer(&StateLayout::default())
+        .unwrap();
+    assert!(matches!(
+        st.state["embed.weight"]["exp_avg"],
+        StateValue::F16Scaled { .. }
+    ));
+    // Damaged source: exit 1, nothing written.
+    let ck = ckptstore::Checkpoint::open(&d).unwrap();
+    let t = ck.info("optim/embed.weight/exp_avg").unwrap().clone();
+    let p = d.join(&ck.shards()[t.shard].file);
+    drop(ck);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[t.offsets[0] as usize] ^= 1;
+    std::fs::write(&p, &bytes).unwrap();
+    let out = root.path().join("never");
+    let o = ckpt(&[
+        "convert",
+        d.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--dtype",
+        "f32",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("checksum mismatch"), "{}", text(&o));
+    assert!(!out.join("ckpt-manifest.json").exists());
+    assert_eq!(
+        ckpt(&[
+            "convert",
+            d.to_str().unwrap(),
+            "--out",
+            "x",
+            "--dtype",
+            "f8"
+        ])
+        .status
+        .code(),
+        Some(2)
+    );
+}

@@ -18,7 +18,11 @@ fuzz_target!(|data: &[u8]| {
 
     // Oracle 1: emit, then parse again over the original data section.
     let emitted = header::emit(&h.tensors, &h.metadata);
-    assert_eq!(emitted.len() % 8, 0, "emit must pad the header to a multiple of 8");
+    assert_eq!(
+        emitted.len() % 8,
+        0,
+        "emit must pad the header to a multiple of 8"
+    );
     let mut file = emitted.clone();
     file.extend_from_slice(section);
     let h2 = match header::parse(&file) {
@@ -43,9 +47,17 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(info.name, e.name);
         assert_eq!(ck.info(&e.name).expect("listed tensor"), info);
         let v = ck.tensor(&info.name).expect("listed tensor");
-        assert_eq!(v.bytes().len() as u64, e.data_offsets[1] - e.data_offsets[0]);
-        assert_eq!(v.bytes(), &section[e.data_offsets[0] as usize..e.data_offsets[1] as usize]);
+        assert_eq!(
+            v.bytes().len() as u64,
+            e.data_offsets[1] - e.data_offsets[0]
+        );
+        assert_eq!(
+            v.bytes(),
+            &section[e.data_offsets[0] as usize..e.data_offsets[1] as usize]
+        );
     }
-    let report = ck.verify().expect("verify of a plain safetensors file checks structure only");
+    let report = ck
+        .verify()
+        .expect("verify of a plain safetensors file checks structure only");
     assert!(!report.checksummed);
 });

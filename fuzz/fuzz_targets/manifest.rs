@@ -23,7 +23,11 @@ fn check(bytes: &[u8]) {
         ),
     };
     assert_eq!(m2, m, "manifest changed through encode/decode");
-    assert_eq!(manifest::encode(&m2), encoded, "encode is not deterministic");
+    assert_eq!(
+        manifest::encode(&m2),
+        encoded,
+        "encode is not deterministic"
+    );
 }
 
 fuzz_target!(|data: &[u8]| {

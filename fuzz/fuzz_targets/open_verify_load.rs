@@ -1,6 +1,7 @@
 //! The whole read path over in-memory checkpoints: `Checkpoint::from_parts`, `verify`,
 //! `tensor` / `tensor_verified` on every name, and `load_optimizer` in several layouts.
-//! Nothing may panic, whatever the manifest and shard bytes.
+//! Nothing may panic, whatever the manifest and shard bytes; a few cross-checks (verify vs
+//! per-tensor CRCs, verify vs the shard headers, loaded state vs `validate`) are asserted.
 //!
 //! Input: see `ckptstore_fuzz::unframe` (flags byte, manifest, 1-3 shards). The flags may
 //! ask for CRC and size repairs (`ckptstore_fuzz::fix_up`) so that mutated shard bytes get
@@ -67,7 +68,10 @@ fuzz_target!(|data: &[u8]| {
         let tv = ck.tensor_verified(&t.name);
         if verified.is_ok() {
             if let Err(e) = tv {
-                panic!("verify() passed but tensor_verified({:?}) fails: {e}", t.name);
+                panic!(
+                    "verify() passed but tensor_verified({:?}) fails: {e}",
+                    t.name
+                );
             }
         }
     }
@@ -77,7 +81,10 @@ fuzz_target!(|data: &[u8]| {
         // Every header was parsed and cross-checked: each shard opens on its own as a plain
         // safetensors file holding exactly the tensors the manifest places there.
         for (i, bytes) in f.shards.iter().enumerate() {
-            let plain = match Checkpoint::from_safetensors(PathBuf::from("s.safetensors"), bytes.to_vec()) {
+            let plain = match Checkpoint::from_safetensors(
+                PathBuf::from("s.safetensors"),
+                bytes.to_vec(),
+            ) {
                 Ok(p) => p,
                 Err(e) => panic!("verify() passed but shard {i} does not open as safetensors: {e}"),
             };
@@ -94,10 +101,19 @@ fuzz_target!(|data: &[u8]| {
                 .collect();
             want.sort();
             got.sort();
-            assert_eq!(got, want, "shard {i}: header and manifest disagree after verify()");
+            assert_eq!(
+                got, want,
+                "shard {i}: header and manifest disagree after verify()"
+            );
         }
     }
     for layout in layouts() {
-        let _ = ck.load_optimizer(layout);
+        // A loaded state must be one the writer accepts again (OptimizerState::save
+        // validates first): loading never produces an inconsistent state.
+        if let Ok(st) = ck.load_optimizer(layout) {
+            if let Err(e) = st.validate() {
+                panic!("load_optimizer({layout:?}) returned a state that fails validate(): {e}");
+            }
+        }
     }
 });

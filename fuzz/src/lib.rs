@@ -177,7 +177,10 @@ mod tests {
             let u = unframe(&f);
             assert_eq!(u.flags & FIX_ALL, FIX_ALL);
             assert_eq!(u.manifest, &m[..]);
-            assert_eq!(u.shards, shards.iter().map(Vec::as_slice).collect::<Vec<_>>());
+            assert_eq!(
+                u.shards,
+                shards.iter().map(Vec::as_slice).collect::<Vec<_>>()
+            );
         }
         // Short and empty inputs never fail.
         for l in 0..12 {

@@ -56,10 +56,9 @@ pub enum Target {
 ///
 /// Resolution order: a `(parameter, state)` entry, then a state-name entry, then the
 /// default. Explicit entries apply as given and fail on a non-floating-point state; the
-/// default applies only to floating-point states shaped like their parameter, so scalar
-/// states such as `step` stay as stored. For a 0-dim parameter the default cannot tell
-/// `step` from a moment (both are 0-dim floats): name the states explicitly, as in the
-/// example.
+/// default applies only to floating-point states shaped like their parameter and never to
+/// the counters named by [`StateLayout::counter`] (by default `step`), so scalar states
+/// stay as stored even for a 0-dim parameter, whose moments are 0-dim too.
 ///
 /// # Example
 /// ```
@@ -69,11 +68,24 @@ pub enum Target {
 ///     .state("exp_avg_sq", Target::F16Scaled(ScaleShape::Keep))
 ///     .param_state("embed.weight", "exp_avg", Target::F32);
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct StateLayout {
     default: Target,
     states: HashMap<String, Target>,
     params: HashMap<(String, String), Target>,
+    counters: Vec<String>,
+}
+
+impl Default for StateLayout {
+    /// Everything as stored; `step` is a counter.
+    fn default() -> Self {
+        StateLayout {
+            default: Target::AsStored,
+            states: HashMap::new(),
+            params: HashMap::new(),
+            counters: vec!["step".into()],
+        }
+    }
 }
 
 impl StateLayout {
@@ -83,6 +95,13 @@ impl StateLayout {
             default: t,
             ..Default::default()
         }
+    }
+
+    /// Name a state the default target never applies to (a counter kept as stored, like
+    /// the built-in `step`).
+    pub fn counter(mut self, state: impl Into<String>) -> Self {
+        self.counters.push(state.into());
+        self
     }
 
     /// Set the target of every state named `state`.
@@ -109,6 +128,9 @@ impl StateLayout {
         }
         if let Some(&t) = self.states.get(state) {
             return (t, true);
+        }
+        if self.counters.iter().any(|c| c == state) {
+            return (Target::AsStored, false);
         }
         (self.default, false)
     }

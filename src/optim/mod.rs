@@ -268,6 +268,16 @@ impl OptimizerState {
         model: &[TensorRef<'_>],
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
+        let (tensors, section) = self.to_parts(model)?;
+        save_locked(dir.as_ref(), &tensors, opts, Some(section))
+    }
+
+    /// The tensors (model ones first, then state tensors) and the manifest section that
+    /// save this state.
+    pub(crate) fn to_parts<'a>(
+        &'a self,
+        model: &[TensorRef<'a>],
+    ) -> Result<(Vec<TensorRef<'a>>, OptimizerSection)> {
         self.validate()?;
         let mut tensors: Vec<TensorRef<'_>> = model.to_vec();
         let mut params = Vec::new();
@@ -332,7 +342,7 @@ impl OptimizerState {
                 .collect(),
             params,
         };
-        save_locked(dir.as_ref(), &tensors, opts, Some(section))
+        Ok((tensors, section))
     }
 
     /// Replace this state with the checkpoint's, loaded in `layout`, after checking that it

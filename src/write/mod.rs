@@ -117,6 +117,34 @@ impl<'a> TensorRef<'a> {
         &self.name
     }
 
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// The tensor's bytes gathered into a fresh contiguous buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidTensor`] if the sizes or strides do not fit the data.
+    pub fn to_contiguous(&self) -> Result<Vec<u8>> {
+        let n = self.validate()?;
+        let mut out = Vec::with_capacity(usize::try_from(n).unwrap_or(0));
+        self.for_each_chunk(&mut |c| {
+            out.extend_from_slice(c);
+            Ok(())
+        })
+        .map_err(|e| Error::InvalidTensor {
+            name: self.name.to_string(),
+            reason: e.to_string(),
+        })?;
+        Ok(out)
+    }
+
     /// Bytes the tensor occupies once gathered.
     fn validate(&self) -> Result<u64> {
         let bad = |reason: String| Error::InvalidTensor {

@@ -37,7 +37,8 @@ struct Saved {
 fn vals(seed: u32, n: usize) -> Vec<f32> {
     (0..n as u32)
         .map(|i| {
-            let x = (i.wrapping_add(1).wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) >> 8;
+            let x =
+                (i.wrapping_add(1).wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) >> 8;
             (x % 4096) as f32 / 1024.0 - 2.0
         })
         .collect()
@@ -66,7 +67,10 @@ fn canonicalize(dir: &Path, name: &'static str, fixed: &str) -> Res<Saved> {
         let end = 8 + s.header_size as usize;
         let hdr = &mut b[8..end];
         let mut i = 0;
-        while let Some(p) = hdr[i..].windows(old.len()).position(|w| w == old.as_bytes()) {
+        while let Some(p) = hdr[i..]
+            .windows(old.len())
+            .position(|w| w == old.as_bytes())
+        {
             hdr[i + p..i + p + old.len()].copy_from_slice(fixed.as_bytes());
             i += p + old.len();
         }
@@ -129,11 +133,21 @@ fn adam_f32() -> Res<OptimizerState> {
     )]);
     for (k, (n, s)) in params.iter().enumerate() {
         let mut st = BTreeMap::new();
-        st.insert("step".to_string(), StateValue::Plain(Tensor::scalar_f32(3.0)));
+        st.insert(
+            "step".to_string(),
+            StateValue::Plain(Tensor::scalar_f32(3.0)),
+        );
         for (j, sn) in ["exp_avg", "exp_avg_sq"].iter().enumerate() {
             let x = vals(10 * k as u32 + j as u32, numel(s));
-            let x: Vec<f32> = if j == 1 { x.iter().map(|v| v * v).collect() } else { x };
-            st.insert(sn.to_string(), StateValue::Plain(Tensor::from_slice(s, &x)?));
+            let x: Vec<f32> = if j == 1 {
+                x.iter().map(|v| v * v).collect()
+            } else {
+                x
+            };
+            st.insert(
+                sn.to_string(),
+                StateValue::Plain(Tensor::from_slice(s, &x)?),
+            );
         }
         opt.state.insert(n.to_string(), st);
     }
@@ -147,7 +161,10 @@ fn mixed() -> Res<OptimizerState> {
     let g1: [(&str, &[u64]); 2] = [("dec.w", &[5]), ("frozen", &[2, 2])];
     let mut opt = OptimizerState::new(vec![
         plain_group(&g0, serde_json::json!({"lr": 0.1, "momentum": 0.9})),
-        plain_group(&g1, serde_json::json!({"lr": 0.01, "kind": "AdamW", "fused": true})),
+        plain_group(
+            &g1,
+            serde_json::json!({"lr": 0.01, "kind": "AdamW", "fused": true}),
+        ),
     ]);
     let mut a = BTreeMap::new();
     a.insert(
@@ -166,13 +183,21 @@ fn mixed() -> Res<OptimizerState> {
     let mut b = BTreeMap::new();
     b.insert(
         "momentum_buffer".to_string(),
-        StateValue::Plain(Tensor::from_bytes(DType::BF16, &[2], &bf16_bytes(&vals(3, 2)))?),
+        StateValue::Plain(Tensor::from_bytes(
+            DType::BF16,
+            &[2],
+            &bf16_bytes(&vals(3, 2)),
+        )?),
     );
     opt.state.insert("enc.b".into(), b);
     let mut c = BTreeMap::new();
     c.insert(
         "exp_avg".to_string(),
-        StateValue::Plain(Tensor::from_bytes(DType::F64, &[5], &f64_bytes(&vals(4, 5)))?),
+        StateValue::Plain(Tensor::from_bytes(
+            DType::F64,
+            &[5],
+            &f64_bytes(&vals(4, 5)),
+        )?),
     );
     c.insert(
         "exp_avg_sq".to_string(),
@@ -276,8 +301,16 @@ fn main() -> Res<()> {
             s.name,
             s.shards.len()
         );
-        write(&ovl, &format!("seed-{}", s.name), &frame(0, &s.manifest, &s.shards))?;
-        write(&ovl, &format!("seed-{}-fix", s.name), &frame(FIX_ALL, &s.manifest, &s.shards))?;
+        write(
+            &ovl,
+            &format!("seed-{}", s.name),
+            &frame(0, &s.manifest, &s.shards),
+        )?;
+        write(
+            &ovl,
+            &format!("seed-{}-fix", s.name),
+            &frame(FIX_ALL, &s.manifest, &s.shards),
+        )?;
         counts[2] += 2;
     }
     let foreign = foreign_safetensors();

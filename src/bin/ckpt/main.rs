@@ -1,9 +1,11 @@
 //! `ckpt`: inspect, verify, pack, diff and demo ckptstore checkpoints.
 #![deny(unsafe_code)]
 
+mod convert;
 mod demo;
 mod diff;
 mod inspect;
+mod manage;
 mod pack;
 mod util;
 mod verify;
@@ -51,6 +53,20 @@ enum Cmd {
     ///
     /// Example: ckpt demo --size 256MiB
     Demo(demo::Args),
+    /// List the steps under a checkpoint-manager root: committed or not, sizes, latest.
+    ///
+    /// Example: ckpt ls runs/ --json
+    Ls(manage::LsArgs),
+    /// Apply retention by hand under a manager root: keep the newest N committed steps
+    /// (and every M-th); never deletes a step a reader holds open or files it did not create.
+    ///
+    /// Example: ckpt gc runs/ --keep 3 --every 1000
+    Gc(manage::GcArgs),
+    /// Rewrite a checkpoint (tensors and optimizer state) in another storage dtype, with the
+    /// same atomic, checksummed guarantees.
+    ///
+    /// Example: ckpt convert runs/step-00001000 --out bf16/ --dtype bf16
+    Convert(convert::Args),
 }
 
 fn main() -> ExitCode {
@@ -61,6 +77,9 @@ fn main() -> ExitCode {
         Cmd::Pack(a) => pack::run(a),
         Cmd::Diff(a) => diff::run(a),
         Cmd::Demo(a) => demo::run(a),
+        Cmd::Ls(a) => manage::ls(a),
+        Cmd::Gc(a) => manage::gc(a),
+        Cmd::Convert(a) => convert::run(a),
     };
     match r {
         Ok(code) => code,

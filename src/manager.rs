@@ -1,0 +1,545 @@
+//! A checkpoint manager for training loops: one committed checkpoint per step under a root
+//! directory, `latest()`, retention with garbage collection that never pulls a checkpoint
+//! from under a reader, and asynchronous saves with a bounded number in flight.
+//!
+//! Layout (format-spec/durability.md §Manager): `ROOT/step-<step, 8+ digits>/` is a normal
+//! ckptstore checkpoint directory. A step is written into `ROOT/.tmp-step-<step>-<id>/` and
+//! renamed into place once its own manifest is committed, then `ROOT` is fsynced: a step
+//! directory exists only when committed, and an interrupted save leaves only a `.tmp-step-`
+//! directory that `steps()` ignores and `gc()` removes.
+//!
+//! Readers opened through [`CheckpointManager::open`] hold a shared lock on the step's
+//! `.ckpt-lock`; garbage collection takes that lock exclusively before deleting a step and
+//! skips steps it cannot lock. So a step a live reader has open is never deleted; it goes at
+//! the first `gc()` after the reader is dropped.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result};
+use crate::format::manifest::MANIFEST_FILE;
+use crate::optim::{OptimizerState, StateLayout};
+use crate::write::{self, CommitInfo, SaveOptions, TensorRef, LOCK_FILE};
+use crate::DType;
+
+const STEP_PREFIX: &str = "step-";
+const TMP_STEP_PREFIX: &str = ".tmp-step-";
+
+/// Which steps garbage collection keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// Keep the newest `keep_last` committed steps (at least 1).
+    pub keep_last: usize,
+    /// Also keep every step that is a multiple of this (e.g. 1000), if set.
+    pub keep_every: Option<u64>,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            keep_last: 3,
+            keep_every: None,
+        }
+    }
+}
+
+/// One step under a manager root, as `ls` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepEntry {
+    /// The step number.
+    pub step: u64,
+    /// The directory.
+    pub path: PathBuf,
+    /// True if the directory holds a committed manifest.
+    pub committed: bool,
+    /// Bytes of the files in the directory.
+    pub bytes: u64,
+}
+
+/// What [`CheckpointManager::gc`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Steps deleted.
+    pub deleted: Vec<u64>,
+    /// Steps retention would delete but a reader (or writer) holds open; kept for now.
+    pub in_use: Vec<u64>,
+    /// Leftover `.tmp-step-` directories of interrupted saves removed.
+    pub interrupted_removed: usize,
+}
+
+/// A checkpoint opened through the manager: holds a shared lock on its step so that
+/// garbage collection leaves it alone while it lives. Dereferences to [`Checkpoint`].
+#[derive(Debug)]
+pub struct LeasedCheckpoint {
+    ckpt: Checkpoint,
+    step: u64,
+    _lease: File,
+}
+
+impl LeasedCheckpoint {
+    /// The step this checkpoint belongs to.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+}
+
+impl std::ops::Deref for LeasedCheckpoint {
+    type Target = Checkpoint;
+    fn deref(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+}
+
+/// A directory of per-step checkpoints with retention and async saves.
+///
+/// # Example
+/// ```
+/// # fn main() -> ckptstore::Result<()> {
+/// use ckptstore::manager::{CheckpointManager, Retention};
+/// use ckptstore::{SaveOptions, TensorRef};
+/// let root = tempfile::tempdir().unwrap();
+/// let mgr = CheckpointManager::new(root.path(), Retention { keep_last: 2, keep_every: None })?;
+/// let mut w = vec![0f32; 256];
+/// for step in [100, 200, 300] {
+///     w[0] = step as f32;
+///     let handle = mgr.save_async(step, &[TensorRef::from_slice("w", &[256], &w)], None, SaveOptions::default())?;
+///     w[1] += 1.0; // the buffers may change as soon as save_async returns
+///     handle.wait()?;
+/// }
+/// assert_eq!(mgr.steps()?, vec![200, 300]);
+/// let ck = mgr.open(mgr.latest()?.unwrap())?;
+/// assert_eq!(ck.tensor("w")?.as_slice::<f32>()?[0], 300.0);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct CheckpointManager {
+    root: PathBuf,
+    retention: Retention,
+    in_flight: Arc<(Mutex<usize>, Condvar)>,
+    max_in_flight: usize,
+}
+
+/// A background save started by [`CheckpointManager::save_async`].
+#[derive(Debug)]
+pub struct SaveHandle {
+    step: u64,
+    thread: Option<JoinHandle<Result<CommitInfo>>>,
+}
+
+impl SaveHandle {
+    /// The step being saved.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Wait for the save: `Ok` once the checkpoint is committed and durable (and retention
+    /// applied), or the save's error.
+    ///
+    /// # Errors
+    /// Any error of the save ([`Error::Io`] and others).
+    pub fn wait(mut self) -> Result<CommitInfo> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<CommitInfo> {
+        match self.thread.take() {
+            Some(t) => t.join().unwrap_or_else(|_| {
+                Err(Error::InvalidArgument(
+                    "the background save panicked".into(),
+                ))
+            }),
+            None => Err(Error::InvalidArgument("already waited".into())),
+        }
+    }
+}
+
+impl Drop for SaveHandle {
+    /// Dropping a handle waits for the save (a save is never abandoned half-way).
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.join();
+        }
+    }
+}
+
+/// Owned, gathered copies of tensors: the snapshot an async save writes.
+struct Snapshot {
+    tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)>,
+}
+
+impl Snapshot {
+    fn take(tensors: &[TensorRef<'_>]) -> Result<Snapshot> {
+        let tensors = tensors
+            .iter()
+            .map(|t| {
+                Ok((
+                    t.name().to_string(),
+                    t.dtype(),
+                    t.shape().to_vec(),
+                    t.to_contiguous()?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Snapshot { tensors })
+    }
+
+    fn refs(&self) -> Vec<TensorRef<'_>> {
+        self.tensors
+            .iter()
+            .map(|(n, d, s, b)| TensorRef::new(n.as_str(), *d, s, b))
+            .collect()
+    }
+}
+
+fn step_name(step: u64) -> String {
+    format!("{STEP_PREFIX}{step:08}")
+}
+
+fn parse_step(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(STEP_PREFIX)?;
+    if digits.len() < 8 || !digits.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
+}
+
+impl CheckpointManager {
+    /// A manager over `root` (created if missing), at most one save in flight.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if `root` cannot be created; [`Error::InvalidArgument`] for
+    /// `keep_last == 0` or `keep_every == Some(0)`.
+    pub fn new(root: impl AsRef<Path>, retention: Retention) -> Result<Self> {
+        if retention.keep_last == 0 || retention.keep_every == Some(0) {
+            return Err(Error::InvalidArgument(
+                "retention must keep at least the last step".into(),
+            ));
+        }
+        let root = root.as_ref().to_path_buf();
+        write::prepare_dir(&root)?;
+        Ok(CheckpointManager {
+            root,
+            retention,
+            in_flight: Arc::new((Mutex::new(0), Condvar::new())),
+            max_in_flight: 1,
+        })
+    }
+
+    /// Allow up to `n` saves in flight (default 1): `save_async` blocks while `n` are.
+    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n.max(1);
+        self
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The directory of `step`.
+    pub fn step_dir(&self, step: u64) -> PathBuf {
+        self.root.join(step_name(step))
+    }
+
+    /// Every step directory, committed or not, and leftover interrupted saves, sorted by step.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the root cannot be listed.
+    pub fn list(&self) -> Result<Vec<StepEntry>> {
+        let rd = std::fs::read_dir(&self.root).map_err(|e| Error::io("list", &self.root, e))?;
+        let mut out = Vec::new();
+        for e in rd.flatten() {
+            let Ok(name) = e.file_name().into_string() else {
+                continue;
+            };
+            let path = e.path();
+            if !path.is_dir() {
+                continue;
+            }
+            if let Some(step) = parse_step(&name) {
+                let committed = path.join(MANIFEST_FILE).is_file();
+                out.push(StepEntry {
+                    step,
+                    bytes: dir_bytes(&path),
+                    path,
+                    committed,
+                });
+            } else if let Some(rest) = name.strip_prefix(TMP_STEP_PREFIX) {
+                if let Some(step) = rest.split('-').next().and_then(|s| s.parse().ok()) {
+                    out.push(StepEntry {
+                        step,
+                        bytes: dir_bytes(&path),
+                        path,
+                        committed: false,
+                    });
+                }
+            }
+        }
+        out.sort_by(|a, b| (a.step, &a.path).cmp(&(b.step, &b.path)));
+        Ok(out)
+    }
+
+    /// The committed steps, ascending.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the root cannot be listed.
+    pub fn steps(&self) -> Result<Vec<u64>> {
+        Ok(self
+            .list()?
+            .into_iter()
+            .filter(|e| e.committed)
+            .map(|e| e.step)
+            .collect())
+    }
+
+    /// The newest committed step.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the root cannot be listed.
+    pub fn latest(&self) -> Result<Option<u64>> {
+        Ok(self.steps()?.last().copied())
+    }
+
+    /// Open a committed step, holding it against garbage collection while the returned
+    /// checkpoint lives.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] if the step is not committed; the errors of [`Checkpoint::open`].
+    pub fn open(&self, step: u64) -> Result<LeasedCheckpoint> {
+        let dir = self.step_dir(step);
+        let lock_path = dir.join(LOCK_FILE);
+        let lease = OpenOptions::new()
+            .read(true)
+            .open(&lock_path)
+            .map_err(|_| Error::NotFound {
+                path: dir.clone(),
+                reason: format!("step {step} is not committed"),
+            })?;
+        lease
+            .lock_shared()
+            .map_err(|e| Error::io("lock (shared)", &lock_path, e))?;
+        let ckpt = Checkpoint::open(&dir)?;
+        Ok(LeasedCheckpoint {
+            ckpt,
+            step,
+            _lease: lease,
+        })
+    }
+
+    /// Restore `state` from the newest committed step (see
+    /// [`OptimizerState::restore_from`]). Returns the step, or `None` if there is none.
+    ///
+    /// # Errors
+    /// As [`OptimizerState::restore_from`]; on error `state` is unchanged.
+    pub fn restore_latest(
+        &self,
+        state: &mut OptimizerState,
+        layout: &StateLayout,
+    ) -> Result<Option<u64>> {
+        let Some(step) = self.latest()? else {
+            return Ok(None);
+        };
+        let ck = self.open(step)?;
+        state.restore_from(&ck, layout)?;
+        Ok(Some(step))
+    }
+
+    /// Save `tensors` (and optionally an optimizer state) as `step`, blocking until it is
+    /// committed and durable, then apply retention.
+    ///
+    /// # Errors
+    /// The errors of [`crate::save`]; on error no step directory appears (an existing
+    /// committed `step` is replaced atomically or kept).
+    pub fn save(
+        &self,
+        step: u64,
+        tensors: &[TensorRef<'_>],
+        optimizer: Option<&OptimizerState>,
+        opts: &SaveOptions,
+    ) -> Result<CommitInfo> {
+        let info = self.save_step(step, tensors, optimizer, opts)?;
+        self.gc()?;
+        Ok(info)
+    }
+
+    fn save_step(
+        &self,
+        step: u64,
+        tensors: &[TensorRef<'_>],
+        optimizer: Option<&OptimizerState>,
+        opts: &SaveOptions,
+    ) -> Result<CommitInfo> {
+        let final_dir = self.step_dir(step);
+        let (tensors, section) = match optimizer {
+            Some(o) => {
+                let (t, s) = o.to_parts(tensors)?;
+                (t, Some(s))
+            }
+            None => (tensors.to_vec(), None),
+        };
+        if final_dir.join(MANIFEST_FILE).is_file() {
+            // Re-saving a committed step: the directory's own atomic replace.
+            return write::save_locked(&final_dir, &tensors, opts, section);
+        }
+        let mut rnd = [0u8; 8];
+        getrandom::fill(&mut rnd)
+            .map_err(|e| Error::io("getrandom", "", std::io::Error::other(e.to_string())))?;
+        let tmp = self.root.join(format!(
+            "{TMP_STEP_PREFIX}{step}-{}",
+            rnd.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ));
+        if final_dir.exists() {
+            // An uncommitted leftover (a gc that stopped half-way): clear it first.
+            remove_step_dir(&final_dir).map_err(|e| Error::io("remove", &final_dir, e))?;
+        }
+        write::prepare_dir(&tmp)?;
+        // The writer lock is held until the rename: gc never removes a directory whose
+        // lock is held, so it cannot take this one for an interrupted save.
+        let lock = write::lock_dir(&tmp)?;
+        let info = write::save_impl(&write::fs::StdFs, &tmp, &tensors, opts, section)?;
+        std::fs::rename(&tmp, &final_dir).map_err(|e| Error::io("rename", &tmp, e))?;
+        File::open(&self.root)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| Error::io("fsync directory", &self.root, e))?;
+        drop(lock);
+        Ok(info)
+    }
+
+    /// Start saving `step` in the background and return as soon as the data is snapshot:
+    /// the tensors (and the optimizer state) are copied into buffers the save owns, so the
+    /// caller may change its own buffers as soon as this returns. Blocks first while the
+    /// maximum number of saves is in flight.
+    ///
+    /// # Errors
+    /// [`Error::InvalidTensor`] for an inconsistent tensor (nothing is started). Errors of
+    /// the save itself come from [`SaveHandle::wait`].
+    pub fn save_async(
+        &self,
+        step: u64,
+        tensors: &[TensorRef<'_>],
+        optimizer: Option<&OptimizerState>,
+        opts: SaveOptions,
+    ) -> Result<SaveHandle> {
+        {
+            let (lock, cv) = &*self.in_flight;
+            let mut n = lock.lock().unwrap_or_else(|p| p.into_inner());
+            while *n >= self.max_in_flight {
+                n = cv.wait(n).unwrap_or_else(|p| p.into_inner());
+            }
+            *n += 1;
+        }
+        let release = Release(self.in_flight.clone());
+        let snapshot = Snapshot::take(tensors)?;
+        let optimizer = optimizer.cloned();
+        let mgr = self.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ckpt-save-{step}"))
+            .spawn(move || {
+                let _release = release;
+                let refs = snapshot.refs();
+                mgr.save(step, &refs, optimizer.as_ref(), &opts)
+            })
+            .map_err(|e| Error::io("spawn save thread", "", e))?;
+        Ok(SaveHandle {
+            step,
+            thread: Some(thread),
+        })
+    }
+
+    /// Apply retention: delete committed steps that retention does not keep, unless a
+    /// reader or writer holds them (those are reported and kept for a later `gc`), and
+    /// remove leftover directories of interrupted saves that no writer holds. Deletes only
+    /// files the engine creates; a directory holding anything else is left in place.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the root cannot be listed.
+    pub fn gc(&self) -> Result<GcReport> {
+        let entries = self.list()?;
+        let committed: Vec<u64> = entries
+            .iter()
+            .filter(|e| e.committed)
+            .map(|e| e.step)
+            .collect();
+        let keep_from = committed.len().saturating_sub(self.retention.keep_last);
+        let mut report = GcReport::default();
+        for e in &entries {
+            let doomed = if e.committed {
+                let newest = committed[keep_from..].contains(&e.step);
+                let every = self.retention.keep_every.is_some_and(|m| e.step % m == 0);
+                !(newest || every)
+            } else {
+                true // an interrupted save, if no writer holds it
+            };
+            if !doomed {
+                continue;
+            }
+            match remove_step_dir(&e.path) {
+                Ok(true) if e.committed => report.deleted.push(e.step),
+                Ok(true) => report.interrupted_removed += 1,
+                Ok(false) if e.committed => report.in_use.push(e.step),
+                _ => {}
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// Give back an in-flight slot when the background save ends (or fails to start).
+struct Release(Arc<(Mutex<usize>, Condvar)>);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.0;
+        let mut n = lock.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        cv.notify_all();
+    }
+}
+
+/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use.
+/// Only engine files (manifest, shards, temp files, lock) are removed; the directory itself
+/// only if that leaves it empty.
+fn remove_step_dir(dir: &Path) -> std::io::Result<bool> {
+    let lock_path = dir.join(LOCK_FILE);
+    let lock = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock_path)?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Ok(false),
+        Err(std::fs::TryLockError::Error(e)) => return Err(e),
+    }
+    // The manifest goes first: from then on the step is not committed for anyone.
+    let _ = std::fs::remove_file(dir.join(MANIFEST_FILE));
+    for e in std::fs::read_dir(dir)?.flatten() {
+        if let Ok(name) = e.file_name().into_string() {
+            if write::is_engine_file(&name) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&lock_path);
+    drop(lock);
+    let _ = std::fs::remove_dir(dir);
+    if let Some(parent) = dir.parent() {
+        let _ = File::open(parent).and_then(|d| d.sync_all());
+    }
+    Ok(true)
+}
