@@ -119,6 +119,7 @@ pub struct CheckpointManager {
     root: PathBuf,
     retention: Retention,
     in_flight: Arc<(Mutex<usize>, Condvar)>,
+    pool: BufferPool,
     max_in_flight: usize,
 }
 
@@ -170,20 +171,45 @@ struct Snapshot {
     tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)>,
 }
 
+/// Snapshot buffers of finished async saves, reused by the next one: after the first save
+/// the snapshot copy runs into memory that is already faulted in.
+type BufferPool = Arc<Mutex<Vec<Vec<u8>>>>;
+
 impl Snapshot {
-    fn take(tensors: &[TensorRef<'_>]) -> Result<Snapshot> {
+    fn take(tensors: &[TensorRef<'_>], pool: &BufferPool) -> Result<Snapshot> {
+        use rayon::prelude::*;
+        // Hand each tensor a pooled buffer (largest buffers to largest tensors).
+        let mut free = std::mem::take(&mut *pool.lock().unwrap_or_else(|p| p.into_inner()));
+        free.sort_by_key(|b| std::cmp::Reverse(b.capacity()));
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].nbytes_hint()));
+        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); tensors.len()];
+        let mut free = free.into_iter();
+        for i in order {
+            match free.next() {
+                Some(b) => bufs[i] = b,
+                None => break,
+            }
+        }
         let tensors = tensors
-            .iter()
-            .map(|t| {
+            .par_iter()
+            .zip(bufs)
+            .map(|(t, buf)| {
                 Ok((
                     t.name().to_string(),
                     t.dtype(),
                     t.shape().to_vec(),
-                    t.to_contiguous()?,
+                    t.gather_into(buf)?,
                 ))
             })
             .collect::<Result<_>>()?;
         Ok(Snapshot { tensors })
+    }
+
+    fn recycle(self, pool: &BufferPool) {
+        let mut p = pool.lock().unwrap_or_else(|p| p.into_inner());
+        p.clear();
+        p.extend(self.tensors.into_iter().map(|t| t.3));
     }
 
     fn refs(&self) -> Vec<TensorRef<'_>> {
@@ -235,6 +261,7 @@ impl CheckpointManager {
             root,
             retention,
             in_flight: Arc::new((Mutex::new(0), Condvar::new())),
+            pool: Arc::default(),
             max_in_flight: 1,
         })
     }
@@ -443,7 +470,7 @@ impl CheckpointManager {
             *n += 1;
         }
         let release = Release(self.in_flight.clone());
-        let snapshot = Snapshot::take(tensors)?;
+        let snapshot = Snapshot::take(tensors, &self.pool)?;
         let optimizer = optimizer.cloned();
         let mgr = self.clone();
         let thread = std::thread::Builder::new()
@@ -451,7 +478,10 @@ impl CheckpointManager {
             .spawn(move || {
                 let _release = release;
                 let refs = snapshot.refs();
-                mgr.save(step, &refs, optimizer.as_ref(), &opts)
+                let r = mgr.save(step, &refs, optimizer.as_ref(), &opts);
+                drop(refs);
+                snapshot.recycle(&mgr.pool);
+                r
             })
             .map_err(|e| Error::io("spawn save thread", "", e))?;
         Ok(SaveHandle {

@@ -132,8 +132,30 @@ impl<'a> TensorRef<'a> {
     /// # Errors
     /// [`Error::InvalidTensor`] if the sizes or strides do not fit the data.
     pub fn to_contiguous(&self) -> Result<Vec<u8>> {
-        let n = self.validate()?;
-        let mut out = Vec::with_capacity(usize::try_from(n).unwrap_or(0));
+        self.gather_into(Vec::new())
+    }
+
+    /// Bytes once gathered, for sizing buffers (0 if the tensor is inconsistent).
+    pub(crate) fn nbytes_hint(&self) -> u64 {
+        checked_nbytes(self.dtype, &self.shape).unwrap_or(0)
+    }
+
+    /// Gather into `buf` (reusing its allocation when large enough).
+    pub(crate) fn gather_into(&self, mut buf: Vec<u8>) -> Result<Vec<u8>> {
+        let n = usize::try_from(self.validate()?).unwrap_or(usize::MAX);
+        if self.strided.is_none() {
+            // Parallel copy: page faults of a fresh buffer are taken on every core.
+            if buf.capacity() < n {
+                buf = vec![0u8; n]; // calloc: zero pages come from the kernel untouched
+            } else {
+                buf.resize(n, 0);
+                buf.truncate(n);
+            }
+            crate::convert::copy_bytes(self.data, &mut buf);
+            return Ok(buf);
+        }
+        buf.clear();
+        let mut out = buf;
         self.for_each_chunk(&mut |c| {
             out.extend_from_slice(c);
             Ok(())
