@@ -69,6 +69,33 @@ pub fn absmax_f32(x: &[f32]) -> Option<f32> {
     m.is_finite().then_some(m)
 }
 
+/// CRC32 of `bytes` and the absmax of the same data viewed as `x` (`None` if any value is
+/// not finite), in one parallel pass: each chunk is checksummed and scanned while it is in
+/// cache, and the chunk CRCs are combined. `x` must be `bytes` reinterpreted.
+pub fn crc32_and_absmax_f32(bytes: &[u8], x: &[f32]) -> (u32, Option<f32>) {
+    debug_assert_eq!(bytes.len(), x.len() * 4);
+    let (h, m) = x
+        .par_chunks(PAR_CHUNK)
+        .map(|c| {
+            let mut h = crc32fast::Hasher::new();
+            h.update(bytemuck::cast_slice(c));
+            let mut m = 0f32;
+            let mut finite = true;
+            for &v in c {
+                let a = v.abs();
+                finite &= a.is_finite();
+                m = if a > m { a } else { m };
+            }
+            (h, if finite { m } else { f32::INFINITY })
+        })
+        .reduce_with(|(mut h, m), (h2, m2)| {
+            h.combine(&h2);
+            (h, m.max(m2))
+        })
+        .unwrap_or((crc32fast::Hasher::new(), 0.0));
+    (h.finalize(), m.is_finite().then_some(m))
+}
+
 /// The scale and its reciprocal for a given absmax.
 ///
 /// # Errors
@@ -391,6 +418,23 @@ mod tests {
             let want = reference::f32_to_bf16(&reference::f16_scaled_to_f32(&q, s));
             prop_assert_eq!(d, want);
         }
+    }
+
+    #[test]
+    fn fused_crc_and_absmax_match_separate_passes() {
+        let x: Vec<f32> = (0..(3 * PAR_CHUNK + 5))
+            .map(|i| ((i as f32) * 0.37).sin() * 7.0)
+            .collect();
+        let b: &[u8] = bytemuck::cast_slice(&x);
+        assert_eq!(
+            crc32_and_absmax_f32(b, &x),
+            (crc32fast::hash(b), absmax_f32(&x))
+        );
+        let mut y = x.clone();
+        y[PAR_CHUNK + 3] = f32::NAN;
+        let b: &[u8] = bytemuck::cast_slice(&y);
+        assert_eq!(crc32_and_absmax_f32(b, &y), (crc32fast::hash(b), None));
+        assert_eq!(crc32_and_absmax_f32(&[], &[]), (0, Some(0.0)));
     }
 
     #[test]

@@ -282,6 +282,22 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     Target::AsStored => unreachable_as_stored(),
                 }
             }
+            (Source::Plain(t), Target::F16Scaled(sh)) if t.dtype == DType::F32 => {
+                // One pass for the CRC and the absmax (fused per chunk), one to convert.
+                let v = self.view(t);
+                let x = typed::<f32>(&v);
+                let (crc, absmax) = convert::crc32_and_absmax_f32(v.bytes(), &x);
+                self.check_crc(t, crc)?;
+                let mut q = Tensor::zeros(DType::F16, &t.shape)?;
+                let absmax =
+                    absmax.ok_or_else(|| conv(convert::ScaleError::NonFinite.to_string()))?;
+                let (s, r) = convert::scale_for(absmax).map_err(|e| conv(e.to_string()))?;
+                convert::f32_mul_to_f16(&x, r, q.as_mut_slice()?);
+                Ok(StateValue::F16Scaled {
+                    q,
+                    scale: Tensor::scalar_f32(s).reshaped(sh.dims()),
+                })
+            }
             (Source::Plain(t), target) => {
                 let v = self.checked_view(t)?;
                 let shape = v.shape();

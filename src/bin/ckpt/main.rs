@@ -1,6 +1,7 @@
 //! `ckpt`: inspect, verify, pack, diff and demo ckptstore checkpoints.
 #![deny(unsafe_code)]
 
+mod bench;
 mod convert;
 mod demo;
 mod diff;
@@ -67,6 +68,12 @@ enum Cmd {
     ///
     /// Example: ckpt convert runs/step-00001000 --out bf16/ --dtype bf16
     Convert(convert::Args),
+    /// Measure save, open, verify and load (F16-scaled, BF16, F32) on a synthetic FP32
+    /// checkpoint, each beside a baseline measured in the same run (raw write+fsync,
+    /// crc32fast, the plain conversion kernels, memcpy).
+    ///
+    /// Example: ckpt bench --size 1GiB --tensors 64 --json
+    Bench(bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -80,6 +87,7 @@ fn main() -> ExitCode {
         Cmd::Ls(a) => manage::ls(a),
         Cmd::Gc(a) => manage::gc(a),
         Cmd::Convert(a) => convert::run(a),
+        Cmd::Bench(a) => bench::run(a),
     };
     match r {
         Ok(code) => code,

@@ -1,0 +1,224 @@
+//! `ckpt bench`: save, open, verify and load throughput on a synthetic FP32 checkpoint,
+//! each beside a baseline measured in the same run.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use ckptstore::optim::{
+    OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
+};
+use ckptstore::{convert, Checkpoint, Result, SaveOptions};
+use half::{bf16, f16};
+use serde_json::json;
+
+use crate::util::{gibps, human, parse_size};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Bytes of FP32 optimizer state (split evenly over --tensors tensors).
+    #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+    size: u64,
+    /// Number of state tensors.
+    #[arg(long, default_value_t = 64)]
+    tensors: usize,
+    /// Directory for the checkpoint (default: a temporary directory).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Repetitions of each measurement (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Print one JSON object (keys documented in the README).
+    #[arg(long)]
+    json: bool,
+}
+
+fn best<T>(reps: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
+    let mut b = f64::MAX;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        std::hint::black_box(f()?);
+        b = b.min(t.elapsed().as_secs_f64());
+    }
+    Ok(b)
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let tmp;
+    let dir = match &a.dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::tempdir().map_err(|e| ckptstore::Error::Io {
+                op: "create temp dir",
+                path: std::env::temp_dir(),
+                source: e,
+            })?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let n_t = a.tensors.max(1);
+    let per = ((a.size / 4) as usize / n_t).max(1);
+    let bytes = (per * n_t * 4) as u64;
+    // Synthetic Adam-like moments: smooth values with a per-tensor range.
+    let data: Vec<Vec<f32>> = (0..n_t)
+        .map(|k| {
+            (0..per)
+                .map(|i| ((i as f32 * 0.001 + k as f32).sin()) * (1.0 + k as f32) * 1e-3)
+                .collect()
+        })
+        .collect();
+    let mut opt = OptimizerState::new(vec![ParamGroup {
+        params: (0..n_t)
+            .map(|k| ParamSpec::new(format!("p{k:04}"), &[per as u64]))
+            .collect(),
+        hyper: Default::default(),
+    }]);
+    for (k, d) in data.iter().enumerate() {
+        opt.state.insert(
+            format!("p{k:04}"),
+            [(
+                "exp_avg".to_string(),
+                StateValue::Plain(Tensor::from_slice(&[per as u64], d)?),
+            )]
+            .into(),
+        );
+    }
+    let opts = SaveOptions {
+        max_shard_size: 256 << 20,
+        ..Default::default()
+    };
+    let ckdir = dir.join("bench-ckpt");
+
+    // Save, beside a raw sequential write + fsync of the same bytes.
+    let save_s = best(a.reps, || opt.save(&ckdir, &[], &opts))?;
+    let raw_path = dir.join("bench-raw.bin");
+    let raw_s = best(a.reps, || {
+        let _ = std::fs::remove_file(&raw_path);
+        let mut f = std::fs::File::create(&raw_path).map_err(|e| ckptstore::Error::Io {
+            op: "create",
+            path: raw_path.clone(),
+            source: e,
+        })?;
+        for d in &data {
+            f.write_all(bytemuck::cast_slice(d))
+                .map_err(|e| ckptstore::Error::Io {
+                    op: "write",
+                    path: raw_path.clone(),
+                    source: e,
+                })?;
+        }
+        f.sync_all().map_err(|e| ckptstore::Error::Io {
+            op: "fsync",
+            path: raw_path.clone(),
+            source: e,
+        })
+    })?;
+    let _ = std::fs::remove_file(&raw_path);
+
+    let open_s = best(a.reps.max(5), || Checkpoint::open(&ckdir))?;
+    let ck = Checkpoint::open(&ckdir)?;
+    let verify_s = best(a.reps, || ck.verify())?;
+    // crc32fast, one pass on one core, over the same bytes.
+    let crc_s = best(a.reps, || {
+        Ok(ck
+            .tensors()
+            .iter()
+            .map(|t| crc32fast::hash(ck.tensor(&t.name).map(|v| v.bytes()).unwrap_or(&[])))
+            .fold(0u32, |a, b| a ^ b))
+    })?;
+
+    let load = |t: Target| {
+        best(a.reps, || {
+            ck.load_optimizer(&StateLayout::default().state("exp_avg", t))
+        })
+    };
+    let f16_s = load(Target::F16Scaled(ScaleShape::One))?;
+    let bf16_s = load(Target::BF16)?;
+    let f32_s = load(Target::F32)?;
+
+    // Baselines over the same bytes: memcpy and the plain conversion kernels into memory
+    // that is already faulted in, and memcpy into fresh memory.
+    let src: Vec<f32> = data.concat();
+    let mut dst32 = vec![0f32; src.len()];
+    let mut dst16 = vec![f16::ZERO; src.len()];
+    let mut dstb = vec![bf16::ZERO; src.len()];
+    convert::copy_bytes(
+        bytemuck::cast_slice(&src),
+        bytemuck::cast_slice_mut(&mut dst32),
+    );
+    convert::f32_to_f16(&src, &mut dst16);
+    convert::f32_to_bf16(&src, &mut dstb);
+    let memcpy_s = best(a.reps, || {
+        convert::copy_bytes(
+            bytemuck::cast_slice(&src),
+            bytemuck::cast_slice_mut(&mut dst32),
+        );
+        Ok(())
+    })?;
+    let memcpy_fresh_s = best(a.reps, || {
+        let mut d = vec![0f32; src.len()];
+        convert::copy_bytes(bytemuck::cast_slice(&src), bytemuck::cast_slice_mut(&mut d));
+        Ok(d)
+    })?;
+    let kern16_s = best(a.reps, || {
+        convert::f32_to_f16(&src, &mut dst16);
+        Ok(())
+    })?;
+    let kernb_s = best(a.reps, || {
+        convert::f32_to_bf16(&src, &mut dstb);
+        Ok(())
+    })?;
+
+    let g = |s: f64| gibps(bytes, s);
+    let rows = [
+        ("save", g(save_s), "raw_write_fsync", g(raw_s)),
+        ("verify", g(verify_s), "crc32fast_1core", g(crc_s)),
+        (
+            "load_f16_scaled",
+            g(f16_s),
+            "kernel_f32_to_f16_prefaulted",
+            g(kern16_s),
+        ),
+        (
+            "load_bf16",
+            g(bf16_s),
+            "kernel_f32_to_bf16_prefaulted",
+            g(kernb_s),
+        ),
+        ("load_f32", g(f32_s), "memcpy_prefaulted", g(memcpy_s)),
+    ];
+    if a.json {
+        let mut o = serde_json::Map::new();
+        o.insert("bytes".into(), json!(bytes));
+        o.insert("tensors".into(), json!(n_t));
+        o.insert("open_ms".into(), json!(open_s * 1e3));
+        o.insert("memcpy_fresh_gibps".into(), json!(g(memcpy_fresh_s)));
+        for (name, v, base, b) in rows {
+            o.insert(format!("{name}_gibps"), json!(v));
+            o.insert(format!("{base}_gibps"), json!(b));
+            o.insert(format!("{name}_ratio"), json!(v / b));
+        }
+        println!("{}", serde_json::Value::Object(o));
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "ckpt bench: {} of FP32 state in {n_t} tensors, best of {} runs, hot page cache",
+        human(bytes),
+        a.reps
+    );
+    println!(
+        "{:<18} {:>9}   {:<30} {:>9}   {:>6}",
+        "measure", "GiB/s", "baseline (same run)", "GiB/s", "ratio"
+    );
+    for (name, v, base, b) in rows {
+        println!("{name:<18} {v:>9.2}   {base:<30} {b:>9.2}   {:>6.2}", v / b);
+    }
+    println!(
+        "{:<18} {:>9.2}   (memcpy into fresh memory: {:.2} GiB/s)",
+        "open (ms)",
+        open_s * 1e3,
+        g(memcpy_fresh_s)
+    );
+    Ok(ExitCode::SUCCESS)
+}
