@@ -46,25 +46,28 @@ impl std::fmt::Display for ScaleError {
     }
 }
 
+/// Max of |x| over one chunk, or infinity if any element is not finite (NaN compares
+/// false in the max, so it is caught by the finiteness flag instead).
+fn chunk_absmax(c: &[f32]) -> f32 {
+    let mut m = 0f32;
+    let mut finite = true;
+    for &v in c {
+        let a = v.abs();
+        finite &= a.is_finite();
+        m = if a > m { a } else { m };
+    }
+    if finite {
+        m
+    } else {
+        f32::INFINITY
+    }
+}
+
 /// The largest absolute value, or `None` if any element is not finite.
 pub fn absmax_f32(x: &[f32]) -> Option<f32> {
     let m = x
         .par_chunks(PAR_CHUNK)
-        .map(|c| {
-            // Max of |x| with NaN detection folded in: NaN compares false and is caught below.
-            let mut m = 0f32;
-            let mut finite = true;
-            for &v in c {
-                let a = v.abs();
-                finite &= a.is_finite();
-                m = if a > m { a } else { m };
-            }
-            if finite {
-                m
-            } else {
-                f32::INFINITY
-            }
-        })
+        .map(chunk_absmax)
         .reduce(|| 0f32, f32::max);
     m.is_finite().then_some(m)
 }
@@ -79,14 +82,7 @@ pub fn crc32_and_absmax_f32(bytes: &[u8], x: &[f32]) -> (u32, Option<f32>) {
         .map(|c| {
             let mut h = crc32fast::Hasher::new();
             h.update(bytemuck::cast_slice(c));
-            let mut m = 0f32;
-            let mut finite = true;
-            for &v in c {
-                let a = v.abs();
-                finite &= a.is_finite();
-                m = if a > m { a } else { m };
-            }
-            (h, if finite { m } else { f32::INFINITY })
+            (h, chunk_absmax(c))
         })
         .reduce_with(|(mut h, m), (h2, m2)| {
             h.combine(&h2);

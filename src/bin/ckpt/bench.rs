@@ -45,18 +45,7 @@ fn best<T>(reps: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let tmp;
-    let dir = match &a.dir {
-        Some(d) => d.clone(),
-        None => {
-            tmp = tempfile::tempdir().map_err(|e| ckptstore::Error::Io {
-                op: "create temp dir",
-                path: std::env::temp_dir(),
-                source: e,
-            })?;
-            tmp.path().to_path_buf()
-        }
-    };
+    let (dir, _tmp) = crate::util::dir_or_temp(&a.dir)?;
     let n_t = a.tensors.max(1);
     let per = ((a.size / 4) as usize / n_t).max(1);
     let bytes = (per * n_t * 4) as u64;

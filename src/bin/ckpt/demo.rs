@@ -70,17 +70,11 @@ fn file_hashes(dir: &std::path::Path) -> Vec<(String, u32, u64)> {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let tmp;
-    let dir = match &a.dir {
-        Some(d) => d.clone(),
-        None => {
-            tmp = tempfile::tempdir().map_err(|e| ckptstore::Error::Io {
-                op: "create temp dir",
-                path: std::env::temp_dir(),
-                source: e,
-            })?;
-            tmp.path().join("ckpt")
-        }
+    let (base, _tmp) = crate::util::dir_or_temp(&a.dir)?;
+    let dir = if a.dir.is_some() {
+        base
+    } else {
+        base.join("ckpt")
     };
     // Elements: two FP16 moments per element = 4 bytes of optimizer state each.
     let elems = (a.size / 4).max(64);

@@ -98,3 +98,20 @@ mod tests {
         assert!(parse_size("").is_err());
     }
 }
+
+/// `dir` if given, else a fresh temporary directory (kept alive by the returned guard).
+pub fn dir_or_temp(
+    dir: &Option<std::path::PathBuf>,
+) -> ckptstore::Result<(std::path::PathBuf, Option<tempfile::TempDir>)> {
+    match dir {
+        Some(d) => Ok((d.clone(), None)),
+        None => {
+            let t = tempfile::tempdir().map_err(|e| ckptstore::Error::Io {
+                op: "create temp dir",
+                path: std::env::temp_dir(),
+                source: e,
+            })?;
+            Ok((t.path().to_path_buf(), Some(t)))
+        }
+    }
+}
