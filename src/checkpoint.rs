@@ -252,15 +252,23 @@ impl Checkpoint<Map> {
 fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
     use std::io::Read;
     let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let mut v = Vec::new();
+    let too_big = || {
+        Error::manifest(
+            path.display().to_string(),
+            format!("larger than the {cap}-byte cap"),
+        )
+    };
+    // Refuse by size before reading anything; `take` still bounds a file that grows.
+    let len = f.metadata().map_err(|e| Error::io("stat", path, e))?.len();
+    if len > cap {
+        return Err(too_big());
+    }
+    let mut v = Vec::with_capacity(len as usize);
     f.take(cap + 1)
         .read_to_end(&mut v)
         .map_err(|e| Error::io("read", path, e))?;
     if v.len() as u64 > cap {
-        return Err(Error::manifest(
-            path.display().to_string(),
-            format!("larger than the {cap}-byte cap"),
-        ));
+        return Err(too_big());
     }
     Ok(v)
 }

@@ -186,11 +186,16 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     _ => Source::Plain(self.info(&s.tensor)?),
                 };
                 let (target, explicit) = layout.resolve(&p.name, &s.name);
-                let target = match &source {
-                    Source::Plain(t) if !(explicit || t.dtype.is_float() && t.shape == p.shape) => {
-                        Target::AsStored
-                    }
-                    _ => target,
+                // The default applies only to floating-point states shaped like their
+                // parameter (scaled states are floating-point by definition).
+                let (float, shape) = match &source {
+                    Source::Plain(t) => (t.dtype.is_float(), &t.shape),
+                    Source::Scaled { q, .. } => (true, &q.shape),
+                };
+                let target = if explicit || (float && *shape == p.shape) {
+                    target
+                } else {
+                    Target::AsStored
                 };
                 jobs.push(Job {
                     param: &p.name,
