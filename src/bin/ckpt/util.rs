@@ -84,21 +84,6 @@ pub fn gibps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64 / secs.max(1e-9)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
-        assert_eq!(parse_size("512 MiB"), Ok(512 << 20));
-        assert_eq!(parse_size("1.5KiB"), Ok(1536));
-        assert!(parse_size("12XB").is_err());
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("").is_err());
-    }
-}
-
 /// `dir` if given, else a fresh temporary directory (kept alive by the returned guard).
 pub fn dir_or_temp(
     dir: &Option<std::path::PathBuf>,
@@ -113,5 +98,20 @@ pub fn dir_or_temp(
             })?;
             Ok((t.path().to_path_buf(), Some(t)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5KiB"), Ok(1536));
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("").is_err());
     }
 }
