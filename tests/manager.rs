@@ -255,9 +255,12 @@ fn sigkill_during_save_leaves_latest_on_the_previous_step() {
     if let Ok(root) = std::env::var("CKPT_MANAGER_CHILD") {
         let mgr = CheckpointManager::new(&root, Retention::default()).unwrap();
         let big = vec![7u8; 64 << 20];
+        let marker = std::path::Path::new(&root).join("save-started");
         let slow = SaveOptions {
             max_shard_size: 8 << 20,
-            progress: Some(std::sync::Arc::new(|_| {
+            progress: Some(std::sync::Arc::new(move |_| {
+                // Tell the parent the save is under way, then go slowly.
+                let _ = std::fs::write(&marker, b"");
                 std::thread::sleep(Duration::from_millis(50))
             })),
             ..Default::default()
@@ -295,7 +298,14 @@ fn sigkill_during_save_leaves_latest_on_the_previous_step() {
         .env("CKPT_MANAGER_CHILD", root.path())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Kill only once the save has started writing (bounded wait).
+    let marker = root.path().join("save-started");
+    let t0 = Instant::now();
+    while !marker.exists() && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(marker.exists(), "the child never started its save");
+    std::thread::sleep(Duration::from_millis(100));
     child.kill().unwrap();
     child.wait().unwrap();
     assert_eq!(mgr.latest().unwrap(), Some(1));

@@ -1,0 +1,269 @@
+"""ckptstore: checkpoint storage for ML training, from Python.
+
+The Rust engine writes sharded safetensors checkpoints under a checksummed manifest,
+committed atomically and durably, and reads them through read-only memory maps. This
+package exposes it to numpy (this module) and to PyTorch (:mod:`ckptstore.torch`).
+
+Quick start::
+
+    import numpy as np, ckptstore
+
+    ckptstore.save("ckpt", {"w": np.ones((4, 4), np.float32), "step": np.int64(10)},
+                   metadata={"run": "demo"})
+    ck = ckptstore.open("ckpt")
+    w = ck["w"]              # read-only, zero-copy view of the mapped file
+    ck.verify()              # every CRC32
+    ck.metadata              # {"run": "demo"}
+
+Dtypes: bool, uint8/16/32/64, int8/16/32/64, float16/32/64 and bfloat16 (as
+``ml_dtypes.bfloat16``). Arrays are read and written little-endian, as on disk.
+
+Optimizer state (format-spec/optimizer.md) travels as a dict shaped like a torch
+``state_dict`` but keyed by parameter *names*::
+
+    {
+      "param_groups": [{"params": ["w", "b"], "lr": 1e-3, "betas": [0.9, 0.999]}],
+      "param_shapes": {"w": (4, 4), "b": (4,)},
+      "state": {"w": {"step": array(10.), "exp_avg": array(...), "exp_avg_sq": F16Scaled(...)}},
+    }
+
+:func:`save` takes it as ``optimizer=``; :meth:`Checkpoint.load_optimizer` returns it in
+fresh writable arrays, converted to the layout the live optimizer wants.
+
+Layouts (``Checkpoint.load_optimizer(layout)``): ``None`` (everything as stored), a target
+name applied to every floating-point state shaped like its parameter (never to counters
+such as ``step``), or a dict mapping state names (or ``(param, state)`` tuples) to target
+names, with ``"*"`` for the default. Targets: ``"as_stored"``, ``"f32"``, ``"bf16"``,
+``"f16_scaled"`` (FP16 codes plus an FP32 scale, the stored scale shape kept or ``(1,)``),
+``"f16_scaled_scalar"`` (scale shape ``()``), ``"f16_scaled_one"`` (scale shape ``(1,)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Mapping, Optional, Union
+
+import numpy as np
+
+from . import _ckptstore
+from ._ckptstore import Checkpoint
+from ._types import F16Scaled
+from .errors import (
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    InvalidArgumentError,
+    InvalidTensorError,
+    OptimizerStateError,
+    TensorNotFoundError,
+    UnsupportedFormatError,
+)
+
+__version__: str = _ckptstore.__version__
+
+__all__ = [
+    "save",
+    "open",
+    "Checkpoint",
+    "F16Scaled",
+    "wire_dtype",
+    "OPTIM_PREFIX",
+    "CheckpointError",
+    "CheckpointIOError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "CorruptCheckpointError",
+    "IncompatibleStateError",
+    "InvalidArgumentError",
+    "InvalidTensorError",
+    "OptimizerStateError",
+    "TensorNotFoundError",
+    "UnsupportedFormatError",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Prefix of the tensors that hold optimizer state (``optim/<param>/<state>``), the
+#: engine's own naming convention.
+OPTIM_PREFIX = "optim/"
+
+_WIRE = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.float64): "F64",
+}
+
+
+def wire_dtype(dtype: Any) -> str:
+    """The safetensors wire name ("F32", "BF16", "BOOL", ...) of a numpy dtype; raises
+    :class:`InvalidTensorError` for dtypes the format does not hold."""
+    dt = np.dtype(dtype)
+    if dt.name == "bfloat16" and dt.itemsize == 2:
+        return "BF16"
+    native = dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
+    try:
+        return _WIRE[native]
+    except KeyError:
+        raise InvalidTensorError(
+            f"dtype {dt} cannot be stored: use bool, (u)int8-64, float16/32/64 or "
+            "ml_dtypes.bfloat16"
+        ) from None
+
+
+def _prepare(name: str, value: Any) -> tuple[str, str, np.ndarray]:
+    """``(name, wire dtype, array)`` in the form the engine takes without copying: native
+    byte order and non-negative whole-element strides (copied only when not so)."""
+    if not isinstance(name, str):
+        raise InvalidTensorError(f"tensor names must be strings, got {name!r}")
+    a = value if isinstance(value, np.ndarray) else np.asarray(value)
+    wire = wire_dtype(a.dtype)
+    if a.dtype.byteorder == (">" if np.little_endian else "<"):
+        a = a.astype(a.dtype.newbyteorder("="))
+    if not a.flags.c_contiguous and any(
+        s < 0 or s % a.itemsize for s in a.strides
+    ):
+        a = np.ascontiguousarray(a)
+    return name, wire, a
+
+
+def _optimizer_parts(
+    optimizer: Mapping[str, Any],
+    prepare: Callable[[str, Any], tuple[str, str, np.ndarray]] = _prepare,
+) -> tuple[list[tuple[str, str, np.ndarray]], str]:
+    """The state tensors and the manifest's optimizer section (JSON) of an optimizer dict.
+    ``prepare(name, value)`` turns each state value into ``(name, wire dtype, array)``."""
+    groups = optimizer.get("param_groups")
+    if groups is None:
+        raise InvalidArgumentError("optimizer state needs 'param_groups'")
+    shapes = optimizer.get("param_shapes") or {}
+    state = optimizer.get("state") or {}
+    tensors: list[tuple[str, str, np.ndarray]] = []
+    sec_groups = []
+    params = []
+    named = set()
+    for g in groups:
+        names = list(g["params"])
+        sec_groups.append(
+            {"params": names, "hyper": {k: v for k, v in g.items() if k != "params"}}
+        )
+        for p in names:
+            if not isinstance(p, str):
+                raise InvalidArgumentError(
+                    f"parameters are named by strings in ckptstore, got {p!r}"
+                )
+            named.add(p)
+            entries = []
+            pstate = state.get(p) or {}
+            for sname in sorted(pstate):
+                v = pstate[sname]
+                tname = f"{OPTIM_PREFIX}{p}/{sname}"
+                if isinstance(v, F16Scaled):
+                    tensors.append(prepare(tname, v.q))
+                    tensors.append(prepare(tname + ".scale", v.scale))
+                    entries.append(
+                        {
+                            "name": sname,
+                            "tensor": tname,
+                            "encoding": "f16_scaled",
+                            "scale": tname + ".scale",
+                        }
+                    )
+                else:
+                    tensors.append(prepare(tname, v))
+                    entries.append({"name": sname, "tensor": tname, "encoding": "plain"})
+            if p in shapes:
+                shape = [int(d) for d in shapes[p]]
+            elif pstate:
+                # No recorded shape: the state of highest rank is shaped like the parameter.
+                arrs = [v.q if isinstance(v, F16Scaled) else v for v in pstate.values()]
+                shape = [int(d) for d in np.shape(max(arrs, key=np.ndim))]
+            else:
+                raise InvalidArgumentError(
+                    f"optimizer state: no shape for parameter {p!r} (it has no state): "
+                    "give 'param_shapes'"
+                )
+            params.append({"name": p, "shape": shape, "state": entries})
+    stray = sorted(set(state) - named)
+    if stray:
+        raise OptimizerStateError(
+            f"optimizer state: parameter {stray[0]!r} has state but no group names it"
+        )
+    section = json.dumps({"groups": sec_groups, "params": params}, allow_nan=False)
+    return tensors, section
+
+
+def save(
+    path: PathLike,
+    tensors: Mapping[str, Any],
+    *,
+    metadata: Optional[Mapping[str, Any]] = None,
+    max_shard_size: Optional[int] = None,
+    optimizer: Optional[Mapping[str, Any]] = None,
+) -> dict:
+    """Save ``tensors`` (name -> numpy array) as a checkpoint in the directory ``path``,
+    atomically replacing any checkpoint there.
+
+    The engine writes shards to temporary files, fsyncs and renames them, then commits
+    the manifest the same way: after a crash the directory holds the old checkpoint or the
+    new one, never a mix; when ``save`` returns the new one is durable. Readers that have
+    the old checkpoint open keep reading it.
+
+    Arrays of any supported dtype (0-dim included) are read in place, without a copy:
+    non-contiguous arrays are gathered by the writer through their strides (a copy is made
+    first only for negative or non-element strides and for non-native byte order).
+    Anything else is converted with ``np.asarray``. Do not modify the arrays from another
+    thread while ``save`` runs (the interpreter is released during the write).
+
+    ``metadata``: a JSON-serializable dict stored in the manifest (``Checkpoint.metadata``).
+    ``max_shard_size``: most bytes of tensor data per shard file (default 4 GiB).
+    ``optimizer``: optimizer state in the dict form described in the module docs; its
+    tensors are stored as ``optim/<param>/<state>``.
+
+    Returns ``{"checkpoint_id", "shards", "tensors", "data_bytes", "removed"}``. Raises
+    :class:`CheckpointError` subclasses (``InvalidTensorError``, ``InvalidArgumentError``,
+    ``OptimizerStateError``, ``CheckpointIOError``) before anything is committed.
+    """
+    if not isinstance(tensors, Mapping):
+        raise InvalidArgumentError("tensors must be a mapping of name -> array")
+    entries = [_prepare(n, v) for n, v in tensors.items()]
+    section = None
+    if optimizer is not None:
+        extra, section = _optimizer_parts(optimizer)
+        entries.extend(extra)
+    meta = None
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise InvalidArgumentError("metadata must be a dict (a JSON object)")
+        try:
+            meta = json.dumps(dict(metadata), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise InvalidArgumentError("max_shard_size must be positive")
+    return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, section)
+
+
+def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's reader entry point
+    """Open a checkpoint: a ckptstore directory, a ``.safetensors`` file, a directory
+    holding ``model.safetensors``, or a Hugging Face sharded directory
+    (``model.safetensors.index.json``).
+
+    Validates the structure (manifest CRC, every byte range, shard sizes and header
+    CRCs) and maps the shards read-only; reads no tensor data. Raises
+    :class:`CheckpointNotFoundError` when there is nothing to open and
+    :class:`CorruptCheckpointError` / :class:`ChecksumError` for damage.
+    """
+    return Checkpoint(os.fspath(path))

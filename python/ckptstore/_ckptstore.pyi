@@ -1,0 +1,89 @@
+"""Type stubs of the native module ``ckptstore._ckptstore`` (PyO3)."""
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Iterator, Literal, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+__version__: str
+
+Target = Literal[
+    "as_stored", "f32", "float32", "bf16", "bfloat16", "f16_scaled", "f16_scaled_scalar", "f16_scaled_one"
+]
+Layout = Union[None, str, Mapping[Union[str, tuple[str, str]], str]]
+
+def save(
+    path: Union[str, os.PathLike[str]],
+    tensors: Sequence[tuple[str, str, np.ndarray]],
+    metadata: Optional[str] = None,
+    max_shard_size: Optional[int] = None,
+    optimizer: Optional[str] = None,
+) -> dict[str, Any]:
+    """Low-level save: ``(name, wire dtype, array)`` triples, metadata and optimizer
+    section as JSON text. Use :func:`ckptstore.save`."""
+
+class MappedCheckpoint:
+    """The base object of arrays over a mapped checkpoint: keeps the mapping alive."""
+
+class OwnedBuffer:
+    """The base object of arrays returned by ``load_optimizer``: owns their buffer."""
+
+class Checkpoint:
+    """An open checkpoint (ckptstore directory, ``.safetensors`` file or Hugging Face
+    sharded directory), its shards mapped read-only."""
+
+    def __init__(self, path: Union[str, os.PathLike[str]]) -> None: ...
+    def keys(self) -> list[str]:
+        """Tensor names, in manifest (or header) order."""
+    def __len__(self) -> int: ...
+    def __contains__(self, name: str) -> bool: ...
+    def __iter__(self) -> Iterator[str]: ...
+    def __getitem__(self, name: str) -> np.ndarray:
+        """Read-only zero-copy array over the mapped bytes (``TensorNotFoundError``, a
+        ``KeyError``, if absent). Stays valid after the checkpoint is closed."""
+    def get(self, name: str, *, verify: bool = False, raw: bool = False) -> np.ndarray:
+        """``ck[name]``, optionally CRC-checked first; ``raw=True``: the bytes as 1-D uint8."""
+    def read(
+        self, names: Optional[Sequence[str]] = None, *, verify: bool = True, raw: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Zero-copy read-only arrays for many tensors, CRCs checked in parallel first."""
+    def info(self, name: str) -> dict[str, Any]:
+        """``dtype`` (wire name), ``shape``, ``nbytes``, ``shard``, ``file``, ``crc32``."""
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """User metadata stored with the checkpoint."""
+    @property
+    def kind(self) -> Literal["ckptstore", "safetensors", "hf-sharded"]: ...
+    @property
+    def checkpoint_id(self) -> Optional[str]: ...
+    @property
+    def path(self) -> Path:
+        """The directory opened (a single file's directory)."""
+    @property
+    def shard_files(self) -> list[Path]:
+        """Paths of the shard files, in shard order."""
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of tensor data."""
+    @property
+    def has_optimizer(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    def verify(self) -> dict[str, Any]:
+        """Check every header and every tensor's CRC32; ``{"tensors", "bytes", "checksummed"}``."""
+    def load_optimizer(
+        self, layout: Layout = None, *, counters: Sequence[str] = (), raw: bool = False
+    ) -> dict[str, Any]:
+        """The optimizer state in fresh writable arrays, converted to ``layout``:
+        ``{"param_groups": [...], "param_shapes": {...}, "state": {param: {state: array | F16Scaled}}}``."""
+    def close(self) -> None:
+        """Release this object's hold on the mapping (arrays keep theirs)."""
+    def __enter__(self) -> "Checkpoint": ...
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...

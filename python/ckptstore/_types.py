@@ -1,0 +1,43 @@
+"""Value types shared by the numpy API and the torch helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["F16Scaled"]
+
+
+@dataclass(frozen=True, eq=False)
+class F16Scaled:
+    """An optimizer state held as FP16 codes with one FP32 scale (TransformerEngine
+    FusedAdam arithmetic): value = ``float32(q) * scale``.
+
+    ``q`` is a float16 array shaped like the state; ``scale`` a float32 array of shape
+    ``()`` or ``(1,)``. Returned by :meth:`Checkpoint.load_optimizer` for states loaded as
+    ``"f16_scaled"``; accepted by :func:`ckptstore.save` in an optimizer state, where it is
+    stored exactly (codes plus scale).
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The state's shape (that of ``q``)."""
+        return tuple(self.q.shape)
+
+    def to_float32(self) -> np.ndarray:
+        """The values as a fresh float32 array (``float32(q) * scale``, rounded as the
+        engine rounds)."""
+        s = np.float32(np.asarray(self.scale, dtype=np.float32).reshape(()))
+        out = self.q.astype(np.float32)  # a fresh array, also for 0-dim states
+        out *= s
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"F16Scaled(q=<float16 {tuple(self.q.shape)}>, "
+            f"scale={np.asarray(self.scale).tolist()!r} {tuple(np.shape(self.scale))})"
+        )

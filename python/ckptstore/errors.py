@@ -1,0 +1,89 @@
+"""Exceptions raised by ckptstore.
+
+Every error of the Rust engine arrives as a subclass of :class:`CheckpointError` whose
+message is the engine's (it names the file, shard, tensor, parameter or state at fault).
+Some classes also derive from the matching built-in exception, so that ordinary handlers
+keep working: a missing tensor is a ``KeyError``, a missing checkpoint a
+``FileNotFoundError``, an I/O failure an ``OSError``, a bad argument a ``ValueError``.
+
+Attributes set when known: ``file``, ``shard``, ``name`` (tensor), ``param``, ``state``,
+``expected``/``got`` (CRC32 values of a :class:`ChecksumError`), ``op``, ``filename``,
+``errno``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointIOError",
+    "CorruptCheckpointError",
+    "ChecksumError",
+    "UnsupportedFormatError",
+    "TensorNotFoundError",
+    "InvalidTensorError",
+    "OptimizerStateError",
+    "IncompatibleStateError",
+    "InvalidArgumentError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every ckptstore error; ``str(e)`` is the engine's message."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint (manifest, safetensors file or Hugging Face index) at the path."""
+
+    def __init__(self, message: str = "") -> None:
+        CheckpointError.__init__(self, message)
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """An operating-system call failed (open, read, fsync, rename, lock, ...)."""
+
+    def __init__(self, message: str = "") -> None:
+        CheckpointError.__init__(self, message)
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A manifest, shard header or shard file is damaged or inconsistent."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """Stored bytes do not match their CRC32 (a tensor, a shard header or the manifest)."""
+
+
+class UnsupportedFormatError(CheckpointError):
+    """The checkpoint needs a newer ckptstore (format version or feature)."""
+
+
+class TensorNotFoundError(CheckpointError, KeyError):
+    """No tensor of that name in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class InvalidTensorError(CheckpointError, ValueError):
+    """A tensor handed to the writer (or asked of a view) is inconsistent."""
+
+
+class OptimizerStateError(CheckpointError):
+    """The optimizer section or state is inconsistent, or a conversion cannot be done."""
+
+
+class IncompatibleStateError(OptimizerStateError):
+    """A checkpoint's optimizer state does not fit the live optimizer or model; nothing
+    was changed."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument is invalid (metadata not an object, a size of zero, a bad layout...)."""

@@ -1,0 +1,411 @@
+"""PyTorch helpers: save and restore a model and its optimizer with ckptstore.
+
+``torch`` is imported on first use, so ``import ckptstore`` never needs it.
+
+::
+
+    import ckptstore.torch as ct
+
+    ct.save("run/ckpt", model, optimizer, extra={"epoch": 3, "rng": torch.get_rng_state()})
+    ...
+    extra = ct.load("run/ckpt", model, optimizer)   # in place; returns the extra dict
+
+What is stored (one atomic, durable checkpoint):
+
+* every entry of ``model.state_dict()`` (parameters and persistent buffers) under its
+  state-dict name, read straight from the tensors' memory (no copy for CPU tensors);
+* the optimizer's ``state_dict()``: parameter groups with their hyperparameters, and every
+  per-parameter state tensor (0-dim ``step`` included) as ``optim/<param>/<state>``, with
+  parameters **named by their model names** (``model.named_parameters()``), so that a
+  checkpoint does not depend on parameter order. Without a model, parameters are named
+  by position (``param.<i>``);
+* ``extra``: tensors and arrays as ``extra/<key>`` tensors, everything else as JSON in the
+  manifest metadata.
+
+Restoring is all or nothing: :func:`load` checks that the checkpoint fits (every model
+entry present with its shape, the same number of parameter groups naming the same
+parameters with the same shapes) and reads and CRC-checks every tensor it will use before
+it changes anything. It then replaces the optimizer state whole through
+``optimizer.load_state_dict`` (state the checkpoint does not name is gone) and copies the
+model tensors in place under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Any, Dict, Mapping, Optional
+
+import numpy as np
+
+from . import _ckptstore, _optimizer_parts, open as _open
+from ._types import F16Scaled
+from .errors import IncompatibleStateError, InvalidArgumentError, InvalidTensorError
+
+__all__ = ["save", "load", "META_KEY", "EXTRA_PREFIX"]
+
+#: Metadata key under which the torch helpers record what they stored.
+META_KEY = "ckptstore.torch"
+#: Prefix of the tensors that hold ``extra`` tensors.
+EXTRA_PREFIX = "extra/"
+_META_VERSION = 1
+
+_wire_of: Dict[Any, str] = {}
+_torch_of: Dict[str, Any] = {}
+
+
+def _torch():
+    import torch  # lazy: ckptstore does not depend on torch
+
+    if not _wire_of:
+        pairs = [
+            (torch.bool, "BOOL"),
+            (torch.uint8, "U8"),
+            (torch.int8, "I8"),
+            (torch.int16, "I16"),
+            (torch.float16, "F16"),
+            (torch.bfloat16, "BF16"),
+            (torch.int32, "I32"),
+            (torch.float32, "F32"),
+            (torch.int64, "I64"),
+            (torch.float64, "F64"),
+        ]
+        for name, wire in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+            if hasattr(torch, name):
+                pairs.append((getattr(torch, name), wire))
+        for dt, wire in pairs:
+            _wire_of[dt] = wire
+            _torch_of[wire] = dt
+    return torch
+
+
+# Same-size integer dtypes through which tensors without a numpy dtype are viewed.
+_CARRIER = {"BF16": "int16", "U16": "int16", "U32": "int32", "U64": "int64"}
+
+
+def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
+    """``(name, wire dtype, array)`` over the tensor's own memory (CPU tensors are not
+    copied; others are copied to the CPU first)."""
+    torch = _torch()
+    if isinstance(t, np.ndarray):
+        from . import _prepare
+
+        return _prepare(name, t)
+    if not isinstance(t, torch.Tensor):
+        from . import _prepare
+
+        return _prepare(name, np.asarray(t))
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.layout != torch.strided:
+        raise InvalidTensorError(f"tensor {name!r}: only dense (strided) tensors can be stored")
+    wire = _wire_of.get(t.dtype)
+    if wire is None:
+        raise InvalidTensorError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
+    if wire in _CARRIER:
+        t = t.view(getattr(torch, _CARRIER[wire]))
+    return name, wire, t.numpy()
+
+
+def _from_array(a: np.ndarray) -> Any:
+    """A torch tensor over a numpy array's memory (writable arrays only, no copy)."""
+    torch = _torch()
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _from_raw(raw: np.ndarray, wire: str, shape: tuple[int, ...]) -> Any:
+    """A torch tensor of ``wire`` dtype and ``shape`` over a read-only uint8 array of its
+    bytes (no copy; only ever read, as the source of ``copy_`` or ``clone``)."""
+    torch = _torch()
+    with warnings.catch_warnings():
+        # torch warns that the array is not writable: it is only read here.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(raw)
+    return t.view(_torch_of[wire]).reshape(shape)
+
+
+# ---- JSON for hyperparameters and non-tensor values ------------------------------------
+
+
+def _encode(v: Any, where: str) -> Any:
+    torch = _torch()
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"$float": repr(v)}
+    if isinstance(v, tuple):
+        return {"$tuple": [_encode(x, where) for x in v]}
+    if isinstance(v, list):
+        return [_encode(x, where) for x in v]
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return {k: _encode(x, where) for k, x in v.items()}
+    if isinstance(v, torch.Tensor) and v.numel() <= 64:
+        return {"$tensor": v.detach().cpu().tolist(), "dtype": str(v.dtype).replace("torch.", "")}
+    if isinstance(v, (np.generic,)):
+        return _encode(v.item(), where)
+    raise InvalidArgumentError(
+        f"{where}: cannot store a value of type {type(v).__name__} (JSON types, tuples and "
+        "small tensors only)"
+    )
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if isinstance(v, dict):
+        if len(v) == 1 and "$tuple" in v:
+            return tuple(_decode(x) for x in v["$tuple"])
+        if len(v) == 1 and "$float" in v:
+            return float(v["$float"])
+        if len(v) == 2 and "$tensor" in v and "dtype" in v:
+            torch = _torch()
+            return torch.tensor(v["$tensor"], dtype=getattr(torch, v["dtype"]))
+        return {k: _decode(x) for k, x in v.items()}
+    return v
+
+
+# ---- save --------------------------------------------------------------------------------
+
+
+def _param_names(model: Any, optimizer: Any) -> list[str]:
+    """The name of every optimizer parameter, in ``state_dict()`` index order."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if model is None:
+        return [f"param.{i}" for i in range(len(params))]
+    by_id = {}
+    for n, p in model.named_parameters(remove_duplicate=True):
+        by_id.setdefault(id(p), n)
+    names = []
+    for i, p in enumerate(params):
+        n = by_id.get(id(p))
+        if n is None:
+            raise InvalidArgumentError(
+                f"optimizer parameter {i} (shape {tuple(p.shape)}) is not a parameter of the "
+                "model: pass the model that owns every optimized parameter"
+            )
+        names.append(n)
+    return names
+
+
+def save(
+    path: "str | os.PathLike[str]",
+    model: Any = None,
+    optimizer: Any = None,
+    *,
+    extra: Optional[Mapping[str, Any]] = None,
+    max_shard_size: Optional[int] = None,
+) -> dict:
+    """Save ``model`` (its ``state_dict()``), ``optimizer`` (its ``state_dict()``, with
+    parameters named by their model names) and ``extra`` as one checkpoint in the directory
+    ``path``, atomically and durably replacing any checkpoint there.
+
+    ``extra`` maps string keys to tensors or arrays (stored as tensors) or JSON values
+    (numbers, strings, lists, dicts; tuples and non-finite floats are kept); :func:`load`
+    returns it. Returns the commit info of :func:`ckptstore.save`.
+
+    CPU tensors are written from their own memory, without a copy; keep them unchanged
+    until ``save`` returns (it releases the GIL while writing).
+    """
+    torch = _torch()
+    entries: list[tuple[str, str, np.ndarray]] = []
+    meta: dict[str, Any] = {"version": _META_VERSION, "model": [], "extra": {}, "extra_tensors": []}
+    if model is not None:
+        for name, t in model.state_dict().items():
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTensorError(
+                    f"model state {name!r} is a {type(t).__name__}, not a tensor: "
+                    "ckptstore.torch stores tensors (put other values in extra=)"
+                )
+            entries.append(_to_numpy(name, t))
+            meta["model"].append(name)
+    section = None
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        names = _param_names(model, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        groups = []
+        for gi, g in enumerate(sd["param_groups"]):
+            hyper = {
+                k: _encode(v, f"param group {gi}, {k!r}")
+                for k, v in g.items()
+                if k not in ("params", "param_names")
+            }
+            hyper["params"] = [names[i] for i in g["params"]]
+            groups.append(hyper)
+        state: dict[str, dict[str, Any]] = {}
+        values: dict[str, dict[str, Any]] = {}
+        for i, st in sd["state"].items():
+            n = names[i]
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    state.setdefault(n, {})[k] = v
+                elif v is not None:
+                    values.setdefault(n, {})[k] = _encode(v, f"parameter {n!r}, state {k!r}")
+        opt = {
+            "param_groups": groups,
+            "param_shapes": {n: tuple(p.shape) for n, p in zip(names, params)},
+            "state": state,
+        }
+        tensors, section = _optimizer_parts(opt, prepare=_to_numpy)
+        entries.extend(tensors)
+        meta["optimizer"] = {"class": type(optimizer).__name__, "values": values}
+    for k, v in (extra or {}).items():
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
+        if isinstance(v, (torch.Tensor, np.ndarray)):
+            entries.append(_to_numpy(EXTRA_PREFIX + k, v))
+            meta["extra_tensors"].append(k)
+        else:
+            meta["extra"][k] = _encode(v, f"extra {k!r}")
+    metadata = json.dumps({META_KEY: meta}, allow_nan=False)
+    return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, section)
+
+
+# ---- load --------------------------------------------------------------------------------
+
+
+def load(
+    path: "str | os.PathLike[str]",
+    model: Any = None,
+    optimizer: Any = None,
+    *,
+    strict: bool = True,
+    layout: Any = None,
+) -> dict:
+    """Restore ``model`` and ``optimizer`` in place from the checkpoint at ``path``;
+    return the ``extra`` dict saved with it (tensors as fresh torch tensors).
+
+    Everything is checked before anything changes: the model's every state-dict entry must
+    be in the checkpoint with the same shape (with ``strict``, the checkpoint must not hold
+    model entries the model lacks); the optimizer must have as many parameter groups as
+    the checkpoint, each naming the same parameters (by model name, in any order) with the
+    same shapes; every tensor used is read and its CRC32 checked. Any failure raises a
+    :class:`ckptstore.CheckpointError` (``IncompatibleStateError``, ``ChecksumError``, ...)
+    with the model and optimizer untouched.
+
+    The optimizer then gets a complete fresh state dict through ``load_state_dict``:
+    hyperparameters from the checkpoint, and state exactly for the parameters the
+    checkpoint has state for (others end with none). ``layout`` is passed to
+    :meth:`Checkpoint.load_optimizer` (default: as stored); FP16-scaled states are handed
+    to torch as float32. Model tensors are copied in with ``copy_`` under ``no_grad``,
+    straight from the mapped file (dtype casts as ``copy_`` does them).
+    """
+    torch = _torch()
+    ck = _open(path)
+    meta = ck.metadata.get(META_KEY) or {}
+
+    # 1. The model: names, shapes, and every tensor's CRC.
+    copies = []
+    if model is not None:
+        live = model.state_dict(keep_vars=True)
+        missing = [n for n in live if n not in ck]
+        if missing:
+            raise IncompatibleStateError(
+                f"cannot restore the model: the checkpoint has no tensor {missing[0]!r}"
+                + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
+            )
+        saved = meta.get("model")
+        if strict and saved is not None:
+            unexpected = [n for n in saved if n not in live]
+            if unexpected:
+                raise IncompatibleStateError(
+                    f"cannot restore the model: the checkpoint holds {unexpected[0]!r}, which "
+                    "the model does not have (strict=False to ignore)"
+                )
+        infos = {}
+        for n, t in live.items():
+            info = ck.info(n)
+            if tuple(info["shape"]) != tuple(t.shape):
+                raise IncompatibleStateError(
+                    f"cannot restore the model: {n!r} has shape {tuple(info['shape'])} in the "
+                    f"checkpoint, {tuple(t.shape)} in the model"
+                )
+            infos[n] = info
+        raw = ck.read(list(live), verify=True, raw=True)
+        for n, t in live.items():
+            copies.append((t, _from_raw(raw[n], infos[n]["dtype"], tuple(infos[n]["shape"]))))
+
+    # 2. The optimizer: a complete new state dict, checked against the live optimizer.
+    new_sd = None
+    if optimizer is not None:
+        if not ck.has_optimizer:
+            raise IncompatibleStateError(
+                "cannot restore the optimizer: the checkpoint holds no optimizer state"
+            )
+        st = ck.load_optimizer(layout)
+        new_sd = _build_state_dict(model, optimizer, st, meta.get("optimizer") or {})
+
+    # 3. Extra values (read and checked before anything changes, too).
+    extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
+    xnames = [EXTRA_PREFIX + k for k in meta.get("extra_tensors") or []]
+    if xnames:
+        xraw = ck.read(xnames, verify=True, raw=True)
+        for k, n in zip(meta["extra_tensors"], xnames):
+            info = ck.info(n)
+            extra[k] = _from_raw(xraw[n], info["dtype"], tuple(info["shape"])).clone()
+
+    # 4. Apply: nothing above changed the model or the optimizer.
+    if new_sd is not None:
+        optimizer.load_state_dict(new_sd)
+    if copies:
+        with torch.no_grad():
+            for dst, src in copies:
+                dst.copy_(src)
+    return extra
+
+
+def _build_state_dict(model: Any, optimizer: Any, st: dict, ometa: dict) -> dict:
+    names = _param_names(model, optimizer)
+    live_groups = optimizer.param_groups
+    ck_groups = st["param_groups"]
+    if len(live_groups) != len(ck_groups):
+        raise IncompatibleStateError(
+            f"cannot restore the optimizer: the checkpoint has {len(ck_groups)} parameter "
+            f"group(s), the optimizer {len(live_groups)}"
+        )
+    shapes = st["param_shapes"]
+    values = ometa.get("values") or {}
+    groups = []
+    state: dict[int, dict[str, Any]] = {}
+    pos = 0
+    for gi, (lg, cg) in enumerate(zip(live_groups, ck_groups)):
+        live_names = names[pos : pos + len(lg["params"])]
+        ck_names = list(cg["params"])
+        if len(live_names) != len(ck_names) or set(live_names) != set(ck_names):
+            extra_live = sorted(set(live_names) - set(ck_names))
+            extra_ck = sorted(set(ck_names) - set(live_names))
+            raise IncompatibleStateError(
+                f"cannot restore the optimizer: group {gi} has parameters "
+                f"{extra_live or '(none)'} that the checkpoint's group lacks and the "
+                f"checkpoint has {extra_ck or '(none)'} that the optimizer's group lacks"
+                if (extra_live or extra_ck)
+                else f"cannot restore the optimizer: group {gi} names a parameter twice"
+            )
+        for p, n in zip(lg["params"], live_names):
+            if tuple(shapes[n]) != tuple(p.shape):
+                raise IncompatibleStateError(
+                    f"cannot restore the optimizer: parameter {n!r} has shape "
+                    f"{tuple(shapes[n])} in the checkpoint, {tuple(p.shape)} in the model"
+                )
+        g = {k: _decode(v) for k, v in cg.items() if k != "params"}
+        g["params"] = list(range(pos, pos + len(live_names)))
+        groups.append(g)
+        for i, n in enumerate(live_names, start=pos):
+            s: dict[str, Any] = {}
+            for k, v in (st["state"].get(n) or {}).items():
+                s[k] = _from_array(v.to_float32() if isinstance(v, F16Scaled) else v)
+            for k, v in (values.get(n) or {}).items():
+                s[k] = _decode(v)
+            if s:
+                state[i] = s
+        pos += len(live_names)
+    return {"state": state, "param_groups": groups}
