@@ -1,13 +1,13 @@
 //! Atomic replace and crash points of the commit protocol.
 
-use std::io::{self, Write};
-use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+#[path = "common/crashfs.rs"]
+mod crashfs;
 
-use ckptstore::write::fs::{Fs, StdFs};
+use std::path::Path;
+
 use ckptstore::write::save_with_fs;
 use ckptstore::{save, Checkpoint, SaveOptions, TensorRef};
+use crashfs::CrashFs;
 
 fn tensors(seed: f32) -> Vec<Vec<f32>> {
     (0..5)
@@ -100,73 +100,6 @@ fn second_writer_is_refused_while_the_lock_is_held() {
     save(dir.path(), &refs(&tensors(2.0)), &opts()).unwrap();
 }
 
-/// A file system that fails every operation from the `fail_at`-th on (a crash: nothing
-/// after it reaches the disk). Counts create, write, fsync, rename, dir fsync, remove.
-struct CrashFs {
-    fail_at: usize,
-    ops: Arc<AtomicUsize>,
-}
-
-impl CrashFs {
-    fn tick(&self) -> io::Result<()> {
-        if self.ops.fetch_add(1, Ordering::SeqCst) >= self.fail_at {
-            Err(io::Error::other("injected crash"))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-struct CrashFile {
-    inner: std::fs::File,
-    fail_at: usize,
-    ops: Arc<AtomicUsize>,
-}
-
-impl Write for CrashFile {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if self.ops.fetch_add(1, Ordering::SeqCst) >= self.fail_at {
-            return Err(io::Error::other("injected crash"));
-        }
-        self.inner.write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-impl Fs for CrashFs {
-    type File = CrashFile;
-    fn create(&self, path: &Path) -> io::Result<CrashFile> {
-        self.tick()?;
-        Ok(CrashFile {
-            inner: StdFs.create(path)?,
-            fail_at: self.fail_at,
-            ops: self.ops.clone(),
-        })
-    }
-    fn sync(&self, f: &mut CrashFile, path: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.sync(&mut f.inner, path)
-    }
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.rename(from, to)
-    }
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.sync_dir(dir)
-    }
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.remove(path)
-    }
-    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
-        self.tick()?;
-        StdFs.list(dir)
-    }
-}
-
 /// The tensors a checkpoint holds, as (name, bytes).
 fn contents(dir: &Path) -> Option<Vec<(String, Vec<u8>)>> {
     let ck = match Checkpoint::open(dir) {
@@ -194,10 +127,7 @@ fn crash_at_every_operation(with_old: bool) -> usize {
             save(dir.path(), &refs(&old), &opts()).unwrap();
         }
         let old_c = contents(dir.path());
-        let fs = CrashFs {
-            fail_at: k,
-            ops: Arc::new(AtomicUsize::new(0)),
-        };
+        let fs = CrashFs::new(k);
         let r = save_with_fs(&fs, dir.path(), &refs(&new), &opts());
         let after = contents(dir.path());
         let new_c = {

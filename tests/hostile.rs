@@ -7,6 +7,10 @@
 //! The other test here (`replay_fuzz_regressions`) allocates only the regression files
 //! themselves (a few KiB) and is not measured.
 
+#[path = "common/rss.rs"]
+mod rss;
+use rss::status;
+
 use std::path::{Path, PathBuf};
 
 use ckptstore::format::{header, manifest, MAX_HEADER_SIZE};
@@ -56,17 +60,6 @@ fn shard_file(json: &[u8], data: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&h);
     out.extend_from_slice(data);
     out
-}
-
-fn status(key: &str) -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = s.lines().find(|l| l.starts_with(key)).unwrap();
-    line.split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse::<u64>()
-        .unwrap()
-        * 1024
 }
 
 /// Run `f` and return its result and the growth of peak RSS (VmHWM) over the RSS at the

@@ -1,18 +1,11 @@
 //! Streaming load: peak resident memory bounded by the budget, not the checkpoint size.
 //! (One test in this file, so the process's peak RSS is this test's.)
 
-use ckptstore::{Checkpoint, DType, SaveOptions, TensorRef};
+#[path = "common/rss.rs"]
+mod rss;
+use rss::status;
 
-fn status(key: &str) -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = s.lines().find(|l| l.starts_with(key)).unwrap();
-    line.split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse::<u64>()
-        .unwrap()
-        * 1024
-}
+use ckptstore::{Checkpoint, DType, SaveOptions, TensorRef};
 
 #[test]
 fn streaming_peak_rss_stays_under_the_budget() {

@@ -20,19 +20,19 @@
 #![no_main]
 
 use std::collections::BTreeMap;
-use std::io::{self, Write};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use arbitrary::Arbitrary;
 use ckptstore::optim::{
     OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
 };
-use ckptstore::write::fs::{Fs, StdFs};
 use ckptstore::write::save_with_fs;
 use ckptstore::{save, Checkpoint, DType, Error, SaveOptions, TensorRef};
 use libfuzzer_sys::fuzz_target;
+
+#[path = "../../tests/common/crashfs.rs"]
+mod crashfs;
+use crashfs::CrashFs;
 
 const NAMES: [&str; 6] = ["a", "b", "c", "w.0", "w.1", "embed"];
 const DTYPES: [DType; 7] = [
@@ -303,72 +303,6 @@ fn optimizer_tensors(st: &OptimizerState) -> Vec<(String, Expected)> {
         }
     }
     out
-}
-
-/// A file system that fails every operation from the `fail_at`-th on.
-struct CrashFs {
-    fail_at: usize,
-    ops: Arc<AtomicUsize>,
-}
-
-impl CrashFs {
-    fn tick(&self) -> io::Result<()> {
-        if self.ops.fetch_add(1, Ordering::SeqCst) >= self.fail_at {
-            Err(io::Error::other("injected crash"))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-struct CrashFile {
-    inner: std::fs::File,
-    fail_at: usize,
-    ops: Arc<AtomicUsize>,
-}
-
-impl Write for CrashFile {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if self.ops.fetch_add(1, Ordering::SeqCst) >= self.fail_at {
-            return Err(io::Error::other("injected crash"));
-        }
-        self.inner.write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-impl Fs for CrashFs {
-    type File = CrashFile;
-    fn create(&self, path: &Path) -> io::Result<CrashFile> {
-        self.tick()?;
-        Ok(CrashFile {
-            inner: StdFs.create(path)?,
-            fail_at: self.fail_at,
-            ops: self.ops.clone(),
-        })
-    }
-    fn sync(&self, f: &mut CrashFile, path: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.sync(&mut f.inner, path)
-    }
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.rename(from, to)
-    }
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.sync_dir(dir)
-    }
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        self.tick()?;
-        StdFs.remove(path)
-    }
-    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
-        self.tick()?;
-        StdFs.list(dir)
-    }
 }
 
 /// The tensors of an open checkpoint, as the model writes them.
@@ -660,10 +594,7 @@ fn run(ops: &[Op]) {
                 fail_at,
             } => {
                 let ts = build_tensors(tensors);
-                let fs = CrashFs {
-                    fail_at: usize::from(*fail_at % 48),
-                    ops: Arc::new(AtomicUsize::new(0)),
-                };
+                let fs = CrashFs::new(usize::from(*fail_at % 48));
                 let r = save_with_fs(&fs, dir, &refs(&ts), &opts(*max_shard_size));
                 let new: BTreeMap<String, Expected> = ts.iter().cloned().collect();
                 match r {
