@@ -524,6 +524,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     shard: i,
                     offsets: [e.data_offsets[0] + ds, e.data_offsets[1] + ds],
                     crc32: None,
+                    absmax: None,
                 });
             }
         }
@@ -645,7 +646,8 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// [`Error::InvalidHeader`] / [`Error::ShardMismatch`] for a header that disagrees with
     /// the manifest; [`Error::InvalidOptimizerState`] for a broken optimizer section;
     /// [`Error::ChecksumMismatch`] naming the shard and tensor of the first mismatch in
-    /// manifest order. For stores without checksums the structure was validated at open
+    /// manifest order; [`Error::AbsmaxMismatch`] if an F32 tensor's recorded absmax is not
+    /// its data's (checked in the same pass as its CRC). For stores without checksums the structure was validated at open
     /// and the report says `checksummed: false`.
     pub fn verify(&self) -> Result<VerifyReport> {
         self.verify_with_progress(&|_| {})
@@ -670,8 +672,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .par_iter()
             .enumerate()
             .filter_map(|(i, t)| {
-                let v = self.view(t);
-                let r = self.check_crc(t, crc32_parallel(v.bytes()));
+                let r = self.check_tensor(t);
                 progress(t.nbytes());
                 r.err().map(|e| (i, e))
             })
@@ -684,6 +685,34 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             bytes: self.tensors().iter().map(TensorInfo::nbytes).sum(),
             checksummed: true,
         })
+    }
+
+    /// The CRC32 of one tensor and, where the manifest records one, its absmax: both in
+    /// one pass over the bytes.
+    fn check_tensor(&self, t: &TensorInfo) -> Result<()> {
+        let v = self.view(t);
+        let Some(recorded) = t.absmax else {
+            return self.check_crc(t, crc32_parallel(v.bytes()));
+        };
+        let (crc, actual) = match v.as_slice::<f32>() {
+            Ok(x) => crate::convert::crc32_and_absmax_f32(v.bytes(), x),
+            Err(_) => (
+                crc32_parallel(v.bytes()),
+                crate::convert::absmax_f32_le_bytes(v.bytes()),
+            ),
+        };
+        self.check_crc(t, crc)?;
+        let actual = actual.unwrap_or(f32::INFINITY);
+        if actual.to_bits() != recorded.to_bits() {
+            return Err(Error::AbsmaxMismatch {
+                tensor: t.name.clone(),
+                shard: t.shard,
+                file: self.shards[t.shard].file.clone(),
+                recorded,
+                actual,
+            });
+        }
+        Ok(())
     }
 
     /// Check the optimizer section, if any, against the rules of format-spec/optimizer.md

@@ -156,6 +156,23 @@ pub enum Error {
         reason: String,
     },
 
+    /// A tensor's values disagree with the absmax its manifest records. Its CRC matched,
+    /// so the data are what was written: the manifest was written by a faulty or foreign
+    /// writer. The load was abandoned; nothing was changed.
+    #[error("tensor {tensor:?} in shard {shard} ({file}): the manifest records absmax {recorded:e}, but the data's absmax is {actual:e}; the checkpoint's manifest is wrong: load this state as F32, or re-save the checkpoint")]
+    AbsmaxMismatch {
+        /// The tensor.
+        tensor: String,
+        /// Index of its shard.
+        shard: usize,
+        /// Its shard file.
+        file: String,
+        /// The absmax the manifest records.
+        recorded: f32,
+        /// The absmax of the data (infinity or NaN if the data hold one).
+        actual: f32,
+    },
+
     /// An argument given to the API is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -7,7 +7,7 @@ pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod manager;
-pub mod mmap;
+mod sys;
 pub mod view;
 pub mod write;
 
@@ -15,7 +15,8 @@ pub use checkpoint::{Checkpoint, Kind, Shard, TensorInfo, VerifyReport};
 pub use crc::crc32_parallel;
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use mmap::Map;
+pub use sys::mmap;
+pub use sys::mmap::Map;
 pub use view::{Element, TensorView};
 pub use write::{save, save_with_section, CommitInfo, SaveOptions, TensorRef};
 pub mod convert;

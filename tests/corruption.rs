@@ -161,8 +161,13 @@ fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let mut v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     v.as_object_mut().unwrap().remove("manifest_crc32");
     edit(&mut v);
-    let m: ckptstore::format::manifest::Manifest = serde_json::from_value(v).unwrap();
-    std::fs::write(&p, ckptstore::format::manifest::encode(&m)).unwrap();
+    // Encoded from the JSON value itself (so edits the Manifest type would refuse survive),
+    // with the trailer of format-spec/manifest.md §Trailer.
+    let mut body = serde_json::to_vec(&v).unwrap();
+    body.pop();
+    let crc = crc32fast::hash(&body);
+    body.extend_from_slice(format!(",\"manifest_crc32\":\"{crc:08x}\"}}\n").as_bytes());
+    std::fs::write(&p, body).unwrap();
 }
 
 #[test]
@@ -211,8 +216,26 @@ fn hostile_manifests_are_refused() {
         ),
         (
             "dtype lies",
-            Box::new(|v, _| v["tensors"][0]["dtype"] = "I32".into()),
+            Box::new(|v, _| {
+                v["tensors"][0]["dtype"] = "I32".into();
+                v["tensors"][0].as_object_mut().unwrap().remove("absmax");
+            }),
             "header says",
+        ),
+        (
+            "absmax on a non-F32 tensor",
+            Box::new(|v, _| v["tensors"][0]["dtype"] = "I32".into()),
+            "absmax is recorded only for F32 tensors",
+        ),
+        (
+            "negative absmax",
+            Box::new(|v, _| v["tensors"][0]["absmax"] = (-1.0).into()),
+            "not a finite, non-negative FP32 value",
+        ),
+        (
+            "absmax not an FP32 value",
+            Box::new(|v, _| v["tensors"][0]["absmax"] = 0.1f64.into()),
+            "not a finite, non-negative FP32 value",
         ),
         (
             "dropped tensor",

@@ -46,30 +46,60 @@ impl std::fmt::Display for ScaleError {
     }
 }
 
-/// Max of |x| over one chunk, or infinity if any element is not finite (NaN compares
-/// false in the max, so it is caught by the finiteness flag instead).
-fn chunk_absmax(c: &[f32]) -> f32 {
-    let mut m = 0f32;
-    let mut finite = true;
-    for &v in c {
-        let a = v.abs();
-        finite &= a.is_finite();
-        m = if a > m { a } else { m };
-    }
-    if finite {
-        m
-    } else {
-        f32::INFINITY
-    }
+/// Bits of `|x|`: for finite values their integer order is the numeric order of `|x|`,
+/// and every infinity or NaN is at or above [`NON_FINITE_BITS`].
+const ABS_MASK: u32 = 0x7fff_ffff;
+/// The smallest `|x|` bit pattern that is not finite (+infinity).
+pub const NON_FINITE_BITS: u32 = 0x7f80_0000;
+
+/// Maximum of `x.to_bits() & 0x7fff_ffff` over one slice (vectorizes to integer max).
+fn chunk_absbits(c: &[f32]) -> u32 {
+    c.iter().fold(0u32, |m, v| m.max(v.to_bits() & ABS_MASK))
+}
+
+/// The absmax for a maximum of `|x|` bits: `None` if it is an infinity or NaN.
+pub fn absmax_from_bits(bits: u32) -> Option<f32> {
+    (bits < NON_FINITE_BITS).then(|| f32::from_bits(bits))
 }
 
 /// The largest absolute value, or `None` if any element is not finite.
 pub fn absmax_f32(x: &[f32]) -> Option<f32> {
-    let m = x
-        .par_chunks(PAR_CHUNK)
-        .map(chunk_absmax)
-        .reduce(|| 0f32, f32::max);
-    m.is_finite().then_some(m)
+    absmax_from_bits(
+        x.par_chunks(PAR_CHUNK)
+            .map(chunk_absbits)
+            .max()
+            .unwrap_or(0),
+    )
+}
+
+/// The absmax of little-endian FP32 bytes (`None` if any value is not finite); a trailing
+/// partial element is ignored. Used by the writer, whose chunks need not be aligned.
+pub fn absmax_f32_le_bytes(bytes: &[u8]) -> Option<f32> {
+    absmax_from_bits(absbits_le_bytes(bytes))
+}
+
+/// Maximum `|x|` bits of little-endian FP32 bytes, for folding over chunks. `bytes` must
+/// start at an element boundary; a trailing partial element is ignored.
+pub fn absbits_le_bytes(bytes: &[u8]) -> u32 {
+    let slow = |b: &[u8]| {
+        b.chunks_exact(4).fold(0u32, |m, b| {
+            m.max(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & ABS_MASK)
+        })
+    };
+    if cfg!(target_endian = "big") {
+        return slow(bytes);
+    }
+    // The aligned middle as `u32`s (vectorizes); an unaligned head is handled bytewise,
+    // and only when it is whole elements (otherwise the slice is not element-aligned in
+    // memory and everything goes bytewise).
+    let (head, body, _) = bytemuck::pod_align_to::<u8, u32>(bytes);
+    if head.len() % 4 != 0 {
+        return slow(bytes);
+    }
+    let tail = &bytes[head.len() + body.len() * 4..];
+    slow(head)
+        .max(body.iter().fold(0u32, |m, &b| m.max(b & ABS_MASK)))
+        .max(slow(tail))
 }
 
 /// CRC32 of `bytes` and the absmax of the same data viewed as `x` (`None` if any value is
@@ -77,19 +107,113 @@ pub fn absmax_f32(x: &[f32]) -> Option<f32> {
 /// cache, and the chunk CRCs are combined. `x` must be `bytes` reinterpreted.
 pub fn crc32_and_absmax_f32(bytes: &[u8], x: &[f32]) -> (u32, Option<f32>) {
     debug_assert_eq!(bytes.len(), x.len() * 4);
-    let (h, m) = x
-        .par_chunks(PAR_CHUNK)
-        .map(|c| {
-            let mut h = crc32fast::Hasher::new();
-            h.update(bytemuck::cast_slice(c));
-            (h, chunk_absmax(c))
+    let (crc, m) = fused_fold(x, &mut [] as &mut [u8], |c, _| {
+        let mut h = crc32fast::Hasher::new();
+        h.update(bytemuck::cast_slice(c));
+        (h, chunk_absbits(c))
+    });
+    (crc, absmax_from_bits(m))
+}
+
+/// Elements per chunk of the fused loaders: small enough (64 KiB of FP32) that a chunk
+/// read once for the CRC is still in L2 when it is converted, large enough that
+/// scheduling and CRC combination cost nothing.
+const FUSED_CHUNK: usize = 1 << 14;
+
+/// Parallel fold over matching chunks of `src` and `dst` (`dst` may be empty: then each
+/// call gets an empty slice). Each call returns its chunk's CRC hasher and a `u32` folded
+/// by max; hashers are combined in order, so the CRC is that of the whole source.
+fn fused_fold<S: Sync, D: Send>(
+    src: &[S],
+    dst: &mut [D],
+    f: impl Fn(&[S], &mut [D]) -> (crc32fast::Hasher, u32) + Sync + Send,
+) -> (u32, u32) {
+    let reduce = |(mut h, m): (crc32fast::Hasher, u32), (h2, m2): (crc32fast::Hasher, u32)| {
+        h.combine(&h2);
+        (h, m.max(m2))
+    };
+    let (h, m) = if dst.is_empty() {
+        src.par_chunks(FUSED_CHUNK)
+            .map(|s| f(s, &mut []))
+            .reduce_with(reduce)
+    } else {
+        assert_eq!(src.len(), dst.len());
+        src.par_chunks(FUSED_CHUNK)
+            .zip(dst.par_chunks_mut(FUSED_CHUNK))
+            .map(|(s, d)| f(s, d))
+            .reduce_with(reduce)
+    }
+    .unwrap_or((crc32fast::Hasher::new(), 0));
+    (h.finalize(), m)
+}
+
+fn hasher_of(bytes: &[u8]) -> crc32fast::Hasher {
+    let mut h = crc32fast::Hasher::new();
+    h.update(bytes);
+    h
+}
+
+/// One pass for an FP32 -> FP16-scaled load whose absmax is known in advance (recorded in
+/// the manifest): per chunk, the CRC of the source bytes, then `dst[i] = f16(src[i] * r)`
+/// from cache (SIMD where the CPU has it). Returns the CRC32 of `src`'s bytes and the
+/// maximum `|x|` bits seen, which the caller compares with the recorded absmax.
+///
+/// # Panics
+/// If `dst.len() != src.len()` (a caller bug).
+pub fn crc32_f32_mul_to_f16(src: &[f32], r: f32, dst: &mut [f16]) -> (u32, u32) {
+    assert_eq!(src.len(), dst.len());
+    if src.is_empty() {
+        return (0, 0);
+    }
+    fused_fold(src, dst, |s, d| {
+        let h = hasher_of(bytemuck::cast_slice(s));
+        (h, crate::sys::simd::f32_mul_to_f16_absbits(s, r, d, false))
+    })
+}
+
+/// One pass for an FP32 -> BF16 load: per chunk, the CRC of the source bytes, then the
+/// conversion from cache. Returns the CRC32 of `src`'s bytes.
+///
+/// # Panics
+/// If `dst.len() != src.len()` (a caller bug).
+pub fn crc32_f32_to_bf16(src: &[f32], dst: &mut [bf16]) -> u32 {
+    assert_eq!(src.len(), dst.len());
+    if src.is_empty() {
+        return 0;
+    }
+    fused_fold(src, dst, |s, d| {
+        let h = hasher_of(bytemuck::cast_slice(s));
+        d.convert_from_f32_slice(s);
+        (h, 0)
+    })
+    .0
+}
+
+/// One pass for an exact copy: per chunk, the CRC of the source, then the copy from cache.
+/// Returns the CRC32 of `src`.
+///
+/// # Panics
+/// If `dst.len() != src.len()` (a caller bug).
+pub fn crc32_copy(src: &[u8], dst: &mut [u8]) -> u32 {
+    assert_eq!(src.len(), dst.len());
+    if src.is_empty() {
+        return 0;
+    }
+    // FUSED_CHUNK FP32 elements' worth of bytes per chunk.
+    let bytes = FUSED_CHUNK * 4;
+    src.par_chunks(bytes)
+        .zip(dst.par_chunks_mut(bytes))
+        .map(|(s, d)| {
+            let h = hasher_of(s);
+            d.copy_from_slice(s);
+            h
         })
-        .reduce_with(|(mut h, m), (h2, m2)| {
-            h.combine(&h2);
-            (h, m.max(m2))
+        .reduce_with(|mut a, b| {
+            a.combine(&b);
+            a
         })
-        .unwrap_or((crc32fast::Hasher::new(), 0.0));
-    (h.finalize(), m.is_finite().then_some(m))
+        .map(|h| h.finalize())
+        .unwrap_or(0)
 }
 
 /// The scale and its reciprocal for a given absmax.
@@ -125,21 +249,26 @@ pub fn f32_to_f16_scaled(src: &[f32], dst: &mut [f16]) -> Result<f32, ScaleError
     Ok(s)
 }
 
-/// `dst[i] = f16(src[i] * r)`, rayon-parallel, with F16C where the CPU has it.
+/// `dst[i] = f16(src[i] * r)`, rayon-parallel; AVX2 + F16C where the CPU has them
+/// (detected at run time), else a portable path with bit-identical results.
 pub fn f32_mul_to_f16(src: &[f32], r: f32, dst: &mut [f16]) {
     assert_eq!(src.len(), dst.len());
     dst.par_chunks_mut(PAR_CHUNK)
         .zip(src.par_chunks(PAR_CHUNK))
         .for_each(|(d, s)| {
-            let mut buf = [0f32; BLOCK];
-            for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
-                let b = &mut buf[..sc.len()];
-                for (o, &v) in b.iter_mut().zip(sc) {
-                    *o = v * r;
-                }
-                dc.convert_from_f32_slice(b);
-            }
+            crate::sys::simd::f32_mul_to_f16_absbits(s, r, d, false);
         });
+}
+
+/// The portable path of [`f32_mul_to_f16`] (no SIMD dispatch), for tests and benchmarks.
+#[doc(hidden)]
+pub fn f32_mul_to_f16_portable(src: &[f32], r: f32, dst: &mut [f16]) {
+    crate::sys::simd::f32_mul_to_f16_absbits(src, r, dst, true);
+}
+
+/// Whether [`f32_mul_to_f16`] runs its SIMD path (AVX2 + F16C) on this CPU.
+pub fn has_simd_f16() -> bool {
+    crate::sys::simd::has_fast_f16()
 }
 
 /// Plain FP32 -> FP16 (no scale), rayon-parallel: the baseline kernel for benchmarks.

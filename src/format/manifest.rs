@@ -64,7 +64,7 @@ pub struct ShardEntry {
 
 /// One tensor: as the manifest records it, and as [`crate::Checkpoint`] reports it for
 /// every kind of store.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TensorInfo {
     /// Tensor name, unique in the checkpoint.
     pub name: String,
@@ -80,6 +80,37 @@ pub struct TensorInfo {
     /// foreign stores (plain safetensors, Hugging Face), which carry no checksums.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32: Option<u32>,
+    /// For F32 tensors whose values are all finite: the largest absolute value, recorded
+    /// at save time so that an FP16-scaled load can scale in the same pass that checks the
+    /// CRC (format-spec/manifest.md §Tensors). Written as the exact decimal value of the
+    /// FP32 number widened to FP64, so every JSON reader gets it back exactly.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "ser_absmax",
+        deserialize_with = "de_absmax"
+    )]
+    pub absmax: Option<f32>,
+}
+
+fn ser_absmax<S: serde::Serializer>(v: &Option<f32>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(x) => s.serialize_f64(f64::from(*x)),
+        None => s.serialize_none(),
+    }
+}
+
+fn de_absmax<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
+    use serde::de::Error as _;
+    let x = f64::deserialize(d)?;
+    let f = x as f32;
+    // Exactly an FP32 value, finite and non-negative: anything else is a bad manifest.
+    if f64::from(f) != x || !f.is_finite() || f.is_sign_negative() {
+        return Err(D::Error::custom(format!(
+            "absmax {x} is not a finite, non-negative FP32 value"
+        )));
+    }
+    Ok(Some(f))
 }
 
 impl TensorInfo {
@@ -359,6 +390,12 @@ fn validate(m: &Manifest) -> Result<(), String> {
         if t.crc32.is_none() {
             return Err(format!("tensor {:?}: no crc32", t.name));
         }
+        if t.absmax.is_some() && t.dtype != crate::DType::F32 {
+            return Err(format!(
+                "tensor {:?}: absmax is recorded only for F32 tensors, not {}",
+                t.name, t.dtype
+            ));
+        }
         if t.shape.len() > MAX_RANK {
             return Err(format!(
                 "tensor {:?}: rank {} exceeds {MAX_RANK}",
@@ -425,6 +462,7 @@ mod tests {
                     shape: vec![2],
                     offsets: [72, 80],
                     crc32: Some(1),
+                    absmax: None,
                 },
                 TensorInfo {
                     name: "b".into(),
@@ -433,6 +471,7 @@ mod tests {
                     shape: vec![],
                     offsets: [80, 84],
                     crc32: Some(2),
+                    absmax: None,
                 },
             ],
             metadata: serde_json::json!({"step": 3}),

@@ -6,7 +6,9 @@ use std::collections::{BTreeMap, HashMap};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::{validate_section, OptimizerState, ParamGroup, ParamSpec, StateValue, Tensor};
+use super::{
+    validate_section, BufferPool, OptimizerState, ParamGroup, ParamSpec, StateValue, Tensor,
+};
 use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::convert;
 use crate::crc::crc32_parallel;
@@ -164,6 +166,29 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// bytes; [`Error::Conversion`] for a conversion that cannot be done (a non-float state
     /// asked as F32, an FP32 state with infinities asked as F16-scaled).
     pub fn load_optimizer(&self, layout: &StateLayout) -> Result<OptimizerState> {
+        self.load_optimizer_impl(layout, None)
+    }
+
+    /// [`Checkpoint::load_optimizer`], taking destination buffers from `pool` where it
+    /// holds some of the right sizes (see [`BufferPool`]: buffers of dropped tensors,
+    /// already faulted in). The loaded tensors give their buffers back to `pool` when they
+    /// are dropped. Results are bit-identical to `load_optimizer`.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_optimizer`]; on error every buffer taken goes back to `pool`.
+    pub fn load_optimizer_with(
+        &self,
+        layout: &StateLayout,
+        pool: &BufferPool,
+    ) -> Result<OptimizerState> {
+        self.load_optimizer_impl(layout, Some(pool))
+    }
+
+    fn load_optimizer_impl(
+        &self,
+        layout: &StateLayout,
+        pool: Option<&BufferPool>,
+    ) -> Result<OptimizerState> {
         let sec = self
             .manifest()
             .and_then(|m| m.optimizer.as_ref())
@@ -207,7 +232,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         }
         let values: Vec<StateValue> = jobs
             .par_iter()
-            .map(|j| self.run_job(j))
+            .map(|j| self.run_job(j, pool))
             .collect::<Result<_>>()?;
 
         let mut state: BTreeMap<String, BTreeMap<String, StateValue>> = BTreeMap::new();
@@ -241,7 +266,16 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         Ok(v)
     }
 
-    fn run_job(&self, j: &Job<'_>) -> Result<StateValue> {
+    /// An exact copy of `t` into a new tensor, its CRC checked in the same pass.
+    fn copy_checked(&self, t: &TensorInfo, pool: Option<&BufferPool>) -> Result<Tensor> {
+        let v = self.view(t);
+        let mut out = Tensor::for_overwrite(v.dtype(), v.shape(), pool)?;
+        let crc = convert::crc32_copy(v.bytes(), out.bytes_mut());
+        self.check_crc(t, crc)?;
+        Ok(out)
+    }
+
+    fn run_job(&self, j: &Job<'_>, pool: Option<&BufferPool>) -> Result<StateValue> {
         let conv = |reason: String| Error::Conversion {
             param: j.param.into(),
             state: j.state.into(),
@@ -249,80 +283,112 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         };
         match (&j.source, j.target) {
             (Source::Plain(t), Target::AsStored) => {
-                Ok(StateValue::Plain(copy_tensor(&self.checked_view(t)?)?))
+                Ok(StateValue::Plain(self.copy_checked(t, pool)?))
             }
             (
                 Source::Scaled { q, scale },
                 Target::AsStored | Target::F16Scaled(ScaleShape::Keep),
-            ) => {
-                let (qv, sv) = (self.checked_view(q)?, self.checked_view(scale)?);
-                Ok(StateValue::F16Scaled {
-                    q: copy_tensor(&qv)?,
-                    scale: copy_tensor(&sv)?,
-                })
-            }
+            ) => Ok(StateValue::F16Scaled {
+                q: self.copy_checked(q, pool)?,
+                scale: self.copy_checked(scale, None)?,
+            }),
             (Source::Scaled { q, scale }, t) => {
-                let (qv, sv) = (self.checked_view(q)?, self.checked_view(scale)?);
-                let codes = typed::<f16>(&qv);
+                let sv = self.checked_view(scale)?;
                 let s = typed::<f32>(&sv)
                     .first()
                     .copied()
                     .ok_or_else(|| conv("empty scale".into()))?;
+                if let Target::F16Scaled(sh) = t {
+                    return Ok(StateValue::F16Scaled {
+                        q: self.copy_checked(q, pool)?,
+                        scale: Tensor::scalar_f32(s).reshaped(sh.dims()),
+                    });
+                }
+                let qv = self.checked_view(q)?;
+                let codes = typed::<f16>(&qv);
                 let shape = qv.shape();
                 match t {
-                    Target::F16Scaled(sh) => Ok(StateValue::F16Scaled {
-                        q: copy_tensor(&qv)?,
-                        scale: Tensor::scalar_f32(s).reshaped(sh.dims()),
-                    }),
                     Target::F32 => {
-                        let mut out = Tensor::zeros(DType::F32, shape)?;
+                        let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
                         convert::f16_scaled_to_f32(&codes, s, out.as_mut_slice()?);
                         Ok(StateValue::Plain(out))
                     }
                     Target::BF16 => {
-                        let mut out = Tensor::zeros(DType::BF16, shape)?;
+                        let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
                         convert::f16_scaled_to_bf16(&codes, s, out.as_mut_slice()?);
                         Ok(StateValue::Plain(out))
                     }
-                    Target::AsStored => unreachable_as_stored(),
+                    Target::AsStored | Target::F16Scaled(_) => unreachable_as_stored(),
                 }
             }
             (Source::Plain(t), Target::F16Scaled(sh)) if t.dtype == DType::F32 => {
-                // One pass for the CRC and the absmax (fused per chunk), one to convert.
                 let v = self.view(t);
                 let x = typed::<f32>(&v);
-                let (crc, absmax) = convert::crc32_and_absmax_f32(v.bytes(), &x);
-                self.check_crc(t, crc)?;
-                let mut q = Tensor::zeros(DType::F16, &t.shape)?;
-                let absmax =
-                    absmax.ok_or_else(|| conv(convert::ScaleError::NonFinite.to_string()))?;
-                let (s, r) = convert::scale_for(absmax).map_err(|e| conv(e.to_string()))?;
-                convert::f32_mul_to_f16(&x, r, q.as_mut_slice()?);
+                let mut q = Tensor::for_overwrite(DType::F16, &t.shape, pool)?;
+                let s = match t.absmax {
+                    // One pass: CRC and conversion per chunk, the absmax recorded at save
+                    // time checked against the data on the way.
+                    Some(recorded) => {
+                        let (s, r) =
+                            convert::scale_for(recorded).map_err(|e| conv(e.to_string()))?;
+                        let (crc, bits) = convert::crc32_f32_mul_to_f16(&x, r, q.as_mut_slice()?);
+                        self.check_crc(t, crc)?;
+                        if bits != recorded.to_bits() {
+                            return Err(Error::AbsmaxMismatch {
+                                tensor: t.name.clone(),
+                                shard: t.shard,
+                                file: self.shards()[t.shard].file.clone(),
+                                recorded,
+                                actual: f32::from_bits(bits),
+                            });
+                        }
+                        s
+                    }
+                    // No absmax recorded (older or foreign checkpoints, non-finite data):
+                    // one pass for the CRC and the absmax, one to convert.
+                    None => {
+                        let (crc, absmax) = convert::crc32_and_absmax_f32(v.bytes(), &x);
+                        self.check_crc(t, crc)?;
+                        let absmax = absmax
+                            .ok_or_else(|| conv(convert::ScaleError::NonFinite.to_string()))?;
+                        let (s, r) = convert::scale_for(absmax).map_err(|e| conv(e.to_string()))?;
+                        convert::f32_mul_to_f16(&x, r, q.as_mut_slice()?);
+                        s
+                    }
+                };
                 Ok(StateValue::F16Scaled {
                     q,
                     scale: Tensor::scalar_f32(s).reshaped(sh.dims()),
                 })
             }
             (Source::Plain(t), target) => {
+                if !t.dtype.is_float() {
+                    return Err(conv(format!("the stored {} state is not floating-point and cannot be loaded as {target:?}", t.dtype)));
+                }
+                match (target, t.dtype) {
+                    (Target::F32, DType::F32) | (Target::BF16, DType::BF16) => {
+                        return Ok(StateValue::Plain(self.copy_checked(t, pool)?));
+                    }
+                    (Target::BF16, DType::F32) => {
+                        let v = self.view(t);
+                        let mut out = Tensor::for_overwrite(DType::BF16, &t.shape, pool)?;
+                        let crc =
+                            convert::crc32_f32_to_bf16(&typed::<f32>(&v), out.as_mut_slice()?);
+                        self.check_crc(t, crc)?;
+                        return Ok(StateValue::Plain(out));
+                    }
+                    _ => {}
+                }
                 let v = self.checked_view(t)?;
                 let shape = v.shape();
-                if !v.dtype().is_float() {
-                    return Err(conv(format!("the stored {} state is not floating-point and cannot be loaded as {target:?}", v.dtype())));
-                }
                 match target {
-                    Target::F32 if v.dtype() == DType::F32 => {
-                        Ok(StateValue::Plain(copy_tensor(&v)?))
-                    }
-                    Target::BF16 if v.dtype() == DType::BF16 => {
-                        Ok(StateValue::Plain(copy_tensor(&v)?))
-                    }
                     Target::F32 => {
-                        let mut out = Tensor::zeros(DType::F32, shape)?;
+                        let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
                         widen_to_f32(&v, out.as_mut_slice()?);
                         Ok(StateValue::Plain(out))
                     }
                     Target::BF16 => {
-                        let mut out = Tensor::zeros(DType::BF16, shape)?;
+                        let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
                         match v.dtype() {
                             DType::F64 => {
                                 for (o, &x) in out
@@ -359,13 +425,6 @@ fn unreachable_as_stored<T>() -> Result<T> {
     Err(Error::InvalidArgument(
         "internal: AsStored handled above".into(),
     ))
-}
-
-/// A fresh copy of a view (parallel for large tensors).
-fn copy_tensor(v: &TensorView<'_>) -> Result<Tensor> {
-    let mut t = Tensor::zeros(v.dtype(), v.shape())?;
-    convert::copy_bytes(v.bytes(), t.bytes_mut());
-    Ok(t)
 }
 
 /// The view's elements as `T`: borrowed when aligned (always, for ckptstore shards),

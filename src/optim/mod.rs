@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 pub use load::{ScaleShape, StateLayout, Target};
-pub use tensor::Tensor;
+pub use tensor::{BufferPool, PoolStats, Tensor};
 
 use crate::dtype::{checked_numel, DType};
 use crate::error::{Error, Result};

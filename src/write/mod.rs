@@ -620,7 +620,7 @@ fn commit<F: Fs>(
     }
 
     // 1. Write shards to temporary files, fsync, rename to their final names.
-    let written: Vec<(ShardEntry, Vec<u32>)> = shards
+    let written: Vec<(ShardEntry, Vec<(u32, Option<f32>)>)> = shards
         .par_iter()
         .enumerate()
         .map(|(i, s)| write_shard(fs, dir, &id, i, s, &headers[i], opts))
@@ -653,7 +653,7 @@ fn commit<F: Fs>(
     let mut by_name: BTreeMap<&str, TensorInfo> = BTreeMap::new();
     for (si, (s, (entry, crcs))) in shards.iter().zip(written).enumerate() {
         let ds = 8 + entry.header_size;
-        for (e, crc) in s.entries.iter().zip(crcs) {
+        for (e, (crc, absmax)) in s.entries.iter().zip(crcs) {
             by_name.insert(
                 e.name.as_str(),
                 TensorInfo {
@@ -663,6 +663,7 @@ fn commit<F: Fs>(
                     shape: e.shape.clone(),
                     offsets: [ds + e.data_offsets[0], ds + e.data_offsets[1]],
                     crc32: Some(crc),
+                    absmax,
                 },
             );
         }
@@ -740,7 +741,7 @@ fn write_shard<F: Fs>(
     s: &PlannedShard<'_, '_>,
     head: &[u8],
     opts: &SaveOptions,
-) -> Result<(ShardEntry, Vec<u32>)> {
+) -> Result<(ShardEntry, Vec<(u32, Option<f32>)>)> {
     let header_size = head.len() as u64 - 8;
     let header_crc32 = crc32fast::hash(&head[8..]);
     let name = shard_file_name(id, index);
@@ -752,8 +753,16 @@ fn write_shard<F: Fs>(
     let mut crcs = Vec::with_capacity(s.tensors.len());
     for t in &s.tensors {
         let mut h = crc32fast::Hasher::new();
+        // The absmax of F32 tensors rides along with the CRC while the chunk is in cache
+        // (format-spec/manifest.md §Tensors); a chunk boundary inside an element would
+        // skip that element, so chunks are whole elements (CHUNK is a multiple of 8).
+        let f32_tensor = t.dtype == DType::F32;
+        let mut absbits = 0u32;
         t.for_each_chunk(&mut |chunk| {
             h.update(chunk);
+            if f32_tensor {
+                absbits = absbits.max(crate::convert::absbits_le_bytes(chunk));
+            }
             f.write_all(chunk)?;
             size += chunk.len() as u64;
             if let Some(p) = &opts.progress {
@@ -762,7 +771,12 @@ fn write_shard<F: Fs>(
             Ok(())
         })
         .map_err(io)?;
-        crcs.push(h.finalize());
+        let absmax = if f32_tensor {
+            crate::convert::absmax_from_bits(absbits)
+        } else {
+            None
+        };
+        crcs.push((h.finalize(), absmax));
     }
     fs.sync(&mut f, &tmp)
         .map_err(|e| Error::io("fsync", &tmp, e))?;

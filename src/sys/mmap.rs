@@ -1,5 +1,4 @@
-//! The only module with `unsafe`: read-only memory maps of shard files.
-#![allow(unsafe_code)]
+//! Read-only memory maps of shard files.
 
 use std::fs::File;
 use std::path::Path;
