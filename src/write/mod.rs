@@ -620,7 +620,7 @@ fn commit<F: Fs>(
     }
 
     // 1. Write shards to temporary files, fsync, rename to their final names.
-    let written: Vec<(ShardEntry, Vec<(u32, Option<f32>)>)> = shards
+    let written: Vec<(ShardEntry, Vec<TensorSums>)> = shards
         .par_iter()
         .enumerate()
         .map(|(i, s)| write_shard(fs, dir, &id, i, s, &headers[i], opts))
@@ -723,6 +723,10 @@ fn commit<F: Fs>(
     })
 }
 
+/// What the writer learns about each tensor as its bytes pass through: the CRC32 and,
+/// for F32 tensors with finite values, the absmax.
+type TensorSums = (u32, Option<f32>);
+
 /// The header bytes of planned shard `index` (format-spec/shard.md §Layout).
 fn shard_header(id: &str, index: usize, s: &PlannedShard<'_, '_>) -> Vec<u8> {
     let meta: BTreeMap<String, String> = [
@@ -741,7 +745,7 @@ fn write_shard<F: Fs>(
     s: &PlannedShard<'_, '_>,
     head: &[u8],
     opts: &SaveOptions,
-) -> Result<(ShardEntry, Vec<(u32, Option<f32>)>)> {
+) -> Result<(ShardEntry, Vec<TensorSums>)> {
     let header_size = head.len() as u64 - 8;
     let header_crc32 = crc32fast::hash(&head[8..]);
     let name = shard_file_name(id, index);
