@@ -7,6 +7,10 @@ use ckptstore::{save, Checkpoint, Error, SaveOptions, TensorRef};
 
 const MANIFEST: &str = "ckpt-manifest.json";
 
+#[path = "common/manifest_edit.rs"]
+mod manifest_edit;
+use manifest_edit::rewrite_manifest;
+
 fn small_checkpoint(dir: &Path) {
     let a: Vec<f32> = (0..6).map(|i| i as f32).collect();
     let b: Vec<i64> = vec![7, -8];
@@ -151,23 +155,6 @@ fn missing_shard_names_the_file() {
         }
         other => panic!("{other:?}"),
     }
-}
-
-/// Rewrite the manifest through `edit`, recomputing its CRC trailer (a consistent but
-/// hostile manifest).
-fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
-    let p = dir.join(MANIFEST);
-    let bytes = std::fs::read(&p).unwrap();
-    let mut v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
-    v.as_object_mut().unwrap().remove("manifest_crc32");
-    edit(&mut v);
-    // Encoded from the JSON value itself (so edits the Manifest type would refuse survive),
-    // with the trailer of format-spec/manifest.md §Trailer.
-    let mut body = serde_json::to_vec(&v).unwrap();
-    body.pop();
-    let crc = crc32fast::hash(&body);
-    body.extend_from_slice(format!(",\"manifest_crc32\":\"{crc:08x}\"}}\n").as_bytes());
-    std::fs::write(&p, body).unwrap();
 }
 
 #[test]

@@ -562,6 +562,112 @@ mod tests {
         assert_eq!(crc32_and_absmax_f32(&[], &[]), (0, Some(0.0)));
     }
 
+    /// The scalar formula `f16(x * r)`, element by element, as FP16 bits.
+    fn formula(x: &[f32], r: f32) -> Vec<u16> {
+        x.iter().map(|&v| f16::from_f32(v * r).to_bits()).collect()
+    }
+
+    fn check_mul_paths(x: &[f32], r: f32) -> Result<(), TestCaseError> {
+        let want = formula(x, r);
+        let mut simd = vec![f16::ZERO; x.len()];
+        let mut port = vec![f16::ZERO; x.len()];
+        f32_mul_to_f16(x, r, &mut simd);
+        f32_mul_to_f16_portable(x, r, &mut port);
+        let (crc, bits) = crc32_f32_mul_to_f16(x, r, &mut vec![f16::ZERO; x.len()]);
+        prop_assert_eq!(crc, crc32fast::hash(bytemuck::cast_slice(x)));
+        prop_assert_eq!(bits, chunk_absbits(x));
+        for (i, &w) in want.iter().enumerate() {
+            let (a, b) = (simd[i].to_bits(), port[i].to_bits());
+            if x[i].is_nan() || (x[i] * r).is_nan() {
+                // NaN stays NaN on both paths (payloads may differ).
+                prop_assert!(simd[i].is_nan() && port[i].is_nan());
+            } else {
+                prop_assert_eq!(a, w, "simd, x = {:e}, r = {:e}", x[i], r);
+                prop_assert_eq!(b, w, "portable, x = {:e}, r = {:e}", x[i], r);
+            }
+        }
+        Ok(())
+    }
+
+    fn any_scale() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            any::<f32>().prop_filter("finite", |r| r.is_finite()),
+            Just(0.0f32),
+            Just(1.0f32),
+            1e-3f32..1e9,
+            prop::sample::select(vec![32752.0f32 / 65504.0, 2.0f32.powi(24), 1e-30, 3.4e38]),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn simd_and_portable_scaled_kernels_match_the_formula(
+            x in prop::collection::vec(
+                prop_oneof![any_f32(), prop::sample::select(vec![f32::NAN, f32::INFINITY, -f32::INFINITY])],
+                0..200,
+            ),
+            r in any_scale(),
+        ) {
+            check_mul_paths(&x, r)?;
+        }
+    }
+
+    #[test]
+    fn scaled_kernels_cover_every_fp16_rounding_boundary() {
+        // Every FP16 value's neighbourhood: exact codes, the ties around each one (round to
+        // even), subnormal codes, the overflow threshold 65520 and just below it.
+        let mut x = Vec::new();
+        for h in 0..=0x7bffu16 {
+            let v = f16::from_bits(h).to_f32();
+            let next = f16::from_bits(h + 1).to_f32();
+            let mid = (v as f64 + next as f64) / 2.0;
+            for y in [
+                v,
+                mid as f32,
+                f32::from_bits((mid as f32).to_bits() + 1),
+                -v,
+            ] {
+                x.push(y);
+            }
+        }
+        x.extend([
+            65519.0,
+            65520.0,
+            65536.0,
+            1e-8,
+            -6e-8,
+            3e-8,
+            f32::MIN_POSITIVE,
+        ]);
+        for r in [1.0f32, 0.5, 1.0 / 3.0, 3.0e-5] {
+            check_mul_paths(&x, r).unwrap();
+        }
+    }
+
+    #[test]
+    fn fused_loaders_equal_separate_passes() {
+        let x: Vec<f32> = (0..(3 * FUSED_CHUNK + 13))
+            .map(|i| ((i as f32) * 0.37).sin() * 7.0)
+            .collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&x);
+        let mut b1 = vec![bf16::ZERO; x.len()];
+        let mut b2 = vec![bf16::ZERO; x.len()];
+        assert_eq!(crc32_f32_to_bf16(&x, &mut b1), crc32fast::hash(bytes));
+        f32_to_bf16(&x, &mut b2);
+        assert_eq!(b1, b2);
+        let mut c = vec![0u8; bytes.len()];
+        assert_eq!(crc32_copy(bytes, &mut c), crc32fast::hash(bytes));
+        assert_eq!(c, bytes);
+        assert_eq!(crc32_copy(&[], &mut []), 0);
+        assert_eq!(crc32_f32_to_bf16(&[], &mut []), 0);
+        assert_eq!(crc32_f32_mul_to_f16(&[], 1.0, &mut []), (0, 0));
+        // absmax over unaligned little-endian bytes equals the typed absmax.
+        let mut shifted = vec![0u8; bytes.len() + 1];
+        shifted[1..].copy_from_slice(bytes);
+        assert_eq!(absmax_f32_le_bytes(&shifted[1..]), absmax_f32(&x));
+        assert_eq!(absmax_f32_le_bytes(bytes), absmax_f32(&x));
+    }
+
     #[test]
     fn f64_to_bf16_is_correctly_rounded() {
         // 1 + 2^-8 + 2^-40 is just above the tie between 1 and 1 + 2^-7: must round up.
