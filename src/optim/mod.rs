@@ -364,6 +364,25 @@ impl OptimizerState {
         *self = new;
         Ok(())
     }
+
+    /// [`OptimizerState::restore_from`], with destination buffers from `pool` (see
+    /// [`BufferPool`]). The replaced state's tensors give their buffers to `pool` if they
+    /// came from it, so a loop that restores repeatedly through one pool stops paying for
+    /// fresh pages after the first restore.
+    ///
+    /// # Errors
+    /// As [`OptimizerState::restore_from`]; on error `self` is unchanged, bit for bit.
+    pub fn restore_from_with<B: AsRef<[u8]> + Sync>(
+        &mut self,
+        ckpt: &crate::Checkpoint<B>,
+        layout: &StateLayout,
+        pool: &BufferPool,
+    ) -> Result<()> {
+        let new = ckpt.load_optimizer_with(layout, pool)?;
+        check_compatible(self, &new)?;
+        *self = new;
+        Ok(())
+    }
 }
 
 fn check_compatible(live: &OptimizerState, new: &OptimizerState) -> Result<()> {
