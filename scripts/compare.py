@@ -2,10 +2,14 @@
 """Same workload through torch, safetensors and ckptstore, in one run (issue 5).
 
 FP32 optimizer state (default 1 GiB in 64 tensors), hot page cache:
-  torch:        torch.save + fsync;  torch.load(mmap=True) + TE-style FP16 scaling
+  torch:        torch.save + fsync;  torch.load(mmap=True) + TE-style FP16 scaling, + a BF16
+                cast, + a clone (F32 copy)
   safetensors:  save_file + fsync;   load_file + the same scaling
   ckptstore:    `ckpt bench --json` (save, open, verify, loads into F16-scaled / BF16 / F32,
-                each with CRC checks, beside its own same-run baselines)
+                each with CRC checks, through a warm BufferPool and into fresh memory, beside
+                its own same-run baselines)
+Every measurement is the best of --reps repetitions, so torch reuses the memory its allocator
+(glibc malloc) got back from the previous repetition, as ckptstore's pooled loads do.
 TE-style scaling per tensor: s = absmax / 32752; q = fp16(x * (1/s)) (0 when s == 0).
 
 Usage: .venv/bin/python scripts/compare.py [--size-mib 1024] [--tensors 64] [--ckpt target/release/ckpt]
@@ -71,6 +75,14 @@ def main():
             sd = torch.load(tp, mmap=True)
             return [te_scale(t) for t in sd.values()]
 
+        def torch_load_bf16():
+            sd = torch.load(tp, mmap=True)
+            return [t.to(torch.bfloat16) for t in sd.values()]
+
+        def torch_load_copy():
+            sd = torch.load(tp, mmap=True)
+            return [t.clone() for t in sd.values()]
+
         def st_save():
             save_file(arrays, sp)
             fsync(sp)
@@ -81,6 +93,8 @@ def main():
 
         rows.append(("torch.save + fsync", gib / best(a.reps, torch_save)))
         rows.append(("torch.load(mmap) + FP16 scaling", gib / best(a.reps, torch_load_scale)))
+        rows.append(("torch.load(mmap) + BF16 cast", gib / best(a.reps, torch_load_bf16)))
+        rows.append(("torch.load(mmap) + clone (F32)", gib / best(a.reps, torch_load_copy)))
         rows.append(("safetensors save_file + fsync", gib / best(a.reps, st_save)))
         rows.append(("safetensors load_file + FP16 scaling", gib / best(a.reps, st_load_scale)))
         out = subprocess.run(
@@ -90,20 +104,28 @@ def main():
         b = json.loads(out.stdout)
     rows += [
         ("ckptstore save (fsync, commit)", b["save_gibps"]),
-        ("ckptstore load -> F16-scaled (CRC)", b["load_f16_scaled_gibps"]),
-        ("ckptstore load -> BF16 (CRC)", b["load_bf16_gibps"]),
-        ("ckptstore load -> F32 (CRC)", b["load_f32_gibps"]),
+        ("ckptstore load -> F16-scaled (CRC, pooled)", b["load_f16_scaled_gibps"]),
+        ("ckptstore load -> BF16 (CRC, pooled)", b["load_bf16_gibps"]),
+        ("ckptstore load -> F32 (CRC, pooled)", b["load_f32_gibps"]),
+        ("ckptstore load -> F16-scaled (CRC, fresh)", b["load_f16_scaled_fresh_gibps"]),
+        ("ckptstore load -> BF16 (CRC, fresh)", b["load_bf16_fresh_gibps"]),
+        ("ckptstore load -> F32 (CRC, fresh)", b["load_f32_fresh_gibps"]),
         ("ckptstore verify", b["verify_gibps"]),
     ]
     base = dict(rows)
     print(f"{gib:.2f} GiB of FP32 state in {a.tensors} tensors, best of {a.reps}, one run")
-    print(f"{'path':<40} {'GiB/s':>8}")
+    print(f"{'path':<44} {'GiB/s':>8}")
     for name, v in rows:
-        print(f"{name:<40} {v:>8.2f}")
+        print(f"{name:<44} {v:>8.2f}")
     print()
+    t16, tb, t32 = (base[k] for k in ("torch.load(mmap) + FP16 scaling", "torch.load(mmap) + BF16 cast", "torch.load(mmap) + clone (F32)"))
     print("ratios (same run):")
-    print(f"  ckptstore load F16-scaled / torch.load(mmap)+scaling: {b['load_f16_scaled_gibps'] / base['torch.load(mmap) + FP16 scaling']:.2f}")
+    print(f"  ckptstore load F16-scaled / torch.load(mmap)+scaling: {b['load_f16_scaled_gibps'] / t16:.2f} pooled, {b['load_f16_scaled_fresh_gibps'] / t16:.2f} fresh")
+    print(f"  ckptstore load BF16 / torch.load(mmap)+BF16 cast:     {b['load_bf16_gibps'] / tb:.2f} pooled, {b['load_bf16_fresh_gibps'] / tb:.2f} fresh")
+    print(f"  ckptstore load F32 / torch.load(mmap)+clone:          {b['load_f32_gibps'] / t32:.2f} pooled, {b['load_f32_fresh_gibps'] / t32:.2f} fresh")
     print(f"  ckptstore load F16-scaled / plain f32->f16 kernel:    {b['load_f16_scaled_ratio']:.2f}")
+    print(f"  ckptstore load BF16 / plain f32->bf16 kernel:         {b['load_bf16_ratio']:.2f}")
+    print(f"  ckptstore load F32 / memcpy:                          {b['load_f32_ratio']:.2f}")
     print(f"  ckptstore save / raw write+fsync:                     {b['save_ratio']:.2f}")
     print(f"  ckptstore save / safetensors save_file+fsync:         {b['save_gibps'] / base['safetensors save_file + fsync']:.2f}")
     print(f"  ckptstore verify / crc32fast:                         {b['verify_ratio']:.2f}")
