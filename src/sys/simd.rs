@@ -10,8 +10,8 @@
 //! where both produce a NaN (payloads may differ; the loader refuses NaN for scaling).
 //! Property tests in `crate::convert` check both paths on random and edge-case inputs.
 
-use half::f16;
 use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 
 /// Bits of `|x|` for an FP32 value: for finite values the integer order of these bits is
 /// the numeric order of `|x|`, and every infinity or NaN is `>= 0x7f80_0000`.
@@ -38,6 +38,39 @@ pub(crate) fn f32_mul_to_f16_absbits(
         return unsafe { x86::f32_mul_to_f16_absbits_avx2(src, r, dst) };
     }
     portable(src, r, dst)
+}
+
+/// `dst[i] = bf16(src[i])`, round to nearest even; a NaN keeps its sign and top payload
+/// bits and is made quiet (as `half::bf16::from_f32`).
+///
+/// The loop is branch-free integer arithmetic that the compiler vectorizes; on x86-64 it is
+/// compiled twice, for the baseline (SSE2) and for AVX2, and the AVX2 copy runs where the CPU
+/// has it. Both copies are the same source, so they compute the same bits.
+///
+/// # Panics
+/// If `src.len() != dst.len()` (a caller bug).
+pub(crate) fn f32_to_bf16(src: &[f32], dst: &mut [bf16], force_portable: bool) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if !force_portable && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of this
+        // `#[target_feature]` function; it reads and writes through safe slices only.
+        unsafe { x86::f32_to_bf16_avx2(src, dst) };
+        return;
+    }
+    f32_to_bf16_loop(src, dst);
+}
+
+/// The branch-free FP32 -> BF16 loop (see [`f32_to_bf16`]).
+#[inline(always)]
+fn f32_to_bf16_loop(src: &[f32], dst: &mut [bf16]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        let b = x.to_bits();
+        let nan = (b & ABS_MASK) > 0x7f80_0000;
+        let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+        let quiet = (b >> 16) | 0x0040;
+        *d = bf16::from_bits(if nan { quiet } else { rounded } as u16);
+    }
 }
 
 /// Whether the fast path is available on this CPU.
@@ -76,8 +109,17 @@ fn portable(src: &[f32], r: f32, dst: &mut [f16]) -> u32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::ABS_MASK;
-    use half::f16;
+    use half::{bf16, f16};
     use std::arch::x86_64::*;
+
+    /// [`super::f32_to_bf16_loop`] compiled for AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn f32_to_bf16_avx2(src: &[f32], dst: &mut [bf16]) {
+        super::f32_to_bf16_loop(src, dst);
+    }
 
     /// AVX2 + F16C: eight elements per step, the tail through the same scalar formula.
     ///
