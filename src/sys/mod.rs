@@ -1,7 +1,9 @@
-//! The only module with `unsafe`: read-only memory maps of shard files ([`mmap`]) and the
-//! runtime-dispatched SIMD conversion kernel ([`simd`]). Every block carries a `// SAFETY:`
-//! comment; the rest of the crate denies `unsafe_code`.
+//! The only module with `unsafe`: read-only memory maps of shard files ([`mmap`]), the
+//! runtime-dispatched SIMD conversion kernels ([`simd`]) and one write-back hint system
+//! call ([`io`]). Every block carries a `// SAFETY:` comment; the rest of the crate denies
+//! `unsafe_code`.
 #![allow(unsafe_code)]
 
+pub(crate) mod io;
 pub mod mmap;
 pub(crate) mod simd;

@@ -24,6 +24,12 @@ pub trait Fs: Sync {
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// List the names of the entries of a directory.
     fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    /// A hint that `[offset, offset + len)` of `file` is written and can start going to the
+    /// device (write-back), ahead of the [`Fs::sync`] that makes it durable. It promises
+    /// nothing and must not fail; the default does nothing.
+    fn start_writeback(&self, file: &mut Self::File, offset: u64, len: u64) {
+        let _ = (file, offset, len);
+    }
 }
 
 /// The real file system.
@@ -51,6 +57,10 @@ impl Fs for StdFs {
 
     fn remove(&self, path: &Path) -> io::Result<()> {
         std::fs::remove_file(path)
+    }
+
+    fn start_writeback(&self, file: &mut File, offset: u64, len: u64) {
+        crate::sys::io::start_writeback(file, offset, len);
     }
 
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {

@@ -33,6 +33,8 @@ pub const LOCK_FILE: &str = ".ckpt-lock";
 pub const DEFAULT_MAX_SHARD_SIZE: u64 = 4 << 30;
 /// Size of the chunks in which data is checksummed and written.
 const CHUNK: usize = 8 << 20;
+/// Bytes written between two write-back hints ([`fs::Fs::start_writeback`]).
+const WRITEBACK_BYTES: u64 = 8 << 20;
 
 /// The name of shard `index` of checkpoint `id` (format-spec/durability.md §Names).
 pub fn shard_file_name(id: &str, index: usize) -> String {
@@ -754,6 +756,7 @@ fn write_shard<F: Fs>(
     let io = |e| Error::io("write", &tmp, e);
     f.write_all(head).map_err(io)?;
     let mut size = head.len() as u64;
+    let mut written_back = 0u64;
     let mut crcs = Vec::with_capacity(s.tensors.len());
     for t in &s.tensors {
         let mut h = crc32fast::Hasher::new();
@@ -769,6 +772,13 @@ fn write_shard<F: Fs>(
             }
             f.write_all(chunk)?;
             size += chunk.len() as u64;
+            // Let the device work while the next chunks are checksummed and copied, in
+            // large requests; the fsync below still makes it all durable
+            // (format-spec/durability.md §Operations).
+            if size - written_back >= WRITEBACK_BYTES {
+                fs.start_writeback(&mut f, written_back, size - written_back);
+                written_back = size;
+            }
             if let Some(p) = &opts.progress {
                 p(chunk.len() as u64);
             }
