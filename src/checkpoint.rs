@@ -11,7 +11,9 @@ use crate::crc::crc32_parallel;
 use crate::error::{Error, Result};
 use crate::format::header;
 pub use crate::format::manifest::TensorInfo;
-use crate::format::manifest::{self, check_file_name, DecodeError, Manifest, MANIFEST_FILE};
+use crate::format::manifest::{
+    self, check_file_name, DecodeError, Manifest, NameIndex, MANIFEST_FILE,
+};
 use crate::mmap::Map;
 use crate::view::TensorView;
 
@@ -157,7 +159,7 @@ impl Checkpoint<Map> {
 
     fn open_native(root: &Path, manifest_path: &Path) -> Result<Self> {
         let bytes = read_capped(manifest_path, crate::format::MAX_MANIFEST_SIZE)?;
-        let m = decode_manifest(&bytes, MANIFEST_FILE)?;
+        let (m, by_name) = decode_manifest(&bytes, MANIFEST_FILE)?;
         let shards = m
             .shards
             .par_iter()
@@ -184,7 +186,7 @@ impl Checkpoint<Map> {
                 Ok(Shard { file: s.file.clone(), bytes: Map::open(&file, &p)? })
             })
             .collect::<Result<Vec<_>>>()?;
-        Checkpoint::build_native(root.to_path_buf(), m, shards)
+        Checkpoint::build_native(root.to_path_buf(), m, by_name, shards)
     }
 
     fn open_hf(root: &Path, index_path: &Path) -> Result<Self> {
@@ -273,8 +275,9 @@ fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
     Ok(v)
 }
 
-pub(crate) fn decode_manifest(bytes: &[u8], file: &str) -> Result<Manifest> {
-    manifest::decode(bytes).map_err(|e| match e {
+/// Decode and validate a manifest, with the name index validation built.
+pub(crate) fn decode_manifest(bytes: &[u8], file: &str) -> Result<(Manifest, NameIndex)> {
+    manifest::decode_indexed(bytes).map_err(|e| match e {
         DecodeError::Checksum { expected, got } => Error::ChecksumMismatch {
             what: "manifest".into(),
             shard: 0,
@@ -354,7 +357,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// As [`Checkpoint::open`]; [`Error::InvalidArgument`] if the number of shards differs
     /// from the manifest's.
     pub fn from_parts(manifest_bytes: &[u8], shards: Vec<B>) -> Result<Self> {
-        let m = decode_manifest(manifest_bytes, MANIFEST_FILE)?;
+        let (m, by_name) = decode_manifest(manifest_bytes, MANIFEST_FILE)?;
         if shards.len() != m.shards.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} shard buffers given for a manifest of {} shards",
@@ -371,10 +374,16 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 bytes,
             })
             .collect();
-        Self::build_native(PathBuf::new(), m, shards)
+        Self::build_native(PathBuf::new(), m, by_name, shards)
     }
 
-    fn build_native(root: PathBuf, m: Manifest, shards: Vec<Shard<B>>) -> Result<Self> {
+    /// `by_name` indexes `m.tensors` (built by validation, which refuses a repeated name).
+    fn build_native(
+        root: PathBuf,
+        m: Manifest,
+        by_name: NameIndex,
+        shards: Vec<Shard<B>>,
+    ) -> Result<Self> {
         // Cheap per-shard checks (format-spec/integrity.md §Open): exact size, the header
         // length prefix, and the CRC of the header bytes. A header whose CRC matches is the
         // one written together with this manifest, so it need not be parsed again here;
@@ -430,12 +439,6 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 reason: "the manifest places no tensor in this shard".into(),
             });
         }
-        let by_name = NameIndex::build(&m.tensors).map_err(|i| {
-            Error::manifest(
-                MANIFEST_FILE,
-                format!("tensor {:?} is listed twice", m.tensors[i].name),
-            )
-        })?;
         Ok(Checkpoint {
             root,
             kind: Kind::Native,
@@ -731,46 +734,5 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// Total bytes of tensor data.
     pub fn data_bytes(&self) -> u64 {
         self.tensors().iter().map(TensorInfo::nbytes).sum()
-    }
-}
-
-/// A hash index from tensor name to position, storing only `u32` positions: the names stay
-/// in the tensor list.
-#[derive(Debug, Default)]
-struct NameIndex {
-    table: hashbrown::HashTable<u32>,
-    hasher: foldhash::fast::RandomState,
-}
-
-impl NameIndex {
-    /// Index `tensors`; on a repeated name, returns the position of the second occurrence.
-    fn build(tensors: &[TensorInfo]) -> Result<NameIndex, usize> {
-        use std::hash::BuildHasher;
-        let mut ix = NameIndex {
-            table: hashbrown::HashTable::with_capacity(tensors.len()),
-            ..Default::default()
-        };
-        for (i, t) in tensors.iter().enumerate() {
-            let h = ix.hasher.hash_one(t.name.as_str());
-            match ix.table.entry(
-                h,
-                |&j| tensors[j as usize].name == t.name,
-                |&j| ix.hasher.hash_one(tensors[j as usize].name.as_str()),
-            ) {
-                hashbrown::hash_table::Entry::Occupied(_) => return Err(i),
-                hashbrown::hash_table::Entry::Vacant(v) => {
-                    v.insert(i as u32);
-                }
-            }
-        }
-        Ok(ix)
-    }
-
-    fn get<'t>(&self, tensors: &'t [TensorInfo], name: &str) -> Option<&'t TensorInfo> {
-        use std::hash::BuildHasher;
-        let h = self.hasher.hash_one(name);
-        self.table
-            .find(h, |&j| tensors[j as usize].name == name)
-            .map(|&j| &tensors[j as usize])
     }
 }

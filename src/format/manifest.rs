@@ -219,6 +219,12 @@ pub enum DecodeError {
 /// # Panics
 /// Never, for any input.
 pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
+    decode_indexed(bytes).map(|(m, _)| m)
+}
+
+/// [`decode`], also returning the index of the tensor names that validation built (to
+/// find duplicates), so that [`crate::Checkpoint`] need not hash every name again.
+pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), DecodeError> {
     use DecodeError::Invalid;
     if bytes.len() as u64 > MAX_MANIFEST_SIZE {
         return Err(Invalid(format!(
@@ -252,48 +258,23 @@ pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
     if body.first() != Some(&b'{') {
         return Err(Invalid("does not start with '{'".into()));
     }
-    // One full parse. Only if it fails, peek at format and version, so that another
-    // version gets its own error even if its fields have changed shape.
-    #[derive(Deserialize)]
-    struct Head {
-        format: String,
-        version: u64,
-        #[serde(default)]
-        features: Vec<String>,
+    let m = parse(bytes)?;
+    if m.format != FORMAT_NAME {
+        return Err(Invalid(format!(
+            "format is {:?}, expected {FORMAT_NAME:?}",
+            m.format
+        )));
     }
-    let check_head = |head: &Head| -> Result<(), DecodeError> {
-        if head.format != FORMAT_NAME {
-            return Err(Invalid(format!(
-                "format is {:?}, expected {FORMAT_NAME:?}",
-                head.format
-            )));
-        }
-        if head.version != VERSION {
-            return Err(DecodeError::Version(head.version));
-        }
-        if let Some(f) = head
-            .features
-            .iter()
-            .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
-        {
-            return Err(DecodeError::Feature(f.clone()));
-        }
-        Ok(())
-    };
-    let m: Manifest = match serde_json::from_slice(bytes) {
-        Ok(m) => m,
-        Err(e) => {
-            let head: Head =
-                serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
-            check_head(&head)?;
-            return Err(Invalid(format!("JSON: {e}")));
-        }
-    };
-    check_head(&Head {
-        format: m.format.clone(),
-        version: m.version,
-        features: m.features.clone(),
-    })?;
+    if m.version != VERSION {
+        return Err(DecodeError::Version(m.version));
+    }
+    if let Some(f) = m
+        .features
+        .iter()
+        .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
+    {
+        return Err(DecodeError::Feature(f.clone()));
+    }
     let mut seen = std::collections::HashSet::new();
     if let Some(f) = m.features.iter().find(|f| !seen.insert(f.as_str())) {
         return Err(Invalid(format!("feature {f:?} is listed twice")));
@@ -303,8 +284,614 @@ pub fn decode(bytes: &[u8]) -> Result<Manifest, DecodeError> {
             "the \"optimizer\" feature and the optimizer section must come together".into(),
         ));
     }
-    validate(&m).map_err(Invalid)?;
-    Ok(m)
+    let names = validate(&m).map_err(Invalid)?;
+    Ok((m, names))
+}
+
+/// Parse the whole file (R6-R10; format, version and features are checked by the caller).
+///
+/// The common case, a manifest in the compact form writers emit, takes [`fast::parse`];
+/// whatever that does not handle goes through serde_json, which then decides alone, so
+/// the result and every error are serde_json's.
+fn parse(bytes: &[u8]) -> Result<Manifest, DecodeError> {
+    use DecodeError::Invalid;
+    if let Some(m) = fast::parse(bytes) {
+        return Ok(m);
+    }
+    // One full parse. Only if it fails, peek at format and version, so that another
+    // version gets its own error even if its fields have changed shape.
+    #[derive(Deserialize)]
+    struct Head {
+        format: String,
+        version: u64,
+        #[serde(default)]
+        features: Vec<String>,
+    }
+    match serde_json::from_slice(bytes) {
+        Ok(m) => Ok(m),
+        Err(e) => {
+            let head: Head =
+                serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
+            if head.format != FORMAT_NAME {
+                return Err(Invalid(format!(
+                    "format is {:?}, expected {FORMAT_NAME:?}",
+                    head.format
+                )));
+            }
+            if head.version != VERSION {
+                return Err(DecodeError::Version(head.version));
+            }
+            if let Some(f) = head
+                .features
+                .into_iter()
+                .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
+            {
+                return Err(DecodeError::Feature(f));
+            }
+            Err(Invalid(format!("JSON: {e}")))
+        }
+    }
+}
+
+/// A hand-written parser for the manifests writers produce, several times faster than
+/// serde_json's derived deserializers on large tensor lists.
+///
+/// It accepts a strict subset of what serde_json accepts into a [`Manifest`] and returns
+/// exactly the value serde_json would: strings without escapes or control characters
+/// (after one UTF-8 check of the whole file), non-negative integers without leading
+/// zeros, fraction or exponent, within the field's range; each known member at most once;
+/// every required member present. Anything else (an escape, a duplicate member, a number
+/// out of range, a struct written as an array, deep nesting, bad syntax, ...) returns
+/// `None` and the caller parses again with serde_json, which decides. `metadata`,
+/// `optimizer` and unknown members are located here and handed to serde_json.
+mod fast {
+    use super::{empty_object, Manifest, OptimizerSection, ShardEntry, TensorInfo};
+    use crate::dtype::DType;
+
+    /// Deepest nesting handed to serde_json as one member's value. serde_json refuses
+    /// more than 128 levels in the whole file; staying far below keeps a member that
+    /// parses alone from hiding a file too deep to parse whole.
+    const MAX_DEPTH: u32 = 64;
+
+    pub(super) fn parse(bytes: &[u8]) -> Option<Manifest> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut p = Parser {
+            text,
+            b: bytes,
+            i: 0,
+            shape: Vec::new(),
+        };
+        let m = p.manifest()?;
+        p.ws();
+        (p.i == bytes.len()).then_some(m)
+    }
+
+    /// Position of the first `"`, `\\` or control character (< 0x20) in `s`, eight bytes
+    /// at a time.
+    fn special(s: &[u8]) -> Option<usize> {
+        const ONES: u64 = u64::from_le_bytes([1; 8]);
+        const HIGH: u64 = ONES << 7;
+        let is_special = |c: &u8| *c == b'"' || *c == b'\\' || *c < 0x20;
+        let mut chunks = s.chunks_exact(8);
+        let mut off = 0;
+        for c in &mut chunks {
+            let w = u64::from_le_bytes(<[u8; 8]>::try_from(c).ok()?);
+            let q = w ^ (ONES * u64::from(b'"'));
+            let bs = w ^ (ONES * u64::from(b'\\'));
+            // Nonzero exactly when some byte is zero (q, bs) or below 0x20 (w).
+            let hit = (q.wrapping_sub(ONES) & !q)
+                | (bs.wrapping_sub(ONES) & !bs)
+                | (w.wrapping_sub(ONES * 0x20) & !w);
+            if hit & HIGH != 0 {
+                if let Some(p) = c.iter().position(is_special) {
+                    return Some(off + p);
+                }
+            }
+            off += 8;
+        }
+        chunks
+            .remainder()
+            .iter()
+            .position(is_special)
+            .map(|p| off + p)
+    }
+
+    /// The value `m / 10^frac` of a JSON number without sign or exponent, whose digits
+    /// make the integer `m`, when `m <= 2^53` and `frac <= 22`: both are exact in
+    /// binary64, so one IEEE division rounds correctly, as the general parse does
+    /// (Clinger's fast path). `None` otherwise.
+    fn exact_f64(m: u64, frac: usize) -> Option<f64> {
+        const POW10: [f64; 23] = [
+            1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+            1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+        ];
+        if m > 1 << 53 {
+            return None;
+        }
+        Some(m as f64 / POW10.get(frac)?)
+    }
+
+    /// [`DType::from_name`], the most common names first.
+    fn dtype_named(name: &str) -> Option<DType> {
+        match name.as_bytes() {
+            [b'F', b'3', b'2'] => Some(DType::F32),
+            [b'B', b'F', b'1', b'6'] => Some(DType::BF16),
+            [b'F', b'1', b'6'] => Some(DType::F16),
+            _ => DType::from_name(name),
+        }
+    }
+
+    /// The leading decimal digits of `s`: their value and count; `None` if the value
+    /// exceeds `u64::MAX`. Eight digits at a time while eight bytes remain.
+    #[inline]
+    pub(super) fn uint(s: &[u8]) -> Option<(u64, usize)> {
+        const ZEROS: u64 = u64::from_le_bytes([b'0'; 8]);
+        const SIXES: u64 = u64::from_le_bytes([6; 8]);
+        const HIGH_NIBBLES: u64 = u64::from_le_bytes([0xf0; 8]);
+        const POW10: [u64; 8] = [1, 10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000];
+        let mut v = 0u64;
+        let mut n = 0usize;
+        while let Some(c) = s.get(n..n + 8) {
+            // Byte values 0..=9 where the input has a digit.
+            let x = u64::from_le_bytes(<[u8; 8]>::try_from(c).ok()?) ^ ZEROS;
+            // A high nibble is set in every byte that is not a digit; a carry only
+            // disturbs bytes after the first such byte, which are not counted.
+            let non_digit = (x | x.wrapping_add(SIXES)) & HIGH_NIBBLES;
+            let k = (non_digit.trailing_zeros() / 8) as usize;
+            if n + k > 19 {
+                break; // may overflow: finish digit by digit, checked
+            }
+            if k > 0 {
+                // The k digits in the top bytes, zeros (leading zeros) below.
+                let top = x << (8 * (8 - k));
+                // v < 10^n with n + k <= 19: cannot overflow (checked all the same).
+                let scale = POW10.get(k).copied().unwrap_or(100_000_000);
+                v = v.checked_mul(scale)?.checked_add(eight_digits(top))?;
+                n += k;
+            }
+            if k < 8 {
+                return Some((v, n));
+            }
+        }
+        for &c in s.get(n..)? {
+            if !c.is_ascii_digit() {
+                break;
+            }
+            v = v.checked_mul(10)?.checked_add(u64::from(c - b'0'))?;
+            n += 1;
+        }
+        Some((v, n))
+    }
+
+    /// The value of eight decimal digits, given as byte values 0..=9 in a little-endian
+    /// word, the most significant first (the SWAR reduction of simdjson).
+    fn eight_digits(x: u64) -> u64 {
+        let x = x.wrapping_mul(10).wrapping_add(x >> 8);
+        let lo = (x & 0x0000_00ff_0000_00ff).wrapping_mul(100 + (1_000_000 << 32));
+        let hi = ((x >> 16) & 0x0000_00ff_0000_00ff).wrapping_mul(1 + (10_000 << 32));
+        lo.wrapping_add(hi) >> 32
+    }
+
+    /// Store the first value of a member; a second one makes serde_json refuse the file
+    /// ("duplicate field").
+    fn once<T>(slot: &mut Option<T>, v: T) -> Option<()> {
+        if slot.is_some() {
+            return None;
+        }
+        *slot = Some(v);
+        Some(())
+    }
+
+    struct Parser<'a> {
+        text: &'a str,
+        b: &'a [u8],
+        i: usize,
+        /// Scratch for one tensor's shape, so each shape gets one exact allocation.
+        shape: Vec<u64>,
+    }
+
+    impl<'a> Parser<'a> {
+        /// Skip JSON whitespace (as serde_json: space, tab, LF, CR).
+        fn ws(&mut self) {
+            while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.b.get(self.i) {
+                self.i += 1;
+            }
+        }
+
+        fn peek(&mut self) -> Option<u8> {
+            self.ws();
+            self.b.get(self.i).copied()
+        }
+
+        fn expect(&mut self, c: u8) -> Option<()> {
+            if self.peek()? != c {
+                return None;
+            }
+            self.i += 1;
+            Some(())
+        }
+
+        /// The members of an object, `{` included: `f` parses each member's value.
+        fn members(&mut self, mut f: impl FnMut(&mut Self, &'a str) -> Option<()>) -> Option<()> {
+            self.expect(b'{')?;
+            if self.peek()? == b'}' {
+                self.i += 1;
+                return Some(());
+            }
+            loop {
+                let key = self.string()?;
+                self.expect(b':')?;
+                f(self, key)?;
+                match self.peek()? {
+                    b',' => self.i += 1,
+                    b'}' => {
+                        self.i += 1;
+                        return Some(());
+                    }
+                    _ => return None,
+                }
+            }
+        }
+
+        /// The elements of an array, `[` included: `f` parses each element.
+        fn elements(&mut self, mut f: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+            self.expect(b'[')?;
+            if self.peek()? == b']' {
+                self.i += 1;
+                return Some(());
+            }
+            loop {
+                f(self)?;
+                match self.peek()? {
+                    b',' => self.i += 1,
+                    b']' => {
+                        self.i += 1;
+                        return Some(());
+                    }
+                    _ => return None,
+                }
+            }
+        }
+
+        /// A string without escapes or control characters.
+        fn string(&mut self) -> Option<&'a str> {
+            if self.peek()? != b'"' {
+                return None;
+            }
+            let start = self.i + 1;
+            let end = start + special(self.b.get(start..)?)?;
+            if self.b.get(end) != Some(&b'"') {
+                return None;
+            }
+            self.i = end + 1;
+            // Both ends are ASCII quotes, so char boundaries of the checked text.
+            self.text.get(start..end)
+        }
+
+        /// `lit` exactly, next (no whitespace skipped).
+        fn lit<const N: usize>(&mut self, lit: &[u8; N]) -> Option<()> {
+            let next = self.b.get(self.i..self.i.checked_add(N)?)?;
+            if <[u8; N]>::try_from(next).ok()? != *lit {
+                return None;
+            }
+            self.i += N;
+            Some(())
+        }
+
+        /// A non-negative integer that fits a `u64`, as serde_json accepts for one.
+        #[inline]
+        fn u64(&mut self) -> Option<u64> {
+            self.ws();
+            let start = self.i;
+            let (v, n) = uint(self.b.get(start..)?)?;
+            // No leading zero (serde_json refuses one).
+            if n == 0 || (n > 1 && self.b.get(start) == Some(&b'0')) {
+                return None;
+            }
+            self.i += n;
+            if let Some(b'.' | b'e' | b'E') = self.b.get(self.i) {
+                return None;
+            }
+            Some(v)
+        }
+
+        fn u32(&mut self) -> Option<u32> {
+            u32::try_from(self.u64()?).ok()
+        }
+
+        /// `null`, consumed if it is next.
+        fn null(&mut self) -> bool {
+            self.ws();
+            let is = self.b.get(self.i..self.i + 4) == Some(b"null");
+            if is {
+                self.i += 4;
+            }
+            is
+        }
+
+        /// `absmax`: what `de_absmax` accepts. The JSON number grammar without a sign (a
+        /// negative value is refused anyway), short enough that the correctly rounded
+        /// parses of std and of serde_json (`float_roundtrip`) agree by construction.
+        fn absmax(&mut self) -> Option<f32> {
+            self.ws();
+            let start = self.i;
+            // The digits as one integer `m` (None past u64), and the fraction's length.
+            let (mut m, int) = self.digit_run();
+            if int == 0 || (int > 1 && self.b.get(start) == Some(&b'0')) {
+                return None;
+            }
+            let mut frac = 0;
+            if self.b.get(self.i) == Some(&b'.') {
+                self.i += 1;
+                let (f, n) = self.digit_run();
+                if n == 0 {
+                    return None;
+                }
+                frac = n;
+                m = (|| {
+                    m?.checked_mul(10u64.checked_pow(u32::try_from(n).ok()?)?)?
+                        .checked_add(f?)
+                })();
+            }
+            let mut has_exp = false;
+            if let Some(b'e' | b'E') = self.b.get(self.i) {
+                self.i += 1;
+                if let Some(b'+' | b'-') = self.b.get(self.i) {
+                    self.i += 1;
+                }
+                if self.digit_run().1 == 0 {
+                    return None;
+                }
+                has_exp = true;
+            }
+            let text = self.text.get(start..self.i)?;
+            if text.len() > 32 {
+                return None;
+            }
+            let exact = m.filter(|_| !has_exp).and_then(|m| exact_f64(m, frac));
+            let x = exact.or_else(|| text.parse::<f64>().ok())?;
+            let f = x as f32;
+            (f64::from(f) == x && f.is_finite() && !f.is_sign_negative()).then_some(f)
+        }
+
+        /// A run of digits, consumed: its value (None past `u64::MAX`) and length.
+        fn digit_run(&mut self) -> (Option<u64>, usize) {
+            let rest = self.b.get(self.i..).unwrap_or_default();
+            let (v, n) = match uint(rest) {
+                Some((v, n)) => (Some(v), n),
+                None => (None, rest.iter().take_while(|c| c.is_ascii_digit()).count()),
+            };
+            self.i += n;
+            (v, n)
+        }
+
+        /// The extent of any one value, for serde_json to parse: brackets counted outside
+        /// strings, escapes skipped. Only valid JSON makes serde_json accept the extent,
+        /// and for valid JSON the extent is exact.
+        fn value_extent(&mut self) -> Option<&'a [u8]> {
+            self.ws();
+            let start = self.i;
+            let mut depth = 0u32;
+            loop {
+                let c = *self.b.get(self.i)?;
+                match c {
+                    b'"' => {
+                        self.i += 1;
+                        loop {
+                            match *self.b.get(self.i)? {
+                                b'\\' => self.i += 2,
+                                b'"' => break,
+                                _ => self.i += 1,
+                            }
+                        }
+                        self.i += 1;
+                    }
+                    b'{' | b'[' => {
+                        depth += 1;
+                        if depth > MAX_DEPTH {
+                            return None;
+                        }
+                        self.i += 1;
+                    }
+                    b'}' | b']' if depth == 0 => break,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        self.i += 1;
+                    }
+                    b',' | b' ' | b'\t' | b'\n' | b'\r' if depth == 0 => break,
+                    _ => self.i += 1,
+                }
+                if depth == 0 && matches!(c, b'"' | b'}' | b']') {
+                    break;
+                }
+            }
+            self.b.get(start..self.i)
+        }
+
+        /// A value of any type, parsed by serde_json alone.
+        fn serde<T: serde::de::DeserializeOwned>(&mut self) -> Option<T> {
+            serde_json::from_slice(self.value_extent()?).ok()
+        }
+
+        /// The value of a member serde would ignore: it must still be valid JSON.
+        fn ignored(&mut self) -> Option<()> {
+            if self.peek()? == b'"' {
+                return self.string().map(drop);
+            }
+            self.serde::<serde::de::IgnoredAny>().map(drop)
+        }
+
+        fn manifest(&mut self) -> Option<Manifest> {
+            let mut format = None;
+            let mut version = None;
+            let mut features = None;
+            let mut checkpoint_id = None;
+            let mut shards = None;
+            let mut tensors = None;
+            let mut metadata = None;
+            let mut optimizer: Option<Option<OptimizerSection>> = None;
+            self.members(|p, key| match key {
+                "format" => once(&mut format, p.string()?),
+                "version" => once(&mut version, p.u64()?),
+                "features" => {
+                    let mut v = Vec::new();
+                    p.elements(|p| {
+                        v.push(p.string()?.to_owned());
+                        Some(())
+                    })?;
+                    once(&mut features, v)
+                }
+                "checkpoint_id" => once(&mut checkpoint_id, p.string()?),
+                "shards" => {
+                    let mut v = Vec::new();
+                    p.elements(|p| {
+                        v.push(p.shard()?);
+                        Some(())
+                    })?;
+                    once(&mut shards, v)
+                }
+                "tensors" => {
+                    let mut v = Vec::new();
+                    p.elements(|p| {
+                        let start = p.i;
+                        let t = match p.compact_tensor() {
+                            Some(t) => t,
+                            None => {
+                                p.i = start;
+                                p.tensor()?
+                            }
+                        };
+                        v.push(t);
+                        Some(())
+                    })?;
+                    once(&mut tensors, v)
+                }
+                "metadata" => once(&mut metadata, p.serde()?),
+                "optimizer" => once(&mut optimizer, p.serde()?),
+                _ => p.ignored(),
+            })?;
+            Some(Manifest {
+                format: format?.to_owned(),
+                version: version?,
+                features: features.unwrap_or_default(),
+                checkpoint_id: checkpoint_id?.to_owned(),
+                shards: shards?,
+                tensors: tensors?,
+                metadata: metadata.unwrap_or_else(empty_object),
+                optimizer: optimizer.flatten(),
+            })
+        }
+
+        fn shard(&mut self) -> Option<ShardEntry> {
+            let mut file = None;
+            let mut size = None;
+            let mut header_size = None;
+            let mut header_crc32 = None;
+            self.members(|p, key| match key {
+                "file" => once(&mut file, p.string()?),
+                "size" => once(&mut size, p.u64()?),
+                "header_size" => once(&mut header_size, p.u64()?),
+                "header_crc32" => once(&mut header_crc32, p.u32()?),
+                _ => p.ignored(),
+            })?;
+            Some(ShardEntry {
+                file: file?.to_owned(),
+                size: size?,
+                header_size: header_size?,
+                header_crc32: header_crc32?,
+            })
+        }
+
+        /// A shape: an array of `u64`, allocated once at its exact length.
+        fn shape(&mut self) -> Option<Vec<u64>> {
+            let mut dims = std::mem::take(&mut self.shape);
+            dims.clear();
+            let r = self.elements(|p| {
+                dims.push(p.u64()?);
+                Some(())
+            });
+            let v = dims.as_slice().to_vec();
+            self.shape = dims;
+            r.map(|()| v)
+        }
+
+        /// A tensor entry exactly as ckptstore writes it: compact, members in their
+        /// order, `crc32` a number. A strict subset of [`Parser::tensor`]'s input, for
+        /// which it gives the same value; on `None` the caller rewinds and uses that.
+        fn compact_tensor(&mut self) -> Option<TensorInfo> {
+            self.lit(b"{\"name\":")?;
+            let name = self.string()?;
+            self.lit(b",\"shard\":")?;
+            let shard = usize::try_from(self.u64()?).ok()?;
+            self.lit(b",\"dtype\":")?;
+            let dtype = dtype_named(self.string()?)?;
+            self.lit(b",\"shape\":")?;
+            let shape = self.shape()?;
+            self.lit(b",\"offsets\":[")?;
+            let begin = self.u64()?;
+            self.lit(b",")?;
+            let end = self.u64()?;
+            self.lit(b"],\"crc32\":")?;
+            let crc32 = self.u32()?;
+            let absmax = match self.lit(b",\"absmax\":") {
+                Some(()) => Some(self.absmax()?),
+                None => None,
+            };
+            self.lit(b"}")?;
+            Some(TensorInfo {
+                name: name.to_owned(),
+                shard,
+                dtype,
+                shape,
+                offsets: [begin, end],
+                crc32: Some(crc32),
+                absmax,
+            })
+        }
+
+        fn tensor(&mut self) -> Option<TensorInfo> {
+            let mut name = None;
+            let mut shard = None;
+            let mut dtype = None;
+            let mut shape = None;
+            let mut offsets = None;
+            let mut crc32: Option<Option<u32>> = None;
+            let mut absmax: Option<Option<f32>> = None;
+            self.members(|p, key| match key {
+                "name" => once(&mut name, p.string()?),
+                "shard" => once(&mut shard, usize::try_from(p.u64()?).ok()?),
+                "dtype" => once(&mut dtype, dtype_named(p.string()?)?),
+                "shape" => {
+                    let v = p.shape()?;
+                    once(&mut shape, v)
+                }
+                "offsets" => {
+                    p.expect(b'[')?;
+                    let b = p.u64()?;
+                    p.expect(b',')?;
+                    let e = p.u64()?;
+                    p.expect(b']')?;
+                    once(&mut offsets, [b, e])
+                }
+                "crc32" => {
+                    let v = if p.null() { None } else { Some(p.u32()?) };
+                    once(&mut crc32, v)
+                }
+                // `de_absmax` refuses null: only a number.
+                "absmax" => once(&mut absmax, Some(p.absmax()?)),
+                _ => p.ignored(),
+            })?;
+            Some(TensorInfo {
+                name: name?.to_owned(),
+                shard: shard?,
+                dtype: dtype?,
+                shape: shape?,
+                offsets: offsets?,
+                crc32: crc32.flatten(),
+                absmax: absmax.flatten(),
+            })
+        }
+    }
 }
 
 /// A shard file name must be a plain file name (format-spec/manifest.md §Shard files).
@@ -325,7 +912,7 @@ pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
     }
 }
 
-fn validate(m: &Manifest) -> Result<(), String> {
+fn validate(m: &Manifest) -> Result<NameIndex, String> {
     if m.checkpoint_id.len() != 32
         || !m
             .checkpoint_id
@@ -369,13 +956,15 @@ fn validate(m: &Manifest) -> Result<(), String> {
             ));
         }
     }
-    let mut names: foldhash::HashSet<&str> =
-        foldhash::HashSet::with_capacity_and_hasher(m.tensors.len(), Default::default());
-    // Per shard: (begin, end, tensor index) for the overlap check.
-    let mut ranges: Vec<Vec<(u64, u64, usize)>> = vec![Vec::new(); m.shards.len()];
+    let mut names = NameIndex::with_capacity(m.tensors.len());
+    // The overlap check (M13). Per shard, the end of the last range in manifest order:
+    // while each range begins at or after it, the ranges come sorted by (begin, end) and
+    // do not overlap. Only if that fails somewhere are the ranges sorted (below).
+    let mut last_end = vec![0u64; m.shards.len()];
+    let mut in_order = true;
     for (i, t) in m.tensors.iter().enumerate() {
         check_tensor_name(&t.name).map_err(|e| format!("tensor {i}: {e}"))?;
-        if !names.insert(t.name.as_str()) {
+        if !names.insert(&m.tensors, i) {
             return Err(format!("tensor {:?} is listed twice", t.name));
         }
         let shard = m.shards.get(t.shard).ok_or_else(|| {
@@ -413,15 +1002,33 @@ fn validate(m: &Manifest) -> Result<(), String> {
                 t.name, t.shape, shard.size, t.shard
             ));
         }
-        if b % dtype.size() as u64 != 0 {
+        let size = dtype.size() as u64;
+        // Element sizes are powers of two, whose remainder is a mask (no division).
+        let misaligned = if size.is_power_of_two() {
+            b & (size - 1) != 0
+        } else {
+            !b.is_multiple_of(size)
+        };
+        if misaligned {
             return Err(format!(
                 "tensor {:?}: offset {b} is not a multiple of its {}-byte element size",
                 t.name,
                 dtype.size()
             ));
         }
+        if let Some(last) = last_end.get_mut(t.shard) {
+            in_order &= b >= *last;
+            *last = e;
+        }
+    }
+    if in_order {
+        return Ok(names);
+    }
+    // Per shard: (begin, end, tensor index), sorted, for the overlap check.
+    let mut ranges: Vec<Vec<(u64, u64, usize)>> = vec![Vec::new(); m.shards.len()];
+    for (i, t) in m.tensors.iter().enumerate() {
         if let Some(r) = ranges.get_mut(t.shard) {
-            r.push((b, e, i));
+            r.push((t.offsets[0], t.offsets[1], i));
         }
     }
     for (s, r) in ranges.iter_mut().enumerate() {
@@ -435,7 +1042,65 @@ fn validate(m: &Manifest) -> Result<(), String> {
             }
         }
     }
-    Ok(())
+    Ok(names)
+}
+
+/// A hash index from tensor name to position, storing only `u32` positions: the names stay
+/// in the tensor list (at most [`MAX_TENSORS`] < 2^32 entries).
+#[derive(Debug, Default)]
+pub(crate) struct NameIndex {
+    table: hashbrown::HashTable<u32>,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl NameIndex {
+    fn with_capacity(n: usize) -> NameIndex {
+        NameIndex {
+            table: hashbrown::HashTable::with_capacity(n),
+            ..Default::default()
+        }
+    }
+
+    /// Index `tensors`; on a repeated name, returns the position of the second occurrence.
+    pub(crate) fn build(tensors: &[TensorInfo]) -> Result<NameIndex, usize> {
+        let mut ix = NameIndex::with_capacity(tensors.len());
+        match (0..tensors.len()).find(|&i| !ix.insert(tensors, i)) {
+            Some(i) => Err(i),
+            None => Ok(ix),
+        }
+    }
+
+    /// Add `tensors[i]` (whose predecessors were added in order); false if its name is
+    /// already there.
+    fn insert(&mut self, tensors: &[TensorInfo], i: usize) -> bool {
+        use std::hash::BuildHasher;
+        let (Some(t), Ok(pos)) = (tensors.get(i), u32::try_from(i)) else {
+            return false;
+        };
+        let hasher = &self.hasher;
+        let name = |j: &u32| tensors.get(*j as usize).map(|t| t.name.as_str());
+        match self.table.entry(
+            hasher.hash_one(t.name.as_str()),
+            |j| name(j) == Some(t.name.as_str()),
+            |j| hasher.hash_one(name(j).unwrap_or_default()),
+        ) {
+            hashbrown::hash_table::Entry::Occupied(_) => false,
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(pos);
+                true
+            }
+        }
+    }
+
+    /// The tensor named `name`, in the list this index was built over.
+    pub(crate) fn get<'t>(&self, tensors: &'t [TensorInfo], name: &str) -> Option<&'t TensorInfo> {
+        use std::hash::BuildHasher;
+        self.table
+            .find(self.hasher.hash_one(name), |&j| {
+                tensors.get(j as usize).is_some_and(|t| t.name == name)
+            })
+            .and_then(|&j| tensors.get(j as usize))
+    }
 }
 
 #[cfg(test)]
@@ -538,5 +1203,258 @@ mod tests {
         let mut m = sample();
         m.features = vec!["ranks".into()];
         assert!(matches!(decode(&encode(&m)), Err(DecodeError::Feature(f)) if f == "ranks"));
+    }
+
+    /// A manifest using every member: features, absmax, an optimizer section, nested
+    /// metadata, a non-ASCII tensor name.
+    fn full_sample() -> Manifest {
+        let mut m = sample();
+        m.features = vec!["optimizer".into()];
+        m.tensors[0].absmax = Some(0.75);
+        m.tensors[1].name = "é.b".into();
+        m.metadata = serde_json::json!({"step": 3, "nested": {"a": [1, 2.5, null, "x\"y"]}});
+        m.optimizer = Some(OptimizerSection {
+            groups: vec![GroupEntry {
+                params: vec!["a".into()],
+                hyper: serde_json::json!({"lr": 1e-3, "betas": [0.9, 0.999]}),
+            }],
+            params: vec![ParamEntry {
+                name: "a".into(),
+                shape: vec![2],
+                state: vec![StateEntry {
+                    name: "exp_avg".into(),
+                    tensor: "a".into(),
+                    encoding: Encoding::F16Scaled,
+                    scale: Some("b".into()),
+                }],
+            }],
+        });
+        m
+    }
+
+    /// What the fast path accepts, serde_json accepts with the same value. Returns
+    /// whether the fast path accepted.
+    fn agrees(bytes: &[u8]) -> bool {
+        let Some(fast) = fast::parse(bytes) else {
+            return false;
+        };
+        match serde_json::from_slice::<Manifest>(bytes) {
+            Ok(slow) => assert_eq!(fast, slow, "{}", String::from_utf8_lossy(bytes)),
+            Err(e) => panic!(
+                "fast path accepted what serde_json refuses ({e}): {}",
+                String::from_utf8_lossy(bytes)
+            ),
+        }
+        true
+    }
+
+    #[test]
+    fn fast_path_takes_what_writers_write() {
+        for m in [sample(), full_sample()] {
+            let bytes = encode(&m);
+            assert_eq!(fast::parse(&bytes).as_ref(), Some(&m));
+            assert!(agrees(&bytes));
+            // Indented, and members in reverse order: still the fast path's.
+            let pretty = serde_json::to_vec_pretty(&m).unwrap();
+            assert!(agrees(&pretty));
+            let v = serde_json::to_value(&m).unwrap();
+            let mut rev = serde_json::Map::new();
+            for (k, v) in v.as_object().unwrap().iter().rev() {
+                let v = match v.as_array() {
+                    Some(a) => a
+                        .iter()
+                        .map(|e| match e.as_object() {
+                            Some(o) => {
+                                serde_json::Value::Object(o.clone().into_iter().rev().collect())
+                            }
+                            None => e.clone(),
+                        })
+                        .collect(),
+                    None => v.clone(),
+                };
+                rev.insert(k.clone(), v);
+            }
+            let rev = serde_json::to_vec(&rev).unwrap();
+            assert!(agrees(&rev), "{}", String::from_utf8_lossy(&rev));
+        }
+    }
+
+    #[test]
+    fn fast_path_agrees_with_serde_on_every_small_edit() {
+        let interesting: &[u8] = b"\"\\0019-+.eE {}[],:nul\x00\x1f\x7f\x80\xc3\xff";
+        let mut accepted = 0;
+        let mut total = 0;
+        for m in [sample(), full_sample()] {
+            let base = encode(&m);
+            for p in 0..=base.len() {
+                let mut variants = Vec::new();
+                if p < base.len() {
+                    let mut d = base.clone();
+                    d.remove(p);
+                    variants.push(d);
+                    for &c in interesting {
+                        let mut r = base.clone();
+                        r[p] = c;
+                        variants.push(r);
+                    }
+                }
+                for &c in b" \"0,\\}" {
+                    let mut ins = base.clone();
+                    ins.insert(p, c);
+                    variants.push(ins);
+                }
+                for v in variants {
+                    total += 1;
+                    accepted += usize::from(agrees(&v));
+                }
+            }
+        }
+        // Not vacuous: many edits (digits changed, whitespace) stay on the fast path.
+        assert!(accepted > total / 50, "{accepted} of {total}");
+    }
+
+    #[test]
+    fn fast_path_agrees_with_serde_on_hostile_members() {
+        let head = r#"{"format":"ckptstore","version":1,"checkpoint_id":"0123456789abcdef0123456789abcdef","shards":[{"file":"s0","size":84,"header_size":64,"header_crc32":7}],"tensors":["#;
+        let tail = r#"],"metadata":{},"manifest_crc32":"00000000"}"#;
+        let tensor = |members: &str| format!(r#"{head}{{{members}}}{tail}"#);
+        let ok = r#""name":"a","shard":0,"dtype":"F32","shape":[2],"offsets":[72,80],"crc32":1"#;
+        let mut cases: Vec<String> = vec![tensor(ok)];
+        for (from, to) in [
+            (r#""crc32":1"#, r#""crc32":null"#),
+            (r#""crc32":1"#, r#""crc32":4294967295"#),
+            (r#""crc32":1"#, r#""crc32":4294967296"#),
+            (r#""crc32":1"#, r#""crc32":-1"#),
+            (r#""crc32":1"#, r#""crc32":1.0"#),
+            (r#""crc32":1"#, r#""crc32":1e0"#),
+            (r#""crc32":1"#, r#""crc32":01"#),
+            (r#""crc32":1"#, r#""crc32":"1""#),
+            (r#""crc32":1"#, r#""crc32":1,"crc32":1"#),
+            (r#""crc32":1"#, r#""crc32":1,"absmax":null"#),
+            (r#""crc32":1"#, r#""crc32":1,"x":{"y":[1,{"z":"\"]}"}]}"#),
+            (r#""crc32":1"#, r#""crc32":1,"x":nul"#),
+            (r#""crc32":1"#, r#""crc32":1,"x":[1,]"#),
+            (r#""crc32":1"#, r#""crc32":1,"x":"\u0041""#),
+            (r#""crc32":1"#, r#""crc32":1,"#),
+            (r#""crc32":1"#, ""),
+            (r#""shard":0"#, r#""shard":18446744073709551615"#),
+            (r#""shard":0"#, r#""shard":18446744073709551616"#),
+            (r#""shard":0"#, r#""shard":99999999999999999999"#),
+            (r#""shard":0"#, r#""shard":00000000000000000000000"#),
+            (r#""shard":0"#, r#""shard":-0"#),
+            (r#""offsets":[72,80]"#, r#""offsets":[72,80,88]"#),
+            (r#""offsets":[72,80]"#, r#""offsets":[72]"#),
+            (r#""offsets":[72,80]"#, r#""offsets":[ 72 , 80 ]"#),
+            (r#""shape":[2]"#, r#""shape":[]"#),
+            (r#""shape":[2]"#, r#""shape":[1,2,3,4,5,6,7,8,9,10,11,12]"#),
+            (r#""shape":[2]"#, r#""shape":[2,]"#),
+            (r#""shape":[2]"#, r#""shape":null"#),
+            (r#""dtype":"F32""#, r#""dtype":"F8_E4M3""#),
+            (r#""dtype":"F32""#, r#""dtype":"BOOL""#),
+            (r#""dtype":"F32""#, r#""dtype":"F\u0033\u0032""#),
+            (r#""name":"a""#, r#""name":"a\"b""#),
+            (r#""name":"a""#, r#""name":"a\u0000""#),
+            (r#""name":"a""#, r#""name":"tab	x""#),
+            (r#""name":"a""#, r#""name":"€𝄞""#),
+            (r#""name":"a""#, r#""name":"a","name":"b""#),
+            (r#""name":"a""#, r#""na\u006de":"a""#),
+            (r#""name":"a","#, ""),
+        ] {
+            cases.push(tensor(&ok.replace(from, to)));
+        }
+        // A struct written as an array, which serde_json also accepts.
+        cases.push(format!(r#"{head}["a",0,"F32",[2],[72,80],1]{tail}"#));
+        // absmax: accepted values as serde_json writes them, and everything else.
+        let mut absmax: Vec<String> = "0 0.0 -0.0 -0 5 1E0 1e-3 0.5 0.1 1.5e-3 3.0e38 \
+            3.4028234663852886e38 3.5e38 1e400 1e-400 1. .5 01.5 0.5e 0.5e+ 1e+2 null \"1\" \
+            16777217 16777216 9007199254740993 0.000000000000000000000000000000000000000000001 \
+            1.00000000000000000000000000000000001"
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..3000 {
+            let f = f32::from_bits(next() as u32);
+            absmax.push(serde_json::to_string(&f64::from(f)).unwrap_or_default());
+            // Random decimals, some exact in FP32, most not.
+            let digits = |n: u64, next: &mut dyn FnMut() -> u64| -> String {
+                (0..n)
+                    .map(|_| char::from(b'0' + (next() % 10) as u8))
+                    .collect()
+            };
+            let r = next();
+            let mut t = digits(1 + r % 12, &mut next);
+            if r & 1 << 8 != 0 {
+                t = format!("{t}.{}", digits(1 + (r >> 9) % 22, &mut next));
+            }
+            if r & 1 << 16 != 0 {
+                t = format!(
+                    "{t}e{}{}",
+                    ["", "+", "-"][(r >> 17) as usize % 3],
+                    (r >> 20) % 60
+                );
+            }
+            absmax.push(t);
+        }
+        let fp32 = ok.replace(r#""crc32":1"#, r#""crc32":1,"absmax":X"#);
+        let mut accepted = 0;
+        for a in &absmax {
+            let doc = tensor(&fp32.replace('X', a));
+            accepted += usize::from(agrees(doc.as_bytes()));
+        }
+        assert!(accepted > 1000, "{accepted}");
+        // Nesting around the limits of serde_json (128) and of the fast path (64).
+        for depth in [63, 64, 65, 126, 127, 128, 129] {
+            let nested = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+            cases.push(format!(
+                r#"{head}{{{ok}}}],"metadata":{{"x":{nested}}},"manifest_crc32":"00000000"}}"#
+            ));
+            cases.push(format!(r#"{head}{{{ok},"x":{nested}}}{tail}"#));
+        }
+        let mut accepted = 0;
+        for c in &cases {
+            accepted += usize::from(agrees(c.as_bytes()));
+        }
+        assert!(accepted > 10, "{accepted}");
+    }
+
+    #[test]
+    fn uint_matches_a_digit_loop() {
+        let naive = |s: &[u8]| -> Option<(u64, usize)> {
+            let n = s.iter().take_while(|c| c.is_ascii_digit()).count();
+            let v = s[..n].iter().try_fold(0u64, |v, &c| {
+                v.checked_mul(10)?.checked_add(u64::from(c - b'0'))
+            })?;
+            Some((v, n))
+        };
+        let mut seed = 12345u64;
+        for len in 0..26 {
+            for _ in 0..200 {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let mut s: Vec<u8> = (0..len)
+                    .map(|k| b'0' + ((seed >> (k % 16 * 4)) % 10) as u8)
+                    .collect();
+                if seed & 1 == 0 {
+                    s.push([b',', b']', b'}', b'/', b':', b' ', b'.'][(seed >> 40) as usize % 7]);
+                    s.extend_from_slice(b"123456789");
+                }
+                assert_eq!(fast::uint(&s), naive(&s), "{}", String::from_utf8_lossy(&s));
+            }
+        }
+        for s in [
+            "18446744073709551615",
+            "18446744073709551616",
+            "99999999999999999999",
+        ] {
+            assert_eq!(fast::uint(s.as_bytes()), naive(s.as_bytes()), "{s}");
+        }
     }
 }
