@@ -52,9 +52,10 @@ const ABS_MASK: u32 = 0x7fff_ffff;
 /// The smallest `|x|` bit pattern that is not finite (+infinity).
 pub const NON_FINITE_BITS: u32 = 0x7f80_0000;
 
-/// Maximum of `x.to_bits() & 0x7fff_ffff` over one slice (vectorizes to integer max).
+/// Maximum of `x.to_bits() & 0x7fff_ffff` over one slice (vectorized integer max, AVX2
+/// where the CPU has it).
 fn chunk_absbits(c: &[f32]) -> u32 {
-    c.iter().fold(0u32, |m, v| m.max(v.to_bits() & ABS_MASK))
+    crate::sys::simd::absbits(c)
 }
 
 /// The absmax for a maximum of `|x|` bits: `None` if it is an infinity or NaN.
@@ -98,7 +99,7 @@ pub fn absbits_le_bytes(bytes: &[u8]) -> u32 {
     }
     let tail = &bytes[head.len() + body.len() * 4..];
     slow(head)
-        .max(body.iter().fold(0u32, |m, &b| m.max(b & ABS_MASK)))
+        .max(chunk_absbits(bytemuck::cast_slice(body)))
         .max(slow(tail))
 }
 

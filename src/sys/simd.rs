@@ -61,6 +61,27 @@ pub(crate) fn f32_to_bf16(src: &[f32], dst: &mut [bf16], force_portable: bool) {
     f32_to_bf16_loop(src, dst);
 }
 
+/// The maximum of `x.to_bits() & ABS_MASK` over `x` (0 for an empty slice): the absmax
+/// bits of finite data, `>= 0x7f80_0000` if any element is infinite or NaN.
+///
+/// An integer max that the compiler vectorizes; compiled twice on x86-64 like
+/// [`f32_to_bf16`], because the baseline target (SSE2) has no unsigned 32-bit max and the
+/// emulation costs a third of a fused CRC pass.
+pub(crate) fn absbits(x: &[f32]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of this
+        // `#[target_feature]` function; it only reads through a safe slice.
+        return unsafe { x86::absbits_avx2(x) };
+    }
+    absbits_loop(x)
+}
+
+#[inline(always)]
+fn absbits_loop(x: &[f32]) -> u32 {
+    x.iter().fold(0u32, |m, v| m.max(v.to_bits() & ABS_MASK))
+}
+
 /// The branch-free FP32 -> BF16 loop (see [`f32_to_bf16`]).
 #[inline(always)]
 fn f32_to_bf16_loop(src: &[f32], dst: &mut [bf16]) {
@@ -111,6 +132,15 @@ mod x86 {
     use super::ABS_MASK;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
+
+    /// [`super::absbits_loop`] compiled for AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn absbits_avx2(x: &[f32]) -> u32 {
+        super::absbits_loop(x)
+    }
 
     /// [`super::f32_to_bf16_loop`] compiled for AVX2.
     ///
