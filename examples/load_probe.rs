@@ -7,9 +7,9 @@ fn main() -> ckptstore::Result<()> {
     let mut args = std::env::args().skip(1);
     let dir = args.next().unwrap_or_else(|| "bench-ckpt".into());
     let reps: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
-    let layout = ckptstore::optim::StateLayout::with_default(
-        ckptstore::optim::Target::F16Scaled(ckptstore::optim::ScaleShape::One),
-    );
+    let layout = ckptstore::optim::StateLayout::with_default(ckptstore::optim::Target::F16Scaled(
+        ckptstore::optim::ScaleShape::One,
+    ));
     let pool = ckptstore::optim::BufferPool::new(usize::MAX);
     let bytes: u64 = ckptstore::Checkpoint::open(&dir)?
         .tensors()
@@ -24,7 +24,9 @@ fn main() -> ckptstore::Result<()> {
         let fresh = t.elapsed().as_secs_f64();
         let ck = ckptstore::Checkpoint::open(&dir)?;
         let t = std::time::Instant::now();
-        drop(std::hint::black_box(ck.load_optimizer_with(&layout, &pool)?));
+        drop(std::hint::black_box(
+            ck.load_optimizer_with(&layout, &pool)?,
+        ));
         let pooled = t.elapsed().as_secs_f64();
         println!(
             "new map: fresh {:.3} s ({:.2} GiB/s), pooled {:.3} s ({:.2} GiB/s)",

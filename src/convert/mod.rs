@@ -625,6 +625,20 @@ mod tests {
         }
     }
 
+    proptest! {
+        #[test]
+        fn absmax_bits_match_a_scalar_fold(bits in prop::collection::vec(any::<u32>(), 0..300), cut in 0usize..4) {
+            let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+            let want = bits.iter().fold(0u32, |m, &b| m.max(b & 0x7fff_ffff));
+            prop_assert_eq!(chunk_absbits(&x), want);
+            prop_assert_eq!(absmax_f32(&x), absmax_from_bits(want));
+            // The writer's byte path, at every alignment.
+            let mut raw = vec![0u8; cut];
+            raw.extend_from_slice(bytemuck::cast_slice(&x));
+            prop_assert_eq!(absbits_le_bytes(&raw[cut..]), want);
+        }
+    }
+
     #[test]
     fn scaled_kernels_cover_every_fp16_rounding_boundary() {
         // Every FP16 value's neighbourhood: exact codes, the ties around each one (round to

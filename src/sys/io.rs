@@ -19,9 +19,8 @@ pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) {
         // that `file` keeps open for the duration of the call, two integers and a flag,
         // and only schedules I/O on pages of that file. Any failure (EBADF, EINVAL, EIO)
         // is reported through the return value, which we ignore: this is a hint.
-        let _ = unsafe {
-            libc::sync_file_range(file.as_raw_fd(), off, n, libc::SYNC_FILE_RANGE_WRITE)
-        };
+        let _ =
+            unsafe { libc::sync_file_range(file.as_raw_fd(), off, n, libc::SYNC_FILE_RANGE_WRITE) };
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (file, offset, len);
