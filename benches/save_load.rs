@@ -44,10 +44,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use ckptstore::convert;
-use ckptstore::optim::{
-    BufferPool, OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target,
-    Tensor,
-};
+use ckptstore::optim::{BufferPool, OptimizerState, ScaleShape, StateLayout, Target};
 use ckptstore::{Checkpoint, SaveOptions};
 use criterion::measurement::WallTime;
 use criterion::{
@@ -79,29 +76,7 @@ impl Fixture {
             .unwrap_or(256);
         let per = (((mib << 20) / 4) as usize / TENSORS).max(1);
         // Synthetic Adam-like moments, as `ckpt bench` makes them.
-        let data: Vec<Vec<f32>> = (0..TENSORS)
-            .map(|k| {
-                (0..per)
-                    .map(|i| ((i as f32 * 0.001 + k as f32).sin()) * (1.0 + k as f32) * 1e-3)
-                    .collect()
-            })
-            .collect();
-        let mut opt = OptimizerState::new(vec![ParamGroup {
-            params: (0..TENSORS)
-                .map(|k| ParamSpec::new(format!("p{k:04}"), &[per as u64]))
-                .collect(),
-            hyper: Default::default(),
-        }]);
-        for (k, d) in data.iter().enumerate() {
-            opt.state.insert(
-                format!("p{k:04}"),
-                [(
-                    "exp_avg".to_string(),
-                    StateValue::Plain(Tensor::from_slice(&[per as u64], d).unwrap()),
-                )]
-                .into(),
-            );
-        }
+        let (opt, data) = ckptstore::optim::synthetic_state(TENSORS, per).unwrap();
         Fixture {
             opt,
             src: data.concat(),

@@ -558,11 +558,14 @@ mod tests {
         }
     }
 
+    /// A smooth signal of `n` values in [-7, 7].
+    fn wave(n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32) * 0.37).sin() * 7.0).collect()
+    }
+
     #[test]
     fn fused_crc_and_absmax_match_separate_passes() {
-        let x: Vec<f32> = (0..(3 * PAR_CHUNK + 5))
-            .map(|i| ((i as f32) * 0.37).sin() * 7.0)
-            .collect();
+        let x = wave(3 * PAR_CHUNK + 5);
         let b: &[u8] = bytemuck::cast_slice(&x);
         assert_eq!(
             crc32_and_absmax_f32(b, &x),
@@ -673,9 +676,7 @@ mod tests {
 
     #[test]
     fn fused_loaders_equal_separate_passes() {
-        let x: Vec<f32> = (0..(3 * FUSED_CHUNK + 13))
-            .map(|i| ((i as f32) * 0.37).sin() * 7.0)
-            .collect();
+        let x = wave(3 * FUSED_CHUNK + 13);
         let bytes: &[u8] = bytemuck::cast_slice(&x);
         let mut b1 = vec![bf16::ZERO; x.len()];
         let mut b2 = vec![bf16::ZERO; x.len()];

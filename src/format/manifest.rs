@@ -259,22 +259,7 @@ pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), Deco
         return Err(Invalid("does not start with '{'".into()));
     }
     let m = parse(bytes)?;
-    if m.format != FORMAT_NAME {
-        return Err(Invalid(format!(
-            "format is {:?}, expected {FORMAT_NAME:?}",
-            m.format
-        )));
-    }
-    if m.version != VERSION {
-        return Err(DecodeError::Version(m.version));
-    }
-    if let Some(f) = m
-        .features
-        .iter()
-        .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
-    {
-        return Err(DecodeError::Feature(f.clone()));
-    }
+    check_head(&m.format, m.version, &m.features)?;
     let mut seen = std::collections::HashSet::new();
     if let Some(f) = m.features.iter().find(|f| !seen.insert(f.as_str())) {
         return Err(Invalid(format!("feature {f:?} is listed twice")));
@@ -286,6 +271,25 @@ pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), Deco
     }
     let names = validate(&m).map_err(Invalid)?;
     Ok((m, names))
+}
+
+/// R7-R9: the format name, the version and the features this reader knows.
+fn check_head(format: &str, version: u64, features: &[String]) -> Result<(), DecodeError> {
+    if format != FORMAT_NAME {
+        return Err(DecodeError::Invalid(format!(
+            "format is {format:?}, expected {FORMAT_NAME:?}"
+        )));
+    }
+    if version != VERSION {
+        return Err(DecodeError::Version(version));
+    }
+    match features
+        .iter()
+        .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
+    {
+        Some(f) => Err(DecodeError::Feature(f.clone())),
+        None => Ok(()),
+    }
 }
 
 /// Parse the whole file (R6-R10; format, version and features are checked by the caller).
@@ -312,22 +316,7 @@ fn parse(bytes: &[u8]) -> Result<Manifest, DecodeError> {
         Err(e) => {
             let head: Head =
                 serde_json::from_slice(bytes).map_err(|e| Invalid(format!("JSON: {e}")))?;
-            if head.format != FORMAT_NAME {
-                return Err(Invalid(format!(
-                    "format is {:?}, expected {FORMAT_NAME:?}",
-                    head.format
-                )));
-            }
-            if head.version != VERSION {
-                return Err(DecodeError::Version(head.version));
-            }
-            if let Some(f) = head
-                .features
-                .into_iter()
-                .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
-            {
-                return Err(DecodeError::Feature(f));
-            }
+            check_head(&head.format, head.version, &head.features)?;
             Err(Invalid(format!("JSON: {e}")))
         }
     }

@@ -527,3 +527,36 @@ pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
     }
     Ok(())
 }
+
+/// A synthetic optimizer state for benchmarks (`ckpt bench`, `benches/save_load.rs`): one
+/// group of `tensors` parameters `p0000`, `p0001`, ... of `per` elements each, each with an
+/// FP32 `exp_avg` of smooth Adam-like values with a per-tensor range. Returns the state and
+/// the values, tensor by tensor.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if a tensor of `per` FP32 elements cannot be allocated.
+#[doc(hidden)]
+pub fn synthetic_state(tensors: usize, per: usize) -> Result<(OptimizerState, Vec<Vec<f32>>)> {
+    let name = |k: usize| format!("p{k:04}");
+    let data: Vec<Vec<f32>> = (0..tensors)
+        .map(|k| {
+            (0..per)
+                .map(|i| ((i as f32 * 0.001 + k as f32).sin()) * (1.0 + k as f32) * 1e-3)
+                .collect()
+        })
+        .collect();
+    let mut opt = OptimizerState::new(vec![ParamGroup {
+        params: (0..tensors)
+            .map(|k| ParamSpec::new(name(k), &[per as u64]))
+            .collect(),
+        hyper: Default::default(),
+    }]);
+    for (k, d) in data.iter().enumerate() {
+        let t = Tensor::from_slice(&[per as u64], d)?;
+        opt.state.insert(
+            name(k),
+            [("exp_avg".to_string(), StateValue::Plain(t))].into(),
+        );
+    }
+    Ok((opt, data))
+}

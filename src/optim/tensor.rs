@@ -58,15 +58,20 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
+/// The byte size of a tensor of `dtype` and `shape`, if it fits in memory's address space.
+fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
+    checked_nbytes(dtype, shape)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| Error::InvalidArgument(format!("{dtype} {shape:?} is too large")))
+}
+
 impl Tensor {
     /// A zero-filled tensor.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the byte size overflows.
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Self> {
-        let len = checked_nbytes(dtype, shape)
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| Error::InvalidArgument(format!("{dtype} {shape:?} is too large")))?;
+        let len = byte_len(dtype, shape)?;
         Ok(Tensor {
             dtype,
             shape: shape.to_vec(),
@@ -87,9 +92,7 @@ impl Tensor {
         let Some(pool) = pool else {
             return Self::zeros(dtype, shape);
         };
-        let len = checked_nbytes(dtype, shape)
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| Error::InvalidArgument(format!("{dtype} {shape:?} is too large")))?;
+        let len = byte_len(dtype, shape)?;
         Ok(Tensor {
             dtype,
             shape: shape.to_vec(),

@@ -6,10 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use ckptstore::optim::{
-    BufferPool, OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target,
-    Tensor,
-};
+use ckptstore::optim::{BufferPool, ScaleShape, StateLayout, Target};
 use ckptstore::{convert, Checkpoint, Result, SaveOptions};
 use half::{bf16, f16};
 use serde_json::json;
@@ -51,29 +48,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let per = ((a.size / 4) as usize / n_t).max(1);
     let bytes = (per * n_t * 4) as u64;
     // Synthetic Adam-like moments: smooth values with a per-tensor range.
-    let data: Vec<Vec<f32>> = (0..n_t)
-        .map(|k| {
-            (0..per)
-                .map(|i| ((i as f32 * 0.001 + k as f32).sin()) * (1.0 + k as f32) * 1e-3)
-                .collect()
-        })
-        .collect();
-    let mut opt = OptimizerState::new(vec![ParamGroup {
-        params: (0..n_t)
-            .map(|k| ParamSpec::new(format!("p{k:04}"), &[per as u64]))
-            .collect(),
-        hyper: Default::default(),
-    }]);
-    for (k, d) in data.iter().enumerate() {
-        opt.state.insert(
-            format!("p{k:04}"),
-            [(
-                "exp_avg".to_string(),
-                StateValue::Plain(Tensor::from_slice(&[per as u64], d)?),
-            )]
-            .into(),
-        );
-    }
+    let (opt, data) = ckptstore::optim::synthetic_state(n_t, per)?;
     let opts = SaveOptions {
         max_shard_size: 256 << 20,
         ..Default::default()
