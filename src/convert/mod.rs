@@ -4,7 +4,7 @@
 //! Every kernel reads a borrowed source and writes a destination the caller allocated
 //! fresh: there is no in-place variant, so a load cannot modify its source. Large inputs
 //! are split into chunks processed rayon-parallel; results are identical to the scalar
-//! reference in [`reference`] (property-tested), whatever the chunking.
+//! reference in [`reference`](mod@reference) (property-tested), whatever the chunking.
 //!
 //! Arithmetic (format-spec/optimizer.md §Conversions): `s = absmax(x) / 32752` in FP32;
 //! `r = 1 / s` if `s > 0` else `0`; `q = f16(x * r)` (product in FP32, round to nearest

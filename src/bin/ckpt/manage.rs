@@ -28,7 +28,7 @@ pub struct GcArgs {
     /// Also keep every step that is a multiple of M.
     #[arg(long)]
     every: Option<u64>,
-    /// Print one JSON object: {deleted:[steps], in_use:[steps], interrupted_removed}.
+    /// Print one JSON object: `{deleted:[steps], in_use:[steps], interrupted_removed}`.
     #[arg(long)]
     json: bool,
 }
