@@ -326,7 +326,22 @@ MANIFEST_EDITS = {
     ),
     # open trusts a header whose CRC matches the manifest's record; verify parses every
     # header and cross-checks it (format-spec/integrity.md), so these lies surface there.
-    "dtype": (lambda m: _t(m, "mid.a").__setitem__("dtype", "I32"), "verify", ['"mid.a"', "header says"]),
+    # (absmax dropped too: an F32-only member on an I32 tensor is refused at open already.)
+    "dtype": (
+        lambda m: (_t(m, "mid.a").__setitem__("dtype", "I32"), _t(m, "mid.a").pop("absmax", None)),
+        "verify",
+        ['"mid.a"', "header says"],
+    ),
+    "absmax on a non-F32 tensor": (
+        lambda m: _t(m, "mid.a").__setitem__("dtype", "I32"),
+        "inspect",
+        ['"mid.a"', "absmax is recorded only for F32 tensors"],
+    ),
+    "absmax disagrees with the data": (
+        lambda m: _t(m, "mid.a").__setitem__("absmax", _t(m, "mid.a")["absmax"] * 2),
+        "verify",
+        ['"mid.a"', "absmax"],
+    ),
 }
 
 
