@@ -11,14 +11,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1024);
     let root = tempfile::tempdir().unwrap();
-    let mgr = CheckpointManager::new(
-        root.path(),
-        Retention {
-            keep_last: 2,
-            keep_every: None,
-        },
-    )
-    .unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(2)).unwrap();
     let n = mib << 18; // f32 elements
     let tensors: Vec<Vec<f32>> = (0..16).map(|k| vec![k as f32; n / 16]).collect();
     let names: Vec<String> = (0..16).map(|k| format!("layer{k}.w")).collect();

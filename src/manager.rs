@@ -37,6 +37,16 @@ pub struct Retention {
     pub keep_every: Option<u64>,
 }
 
+impl Retention {
+    /// Keep the newest `n` committed steps, and no others.
+    pub fn keep_last(n: usize) -> Self {
+        Retention {
+            keep_last: n,
+            keep_every: None,
+        }
+    }
+}
+
 impl Default for Retention {
     fn default() -> Self {
         Retention {

@@ -184,14 +184,7 @@ fn demo_passes_its_checks() {
 fn ls_and_gc_on_a_manager_root() {
     use ckptstore::manager::{CheckpointManager, Retention};
     let root = tempfile::tempdir().unwrap();
-    let mgr = CheckpointManager::new(
-        root.path(),
-        Retention {
-            keep_last: 10,
-            keep_every: None,
-        },
-    )
-    .unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(10)).unwrap();
     let v = vec![1f32; 100];
     for step in [10, 20, 30] {
         mgr.save(

@@ -11,6 +11,13 @@
 mod rss;
 use rss::status;
 
+// The fuzz crate's helpers (framing, repairs, trailers), so that a regression replays
+// exactly as its target saw it.
+#[path = "../fuzz/src/lib.rs"]
+#[allow(dead_code)]
+mod fuzz_support;
+use fuzz_support::{append_trailer as with_trailer, fix_up, unframe, with_valid_trailer};
+
 use std::path::{Path, PathBuf};
 
 use ckptstore::format::{header, manifest, MAX_HEADER_SIZE};
@@ -21,34 +28,7 @@ use ckptstore::{Checkpoint, Error};
 // Shared helpers
 // ---------------------------------------------------------------------------------------
 
-const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
 const ID: &str = "0123456789abcdef0123456789abcdef";
-
-/// `body` (a JSON object without its closing brace) with the manifest CRC trailer.
-fn with_trailer(body: &[u8]) -> Vec<u8> {
-    let mut out = body.to_vec();
-    out.extend_from_slice(TRAILER_HEAD);
-    out.extend_from_slice(format!("{:08x}\"}}\n", crc32fast::hash(body)).as_bytes());
-    out
-}
-
-/// A manifest candidate's body: without a trailer if it has one, else without trailing
-/// whitespace and one closing brace (as `ckptstore_fuzz::manifest_body`).
-fn manifest_body(bytes: &[u8]) -> &[u8] {
-    if let Some(split) = bytes.len().checked_sub(manifest::TRAILER_LEN) {
-        if bytes[split..].starts_with(TRAILER_HEAD) {
-            return &bytes[..split];
-        }
-    }
-    let mut end = bytes.len();
-    while end > 0 && bytes[end - 1].is_ascii_whitespace() {
-        end -= 1;
-    }
-    if end > 0 && bytes[end - 1] == b'}' {
-        end -= 1;
-    }
-    &bytes[..end]
-}
 
 /// A shard file: 8-byte length, `json` padded with spaces to a multiple of 8, `data`.
 fn shard_file(json: &[u8], data: &[u8]) -> Vec<u8> {
@@ -78,73 +58,6 @@ const MIB: u64 = 1 << 20;
 // (a) Fuzz regressions
 // ---------------------------------------------------------------------------------------
 
-/// The `open_verify_load` framing (`ckptstore_fuzz::unframe`): flags byte, then the
-/// manifest and every shard but the last, each after a little-endian `u32` length.
-fn unframe(data: &[u8]) -> (u8, &[u8], Vec<&[u8]>) {
-    let (flags, mut rest) = match data.split_first() {
-        Some((&f, r)) => (f, r),
-        None => (0, data),
-    };
-    let nshards = (flags & 3) % 3 + 1;
-    let mut parts = Vec::new();
-    for _ in 0..nshards {
-        let mut len = [0u8; 4];
-        let n = rest.len().min(4);
-        len[..n].copy_from_slice(&rest[..n]);
-        rest = &rest[n..];
-        let n = (u32::from_le_bytes(len) as usize).min(rest.len());
-        let (a, b) = rest.split_at(n);
-        parts.push(a);
-        rest = b;
-    }
-    parts.push(rest);
-    let m = parts.remove(0);
-    (flags, m, parts)
-}
-
-/// The repairs of `ckptstore_fuzz::fix_up` (trailer, shard sizes and header CRCs, tensor
-/// CRCs), so a regression replays exactly as the target saw it.
-fn fix_up(flags: u8, m: &[u8], shards: &[&[u8]]) -> Vec<u8> {
-    let mut bytes = m.to_vec();
-    if flags & 4 != 0 {
-        bytes = with_trailer(manifest_body(&bytes));
-    }
-    if flags & (8 | 16) == 0 {
-        return bytes;
-    }
-    let Ok(mut man) = manifest::decode(&bytes) else {
-        return bytes;
-    };
-    if flags & 8 != 0 {
-        for (s, b) in man.shards.iter_mut().zip(shards) {
-            s.size = b.len() as u64;
-            if let Some(p) = b.get(..8) {
-                let hs = u64::from_le_bytes(p.try_into().unwrap());
-                s.header_size = hs;
-                if let Some(h) = usize::try_from(hs)
-                    .ok()
-                    .and_then(|hs| hs.checked_add(8))
-                    .and_then(|e| b.get(8..e))
-                {
-                    s.header_crc32 = crc32fast::hash(h);
-                }
-            }
-        }
-    }
-    if flags & 16 != 0 {
-        for t in &mut man.tensors {
-            let range = shards.get(t.shard).and_then(|b| {
-                let [s, e] = t.offsets;
-                b.get(usize::try_from(s).ok()?..usize::try_from(e).ok()?)
-            });
-            if let Some(r) = range {
-                t.crc32 = crc32fast::hash(r).into();
-            }
-        }
-    }
-    manifest::encode(&man)
-}
-
 /// `header` target: parse; an accepted header re-emits identically and opens.
 fn replay_header(data: &[u8]) {
     if let Ok(h) = header::parse(data) {
@@ -159,7 +72,7 @@ fn replay_header(data: &[u8]) {
 
 /// `manifest` target: decode as given and with a valid trailer; decode(encode(m)) == m.
 fn replay_manifest(data: &[u8]) {
-    for bytes in [data.to_vec(), with_trailer(manifest_body(data))] {
+    for bytes in [data.to_vec(), with_valid_trailer(data)] {
         if let Ok(m) = manifest::decode(&bytes) {
             let m2 = manifest::decode(&manifest::encode(&m)).expect("re-encoded decodes");
             assert_eq!(m2, m);
@@ -169,8 +82,9 @@ fn replay_manifest(data: &[u8]) {
 
 /// `open_verify_load` target: from_parts, verify, every tensor, load_optimizer.
 fn replay_open(data: &[u8]) {
-    let (flags, m, shards) = unframe(data);
-    let m = fix_up(flags, m, &shards);
+    let f = unframe(data);
+    let shards = f.shards;
+    let m = fix_up(f.flags, f.manifest, &shards);
     let owned: Vec<Vec<u8>> = shards.iter().map(|s| s.to_vec()).collect();
     let Ok(ck) = Checkpoint::from_parts(&m, owned) else {
         return;

@@ -10,6 +10,17 @@ fn w(step: u64) -> Vec<f32> {
     (0..1000).map(|i| step as f32 + i as f32).collect()
 }
 
+/// Save `v` as tensor `w` of step `step` (blocking, with retention).
+fn save_w(mgr: &CheckpointManager, step: u64, v: &[f32]) {
+    mgr.save(
+        step,
+        &[TensorRef::from_slice("w", &[1000], v)],
+        None,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+}
+
 #[test]
 fn steps_latest_and_retention_with_every() {
     let root = tempfile::tempdir().unwrap();
@@ -24,13 +35,7 @@ fn steps_latest_and_retention_with_every() {
     assert_eq!(mgr.latest().unwrap(), None);
     for step in [100, 200, 300, 400, 500, 600, 700] {
         let v = w(step);
-        mgr.save(
-            step,
-            &[TensorRef::from_slice("w", &[1000], &v)],
-            None,
-            &SaveOptions::default(),
-        )
-        .unwrap();
+        save_w(&mgr, step, &v);
     }
     assert_eq!(mgr.steps().unwrap(), vec![300, 600, 700]);
     assert_eq!(mgr.latest().unwrap(), Some(700));
@@ -45,32 +50,13 @@ fn steps_latest_and_retention_with_every() {
 #[test]
 fn gc_never_deletes_a_step_a_reader_holds() {
     let root = tempfile::tempdir().unwrap();
-    let mgr = CheckpointManager::new(
-        root.path(),
-        Retention {
-            keep_last: 1,
-            keep_every: None,
-        },
-    )
-    .unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(1)).unwrap();
     let v = w(1);
-    mgr.save(
-        1,
-        &[TensorRef::from_slice("w", &[1000], &v)],
-        None,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_w(&mgr, 1, &v);
     let reader = mgr.open(1).unwrap();
     for step in 2..=3 {
         let v = w(step);
-        mgr.save(
-            step,
-            &[TensorRef::from_slice("w", &[1000], &v)],
-            None,
-            &SaveOptions::default(),
-        )
-        .unwrap();
+        save_w(&mgr, step, &v);
     }
     // Step 1 is past retention but held: still there, still readable, reported in use.
     assert_eq!(mgr.steps().unwrap(), vec![1, 3]);
@@ -91,22 +77,9 @@ fn gc_never_deletes_a_step_a_reader_holds() {
 #[test]
 fn gc_removes_only_engine_files_and_interrupted_saves() {
     let root = tempfile::tempdir().unwrap();
-    let mgr = CheckpointManager::new(
-        root.path(),
-        Retention {
-            keep_last: 1,
-            keep_every: None,
-        },
-    )
-    .unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(1)).unwrap();
     let v = w(1);
-    mgr.save(
-        1,
-        &[TensorRef::from_slice("w", &[1000], &v)],
-        None,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_w(&mgr, 1, &v);
     std::fs::write(mgr.step_dir(1).join("notes.txt"), b"mine").unwrap();
     std::fs::write(root.path().join("README"), b"mine too").unwrap();
     // An interrupted save: a temporary step directory with a partial shard.
@@ -115,13 +88,7 @@ fn gc_removes_only_engine_files_and_interrupted_saves() {
     std::fs::write(tmp.join(".ckpt-tmp-shard-x"), b"partial").unwrap();
     assert_eq!(mgr.steps().unwrap(), vec![1]);
     assert_eq!(mgr.latest().unwrap(), Some(1));
-    mgr.save(
-        3,
-        &[TensorRef::from_slice("w", &[1000], &v)],
-        None,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_w(&mgr, 3, &v);
     assert!(!tmp.exists(), "the interrupted save is cleaned up");
     // Step 1 lost its checkpoint files, but the user's file (and so the directory) stays.
     assert_eq!(
@@ -188,14 +155,7 @@ fn async_errors_surface_from_wait_and_nothing_appears() {
 #[test]
 fn saves_in_flight_are_bounded() {
     let root = tempfile::tempdir().unwrap();
-    let mgr = CheckpointManager::new(
-        root.path(),
-        Retention {
-            keep_last: 10,
-            keep_every: None,
-        },
-    )
-    .unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(10)).unwrap();
     // A progress hook that sleeps makes each save take a while.
     let slow = SaveOptions {
         progress: Some(std::sync::Arc::new(|_| {
@@ -282,13 +242,7 @@ fn sigkill_during_save_leaves_latest_on_the_previous_step() {
     let root = tempfile::tempdir().unwrap();
     let mgr = CheckpointManager::new(root.path(), Retention::default()).unwrap();
     let v = w(1);
-    mgr.save(
-        1,
-        &[TensorRef::from_slice("w", &[1000], &v)],
-        None,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_w(&mgr, 1, &v);
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",

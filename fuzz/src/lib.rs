@@ -10,8 +10,7 @@
 
 use ckptstore::format::manifest;
 
-/// `,"manifest_crc32":"` — the start of the manifest trailer (format-spec/manifest.md).
-pub const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
+pub use manifest::TRAILER_HEAD;
 
 /// Flags bit: recompute the manifest's CRC trailer.
 pub const FIX_TRAILER: u8 = 1 << 2;
@@ -43,12 +42,7 @@ pub fn manifest_body(bytes: &[u8]) -> &[u8] {
 
 /// `body` followed by the correct CRC trailer for it.
 pub fn append_trailer(body: &[u8]) -> Vec<u8> {
-    let crc = crc32fast::hash(body);
-    let mut out = Vec::with_capacity(body.len() + manifest::TRAILER_LEN);
-    out.extend_from_slice(body);
-    out.extend_from_slice(TRAILER_HEAD);
-    out.extend_from_slice(format!("{crc:08x}\"}}\n").as_bytes());
-    out
+    manifest::append_trailer(body.to_vec())
 }
 
 /// [`manifest_body`] of `bytes` with a correct trailer: a manifest whose CRC checks.

@@ -17,7 +17,7 @@ pub const VERSION: u64 = 1;
 pub const KNOWN_FEATURES: &[&str] = &["optimizer"];
 
 /// `,"manifest_crc32":"` — the start of the fixed trailer (format-spec/manifest.md §Trailer).
-const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
+pub const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
 /// Length of the whole trailer: head, 8 hex digits, `"}`, newline.
 pub const TRAILER_LEN: usize = TRAILER_HEAD.len() + 8 + 3;
 
@@ -181,6 +181,13 @@ pub fn encode(m: &Manifest) -> Vec<u8> {
     let mut body = serde_json::to_vec(m).unwrap_or_default();
     // `body` ends with the object's closing brace; the trailer replaces it.
     body.pop();
+    append_trailer(body)
+}
+
+/// `body` (a JSON object without its closing brace) followed by the CRC trailer for it
+/// (format-spec/manifest.md §Trailer). [`encode`] uses it; tests and fuzzers use it to
+/// build manifests whose content is hostile but whose CRC checks.
+pub fn append_trailer(mut body: Vec<u8>) -> Vec<u8> {
     let crc = crc32fast::hash(&body);
     body.extend_from_slice(TRAILER_HEAD);
     body.extend_from_slice(format!("{crc:08x}\"}}\n").as_bytes());

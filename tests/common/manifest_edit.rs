@@ -14,7 +14,5 @@ pub fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     // with the trailer of format-spec/manifest.md §Trailer.
     let mut body = serde_json::to_vec(&v).unwrap();
     body.pop();
-    let crc = crc32fast::hash(&body);
-    body.extend_from_slice(format!(",\"manifest_crc32\":\"{crc:08x}\"}}\n").as_bytes());
-    std::fs::write(&p, body).unwrap();
+    std::fs::write(&p, ckptstore::format::manifest::append_trailer(body)).unwrap();
 }
