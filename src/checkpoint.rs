@@ -9,16 +9,14 @@ use rayon::prelude::*;
 
 use crate::crc::crc32_parallel;
 use crate::error::{Error, Result};
-use crate::format::header;
 pub use crate::format::manifest::TensorInfo;
 use crate::format::manifest::{
     self, check_file_name, DecodeError, Manifest, NameIndex, MANIFEST_FILE,
 };
+use crate::format::{header, META_CHECKPOINT_ID};
 use crate::mmap::Map;
 use crate::view::TensorView;
 
-/// Metadata key, in every ckptstore shard header, holding the checkpoint id.
-pub(crate) const META_CHECKPOINT_ID: &str = "ckptstore.checkpoint_id";
 /// Reason given when a shard file the manifest lists does not exist.
 const SHARD_MISSING: &str = "the file is missing";
 /// The index file of a Hugging Face sharded directory.
@@ -313,7 +311,7 @@ impl Checkpoint<Map> {
     pub fn stream_tensors(
         &self,
         budget: u64,
-        mut f: impl FnMut(&TensorInfo, crate::optim::Tensor) -> Result<()>,
+        mut f: impl FnMut(&TensorInfo, crate::tensor::Tensor) -> Result<()>,
     ) -> Result<()> {
         let mut order: Vec<&TensorInfo> = self.tensors().iter().collect();
         // A tensor in flight costs its fresh buffer plus, briefly, its mapped pages.
@@ -329,7 +327,7 @@ impl Checkpoint<Map> {
             let shard = &self.shards[t.shard];
             shard.bytes.advise_sequential();
             let v = self.view(t);
-            let mut out = crate::optim::Tensor::zeros(t.dtype, &t.shape)?;
+            let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
             let mut h = crc32fast::Hasher::new();
             for (src, dst) in v
                 .bytes()
@@ -726,7 +724,9 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// [`Error::InvalidOptimizerState`] naming the parameter and state.
     pub fn check_optimizer_section(&self) -> Result<()> {
         match self.manifest.as_ref().and_then(|m| m.optimizer.as_ref()) {
-            Some(sec) => crate::optim::validate_section(sec, self),
+            Some(sec) => crate::format::optimizer::check_section(sec, |n| {
+                self.info(n).ok().map(|t| (t.dtype, t.shape.as_slice()))
+            }),
             None => Ok(()),
         }
     }

@@ -423,7 +423,7 @@ impl CheckpointManager {
         let final_dir = self.step_dir(step);
         let (tensors, section) = match optimizer {
             Some(o) => {
-                let (t, s) = o.to_parts(tensors)?;
+                let (t, s) = o.as_borrowed().to_parts(tensors)?;
                 (t, Some(s))
             }
             None => (tensors.to_vec(), None),

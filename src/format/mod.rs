@@ -4,6 +4,11 @@
 
 pub mod header;
 pub mod manifest;
+pub mod optimizer;
+
+/// Metadata key, in every ckptstore shard header, holding the checkpoint id
+/// (format-spec/shard.md §Metadata).
+pub const META_CHECKPOINT_ID: &str = "ckptstore.checkpoint_id";
 
 /// Largest shard header (the JSON after the 8-byte length) a reader accepts, in bytes
 /// (format-spec/shard.md §Limits). The same cap as the safetensors crate.

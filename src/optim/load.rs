@@ -6,9 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::{
-    validate_section, BufferPool, OptimizerState, ParamGroup, ParamSpec, StateValue, Tensor,
-};
+use super::{BufferPool, OptimizerState, ParamGroup, ParamSpec, StateValue, Tensor};
 use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::convert;
 use crate::crc::crc32_parallel;
@@ -193,7 +191,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .manifest()
             .and_then(|m| m.optimizer.as_ref())
             .ok_or_else(|| Error::optim("", "", "the checkpoint holds no optimizer state"))?;
-        validate_section(sec, self)?;
+        self.check_optimizer_section()?;
         let shapes: HashMap<&str, &[u64]> = sec
             .params
             .iter()

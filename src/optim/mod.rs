@@ -12,17 +12,18 @@
 //!   is untouched.
 
 mod load;
-mod tensor;
 
-use std::collections::{BTreeMap, HashSet};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
+pub use crate::tensor::{BufferPool, PoolStats, Tensor};
 pub use load::{ScaleShape, StateLayout, Target};
-pub use tensor::{BufferPool, PoolStats, Tensor};
 
-use crate::dtype::{checked_numel, DType};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::manifest::{Encoding, GroupEntry, OptimizerSection, ParamEntry, StateEntry};
+use crate::format::optimizer::check_section;
 use crate::write::{save_locked, CommitInfo, SaveOptions, TensorRef};
 
 /// One named state of a parameter.
@@ -40,6 +41,21 @@ pub enum StateValue {
 }
 
 impl StateValue {
+    /// This value as borrowed tensors, named `optim/<param>/<state>` (and `.scale`).
+    pub fn as_borrowed(&self, param: &str, state: &str) -> StateValueRef<'_> {
+        fn t(t: &Tensor, name: String) -> TensorRef<'_> {
+            TensorRef::new(name, t.dtype(), t.shape(), t.bytes())
+        }
+        let name = state_tensor_name(param, state);
+        match self {
+            StateValue::Plain(x) => StateValueRef::Plain(t(x, name)),
+            StateValue::F16Scaled { q, scale } => StateValueRef::F16Scaled {
+                scale: t(scale, format!("{name}.scale")),
+                q: t(q, name),
+            },
+        }
+    }
+
     /// The shape of the state (of `q` for scaled states).
     pub fn shape(&self) -> &[u64] {
         match self {
@@ -169,12 +185,6 @@ pub struct OptimizerState {
     pub state: BTreeMap<String, BTreeMap<String, StateValue>>,
 }
 
-/// True if a state of `shape` fits a parameter of `param`: the same shape, or at most one
-/// element (scalars such as `step`; format-spec/optimizer.md §Rules).
-pub(crate) fn shape_fits(shape: &[u64], param: &[u64]) -> bool {
-    shape == param || (shape.len() <= 1 && checked_numel(shape).is_some_and(|n| n <= 1))
-}
-
 /// Tensor name of a state in the writer's convention.
 fn state_tensor_name(param: &str, state: &str) -> String {
     format!("optim/{param}/{state}")
@@ -197,61 +207,31 @@ impl OptimizerState {
             .find(|p| p.name == name)
     }
 
-    /// Check the invariants of format-spec/optimizer.md §Rules on this in-memory state.
+    /// This state as borrowed tensors, which is what [`OptimizerStateRef::save`] takes.
+    pub fn as_borrowed(&self) -> OptimizerStateRef<'_> {
+        OptimizerStateRef {
+            groups: Cow::Borrowed(&self.groups),
+            state: self
+                .state
+                .iter()
+                .map(|(p, states)| {
+                    let states = states
+                        .iter()
+                        .map(|(n, v)| (n.clone(), v.as_borrowed(p, n)))
+                        .collect();
+                    (p.clone(), states)
+                })
+                .collect(),
+        }
+    }
+
+    /// Check the rules of format-spec/optimizer.md §Rules on this in-memory state (see
+    /// [`OptimizerStateRef::validate`]).
     ///
     /// # Errors
     /// [`Error::InvalidOptimizerState`] naming the parameter and state.
     pub fn validate(&self) -> Result<()> {
-        let mut shapes: BTreeMap<&str, &[u64]> = BTreeMap::new();
-        for (gi, g) in self.groups.iter().enumerate() {
-            for p in &g.params {
-                if p.name.is_empty() {
-                    return Err(Error::optim(
-                        "",
-                        "",
-                        format!("group {gi} has a parameter with an empty name"),
-                    ));
-                }
-                if shapes.insert(&p.name, &p.shape).is_some() {
-                    return Err(Error::optim(
-                        &p.name,
-                        "",
-                        "the parameter is named twice in the groups",
-                    ));
-                }
-            }
-        }
-        for (param, states) in &self.state {
-            let pshape = shapes.get(param.as_str()).ok_or_else(|| {
-                Error::optim(param, "", "state for a parameter that no group names")
-            })?;
-            for (name, v) in states {
-                if name.is_empty() {
-                    return Err(Error::optim(param, "", "empty state name"));
-                }
-                if !shape_fits(v.shape(), pshape) {
-                    return Err(Error::optim(
-                        param,
-                        name,
-                        format!(
-                            "shape {:?} fits neither the parameter's {:?} nor a scalar",
-                            v.shape(),
-                            pshape
-                        ),
-                    ));
-                }
-                if let StateValue::F16Scaled { q, scale } = v {
-                    if q.dtype() != DType::F16 || scale_value(scale).is_none() {
-                        return Err(Error::optim(
-                            param,
-                            name,
-                            "f16_scaled needs F16 codes and an F32 scale of shape [] or [1]",
-                        ));
-                    }
-                }
-            }
-        }
-        Ok(())
+        self.as_borrowed().validate()
     }
 
     /// Save this state, with `model` tensors beside it, as a committed checkpoint in `dir`
@@ -259,90 +239,14 @@ impl OptimizerState {
     /// their codes plus scale, so a load into the same layout is lossless.
     ///
     /// # Errors
-    /// [`Error::InvalidOptimizerState`] for an inconsistent state, [`Error::InvalidTensor`]
-    /// for a model tensor whose name collides with a state tensor, and the errors of
-    /// [`crate::save`].
+    /// As [`OptimizerStateRef::save`].
     pub fn save(
         &self,
         dir: impl AsRef<Path>,
         model: &[TensorRef<'_>],
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
-        let (tensors, section) = self.to_parts(model)?;
-        save_locked(dir.as_ref(), &tensors, opts, Some(section))
-    }
-
-    /// The tensors (model ones first, then state tensors) and the manifest section that
-    /// save this state.
-    pub(crate) fn to_parts<'a>(
-        &'a self,
-        model: &[TensorRef<'a>],
-    ) -> Result<(Vec<TensorRef<'a>>, OptimizerSection)> {
-        self.validate()?;
-        let mut tensors: Vec<TensorRef<'_>> = model.to_vec();
-        let mut params = Vec::new();
-        for g in &self.groups {
-            for p in &g.params {
-                let mut entries = Vec::new();
-                for (sname, v) in self.state.get(&p.name).into_iter().flatten() {
-                    let tname = state_tensor_name(&p.name, sname);
-                    match v {
-                        StateValue::Plain(t) => {
-                            tensors.push(TensorRef::new(
-                                tname.clone(),
-                                t.dtype(),
-                                t.shape(),
-                                t.bytes(),
-                            ));
-                            entries.push(StateEntry {
-                                name: sname.clone(),
-                                tensor: tname,
-                                encoding: Encoding::Plain,
-                                scale: None,
-                            });
-                        }
-                        StateValue::F16Scaled { q, scale } => {
-                            let sname_t = format!("{tname}.scale");
-                            tensors.push(TensorRef::new(
-                                tname.clone(),
-                                q.dtype(),
-                                q.shape(),
-                                q.bytes(),
-                            ));
-                            tensors.push(TensorRef::new(
-                                sname_t.clone(),
-                                scale.dtype(),
-                                scale.shape(),
-                                scale.bytes(),
-                            ));
-                            entries.push(StateEntry {
-                                name: sname.clone(),
-                                tensor: tname,
-                                encoding: Encoding::F16Scaled,
-                                scale: Some(sname_t),
-                            });
-                        }
-                    }
-                }
-                params.push(ParamEntry {
-                    name: p.name.clone(),
-                    shape: p.shape.clone(),
-                    state: entries,
-                });
-            }
-        }
-        let section = OptimizerSection {
-            groups: self
-                .groups
-                .iter()
-                .map(|g| GroupEntry {
-                    params: g.params.iter().map(|p| p.name.clone()).collect(),
-                    hyper: serde_json::Value::Object(g.hyper.clone()),
-                })
-                .collect(),
-            params,
-        };
-        Ok((tensors, section))
+        self.as_borrowed().save(dir, model, opts)
     }
 
     /// Replace this state with the checkpoint's, loaded in `layout`, after checking that it
@@ -385,6 +289,173 @@ impl OptimizerState {
     }
 }
 
+/// One named state of a parameter, over borrowed tensors (see [`OptimizerStateRef`]).
+#[derive(Debug, Clone)]
+pub enum StateValueRef<'a> {
+    /// Values held directly in the tensor's dtype.
+    Plain(TensorRef<'a>),
+    /// FP16 codes and an F32 scale of shape `[]` or `[1]`: value = `f32(q) * scale`.
+    F16Scaled {
+        /// The FP16 codes, shaped like the state.
+        q: TensorRef<'a>,
+        /// The F32 scale.
+        scale: TensorRef<'a>,
+    },
+}
+
+impl StateValueRef<'_> {
+    /// The shape of the state (of `q` for scaled states).
+    pub fn shape(&self) -> &[u64] {
+        match self {
+            StateValueRef::Plain(t) => t.shape(),
+            StateValueRef::F16Scaled { q, .. } => q.shape(),
+        }
+    }
+}
+
+/// The complete state of an optimizer over borrowed tensors: what a caller that keeps its
+/// tensors elsewhere (NumPy or PyTorch arrays, a training framework's buffers) hands to
+/// [`OptimizerStateRef::save`] without copying them first. [`OptimizerState::as_borrowed`]
+/// makes one from an owned state; both save through the same code, and the section rules
+/// of format-spec/optimizer.md are checked in one place, `format::optimizer`.
+///
+/// # Example
+/// ```
+/// use std::collections::BTreeMap;
+/// use ckptstore::optim::{OptimizerStateRef, ParamGroup, ParamSpec, StateValueRef};
+/// use ckptstore::{Checkpoint, SaveOptions, TensorRef};
+///
+/// # fn main() -> ckptstore::Result<()> {
+/// let dir = tempfile::tempdir().unwrap();
+/// let exp_avg = vec![0.5f32; 4];
+/// let groups = vec![ParamGroup { params: vec![ParamSpec::new("w", &[4])], hyper: Default::default() }];
+/// let mut state = BTreeMap::new();
+/// state.insert("w".to_string(), BTreeMap::from([(
+///     "exp_avg".to_string(),
+///     StateValueRef::Plain(TensorRef::from_slice("", &[4], &exp_avg)),
+/// )]));
+/// let opt = OptimizerStateRef { groups: groups.into(), state };
+/// opt.save(dir.path(), &[], &SaveOptions::default())?;
+/// let back = Checkpoint::open(dir.path())?.load_optimizer(&Default::default())?;
+/// assert_eq!(back.state["w"]["exp_avg"].to_f32()?, exp_avg);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct OptimizerStateRef<'a> {
+    /// Parameter groups, in order.
+    pub groups: Cow<'a, [ParamGroup]>,
+    /// Per parameter name: state name -> value. Parameters without state are absent. The
+    /// tensors' own names are ignored: state tensors are saved as `optim/<param>/<state>`
+    /// and scales as `optim/<param>/<state>.scale`.
+    pub state: BTreeMap<String, BTreeMap<String, StateValueRef<'a>>>,
+}
+
+impl<'a> OptimizerStateRef<'a> {
+    /// Check the rules of format-spec/optimizer.md §Rules on this state, as a save would.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOptimizerState`] naming the parameter and state.
+    pub fn validate(&self) -> Result<()> {
+        let (tensors, section) = self.to_parts(&[])?;
+        let by_name: HashMap<&str, &TensorRef<'_>> =
+            tensors.iter().map(|t| (t.name(), t)).collect();
+        check_section(&section, |n| by_name.get(n).map(|t| (t.dtype(), t.shape())))
+    }
+
+    /// Save this state, with `model` tensors beside it, as a committed checkpoint in `dir`
+    /// (atomically replacing one there), exactly as stored: FP16-scaled states as their
+    /// codes plus scale.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOptimizerState`] for a state that breaks a rule of
+    /// format-spec/optimizer.md, [`Error::InvalidTensor`] for a model tensor whose name
+    /// collides with a state tensor, and the errors of [`crate::save`]. Nothing is
+    /// written when the state is invalid.
+    pub fn save(
+        &self,
+        dir: impl AsRef<Path>,
+        model: &[TensorRef<'a>],
+        opts: &SaveOptions,
+    ) -> Result<CommitInfo> {
+        let (tensors, section) = self.to_parts(model)?;
+        save_locked(dir.as_ref(), &tensors, opts, Some(section))
+    }
+
+    /// The tensors (model ones first, then state tensors in group order and state-name
+    /// order) and the manifest section that save this state.
+    pub(crate) fn to_parts(
+        &self,
+        model: &[TensorRef<'a>],
+    ) -> Result<(Vec<TensorRef<'a>>, OptimizerSection)> {
+        let named: HashSet<&str> = self
+            .groups
+            .iter()
+            .flat_map(|g| &g.params)
+            .map(|p| p.name.as_str())
+            .collect();
+        if let Some(p) = self.state.keys().find(|p| !named.contains(p.as_str())) {
+            return Err(Error::optim(
+                p,
+                "",
+                "state for a parameter that no group names",
+            ));
+        }
+        let mut tensors: Vec<TensorRef<'a>> = model.to_vec();
+        let mut params = Vec::new();
+        let mut seen: HashSet<&str> = HashSet::new();
+        for p in self.groups.iter().flat_map(|g| &g.params) {
+            let mut entries = Vec::new();
+            // A parameter named twice is listed twice (rule O2 refuses it by name) but its
+            // tensors are taken once.
+            let first = seen.insert(&p.name);
+            for (sname, v) in self
+                .state
+                .get(&p.name)
+                .into_iter()
+                .flatten()
+                .filter(|_| first)
+            {
+                let tname = state_tensor_name(&p.name, sname);
+                let (encoding, scale) = match v {
+                    StateValueRef::Plain(t) => {
+                        tensors.push(t.clone().renamed(tname.clone()));
+                        (Encoding::Plain, None)
+                    }
+                    StateValueRef::F16Scaled { q, scale } => {
+                        let scale_name = format!("{tname}.scale");
+                        tensors.push(q.clone().renamed(tname.clone()));
+                        tensors.push(scale.clone().renamed(scale_name.clone()));
+                        (Encoding::F16Scaled, Some(scale_name))
+                    }
+                };
+                entries.push(StateEntry {
+                    name: sname.clone(),
+                    tensor: tname,
+                    encoding,
+                    scale,
+                });
+            }
+            params.push(ParamEntry {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                state: entries,
+            });
+        }
+        let section = OptimizerSection {
+            groups: self
+                .groups
+                .iter()
+                .map(|g| GroupEntry {
+                    params: g.params.iter().map(|p| p.name.clone()).collect(),
+                    hyper: serde_json::Value::Object(g.hyper.clone()),
+                })
+                .collect(),
+            params,
+        };
+        Ok((tensors, section))
+    }
+}
+
 fn check_compatible(live: &OptimizerState, new: &OptimizerState) -> Result<()> {
     let bad = |reason: String| Error::IncompatibleState { reason };
     if live.groups.len() != new.groups.len() {
@@ -416,114 +487,6 @@ fn check_compatible(live: &OptimizerState, new: &OptimizerState) -> Result<()> {
                 )));
             }
         }
-    }
-    Ok(())
-}
-
-/// Check the optimizer section against the checkpoint's tensors (format-spec/optimizer.md
-/// §Rules): used by load and by verify.
-pub(crate) fn validate_section<B: AsRef<[u8]> + Sync>(
-    sec: &OptimizerSection,
-    ckpt: &crate::Checkpoint<B>,
-) -> Result<()> {
-    let mut in_groups: HashSet<&str> = HashSet::new();
-    for (gi, g) in sec.groups.iter().enumerate() {
-        if !g.hyper.is_object() {
-            return Err(Error::optim(
-                "",
-                "",
-                format!("group {gi}: hyper is not a JSON object"),
-            ));
-        }
-        for p in &g.params {
-            if !in_groups.insert(p) {
-                return Err(Error::optim(
-                    p,
-                    "",
-                    format!("named by more than one group entry (group {gi})"),
-                ));
-            }
-        }
-    }
-    let mut listed: HashSet<&str> = HashSet::new();
-    let mut used_tensors: HashSet<&str> = HashSet::new();
-    for p in &sec.params {
-        if !in_groups.contains(p.name.as_str()) {
-            return Err(Error::optim(
-                &p.name,
-                "",
-                "listed in params but named by no group",
-            ));
-        }
-        if !listed.insert(&p.name) {
-            return Err(Error::optim(&p.name, "", "listed twice in params"));
-        }
-        let mut names: HashSet<&str> = HashSet::new();
-        for s in &p.state {
-            let err = |r: String| Error::optim(&p.name, &s.name, r);
-            if s.name.is_empty() || !names.insert(&s.name) {
-                return Err(err("state name empty or repeated".into()));
-            }
-            let t = ckpt.info(&s.tensor).map_err(|_| {
-                err(format!(
-                    "names tensor {:?}, which the checkpoint does not hold",
-                    s.tensor
-                ))
-            })?;
-            if !used_tensors.insert(&s.tensor) {
-                return Err(err(format!("tensor {:?} is referenced twice", s.tensor)));
-            }
-            if !shape_fits(&t.shape, &p.shape) {
-                return Err(err(format!(
-                    "tensor {:?} has shape {:?}, which fits neither the parameter's {:?} nor a scalar",
-                    s.tensor, t.shape, p.shape
-                )));
-            }
-            match (s.encoding, &s.scale) {
-                (Encoding::Plain, None) => {}
-                (Encoding::Plain, Some(_)) => return Err(err("a plain state has a scale".into())),
-                (Encoding::F16Scaled, None) => {
-                    return Err(err("an f16_scaled state has no scale".into()))
-                }
-                (Encoding::F16Scaled, Some(sc)) => {
-                    if t.dtype != DType::F16 {
-                        return Err(err(format!(
-                            "f16_scaled codes must be F16, tensor {:?} is {}",
-                            s.tensor, t.dtype
-                        )));
-                    }
-                    let st = ckpt.info(sc).map_err(|_| {
-                        err(format!(
-                            "names scale tensor {sc:?}, which the checkpoint does not hold"
-                        ))
-                    })?;
-                    if !used_tensors.insert(sc) {
-                        return Err(err(format!("tensor {sc:?} is referenced twice")));
-                    }
-                    if st.dtype != DType::F32
-                        || st.shape.len() > 1
-                        || checked_numel(&st.shape) != Some(1)
-                    {
-                        return Err(err(format!(
-                            "scale tensor {sc:?} must be F32 of shape [] or [1], is {} {:?}",
-                            st.dtype, st.shape
-                        )));
-                    }
-                }
-            }
-        }
-    }
-    let unlisted = sec
-        .groups
-        .iter()
-        .flat_map(|g| &g.params)
-        .find(|p| !listed.contains(p.as_str()));
-    if let Some(p) = unlisted {
-        return Err(Error::optim(
-            p,
-            "",
-            "named by a group but missing from params",
-        ));
     }
     Ok(())
 }

@@ -4,23 +4,23 @@
 pub mod fs;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::checkpoint::META_CHECKPOINT_ID;
 use crate::dtype::{checked_nbytes, checked_numel, DType};
 use crate::error::{Error, Result};
 use crate::format::header::{self, HeaderEntry};
 use crate::format::manifest::{
     self, Manifest, OptimizerSection, ShardEntry, TensorInfo, MANIFEST_FILE,
 };
+use crate::format::optimizer::check_section;
 use crate::format::{
     check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS,
-    MAX_TENSORS_PER_SHARD,
+    MAX_TENSORS_PER_SHARD, META_CHECKPOINT_ID,
 };
 use crate::view::Element;
 use fs::{Fs, StdFs};
@@ -111,6 +111,14 @@ impl<'a> TensorRef<'a> {
             shape: shape.to_vec(),
             data,
             strided: Some((strides.to_vec(), offset)),
+        }
+    }
+
+    /// The same tensor under another name.
+    pub fn renamed(self, name: impl Into<Cow<'a, str>>) -> Self {
+        TensorRef {
+            name: name.into(),
+            ..self
         }
     }
 
@@ -373,35 +381,21 @@ pub fn save(
     save_locked(dir.as_ref(), tensors, opts, None)
 }
 
-/// [`save`] with an optimizer section (format-spec/optimizer.md) carried as given, for
-/// tools that copy checkpoints (`ckpt pack`). The section must reference only tensors in
-/// `tensors`; prefer [`crate::optim::OptimizerState::save`] to build one.
+/// [`save`] with an optimizer section (format-spec/optimizer.md), for tools that copy
+/// checkpoints (`ckpt pack`) and callers that build the section themselves; prefer
+/// [`crate::optim::OptimizerStateRef::save`], which builds it. The section is checked
+/// against `tensors` by every rule of format-spec/optimizer.md §Rules before anything is
+/// written.
 ///
 /// # Errors
-/// As [`save`]; [`Error::InvalidOptimizerState`] if the section names a tensor that is not
-/// saved.
+/// As [`save`]; [`Error::InvalidOptimizerState`] naming the parameter and state if the
+/// section breaks a rule (for example names a tensor that is not saved).
 pub fn save_with_section(
     dir: impl AsRef<Path>,
     tensors: &[TensorRef<'_>],
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
-    if let Some(sec) = &optimizer {
-        let names: HashSet<&str> = tensors.iter().map(|t| t.name()).collect();
-        for p in &sec.params {
-            for st in &p.state {
-                for t in std::iter::once(&st.tensor).chain(&st.scale) {
-                    if !names.contains(t.as_str()) {
-                        return Err(Error::optim(
-                            &p.name,
-                            &st.name,
-                            format!("names tensor {t:?}, which is not saved"),
-                        ));
-                    }
-                }
-            }
-        }
-    }
     save_locked(dir.as_ref(), tensors, opts, optimizer)
 }
 
@@ -412,7 +406,7 @@ pub(crate) fn save_locked(
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
-    let sizes = validate_inputs(tensors, opts)?;
+    let sizes = validate_inputs(tensors, opts, optimizer.as_ref())?;
     prepare_dir(dir)?;
     let _lock = lock_dir(dir)?;
     commit(&StdFs, dir, tensors, &sizes, opts, optimizer)
@@ -528,9 +522,13 @@ fn plan<'t, 'a>(
         .collect()
 }
 
-/// Step 0 of the protocol: validate everything before touching the disk. Returns each
-/// tensor's byte size.
-fn validate_inputs(tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<Vec<u64>> {
+/// Step 0 of the protocol: validate everything (the optimizer section too) before touching
+/// the disk. Returns each tensor's byte size.
+fn validate_inputs(
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<&OptimizerSection>,
+) -> Result<Vec<u64>> {
     if !opts.metadata.is_object() {
         return Err(Error::InvalidArgument(
             "metadata must be a JSON object".into(),
@@ -551,14 +549,19 @@ fn validate_inputs(tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<Vec<
         .iter()
         .map(TensorRef::validate)
         .collect::<Result<Vec<_>>>()?;
-    let mut names = HashSet::with_capacity(tensors.len());
+    let mut by_name: HashMap<&str, &TensorRef<'_>> = HashMap::with_capacity(tensors.len());
     for t in tensors {
-        if !names.insert(t.name.as_ref()) {
+        if by_name.insert(t.name.as_ref(), t).is_some() {
             return Err(Error::InvalidTensor {
                 name: t.name.to_string(),
                 reason: "the name is given twice".into(),
             });
         }
+    }
+    if let Some(sec) = optimizer {
+        check_section(sec, |n| {
+            by_name.get(n).map(|t| (t.dtype, t.shape.as_slice()))
+        })?;
     }
     Ok(sizes)
 }
@@ -583,7 +586,7 @@ pub(crate) fn save_impl<F: Fs>(
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
-    let sizes = validate_inputs(tensors, opts)?;
+    let sizes = validate_inputs(tensors, opts, optimizer.as_ref())?;
     commit(fs, dir, tensors, &sizes, opts, optimizer)
 }
 
