@@ -139,51 +139,34 @@ def _prepare(name: str, value: Any) -> tuple[str, str, np.ndarray]:
     return name, wire, a
 
 
+_StateEntry = tuple[str, str, tuple[str, str, np.ndarray], Optional[tuple[str, str, np.ndarray]]]
+
+
 def _optimizer_parts(
     optimizer: Mapping[str, Any],
     prepare: Callable[[str, Any], tuple[str, str, np.ndarray]] = _prepare,
-) -> tuple[list[tuple[str, str, np.ndarray]], str]:
-    """The state tensors and the manifest's optimizer section (JSON) of an optimizer dict.
-    ``prepare(name, value)`` turns each state value into ``(name, wire dtype, array)``."""
+) -> tuple[str, list[_StateEntry]]:
+    """The native save's form of an optimizer dict: the groups as JSON (each parameter as
+    ``[name, shape]``, hyperparameters apart) and one ``(param, state, values, scale)``
+    entry per state (``scale`` is ``None`` for plain states). ``prepare(name, value)``
+    turns each state tensor into ``(name, wire dtype, array)``. The engine builds the
+    manifest's optimizer section from these and checks every rule of
+    format-spec/optimizer.md itself."""
     groups = optimizer.get("param_groups")
     if groups is None:
         raise InvalidArgumentError("optimizer state needs 'param_groups'")
     shapes = optimizer.get("param_shapes") or {}
     state = optimizer.get("state") or {}
-    tensors: list[tuple[str, str, np.ndarray]] = []
-    sec_groups = []
-    params = []
-    named = set()
+    out_groups = []
+    entries: list[_StateEntry] = []
     for g in groups:
-        names = list(g["params"])
-        sec_groups.append(
-            {"params": names, "hyper": {k: v for k, v in g.items() if k != "params"}}
-        )
-        for p in names:
+        params = []
+        for p in g["params"]:
             if not isinstance(p, str):
                 raise InvalidArgumentError(
                     f"parameters are named by strings in ckptstore, got {p!r}"
                 )
-            named.add(p)
-            entries = []
             pstate = state.get(p) or {}
-            for sname in sorted(pstate):
-                v = pstate[sname]
-                tname = f"{OPTIM_PREFIX}{p}/{sname}"
-                if isinstance(v, F16Scaled):
-                    tensors.append(prepare(tname, v.q))
-                    tensors.append(prepare(tname + ".scale", v.scale))
-                    entries.append(
-                        {
-                            "name": sname,
-                            "tensor": tname,
-                            "encoding": "f16_scaled",
-                            "scale": tname + ".scale",
-                        }
-                    )
-                else:
-                    tensors.append(prepare(tname, v))
-                    entries.append({"name": sname, "tensor": tname, "encoding": "plain"})
             if p in shapes:
                 shape = [int(d) for d in shapes[p]]
             elif pstate:
@@ -195,14 +178,20 @@ def _optimizer_parts(
                     f"optimizer state: no shape for parameter {p!r} (it has no state): "
                     "give 'param_shapes'"
                 )
-            params.append({"name": p, "shape": shape, "state": entries})
-    stray = sorted(set(state) - named)
-    if stray:
-        raise OptimizerStateError(
-            f"optimizer state: parameter {stray[0]!r} has state but no group names it"
+            params.append([p, shape])
+        out_groups.append(
+            {"params": params, "hyper": {k: v for k, v in g.items() if k != "params"}}
         )
-    section = json.dumps({"groups": sec_groups, "params": params}, allow_nan=False)
-    return tensors, section
+    for p, pstate in state.items():
+        for sname, v in (pstate or {}).items():
+            tname = f"{OPTIM_PREFIX}{p}/{sname}"
+            if isinstance(v, F16Scaled):
+                entries.append(
+                    (p, sname, prepare(tname, v.q), prepare(tname + ".scale", v.scale))
+                )
+            else:
+                entries.append((p, sname, prepare(tname, v), None))
+    return json.dumps(out_groups, allow_nan=False), entries
 
 
 def save(
@@ -239,10 +228,7 @@ def save(
     if not isinstance(tensors, Mapping):
         raise InvalidArgumentError("tensors must be a mapping of name -> array")
     entries = [_prepare(n, v) for n, v in tensors.items()]
-    section = None
-    if optimizer is not None:
-        extra, section = _optimizer_parts(optimizer)
-        entries.extend(extra)
+    opt = None if optimizer is None else _optimizer_parts(optimizer)
     meta = None
     if metadata is not None:
         if not isinstance(metadata, Mapping):
@@ -253,7 +239,7 @@ def save(
             raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
     if max_shard_size is not None and max_shard_size <= 0:
         raise InvalidArgumentError("max_shard_size must be positive")
-    return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, section)
+    return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, opt)
 
 
 def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's reader entry point

@@ -19,10 +19,18 @@ def save(
     tensors: Sequence[tuple[str, str, np.ndarray]],
     metadata: Optional[str] = None,
     max_shard_size: Optional[int] = None,
-    optimizer: Optional[str] = None,
+    optimizer: Optional[
+        tuple[
+            str,
+            Sequence[
+                tuple[str, str, tuple[str, str, np.ndarray], Optional[tuple[str, str, np.ndarray]]]
+            ],
+        ]
+    ] = None,
 ) -> dict[str, Any]:
-    """Low-level save: ``(name, wire dtype, array)`` triples, metadata and optimizer
-    section as JSON text. Use :func:`ckptstore.save`."""
+    """Low-level save: ``(name, wire dtype, array)`` triples, metadata as JSON text, and
+    optimizer state as ``(groups JSON, [(param, state, values, scale or None), ...])``;
+    the engine builds and checks the optimizer section. Use :func:`ckptstore.save`."""
 
 class MappedCheckpoint:
     """The base object of arrays over a mapped checkpoint: keeps the mapping alive."""

@@ -227,7 +227,7 @@ def save(
                 )
             entries.append(_to_numpy(name, t))
             meta["model"].append(name)
-    section = None
+    optim = None
     if optimizer is not None:
         sd = optimizer.state_dict()
         names = _param_names(model, optimizer)
@@ -255,8 +255,7 @@ def save(
             "param_shapes": {n: tuple(p.shape) for n, p in zip(names, params)},
             "state": state,
         }
-        tensors, section = _optimizer_parts(opt, prepare=_to_numpy)
-        entries.extend(tensors)
+        optim = _optimizer_parts(opt, prepare=_to_numpy)
         meta["optimizer"] = {"class": type(optimizer).__name__, "values": values}
     for k, v in (extra or {}).items():
         if not isinstance(k, str):
@@ -267,7 +266,7 @@ def save(
         else:
             meta["extra"][k] = _encode(v, f"extra {k!r}")
     metadata = json.dumps({META_KEY: meta}, allow_nan=False)
-    return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, section)
+    return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, optim)
 
 
 # ---- load --------------------------------------------------------------------------------

@@ -1,0 +1,468 @@
+//! Reading: `ckptstore.Checkpoint` over an open checkpoint, numpy arrays over its
+//! read-only maps, and freshly loaded optimizer state in arrays that own their buffers.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ckptstore::optim::{ScaleShape, StateLayout, StateValue, Target, Tensor};
+use ckptstore::{Checkpoint, Error, Kind};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::dtypes::{array_over, descr, uint8};
+use crate::errors::{invalid_arg, CkError};
+
+/// Keeps an open checkpoint (its read-only memory maps) alive: the `base` of every array
+/// `Checkpoint` hands out, so a mapping lives as long as any array over it.
+#[pyclass(module = "ckptstore._ckptstore", frozen)]
+pub(crate) struct MappedCheckpoint {
+    #[allow(dead_code)] // held for its lifetime only
+    ck: Arc<Checkpoint>,
+}
+
+/// Owns one buffer loaded by `load_optimizer`: the `base` of the writable array over it.
+#[pyclass(module = "ckptstore._ckptstore", frozen)]
+pub(crate) struct OwnedBuffer {
+    #[allow(dead_code)] // held for its lifetime only
+    tensor: Tensor,
+}
+
+/// A numpy array that owns a freshly loaded tensor's buffer (no copy).
+fn owned_array(py: Python<'_>, mut t: Tensor, raw: bool) -> PyResult<Py<PyAny>> {
+    let (d, shape) = if raw {
+        (uint8(py)?, vec![t.bytes().len() as u64])
+    } else {
+        (descr(py, t.dtype())?, t.shape().to_vec())
+    };
+    let ptr = t.bytes_mut().as_mut_ptr();
+    // The Tensor's bytes live in a heap allocation that moving the Tensor does not move.
+    let base = Py::new(py, OwnedBuffer { tensor: t })?;
+    // SAFETY: `ptr` points to the tensor's `numel * size` bytes, owned by `base` (which the
+    // array keeps alive and nothing else reads or writes: it is frozen and exposes nothing).
+    unsafe { array_over(py, d, &shape, ptr, true, base.into_any()) }
+}
+
+fn json_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    let text = serde_json::to_string(v).map_err(|e| invalid_arg(e.to_string()))?;
+    py.import("json")?.call_method1("loads", (text,))
+}
+
+fn kind_name(k: Kind) -> &'static str {
+    match k {
+        Kind::Native => "ckptstore",
+        Kind::Safetensors => "safetensors",
+        Kind::HfSharded => "hf-sharded",
+        _ => "unknown",
+    }
+}
+
+/// Parse one layout target name.
+fn parse_target(s: &str) -> PyResult<Target> {
+    Ok(match s.to_ascii_lowercase().as_str() {
+        "as_stored" | "stored" => Target::AsStored,
+        "f32" | "float32" => Target::F32,
+        "bf16" | "bfloat16" => Target::BF16,
+        "f16_scaled" => Target::F16Scaled(ScaleShape::Keep),
+        "f16_scaled_scalar" => Target::F16Scaled(ScaleShape::Scalar),
+        "f16_scaled_one" => Target::F16Scaled(ScaleShape::One),
+        _ => {
+            return Err(invalid_arg(format!(
+                "unknown layout target {s:?}: use \"as_stored\", \"f32\", \"bf16\", \
+                 \"f16_scaled\", \"f16_scaled_scalar\" or \"f16_scaled_one\""
+            )))
+        }
+    })
+}
+
+/// Build a `StateLayout` from the Python description (see `Checkpoint.load_optimizer`).
+fn parse_layout(layout: Option<&Bound<'_, PyAny>>, counters: Vec<String>) -> PyResult<StateLayout> {
+    let mut l = StateLayout::default();
+    match layout {
+        None => {}
+        Some(obj) if obj.is_none() => {}
+        Some(obj) => {
+            if let Ok(s) = obj.extract::<String>() {
+                l = StateLayout::with_default(parse_target(&s)?);
+            } else if let Ok(d) = obj.cast::<PyDict>() {
+                // The default first, so that the per-state entries survive it.
+                if let Some(t) = d.get_item("*")? {
+                    l = StateLayout::with_default(parse_target(&t.extract::<String>()?)?);
+                }
+                for (k, v) in d.iter() {
+                    let target = parse_target(&v.extract::<String>().map_err(|_| {
+                        invalid_arg(format!("layout value for {k} must be a string"))
+                    })?)?;
+                    if let Ok(key) = k.extract::<String>() {
+                        if key != "*" {
+                            l = l.state(key, target);
+                        }
+                    } else if let Ok((param, state)) = k.extract::<(String, String)>() {
+                        l = l.param_state(param, state, target);
+                    } else {
+                        return Err(invalid_arg(format!(
+                            "layout keys are state names, \"*\" or (param, state) tuples, not {k}"
+                        )));
+                    }
+                }
+            } else {
+                return Err(invalid_arg(
+                    "layout must be None, a target name or a dict of state name -> target name",
+                ));
+            }
+        }
+    }
+    for c in counters {
+        l = l.counter(c);
+    }
+    Ok(l)
+}
+
+/// An open checkpoint: a ckptstore directory, a plain `.safetensors` file, or a Hugging
+/// Face sharded directory. Opening validates the structure and maps the shards read-only;
+/// no tensor data is read.
+///
+/// `ck[name]` returns a **read-only, zero-copy** numpy array over the mapped file. The
+/// array keeps the mapping alive: it stays valid after the `Checkpoint` is closed or
+/// garbage-collected. Use `np.array(ck[name])` for a writable copy.
+#[pyclass(module = "ckptstore", name = "Checkpoint")]
+pub(crate) struct PyCheckpoint {
+    inner: Option<(Arc<Checkpoint>, Py<MappedCheckpoint>)>,
+}
+
+impl PyCheckpoint {
+    fn open_parts(&self) -> PyResult<(&Arc<Checkpoint>, &Py<MappedCheckpoint>)> {
+        self.inner
+            .as_ref()
+            .map(|(a, b)| (a, b))
+            .ok_or_else(|| PyValueError::new_err("the checkpoint is closed"))
+    }
+
+    fn view_array(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        verify: bool,
+        raw: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (ck, base) = self.open_parts()?;
+        if verify {
+            let ck = ck.clone();
+            let n = name.to_string();
+            py.detach(move || ck.tensor_verified(&n).map(|_| ()))
+                .map_err(CkError)?;
+        }
+        let v = ck.tensor(name).map_err(CkError)?;
+        self.wrap(py, base, v, raw)
+    }
+
+    fn wrap(
+        &self,
+        py: Python<'_>,
+        base: &Py<MappedCheckpoint>,
+        v: ckptstore::TensorView<'_>,
+        raw: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (d, shape) = if raw {
+            (uint8(py)?, vec![v.bytes().len() as u64])
+        } else {
+            (descr(py, v.dtype())?, v.shape().to_vec())
+        };
+        // SAFETY: the view's bytes lie in a read-only memory map owned by the `Checkpoint`
+        // behind `base`'s Arc, which the array holds as its base; the array is read-only
+        // (`writable == false`), and the mapped files are never modified in place (the
+        // engine's contract, see `ckptstore::Map`).
+        unsafe {
+            array_over(
+                py,
+                d,
+                &shape,
+                v.bytes().as_ptr().cast_mut(),
+                false,
+                base.clone_ref(py).into_any(),
+            )
+        }
+    }
+}
+
+#[pymethods]
+impl PyCheckpoint {
+    /// Open the checkpoint at `path` (see `ckptstore.open`).
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        let ck = Arc::new(py.detach(|| Checkpoint::open(&path)).map_err(CkError)?);
+        let base = Py::new(py, MappedCheckpoint { ck: ck.clone() })?;
+        Ok(PyCheckpoint {
+            inner: Some((ck, base)),
+        })
+    }
+
+    /// Tensor names, in manifest (or header) order.
+    fn keys(&self) -> PyResult<Vec<String>> {
+        let (ck, _) = self.open_parts()?;
+        Ok(ck.tensors().iter().map(|t| t.name.clone()).collect())
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.open_parts()?.0.tensors().len())
+    }
+
+    fn __contains__(&self, name: &str) -> PyResult<bool> {
+        Ok(self.open_parts()?.0.info(name).is_ok())
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(PyList::new(py, self.keys()?)?.try_iter()?.into_any())
+    }
+
+    /// A read-only zero-copy numpy array over the tensor's mapped bytes (CRC not checked:
+    /// see `get(name, verify=True)`). Raises `TensorNotFoundError` (a `KeyError`).
+    fn __getitem__(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        self.view_array(py, name, false, false)
+    }
+
+    /// `ck.get(name, verify=False, raw=False)`: like `ck[name]`; with `verify=True` the
+    /// tensor's CRC32 is checked first (`ChecksumError` on damage); with `raw=True` the
+    /// array is the tensor's little-endian bytes as a 1-D `uint8` array (for frameworks
+    /// whose dtypes numpy lacks).
+    #[pyo3(signature = (name, *, verify = false, raw = false))]
+    fn get(&self, py: Python<'_>, name: &str, verify: bool, raw: bool) -> PyResult<Py<PyAny>> {
+        self.view_array(py, name, verify, raw)
+    }
+
+    /// `ck.read(names=None, *, verify=True, raw=False) -> dict[str, ndarray]`: zero-copy
+    /// read-only arrays for many tensors (all when `names` is None), their CRC32s checked
+    /// first, in parallel, with the interpreter released. Raises before returning anything
+    /// if a name is missing or a tensor is damaged.
+    #[pyo3(signature = (names = None, *, verify = true, raw = false))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        names: Option<Vec<String>>,
+        verify: bool,
+        raw: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (ck, base) = self.open_parts()?;
+        let names = match names {
+            Some(n) => n,
+            None => ck.tensors().iter().map(|t| t.name.clone()).collect(),
+        };
+        for n in &names {
+            ck.info(n).map_err(CkError)?;
+        }
+        if verify {
+            let ck2 = ck.clone();
+            let ns = &names;
+            py.detach(move || verify_many(&ck2, ns)).map_err(CkError)?;
+        }
+        let out = PyDict::new(py);
+        for n in &names {
+            let v = ck.tensor(n).map_err(CkError)?;
+            out.set_item(n, self.wrap(py, base, v, raw)?)?;
+        }
+        Ok(out)
+    }
+
+    /// `ck.info(name) -> dict`: `dtype` (wire name such as "F32"), `shape` (tuple),
+    /// `nbytes`, `shard` (index), `file` (shard file name) and `crc32` (None for foreign
+    /// stores).
+    fn info<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
+        let (ck, _) = self.open_parts()?;
+        let t = ck.info(name).map_err(CkError)?;
+        let d = PyDict::new(py);
+        d.set_item("dtype", t.dtype.name())?;
+        d.set_item("shape", PyTuple::new(py, &t.shape)?)?;
+        d.set_item("nbytes", t.nbytes())?;
+        d.set_item("shard", t.shard)?;
+        d.set_item("file", &ck.shards()[t.shard].file)?;
+        d.set_item("crc32", t.crc32)?;
+        Ok(d)
+    }
+
+    /// User metadata: a dict (the manifest's `metadata`; for foreign stores the
+    /// safetensors `__metadata__` strings).
+    #[getter]
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_py(py, self.open_parts()?.0.metadata())
+    }
+
+    /// "ckptstore", "safetensors" (a single file) or "hf-sharded".
+    #[getter]
+    fn kind(&self) -> PyResult<&'static str> {
+        Ok(kind_name(self.open_parts()?.0.kind()))
+    }
+
+    /// The checkpoint id (ckptstore checkpoints only; None otherwise).
+    #[getter]
+    fn checkpoint_id(&self) -> PyResult<Option<String>> {
+        Ok(self
+            .open_parts()?
+            .0
+            .manifest()
+            .map(|m| m.checkpoint_id.clone()))
+    }
+
+    /// The directory the checkpoint was opened from (a single file's directory).
+    #[getter]
+    fn path(&self) -> PyResult<PathBuf> {
+        Ok(self.open_parts()?.0.root().to_path_buf())
+    }
+
+    /// Paths of the shard files, in shard order.
+    #[getter]
+    fn shard_files(&self) -> PyResult<Vec<PathBuf>> {
+        let (ck, _) = self.open_parts()?;
+        Ok(ck
+            .shards()
+            .iter()
+            .map(|s| match ck.kind() {
+                Kind::Safetensors => PathBuf::from(&s.file),
+                _ => ck.root().join(&s.file),
+            })
+            .collect())
+    }
+
+    /// Total bytes of tensor data.
+    #[getter]
+    fn nbytes(&self) -> PyResult<u64> {
+        Ok(self.open_parts()?.0.data_bytes())
+    }
+
+    /// True if the checkpoint holds an optimizer section.
+    #[getter]
+    fn has_optimizer(&self) -> PyResult<bool> {
+        Ok(self
+            .open_parts()?
+            .0
+            .manifest()
+            .is_some_and(|m| m.optimizer.is_some()))
+    }
+
+    /// Check everything `open` does not: every shard header against the manifest, the
+    /// optimizer section, and the CRC32 of every tensor (parallel, interpreter released).
+    /// Returns `{"tensors": n, "bytes": n, "checksummed": bool}`; raises `ChecksumError` or
+    /// `CorruptCheckpointError` naming the file, shard and tensor.
+    fn verify<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let ck = self.open_parts()?.0.clone();
+        let r = py.detach(move || ck.verify()).map_err(CkError)?;
+        let d = PyDict::new(py);
+        d.set_item("tensors", r.tensors)?;
+        d.set_item("bytes", r.bytes)?;
+        d.set_item("checksummed", r.checksummed)?;
+        Ok(d)
+    }
+
+    /// `ck.load_optimizer(layout=None, *, counters=(), raw=False) -> dict`
+    ///
+    /// Load the optimizer state into fresh, writable arrays (each owns its buffer: no copy
+    /// on the way to Python), converted to the layout the live optimizer wants. Every
+    /// tensor read has its CRC32 checked; the mapped checkpoint is only read, so loading
+    /// twice gives identical arrays.
+    ///
+    /// `layout`: None (everything as stored); a target name, applied to every
+    /// floating-point state shaped like its parameter but never to counters (`step`, and
+    /// the names in `counters`); or a dict of state name (or `(param, state)` tuple) ->
+    /// target name, with `"*"` for the default. Targets: "as_stored", "f32", "bf16",
+    /// "f16_scaled" (FP16 codes + FP32 scale: the stored scale shape, else `(1,)`),
+    /// "f16_scaled_scalar" (scale shape `()`), "f16_scaled_one" (scale shape `(1,)`).
+    ///
+    /// Returns `{"param_groups": [{"params": [names], **hyper}], "param_shapes": {name:
+    /// shape}, "state": {name: {state: ndarray | F16Scaled}}}`; parameters without state
+    /// have no entry in `state`. Raises `OptimizerStateError` if there is no optimizer
+    /// section or a conversion cannot be done, `ChecksumError` for damaged bytes.
+    #[pyo3(signature = (layout = None, *, counters = Vec::new(), raw = false))]
+    fn load_optimizer<'py>(
+        &self,
+        py: Python<'py>,
+        layout: Option<&Bound<'py, PyAny>>,
+        counters: Vec<String>,
+        raw: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let layout = parse_layout(layout, counters)?;
+        let ck = self.open_parts()?.0.clone();
+        let st = py
+            .detach(move || ck.load_optimizer(&layout))
+            .map_err(CkError)?;
+        let scaled_cls = py.import("ckptstore._types")?.getattr("F16Scaled")?;
+        let groups = PyList::empty(py);
+        let shapes = PyDict::new(py);
+        for g in &st.groups {
+            let gd = json_to_py(py, &serde_json::Value::Object(g.hyper.clone()))?
+                .cast_into::<PyDict>()?;
+            let names: Vec<&str> = g.params.iter().map(|p| p.name.as_str()).collect();
+            gd.set_item("params", names)?;
+            groups.append(gd)?;
+            for p in &g.params {
+                shapes.set_item(&p.name, PyTuple::new(py, &p.shape)?)?;
+            }
+        }
+        let state = PyDict::new(py);
+        for (param, states) in st.state {
+            let sd = PyDict::new(py);
+            for (name, v) in states {
+                let obj = match v {
+                    StateValue::Plain(t) => owned_array(py, t, raw)?,
+                    StateValue::F16Scaled { q, scale } => scaled_cls
+                        .call1((owned_array(py, q, raw)?, owned_array(py, scale, raw)?))?
+                        .unbind(),
+                };
+                sd.set_item(name, obj)?;
+            }
+            state.set_item(param, sd)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("param_groups", groups)?;
+        out.set_item("param_shapes", shapes)?;
+        out.set_item("state", state)?;
+        Ok(out)
+    }
+
+    /// Drop this object's hold on the mapping. Arrays already handed out stay valid (each
+    /// holds the mapping itself); further calls on this object raise `ValueError`.
+    fn close(&mut self) {
+        self.inner = None;
+    }
+
+    /// True once `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&mut self, _args: &Bound<'_, PyTuple>) -> bool {
+        self.close();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.inner {
+            None => "<ckptstore.Checkpoint (closed)>".into(),
+            Some((ck, _)) => format!(
+                "<ckptstore.Checkpoint {:?} kind={} tensors={} bytes={}>",
+                ck.root().display().to_string(),
+                kind_name(ck.kind()),
+                ck.tensors().len(),
+                ck.data_bytes()
+            ),
+        }
+    }
+}
+
+/// Check the CRC32 of every named tensor, in parallel; the first failure in `names` order.
+fn verify_many(ck: &Checkpoint, names: &[String]) -> Result<(), Error> {
+    use rayon::prelude::*;
+    let first_bad = names
+        .par_iter()
+        .enumerate()
+        .filter_map(|(i, n)| ck.tensor_verified(n).err().map(|e| (i, e)))
+        .min_by_key(|(i, _)| *i);
+    match first_bad {
+        Some((_, e)) => Err(e),
+        None => Ok(()),
+    }
+}
