@@ -274,16 +274,39 @@ fn convert_rewrites_state_and_weights_in_another_dtype() {
     // And back to f16-scaled from f32: the codes are the formula's.
     let f32dir = root.path().join("f32");
     let back = root.path().join("back");
-    assert!(ckpt(&[
+    let o = ckpt(&[
         "convert",
         f32dir.to_str().unwrap(),
         "--out",
         back.to_str().unwrap(),
         "--dtype",
-        "f16-scaled"
-    ])
-    .status
-    .success());
+        "f16-scaled",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    // The report says what was converted and why the rest was kept: model tensors stay
+    // F32 (F16 scaling applies to optimizer state only), and so do step counters.
+    // Each parameter has exp_avg, exp_avg_sq and step in the F32 copy.
+    let n_state = orig.state.len();
+    let n_model = ckptstore::Checkpoint::open(&f32dir)
+        .unwrap()
+        .tensors()
+        .len()
+        - 3 * n_state;
+    let report = text(&o);
+    assert!(
+        report.contains(&format!("{} converted to f16-scaled", 2 * n_state)),
+        "{report}"
+    );
+    assert!(
+        report.contains(&format!(
+            "{n_model} model tensors (f16-scaled applies to optimizer state only)"
+        )),
+        "{report}"
+    );
+    assert!(
+        report.contains(&format!("{n_state} optimizer scalars and counters")),
+        "{report}"
+    );
     let st = ckptstore::Checkpoint::open(&back)
         .unwrap()
         .load_optimizer(&StateLayout::default())

@@ -1,9 +1,11 @@
 //! `ckpt convert`: rewrite a checkpoint in another storage dtype.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::optim::{ScaleShape, StateLayout, Target, Tensor};
+use ckptstore::format::manifest::Encoding;
+use ckptstore::optim::{ScaleShape, StateLayout, StateValue, Target, Tensor};
 use ckptstore::{Checkpoint, DType, Error, Result, SaveOptions, TensorRef};
 
 use crate::util::{human, parse_size};
@@ -14,6 +16,16 @@ enum Dtype {
     Bf16,
     #[value(name = "f16-scaled")]
     F16Scaled,
+}
+
+impl Dtype {
+    fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16Scaled => "f16-scaled",
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -97,6 +109,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
         .unwrap_or_default();
     let mut converted: Vec<(String, Tensor)> = Vec::new();
     let mut borrowed: Vec<TensorRef<'_>> = Vec::new();
+    // Why tensors were kept as stored: reason -> count.
+    let mut kept: BTreeMap<String, usize> = BTreeMap::new();
     for t in ck
         .tensors()
         .iter()
@@ -109,12 +123,53 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .flatten()
         {
             Some(c) => converted.push((t.name.clone(), c)),
-            None => borrowed.push(TensorRef::new(
-                t.name.as_str(),
-                t.dtype,
-                &t.shape,
-                v.bytes(),
-            )),
+            None => {
+                let why = match model_dtype {
+                    None => "model tensors (f16-scaled applies to optimizer state only)".into(),
+                    Some(_) if !t.dtype.is_float() => "not floating point".into(),
+                    Some(d) => format!("already {d}"),
+                };
+                *kept.entry(why).or_default() += 1;
+                borrowed.push(TensorRef::new(
+                    t.name.as_str(),
+                    t.dtype,
+                    &t.shape,
+                    v.bytes(),
+                ))
+            }
+        }
+    }
+    let mut n_converted = converted.len();
+    if let (Some(sec), Some(st)) = (optim, &state) {
+        for p in &sec.params {
+            for s in &p.state {
+                let stored = ck.info(&s.tensor)?.dtype;
+                let Some(loaded) = st.state.get(&p.name).and_then(|m| m.get(&s.name)) else {
+                    continue;
+                };
+                // Stored tensors behind this state: the codes and, if scaled, the scale.
+                let n = 1 + usize::from(s.scale.is_some());
+                let why = match (loaded, s.encoding) {
+                    (StateValue::Plain(t), Encoding::Plain) if t.dtype() != stored => None,
+                    (StateValue::Plain(_), Encoding::Plain) if !stored.is_float() => {
+                        Some("not floating point".to_string())
+                    }
+                    (StateValue::Plain(_), Encoding::Plain) if model_dtype == Some(stored) => {
+                        Some(format!("already {stored}"))
+                    }
+                    (StateValue::Plain(_), Encoding::Plain) => {
+                        Some("optimizer scalars and counters such as step (never converted)".into())
+                    }
+                    (StateValue::F16Scaled { .. }, Encoding::F16Scaled) => {
+                        Some("already f16-scaled (codes and scales)".into())
+                    }
+                    _ => None,
+                };
+                match why {
+                    None => n_converted += n,
+                    Some(why) => *kept.entry(why).or_default() += n,
+                }
+            }
         }
     }
     let mut model = borrowed;
@@ -135,13 +190,19 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if info.tensors == 0 && !ck.tensors().is_empty() {
         return Err(Error::InvalidArgument("nothing was written".into()));
     }
+    let kept_total: usize = kept.values().sum();
     println!(
-        "converted {} tensors ({}) into {} ({} shard(s), checkpoint {})",
+        "wrote {} tensors ({}) into {} ({} shard(s), checkpoint {}); of the source's {}: {n_converted} converted to {}, {kept_total} kept as stored",
         info.tensors,
         human(info.data_bytes),
         a.out.display(),
         info.shards,
-        info.checkpoint_id
+        info.checkpoint_id,
+        ck.tensors().len(),
+        a.dtype.name(),
     );
+    for (why, n) in &kept {
+        println!("  kept as stored: {n} {why}");
+    }
     Ok(ExitCode::SUCCESS)
 }
