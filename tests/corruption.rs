@@ -332,9 +332,9 @@ fn foreign_safetensors_and_hf_directories_open_read_only() {
         bytemuck::cast_slice(&data),
     )
     .unwrap();
-    let bytes = safetensors::serialize([("w", view.clone())], &None).unwrap();
+    let bytes = safetensors::serialize([("w", view.clone())], None).unwrap();
     std::fs::write(dir.path().join("model-00001-of-00002.safetensors"), &bytes).unwrap();
-    let bytes2 = safetensors::serialize([("v", view)], &None).unwrap();
+    let bytes2 = safetensors::serialize([("v", view)], None).unwrap();
     std::fs::write(dir.path().join("model-00002-of-00002.safetensors"), &bytes2).unwrap();
     let single = Checkpoint::open(dir.path().join("model-00001-of-00002.safetensors")).unwrap();
     assert_eq!(single.kind(), ckptstore::Kind::Safetensors);
