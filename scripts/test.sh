@@ -2,18 +2,29 @@
 # The whole test suite: Rust unit, integration, property and doc tests, then the Python
 # tests (stock safetensors + numpy interop, JSON Schema, the ckptstore bindings with numpy
 # and torch) in a project-local venv.
-# Works on a fresh machine with Rust and Python 3 installed.
+# Works on a fresh machine with Rust and Python 3 installed. Prints one line per step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+step() { printf '== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
 if [ ! -x .venv/bin/python ]; then
+  step "venv: creating .venv"
   python3 -m venv .venv
+else
+  step "venv: using .venv"
 fi
+step "Python packages: tests/python/requirements.txt (torch is large: minutes on a fresh machine)"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 # The Python bindings (python/): built from source by maturin, the PEP 517 backend pip
 # fetches from PyPI, into this workspace's target/ directory.
+step "bindings: building python/ with maturin (release)"
 .venv/bin/python -m pip install -q --disable-pip-version-check ./python
 
+step "Rust build: ckpt (release)"
 cargo build --release --bin ckpt
+step "Rust tests: cargo test --release"
 cargo test --release
+step "Python tests: pytest tests/python"
 CKPT_BIN="$PWD/target/release/ckpt" .venv/bin/python -m pytest -q tests/python
+step "all tests passed"
