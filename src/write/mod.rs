@@ -2,6 +2,8 @@
 //! (format-spec/durability.md).
 
 pub mod fs;
+#[doc(hidden)]
+pub mod pause;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
@@ -621,6 +623,7 @@ fn commit<F: Fs>(
         )));
     }
 
+    pause::point(pause::Point::BeforeShards);
     // 1. Write shards to temporary files, fsync, rename to their final names.
     let written: Vec<(ShardEntry, Vec<TensorSums>)> = shards
         .par_iter()
@@ -691,8 +694,10 @@ fn commit<F: Fs>(
         .map_err(|e| Error::io("fsync", &tmp, e))?;
     drop(f);
     let target = dir.join(MANIFEST_FILE);
+    pause::point(pause::Point::BeforeManifestRename);
     fs.rename(&tmp, &target)
         .map_err(|e| Error::io("rename", &tmp, e))?;
+    pause::point(pause::Point::AfterManifestRename);
     // 4. The commit point: the new manifest's directory entry is durable.
     fs.sync_dir(dir).map_err(|e| {
         Error::io(
@@ -701,6 +706,7 @@ fn commit<F: Fs>(
             e,
         )
     })?;
+    pause::point(pause::Point::BeforeCleanup);
 
     // 5. Cleanup: engine files the new manifest does not reference. Failures here leave
     //    garbage, never damage: the new checkpoint is committed.
