@@ -30,6 +30,12 @@ const PAUSE_TIMEOUT: Duration = Duration::from_secs(60);
 const RANDOM_KILLS: usize = 24;
 /// A user's file in the output directory: never touched by the writer.
 const NOTES: &str = "notes.txt";
+/// Temporary files of earlier interrupted saves, planted in the output directory: the
+/// writer removes them under its lock before writing its shards.
+const LEFTOVERS: [&str; 2] = [
+    ".ckpt-tmp-shard-0123456789abcdef0123456789abcdef-00000.safetensors",
+    ".ckpt-tmp-0123456789abcdef0123456789abcdef-manifest",
+];
 
 /// Tensor `i` of generation `g`: `words` u32 words of a cheap pattern.
 fn tensor_bytes(g: u32, i: u32, words: usize) -> Vec<u8> {
@@ -162,7 +168,8 @@ fn names(dir: &Path) -> Vec<String> {
     v
 }
 
-/// A fresh output directory holding A and a user's file. A's files are hard links to the
+/// A fresh output directory holding A, a user's file and the leftovers of an interrupted
+/// save. A's files are hard links to the
 /// pristine copy (the writer never modifies a file in place, only renames over or unlinks
 /// it: if it ever wrote into one, A's check would fail from then on).
 fn prepare(pristine_a: &Path, out: &Path) {
@@ -175,6 +182,9 @@ fn prepare(pristine_a: &Path, out: &Path) {
         }
     }
     std::fs::write(out.join(NOTES), b"mine").unwrap();
+    for n in LEFTOVERS {
+        std::fs::write(out.join(n), b"partial").unwrap();
+    }
 }
 
 /// The paths of the test.
@@ -392,10 +402,12 @@ fn sigkill_during_pack_leaves_old_or_new() {
         };
         match p {
             Point::BeforeShards => {
+                // The leftovers are gone already (removed under the lock, before the shards)
+                // and nothing of the new save exists yet.
                 assert!(
                     shards_not_of(&at_kill, &a_id).is_empty()
                         && !at_kill.iter().any(|n| n.starts_with(".ckpt-tmp-")),
-                    "{what}: files of the new save exist before its shards: {at_kill:?}"
+                    "{what}: leftovers or files of the new save exist before its shards: {at_kill:?}"
                 );
             }
             Point::BeforeManifestRename => {
