@@ -343,7 +343,9 @@ pub struct CommitInfo {
 /// fsynced and renamed over `ckpt-manifest.json`; the directory is fsynced again; only
 /// then does the save count as committed, and files of the previous checkpoint are removed.
 /// A crash at any point leaves either the old or the new checkpoint. A reader that has the
-/// old checkpoint open keeps reading its old bytes.
+/// old checkpoint open keeps reading its old bytes. Before writing, temporary files left by
+/// earlier failed or killed saves are removed; after an error, so are the files this save
+/// created (format-spec/durability.md §Cleanup).
 ///
 /// # Errors
 /// [`Error::InvalidTensor`] or [`Error::InvalidArgument`] for duplicate names, sizes that
