@@ -6,7 +6,8 @@
 //! ckptstore checkpoint directory. A step is written into `ROOT/.tmp-step-<step>-<id>/` and
 //! renamed into place once its own manifest is committed, then `ROOT` is fsynced: a step
 //! directory exists only when committed, and an interrupted save leaves only a `.tmp-step-`
-//! directory that `steps()` ignores and `gc()` removes.
+//! directory that `steps()` ignores and the next save (before writing) or `gc()` removes; a
+//! save that fails removes its own.
 //!
 //! Readers opened through [`CheckpointManager::open`] hold a shared lock on the step's
 //! `.ckpt-lock`; garbage collection takes that lock exclusively before deleting a step and
@@ -27,6 +28,10 @@ use crate::DType;
 
 const STEP_PREFIX: &str = "step-";
 const TMP_STEP_PREFIX: &str = ".tmp-step-";
+/// The root's lock: held (briefly) while a save creates and locks its `.tmp-step-`
+/// directory, and while interrupted saves are removed, so that a directory just created is
+/// never taken for an interrupted one before its writer has locked it.
+const ROOT_LOCK: &str = ".ckpt-manager-lock";
 
 /// Which steps garbage collection keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -428,8 +433,13 @@ impl CheckpointManager {
             }
             None => (tensors.to_vec(), None),
         };
+        // Free the space of interrupted saves before writing this one (a save that failed
+        // for lack of space must not make the next one fail too).
+        let root_lock = self.lock_root()?;
+        self.remove_interrupted_locked(&[]);
         if final_dir.join(MANIFEST_FILE).is_file() {
             // Re-saving a committed step: the directory's own atomic replace.
+            drop(root_lock);
             return write::save_locked(&final_dir, &tensors, opts, section);
         }
         let mut rnd = [0u8; 8];
@@ -441,19 +451,58 @@ impl CheckpointManager {
         ));
         if final_dir.exists() {
             // An uncommitted leftover (a gc that stopped half-way): clear it first.
-            remove_step_dir(&final_dir).map_err(|e| Error::io("remove", &final_dir, e))?;
+            remove_step_dir(&final_dir, false).map_err(|e| Error::io("remove", &final_dir, e))?;
         }
         write::prepare_dir(&tmp)?;
         // The writer lock is held until the rename: gc never removes a directory whose
-        // lock is held, so it cannot take this one for an interrupted save.
+        // lock is held, so it cannot take this one for an interrupted save (nor before it is
+        // held: the root lock covers the creation).
         let lock = write::lock_dir(&tmp)?;
-        let info = write::save_impl(&write::fs::StdFs, &tmp, &tensors, opts, section)?;
+        drop(root_lock);
+        let info = match write::save_impl(&write::fs::StdFs, &tmp, &tensors, opts, section) {
+            Ok(info) => info,
+            Err(e) => {
+                // Nothing was committed: the directory is ours (we hold its lock) and holds
+                // no file of the failed save any more; remove it.
+                let _ = remove_locked_step_dir(&tmp, lock);
+                return Err(e);
+            }
+        };
         std::fs::rename(&tmp, &final_dir).map_err(|e| Error::io("rename", &tmp, e))?;
         File::open(&self.root)
             .and_then(|d| d.sync_all())
             .map_err(|e| Error::io("fsync directory", &self.root, e))?;
         drop(lock);
         Ok(info)
+    }
+
+    /// Take the root's lock (blocking; held only for short steps, see [`ROOT_LOCK`]).
+    fn lock_root(&self) -> Result<File> {
+        let path = self.root.join(ROOT_LOCK);
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io("open lock file", &path, e))?;
+        f.lock().map_err(|e| Error::io("lock", &path, e))?;
+        Ok(f)
+    }
+
+    /// Remove the directories of interrupted saves (`.tmp-step-` directories, and `step-`
+    /// directories without a committed manifest) that no writer holds; returns how many
+    /// were removed. A directory whose lock is held (a save in progress) is skipped, and so
+    /// is one found committed once its lock is taken, and those in `skip`. The caller holds
+    /// the root's lock.
+    fn remove_interrupted_locked(&self, skip: &[PathBuf]) -> usize {
+        let Ok(entries) = self.list() else {
+            return 0;
+        };
+        entries
+            .iter()
+            .filter(|e| !e.committed && !skip.contains(&e.path))
+            .filter(|e| matches!(remove_step_dir(&e.path, false), Ok(true)))
+            .count()
     }
 
     /// Start saving `step` in the background and return as soon as the data is snapshot:
@@ -516,24 +565,29 @@ impl CheckpointManager {
             .collect();
         let keep_from = committed.len().saturating_sub(self.retention.keep_last);
         let mut report = GcReport::default();
+        let mut deleted = Vec::new();
         for e in &entries {
-            let doomed = if e.committed {
-                let newest = committed[keep_from..].contains(&e.step);
-                let every = self.retention.keep_every.is_some_and(|m| e.step % m == 0);
-                !(newest || every)
-            } else {
-                true // an interrupted save, if no writer holds it
-            };
-            if !doomed {
+            if !e.committed {
+                continue; // interrupted saves: below, under the root's lock
+            }
+            let newest = committed[keep_from..].contains(&e.step);
+            let every = self.retention.keep_every.is_some_and(|m| e.step % m == 0);
+            if newest || every {
                 continue;
             }
-            match remove_step_dir(&e.path) {
-                Ok(true) if e.committed => report.deleted.push(e.step),
-                Ok(true) => report.interrupted_removed += 1,
-                Ok(false) if e.committed => report.in_use.push(e.step),
-                _ => {}
+            match remove_step_dir(&e.path, true) {
+                Ok(true) => {
+                    report.deleted.push(e.step);
+                    deleted.push(e.path.clone());
+                }
+                Ok(false) => report.in_use.push(e.step),
+                Err(_) => {}
             }
         }
+        let root_lock = self.lock_root()?;
+        // (Steps just deleted are not counted again where a user's file kept the directory.)
+        report.interrupted_removed = self.remove_interrupted_locked(&deleted);
+        drop(root_lock);
         Ok(report)
     }
 }
@@ -550,10 +604,11 @@ impl Drop for Release {
     }
 }
 
-/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use.
-/// Only engine files (manifest, shards, temp files, lock) are removed; the directory itself
-/// only if that leaves it empty.
-fn remove_step_dir(dir: &Path) -> std::io::Result<bool> {
+/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use,
+/// or if it was listed as uncommitted (`committed` false) but holds a committed manifest
+/// once its lock is taken (a save committed it meanwhile). Only engine files (manifest,
+/// shards, temp files, lock) are removed; the directory itself only if that leaves it empty.
+fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
     let lock_path = dir.join(LOCK_FILE);
     let lock = OpenOptions::new()
         .read(true)
@@ -566,6 +621,16 @@ fn remove_step_dir(dir: &Path) -> std::io::Result<bool> {
         Err(std::fs::TryLockError::WouldBlock) => return Ok(false),
         Err(std::fs::TryLockError::Error(e)) => return Err(e),
     }
+    if !committed && dir.join(MANIFEST_FILE).exists() {
+        return Ok(false);
+    }
+    remove_locked_step_dir(dir, lock)?;
+    Ok(true)
+}
+
+/// Delete a step directory whose lock `lock` the caller holds (see [`remove_step_dir`]).
+fn remove_locked_step_dir(dir: &Path, lock: File) -> std::io::Result<()> {
+    let lock_path = dir.join(LOCK_FILE);
     // The manifest goes first: from then on the step is not committed for anyone.
     let _ = std::fs::remove_file(dir.join(MANIFEST_FILE));
     for e in std::fs::read_dir(dir)?.flatten() {
@@ -581,5 +646,5 @@ fn remove_step_dir(dir: &Path) -> std::io::Result<bool> {
     if let Some(parent) = dir.parent() {
         let _ = File::open(parent).and_then(|d| d.sync_all());
     }
-    Ok(true)
+    Ok(())
 }

@@ -1,28 +1,41 @@
 //! Real processes killed mid-save: `ckpt pack` (the shipped binary, through the real file
-//! system, writer lock and rayon threads) is SIGKILLed at delays sweeping its run time, and
-//! every time the output directory must open and verify as exactly the old checkpoint A or
-//! exactly the new one B.
+//! system, writer lock and rayon threads) is SIGKILLed during a save of checkpoint B over
+//! checkpoint A, and every time the output directory must open and verify as exactly A or
+//! exactly B.
 //!
 //! A SIGKILL is a process crash, not a power loss: what the kernel has accepted survives, so
 //! this checks the ordering of the writer's operations as the OS sees them (the simulated
-//! power-loss images are in crash_sim.rs). Timing-dependent by nature: the test asserts that
-//! some kills landed before the commit and some after it (so the sweep covered the window);
-//! to make the post-commit window (cleanup, exit) wide enough to be hit, every run starts
-//! from A plus `LEFTOVERS` empty leftover temporary files, as interrupted saves leave them,
-//! which the save's cleanup must remove after its commit.
+//! power-loss images are in crash_sim.rs).
+//!
+//! No timing luck: both sides of the commit point are hit deterministically through the
+//! writer's test-only pause seam (`ckptstore::write::pause`): the writer is told to stop at
+//! a named point of the protocol, announces it by creating a file, and is SIGKILLed only
+//! once the announcement is seen (waiting at most `PAUSE_TIMEOUT`). Each point has a known
+//! outcome (A before the manifest rename, B after it) and the directory is checked to be in
+//! the state that point implies. A random sweep on top kills unpaused runs at random
+//! moments of their run time and asserts only the A-or-B invariant.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ckptstore::write::pause::{Point, PAUSE_DIR_ENV, PAUSE_ENV};
 use ckptstore::{save, Checkpoint, DType, SaveOptions, TensorRef};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt");
-/// Empty `.ckpt-tmp-*` files put next to A before each run.
-const LEFTOVERS: usize = 4000;
-const MAX_KILLS: usize = 40;
-const BUDGET: Duration = Duration::from_secs(40);
+/// Longest wait for a paused writer's announcement (a loaded machine is slow, not stuck).
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Kills at random moments on top of the deterministic ones.
+const RANDOM_KILLS: usize = 24;
+/// A user's file in the output directory: never touched by the writer.
+const NOTES: &str = "notes.txt";
+/// Temporary files of earlier interrupted saves, planted in the output directory: the
+/// writer removes them under its lock before writing its shards.
+const LEFTOVERS: [&str; 2] = [
+    ".ckpt-tmp-shard-0123456789abcdef0123456789abcdef-00000.safetensors",
+    ".ckpt-tmp-0123456789abcdef0123456789abcdef-manifest",
+];
 
 /// Tensor `i` of generation `g`: `words` u32 words of a cheap pattern.
 fn tensor_bytes(g: u32, i: u32, words: usize) -> Vec<u8> {
@@ -145,11 +158,21 @@ fn classify(dir: &Path, refs: &[&Reference]) -> Result<&'static str, String> {
     Err(format!("neither checkpoint: {}", why.join("; ")))
 }
 
-/// A fresh output directory holding A and the leftovers. A's files are hard links to the
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A fresh output directory holding A, a user's file and the leftovers of an interrupted
+/// save. A's files are hard links to the
 /// pristine copy (the writer never modifies a file in place, only renames over or unlinks
-/// it: if it ever wrote into one, A's check would fail from then on); the leftovers are hard
-/// links to one empty file (creating files is slow on some file systems, linking is not).
-fn prepare(pristine_a: &Path, empty: &Path, out: &Path) {
+/// it: if it ever wrote into one, A's check would fail from then on).
+fn prepare(pristine_a: &Path, out: &Path) {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).unwrap();
     for e in std::fs::read_dir(pristine_a).unwrap() {
@@ -158,49 +181,119 @@ fn prepare(pristine_a: &Path, empty: &Path, out: &Path) {
             std::fs::hard_link(e.path(), out.join(e.file_name())).unwrap();
         }
     }
-    for i in 0..LEFTOVERS {
-        std::fs::hard_link(empty, out.join(format!(".ckpt-tmp-leftover-{i:05}"))).unwrap();
+    std::fs::write(out.join(NOTES), b"mine").unwrap();
+    for n in LEFTOVERS {
+        std::fs::write(out.join(n), b"partial").unwrap();
     }
-}
-
-fn pack(input: &Path, out: &Path) -> Command {
-    let mut c = Command::new(BIN);
-    c.arg("pack")
-        .arg(input)
-        .arg("--out")
-        .arg(out)
-        .arg("--max-shard-size")
-        .arg("16MiB")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    c
-}
-
-#[derive(Default)]
-struct Tally {
-    killed_old: usize,
-    killed_new: usize,
-    completed: usize,
-    /// (delay, outcome) in run order.
-    runs: Vec<(Duration, &'static str)>,
 }
 
 /// The paths of the test.
 struct Setup {
     input_b: PathBuf,
     pristine_a: PathBuf,
-    empty: PathBuf,
     out: PathBuf,
+    /// Where a paused writer announces itself.
+    rendezvous: PathBuf,
+    /// The child's stderr, for failure messages.
+    log: PathBuf,
 }
 
-/// One run: start `ckpt pack B --out out`, SIGKILL it after `delay`, check the directory.
-/// Returns the label seen and whether the kill landed (the process was still running).
-fn kill_after(delay: Duration, s: &Setup, a: &Reference, b: &Reference) -> (&'static str, bool) {
+impl Setup {
+    /// `ckpt pack B --out out`, paused at `pause` if given.
+    fn pack(&self, input: &Path, pause: Option<Point>) -> Command {
+        let mut c = Command::new(BIN);
+        c.arg("pack")
+            .arg(input)
+            .arg("--out")
+            .arg(&self.out)
+            .arg("--max-shard-size")
+            .arg("8MiB")
+            .env_remove(PAUSE_ENV)
+            .env_remove(PAUSE_DIR_ENV)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&self.log).unwrap());
+        if let Some(p) = pause {
+            c.env(PAUSE_ENV, p.name())
+                .env(PAUSE_DIR_ENV, &self.rendezvous);
+        }
+        c
+    }
+
+    fn child_log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// SIGKILL `child` and check that the kill landed (it was still running).
+fn kill(child: &mut Child, what: &str) {
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "{what}: ckpt pack was not killed by the SIGKILL: {status:?}"
+    );
+}
+
+/// Check the directory after a kill: A or B, and the user's file intact.
+fn check_after_kill(s: &Setup, what: &str, a: &Reference, b: &Reference) -> &'static str {
     let out = s.out.as_path();
-    prepare(&s.pristine_a, &s.empty, out);
+    let seen = classify(out, &[a, b]).unwrap_or_else(|e| {
+        panic!(
+            "{what}: the directory is neither A nor B: {e}\nfiles: {:?}",
+            names(out)
+        )
+    });
+    assert_eq!(
+        std::fs::read(out.join(NOTES)).unwrap(),
+        b"mine",
+        "{what}: the user's file changed"
+    );
+    seen
+}
+
+/// Start a save of B paused at `p`, wait for its announcement, SIGKILL it; returns the
+/// names in the directory at the moment of the kill.
+fn kill_at(p: Point, s: &Setup) -> Vec<String> {
+    prepare(&s.pristine_a, &s.out);
+    let _ = std::fs::remove_dir_all(&s.rendezvous);
+    std::fs::create_dir_all(&s.rendezvous).unwrap();
+    let marker = s.rendezvous.join(p.name());
+    let mut child = s.pack(&s.input_b, Some(p)).spawn().unwrap();
     let start = Instant::now();
-    let mut child = pack(&s.input_b, out).spawn().unwrap();
+    while !marker.exists() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!(
+                "ckpt pack exited ({st:?}) without reaching pause point {}; its stderr:\n{}",
+                p.name(),
+                s.child_log()
+            );
+        }
+        if start.elapsed() > PAUSE_TIMEOUT {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!(
+                "ckpt pack did not announce pause point {} within {PAUSE_TIMEOUT:?}; its stderr:\n{}",
+                p.name(),
+                s.child_log()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The writer blocks at the point for good: what is in the directory now is what the
+    // kill leaves.
+    let at_kill = names(&s.out);
+    kill(&mut child, p.name());
+    at_kill
+}
+
+/// Start an unpaused save of B and SIGKILL it after `delay` (or let it complete first).
+/// Returns the checkpoint seen and whether the kill landed.
+fn kill_after(delay: Duration, s: &Setup, a: &Reference, b: &Reference) -> (&'static str, bool) {
+    prepare(&s.pristine_a, &s.out);
+    let start = Instant::now();
+    let mut child = s.pack(&s.input_b, None).spawn().unwrap();
     if let Some(left) = delay.checked_sub(start.elapsed()) {
         std::thread::sleep(left);
     }
@@ -209,38 +302,44 @@ fn kill_after(delay: Duration, s: &Setup, a: &Reference, b: &Reference) -> (&'st
     let killed = status.signal() == Some(9);
     assert!(
         killed || status.success(),
-        "ckpt pack neither completed nor was killed: {status:?}"
+        "ckpt pack neither completed nor was killed: {status:?}; its stderr:\n{}",
+        s.child_log()
     );
-    let seen = classify(out, &[a, b]).unwrap_or_else(|e| {
-        let mut names: Vec<String> = std::fs::read_dir(out)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| !n.starts_with(".ckpt-tmp-leftover-"))
-            .collect();
-        names.sort();
-        panic!(
-            "SIGKILL after {delay:?} ({}): the directory is neither A nor B: {e}\nfiles: {names:?}",
-            if killed { "killed" } else { "had completed" }
-        )
-    });
-    if seen == "A" {
-        // Cleanup runs only after the commit: while A is committed no leftover is gone.
-        let left = std::fs::read_dir(out)
-            .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .file_name()
-                    .to_string_lossy()
-                    .starts_with(".ckpt-tmp-leftover-")
-            })
-            .count();
-        assert_eq!(
-            left, LEFTOVERS,
-            "SIGKILL after {delay:?}: A is there but cleanup already removed leftovers (cleanup before the commit?)"
-        );
-    }
+    let what = format!(
+        "SIGKILL after {delay:?} ({})",
+        if killed { "killed" } else { "had completed" }
+    );
+    let seen = check_after_kill(s, &what, a, b);
+    assert!(killed || seen == "B", "{what}: a completed save left A");
     (seen, killed)
+}
+
+/// Shard files of checkpoint `id` in `names`.
+fn shards_of<'n>(names: &'n [String], id: &str) -> Vec<&'n String> {
+    names
+        .iter()
+        .filter(|n| n.starts_with(&format!("shard-{id}-")))
+        .collect()
+}
+
+/// Shard files of any checkpoint but `id` in `names`.
+fn shards_not_of<'n>(names: &'n [String], id: &str) -> Vec<&'n String> {
+    names
+        .iter()
+        .filter(|n| n.starts_with("shard-") && !n.starts_with(&format!("shard-{id}-")))
+        .collect()
+}
+
+/// A small xorshift generator: the sweep's delays, reproducible from the printed seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next_f64(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
 }
 
 #[test]
@@ -250,132 +349,149 @@ fn sigkill_during_pack_leaves_old_or_new() {
     let in_a = root.path().join("in-a");
     let in_b = root.path().join("in-b");
     let pristine_a = root.path().join("a");
-    // A: 4 MiB; B: 128 MiB in 16 tensors, packed into 8 shards of 16 MiB.
+    // A: 4 MiB; B: 32 MiB in 8 tensors, packed into shards of 8 MiB.
     let data_a = write_input(&in_a, 1, 4, 1 << 18);
-    let data_b = write_input(&in_b, 2, 16, 2 << 20);
-    let st = pack(&in_a, &pristine_a).status().unwrap();
-    assert!(st.success());
-    let a = reference("A", &pristine_a, true, &data_a);
-
-    let empty = root.path().join("empty");
-    std::fs::File::create(&empty).unwrap();
-    let setup = Setup {
+    let data_b = write_input(&in_b, 2, 8, 1 << 20);
+    let s = Setup {
         input_b: in_b.clone(),
         pristine_a: pristine_a.clone(),
-        empty,
+        out: pristine_a.clone(),
+        rendezvous: root.path().join("rendezvous"),
+        log: root.path().join("pack.log"),
+    };
+    let st = s.pack(&in_a, None).status().unwrap();
+    assert!(st.success(), "ckpt pack of A failed:\n{}", s.child_log());
+    let a = reference("A", &pristine_a, true, &data_a);
+    let a_id = a.id.clone().unwrap();
+    let s = Setup {
         out: root.path().join("out"),
+        ..s
     };
-    let out = setup.out.as_path();
-    let a_manifest = std::fs::read(pristine_a.join("ckpt-manifest.json")).unwrap();
+    let out = s.out.as_path();
 
-    // Calibrate: complete runs over A, polling for the moment the new manifest appears (they
-    // also give B's manifest).
-    let mut times = Vec::new();
-    let mut b = None;
-    for _ in 0..3 {
-        prepare(&pristine_a, &setup.empty, out);
-        let s = Instant::now();
-        let mut child = pack(&in_b, out).spawn().unwrap();
-        let mut commit = None;
-        let status = loop {
-            if let Some(st) = child.try_wait().unwrap() {
-                break st;
-            }
-            if commit.is_none() {
-                if let Ok(m) = std::fs::read(out.join("ckpt-manifest.json")) {
-                    if m != a_manifest {
-                        commit = Some(s.elapsed());
-                    }
-                }
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        };
-        let exit = s.elapsed();
-        assert!(status.success());
-        times.push((commit.unwrap_or(exit), exit));
-        b = Some(reference("B", out, false, &data_b));
-        let names: Vec<_> = std::fs::read_dir(out)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with(".ckpt-tmp"))
-            .collect();
-        assert!(
-            names.is_empty(),
-            "a complete save left {} temporary files",
-            names.len()
-        );
-    }
-    let b = b.unwrap();
+    // A complete, timed run: B's reference, and the run time the random sweep spreads over.
+    prepare(&pristine_a, out);
+    let started = Instant::now();
+    let st = s.pack(&in_b, None).status().unwrap();
+    let run_time = started.elapsed();
+    assert!(st.success(), "ckpt pack of B failed:\n{}", s.child_log());
+    let b = reference("B", out, false, &data_b);
+    let b_shards = shard_count(out);
     assert_ne!(a.tensors, b.tensors);
-    times.sort();
-    let (commit, t) = times[times.len() / 2];
-    eprintln!(
-        "calibration: `ckpt pack` of 128 MiB over A + {LEFTOVERS} leftovers: (new manifest visible, exit) = {times:?}; setup took {:.1?}",
-        t0.elapsed()
+    let after = names(out);
+    assert!(
+        shards_not_of(&after, &b_id(out)).is_empty()
+            && !after.iter().any(|n| n.starts_with(".ckpt-tmp-")),
+        "a complete save left old shards or temporary files: {after:?}"
     );
 
-    let mut tally = Tally::default();
-    let run = |delay: Duration, tally: &mut Tally| {
-        let (seen, killed) = kill_after(delay, &setup, &a, &b);
+    // Deterministic kills: one at each pause point, each with a known outcome.
+    let mut tally = Vec::new();
+    for p in Point::ALL {
+        let at_kill = kill_at(p, &s);
+        let what = format!("SIGKILL at pause point {}", p.name());
+        let seen = check_after_kill(&s, &what, &a, &b);
+        let want = match p {
+            Point::BeforeShards | Point::BeforeManifestRename => "A",
+            _ => "B",
+        };
+        assert_eq!(seen, want, "{what}: files at the kill: {at_kill:?}");
+        let new_id = match seen {
+            "B" => b_id(out),
+            _ => String::new(),
+        };
+        match p {
+            Point::BeforeShards => {
+                // The leftovers are gone already (removed under the lock, before the shards)
+                // and nothing of the new save exists yet.
+                assert!(
+                    shards_not_of(&at_kill, &a_id).is_empty()
+                        && !at_kill.iter().any(|n| n.starts_with(".ckpt-tmp-")),
+                    "{what}: leftovers or files of the new save exist before its shards: {at_kill:?}"
+                );
+            }
+            Point::BeforeManifestRename => {
+                // Every new shard is in place and the new manifest waits under its temporary
+                // name: the kill landed right before the commit.
+                let new: Vec<_> = shards_not_of(&at_kill, &a_id);
+                assert_eq!(
+                    new.len(),
+                    b_shards,
+                    "{what}: new shards at the kill: {at_kill:?}"
+                );
+                assert!(
+                    at_kill
+                        .iter()
+                        .any(|n| n.starts_with(".ckpt-tmp-") && n.ends_with("-manifest")),
+                    "{what}: no temporary manifest at the kill: {at_kill:?}"
+                );
+            }
+            Point::AfterManifestRename | Point::BeforeCleanup => {
+                // The new manifest is in place and nothing of A is removed yet: the kill
+                // landed right after the commit, before cleanup.
+                assert_eq!(
+                    shards_of(&at_kill, &new_id).len(),
+                    b_shards,
+                    "{what}: {at_kill:?}"
+                );
+                assert_eq!(
+                    shards_of(&at_kill, &a_id).len(),
+                    shard_count(&pristine_a),
+                    "{what}: A's shards were removed before cleanup: {at_kill:?}"
+                );
+            }
+            _ => unreachable!("a pause point this test does not know"),
+        }
+        tally.push(format!("{} -> {seen}", p.name()));
+    }
+    eprintln!("deterministic kills: {}", tally.join(", "));
+
+    // Random kills over the run time of an unpaused save: only the A-or-B invariant.
+    let seed = std::env::var("KILL_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("random sweep: seed {seed} (rerun with KILL_SEED={seed}), run time {run_time:.1?}");
+    let mut rng = Rng(seed);
+    let (mut old, mut new, mut completed) = (0, 0, 0);
+    let mut runs = Vec::new();
+    for _ in 0..RANDOM_KILLS {
+        let delay = run_time.mul_f64(1.2 * rng.next_f64());
+        let (seen, killed) = kill_after(delay, &s, &a, &b);
         match (seen, killed) {
-            ("A", true) => tally.killed_old += 1,
-            ("B", true) => tally.killed_new += 1,
-            ("B", false) => tally.completed += 1,
-            _ => panic!("A with a process that completed"),
+            ("A", _) => old += 1,
+            (_, true) => new += 1,
+            _ => completed += 1,
         }
-        tally
-            .runs
-            .push((delay, if !killed { "completed" } else { seen }));
-    };
-    // Phase 1: a uniform sweep from 0 to 1.1 x the completion time.
-    let sweep = 28;
-    for i in 0..sweep {
-        if t0.elapsed() > BUDGET {
-            break;
-        }
-        run(t.mul_f64(1.1 * i as f64 / (sweep - 1) as f64), &mut tally);
-    }
-    // Phase 2: kills aimed between the commit and the exit seen in calibration (cleanup of
-    // the old files and the leftovers), spread over that window and shifted by feedback
-    // (later after a kill that left A, earlier after a run that completed), until both
-    // outcomes have been seen a few times.
-    let window = t.saturating_sub(commit);
-    let mut shift = 0.0f64;
-    let mut i = 0usize;
-    while tally.runs.len() < MAX_KILLS && t0.elapsed() < BUDGET {
-        if tally.killed_old >= 3 && tally.killed_new >= 3 {
-            break;
-        }
-        let f = [0.5, 0.25, 0.75, 0.1, 0.9, 0.4, 0.6][i % 7] + shift;
-        i += 1;
-        let d = (commit.as_secs_f64() + window.as_secs_f64() * f).max(0.0);
-        run(Duration::from_secs_f64(d), &mut tally);
-        match tally.runs.last().unwrap().1 {
-            "A" => shift += 0.25,
-            "completed" => shift -= 0.25,
-            _ => {}
-        }
+        runs.push(format!(
+            "{delay:.0?}->{}",
+            if killed { seen } else { "completed" }
+        ));
     }
     eprintln!(
-        "{} kills in {:.1?}: {} before the commit (old checkpoint A), {} after it (new checkpoint B), {} runs completed before the kill",
-        tally.killed_old + tally.killed_new,
-        t0.elapsed(),
-        tally.killed_old,
-        tally.killed_new,
-        tally.completed
+        "random kills: {old} left A, {new} left B, {completed} runs completed first; {}",
+        runs.join(", ")
     );
-    eprintln!(
-        "runs (delay -> outcome): {}",
-        tally
-            .runs
-            .iter()
-            .map(|(d, o)| format!("{:.0?}->{o}", d))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    assert!(tally.killed_old > 0, "no kill landed before the commit");
-    assert!(
-        tally.killed_new > 0,
-        "no kill landed after the commit (between the commit and exit): the sweep never covered it"
-    );
+    eprintln!("total {:.1?}", t0.elapsed());
+}
+
+/// The id of the checkpoint in `dir`.
+fn b_id(dir: &Path) -> String {
+    Checkpoint::open(dir)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .checkpoint_id
+        .clone()
+}
+
+/// The number of shards of the checkpoint in `dir`.
+fn shard_count(dir: &Path) -> usize {
+    Checkpoint::open(dir).unwrap().shards().len()
 }

@@ -273,3 +273,48 @@ fn sigkill_during_save_leaves_latest_on_the_previous_step() {
     mgr.gc().unwrap();
     assert!(mgr.list().unwrap().iter().all(|e| e.committed));
 }
+
+#[test]
+fn a_save_removes_interrupted_steps_but_never_a_committed_or_held_one() {
+    let root = tempfile::tempdir().unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(10)).unwrap();
+    let v = w(1);
+    save_w(&mgr, 1, &v);
+    let reader = mgr.open(1).unwrap();
+    let shard = format!("shard-{}-00000.safetensors", "ab".repeat(16));
+    let plant = |name: &str, files: &[&str]| {
+        let d = root.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        for f in files {
+            std::fs::write(d.join(f), b"partial").unwrap();
+        }
+        d
+    };
+    // Interrupted saves: a temporary step directory, and a step directory without a manifest
+    // (a gc that stopped half-way).
+    let tmp2 = plant(".tmp-step-2-00ff00ff00ff00ff", &[".ckpt-lock", &shard]);
+    let step3 = plant("step-00000003", &[".ckpt-tmp-x", &shard]);
+    // A save in progress elsewhere: its lock is held.
+    let tmp4 = plant(".tmp-step-4-1111111111111111", &[".ckpt-lock", &shard]);
+    let writer = std::fs::OpenOptions::new()
+        .write(true)
+        .open(tmp4.join(".ckpt-lock"))
+        .unwrap();
+    writer.lock().unwrap();
+    // An interrupted save holding a user's file: the engine's files go, the directory stays.
+    let tmp5 = plant(".tmp-step-5-2222222222222222", &[&shard, "notes.txt"]);
+
+    let v6 = w(6);
+    save_w(&mgr, 6, &v6);
+    assert!(!tmp2.exists() && !step3.exists());
+    assert!(tmp4.join(&shard).exists(), "a held save was touched");
+    assert!(!tmp5.join(&shard).exists() && tmp5.join("notes.txt").exists());
+    // The committed step a reader holds is intact.
+    assert_eq!(mgr.steps().unwrap(), vec![1, 6]);
+    reader.verify().unwrap();
+    drop(reader);
+    mgr.open(1).unwrap().verify().unwrap();
+    drop(writer);
+    mgr.gc().unwrap();
+    assert!(!tmp4.exists());
+}

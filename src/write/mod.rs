@@ -2,12 +2,14 @@
 //! (format-spec/durability.md).
 
 pub mod fs;
+#[doc(hidden)]
+pub mod pause;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
@@ -335,7 +337,9 @@ pub struct CommitInfo {
     pub tensors: usize,
     /// Bytes of tensor data.
     pub data_bytes: u64,
-    /// Files of earlier checkpoints (or interrupted saves) removed after the commit.
+    /// Files removed: temporary files of interrupted saves (before the shards were written,
+    /// by [`save`] and [`save_with_section`]) and, after the commit, files of earlier
+    /// checkpoints and interrupted saves.
     pub removed: usize,
 }
 
@@ -347,7 +351,9 @@ pub struct CommitInfo {
 /// fsynced and renamed over `ckpt-manifest.json`; the directory is fsynced again; only
 /// then does the save count as committed, and files of the previous checkpoint are removed.
 /// A crash at any point leaves either the old or the new checkpoint. A reader that has the
-/// old checkpoint open keeps reading its old bytes.
+/// old checkpoint open keeps reading its old bytes. Before writing, temporary files left by
+/// earlier failed or killed saves are removed; after an error, so are the files this save
+/// created (format-spec/durability.md §Cleanup).
 ///
 /// # Errors
 /// [`Error::InvalidTensor`] or [`Error::InvalidArgument`] for duplicate names, sizes that
@@ -409,7 +415,80 @@ pub(crate) fn save_locked(
     let sizes = validate_inputs(tensors, opts, optimizer.as_ref())?;
     prepare_dir(dir)?;
     let _lock = lock_dir(dir)?;
-    commit(&StdFs, dir, tensors, &sizes, opts, optimizer)
+    // Under the lock every temporary file belongs to a save that has ended: free its space
+    // before writing ours (format-spec/durability.md §Cleanup).
+    let leftovers = remove_leftover_temps(&StdFs, dir);
+    let mut info = commit(&StdFs, dir, tensors, &sizes, opts, optimizer)?;
+    info.removed += leftovers;
+    Ok(info)
+}
+
+/// Remove the temporary files (`.ckpt-tmp-*`) of earlier saves from `dir`; returns how many
+/// were removed. Call only while holding the writer lock of `dir` (then no other save is
+/// running, so every temporary file belongs to one that ended). Failures are ignored: they
+/// leave garbage, never damage (no manifest names a temporary file).
+pub(crate) fn remove_leftover_temps<F: Fs>(fs: &F, dir: &Path) -> usize {
+    let Ok(entries) = fs.list(dir) else {
+        return 0;
+    };
+    entries
+        .iter()
+        .filter(|n| n.starts_with(TEMP_PREFIX))
+        .filter(|n| fs.remove(&dir.join(n)).is_ok())
+        .count()
+}
+
+/// The files this save has created and not yet committed, removed when dropped unless
+/// [`Created::commit`]ed: after any error (or panic) before the manifest rename, a save
+/// leaves no file of its own behind (format-spec/durability.md §Cleanup). Only paths whose
+/// `create` succeeded are recorded (`create` fails on an existing file), so a file this
+/// save did not create is never removed.
+struct Created<'f, F: Fs> {
+    fs: &'f F,
+    paths: Mutex<Vec<PathBuf>>,
+    committed: bool,
+}
+
+impl<'f, F: Fs> Created<'f, F> {
+    fn new(fs: &'f F) -> Self {
+        Created {
+            fs,
+            paths: Mutex::new(Vec::new()),
+            committed: false,
+        }
+    }
+
+    fn paths(&self) -> std::sync::MutexGuard<'_, Vec<PathBuf>> {
+        self.paths.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `path` was created by this save.
+    fn created(&self, path: &Path) {
+        self.paths().push(path.to_path_buf());
+    }
+
+    /// `from`, created by this save, was renamed to `to`.
+    fn renamed(&self, from: &Path, to: &Path) {
+        for p in self.paths().iter_mut().filter(|p| *p == from) {
+            *p = to.to_path_buf();
+        }
+    }
+
+    /// The manifest rename is done: the files belong to the new checkpoint now.
+    fn commit(mut self) {
+        self.committed = true;
+    }
+}
+
+impl<F: Fs> Drop for Created<'_, F> {
+    fn drop(&mut self) {
+        if self.committed {
+            return;
+        }
+        for p in self.paths().drain(..) {
+            let _ = self.fs.remove(&p);
+        }
+    }
 }
 
 /// Create `dir` (and its parents) if missing, making the new entry durable.
@@ -624,11 +703,14 @@ fn commit<F: Fs>(
         )));
     }
 
+    pause::point(pause::Point::BeforeShards);
+    // From here until the manifest rename, an error removes every file this save created.
+    let created = Created::new(fs);
     // 1. Write shards to temporary files, fsync, rename to their final names.
     let written: Vec<(ShardEntry, Vec<TensorSums>)> = shards
         .par_iter()
         .enumerate()
-        .map(|(i, s)| write_shard(fs, dir, &id, i, s, &headers[i], opts))
+        .map(|(i, s)| write_shard(fs, &created, dir, &id, i, s, &headers[i], opts))
         .collect::<Result<_>>()?;
     // 2. Make the renames durable before the manifest can reference them.
     fs.sync_dir(dir).map_err(|e| {
@@ -688,14 +770,18 @@ fn commit<F: Fs>(
     }
     let tmp = dir.join(format!("{TEMP_PREFIX}{id}-manifest"));
     let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    created.created(&tmp);
     f.write_all(&bytes)
         .map_err(|e| Error::io("write", &tmp, e))?;
     fs.sync(&mut f, &tmp)
         .map_err(|e| Error::io("fsync", &tmp, e))?;
     drop(f);
     let target = dir.join(MANIFEST_FILE);
+    pause::point(pause::Point::BeforeManifestRename);
     fs.rename(&tmp, &target)
         .map_err(|e| Error::io("rename", &tmp, e))?;
+    created.commit();
+    pause::point(pause::Point::AfterManifestRename);
     // 4. The commit point: the new manifest's directory entry is durable.
     fs.sync_dir(dir).map_err(|e| {
         Error::io(
@@ -704,6 +790,7 @@ fn commit<F: Fs>(
             e,
         )
     })?;
+    pause::point(pause::Point::BeforeCleanup);
 
     // 5. Cleanup: engine files the new manifest does not reference. Failures here leave
     //    garbage, never damage: the new checkpoint is committed.
@@ -742,8 +829,10 @@ fn shard_header(id: &str, index: usize, s: &PlannedShard<'_, '_>) -> Vec<u8> {
     header::emit(&s.entries, &meta)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn write_shard<F: Fs>(
     fs: &F,
+    created: &Created<'_, F>,
     dir: &Path,
     id: &str,
     index: usize,
@@ -756,6 +845,7 @@ fn write_shard<F: Fs>(
     let name = shard_file_name(id, index);
     let tmp: PathBuf = dir.join(format!("{TEMP_PREFIX}{name}"));
     let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    created.created(&tmp);
     let io = |e| Error::io("write", &tmp, e);
     f.write_all(head).map_err(io)?;
     let mut size = head.len() as u64;
@@ -801,6 +891,7 @@ fn write_shard<F: Fs>(
     let fin = dir.join(&name);
     fs.rename(&tmp, &fin)
         .map_err(|e| Error::io("rename", &tmp, e))?;
+    created.renamed(&tmp, &fin);
     Ok((
         ShardEntry {
             file: name,

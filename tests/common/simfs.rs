@@ -209,6 +209,9 @@ pub struct SimState {
     pub syncs_seen: usize,
     /// Parallel mode (see [`Parallel`]); `None`: operations run as the writer issues them.
     pub parallel: Option<Parallel>,
+    /// A full disk: a write that would bring the current bytes of the files in the
+    /// directory above this many fails with ENOSPC, with no effect.
+    pub capacity: Option<usize>,
 }
 
 /// Parallel mode: forces the writer's rayon threads to interleave, deterministically.
@@ -271,6 +274,14 @@ impl SimState {
         });
         self.cur.insert(name.to_string(), ino);
         self.dur.insert(name.to_string(), ino);
+    }
+
+    /// Current bytes of the files in the directory.
+    pub fn used(&self) -> usize {
+        self.cur
+            .values()
+            .map(|&i| self.inodes[i].current.len())
+            .sum()
     }
 
     /// Check `dur` + `pending` = `cur`.
@@ -448,6 +459,13 @@ impl Write for SimFile {
             len: buf.len(),
         });
         if let Some(e) = err {
+            self.shared.pass_turn(&mut st, self.shard, true);
+            return Err(e);
+        }
+        let grow = (self.pos + buf.len()).saturating_sub(st.inodes[self.ino].current.len());
+        if st.capacity.is_some_and(|c| st.used() + grow > c) {
+            let index = st.log.len() - 1;
+            let e = st.fail(index, io::Error::from_raw_os_error(ENOSPC));
             self.shared.pass_turn(&mut st, self.shard, true);
             return Err(e);
         }
