@@ -331,6 +331,13 @@ fn parse(bytes: &[u8]) -> Result<Manifest, DecodeError> {
     }
 }
 
+/// The hand-written parser alone: no trailer check, no validation, and `None` where
+/// [`decode`] would hand the bytes to serde_json. For `benches/manifest_parse.rs` only.
+#[doc(hidden)]
+pub fn fast_parse(bytes: &[u8]) -> Option<Manifest> {
+    fast::parse(bytes)
+}
+
 /// A shard file name must be a plain file name (format-spec/manifest.md §Shard files).
 pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
     let ok = !name.is_empty()
