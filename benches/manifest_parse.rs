@@ -169,60 +169,104 @@ fn llm_like_manifest() -> Vec<u8> {
     manifest::encode(&m)
 }
 
+/// A decoder from a manifest's bytes to a [`Manifest`].
+type Decode = fn(&mut [u8]) -> Manifest;
+
+/// The decoders measured.
+const VARIANTS: [(&str, Decode); 6] = [
+    ("hand_written", |b| manifest::fast_parse(b).unwrap()),
+    ("serde_json", |b| serde_json::from_slice(b).unwrap()),
+    ("sonic_rs", |b| sonic_rs::from_slice(b).unwrap()),
+    // simd-json parses in place: `decode` takes `&[u8]`, so it would copy first ...
+    ("simd_json_with_copy", |b| {
+        simd_json::serde::from_slice(&mut b.to_vec()).unwrap()
+    }),
+    // ... unless `open` handed it its own read buffer: the copy excluded (untimed).
+    (IN_PLACE, |b| simd_json::serde::from_slice(b).unwrap()),
+    // For scale: the whole decode (trailer CRC, hand-written parse, validation).
+    ("decode_total", |b| manifest::decode(b).unwrap()),
+];
+
+/// The variant that overwrites its input: each call gets a fresh, untimed copy.
+const IN_PLACE: &str = "simd_json_in_place";
+
+fn manifests() -> Vec<(&'static str, Vec<u8>)> {
+    let all = vec![
+        ("open_verify_10k", open_verify_manifest()),
+        ("llm_like_10k", llm_like_manifest()),
+    ];
+    // Every variant must produce the same manifest, or the comparison means nothing.
+    for (_, bytes) in &all {
+        let want = manifest::decode(bytes).unwrap();
+        for (name, f) in VARIANTS {
+            assert_eq!(f(&mut bytes.clone()), want, "{name}");
+        }
+    }
+    all
+}
+
 fn manifest_parse<M: Measurement>(c: &mut Criterion<M>, group: &str) {
     let mut g = c.benchmark_group(group);
     g.warm_up_time(Duration::from_secs(1));
     g.measurement_time(Duration::from_secs(4));
-    for (label, bytes) in [
-        ("open_verify_10k", open_verify_manifest()),
-        ("llm_like_10k", llm_like_manifest()),
-    ] {
-        // Every variant must produce the same manifest, or the comparison means nothing.
-        let want = manifest::decode(&bytes).unwrap();
-        assert_eq!(manifest::fast_parse(&bytes).as_ref(), Some(&want));
-        assert_eq!(serde_json::from_slice::<Manifest>(&bytes).unwrap(), want);
-        assert_eq!(sonic_rs::from_slice::<Manifest>(&bytes).unwrap(), want);
-        let mut copy = bytes.clone();
-        assert_eq!(
-            simd_json::serde::from_slice::<Manifest>(&mut copy).unwrap(),
-            want
-        );
+    for (label, bytes) in manifests() {
         g.throughput(Throughput::Bytes(bytes.len() as u64));
-        let b = &bytes;
-        g.bench_with_input(BenchmarkId::new("hand_written", label), b, |x, b| {
-            x.iter(|| black_box(manifest::fast_parse(b).unwrap()))
-        });
-        g.bench_with_input(BenchmarkId::new("serde_json", label), b, |x, b| {
-            x.iter(|| black_box(serde_json::from_slice::<Manifest>(b).unwrap()))
-        });
-        g.bench_with_input(BenchmarkId::new("sonic_rs", label), b, |x, b| {
-            x.iter(|| black_box(sonic_rs::from_slice::<Manifest>(b).unwrap()))
-        });
-        // simd-json parses in place: `decode` takes `&[u8]`, so it would copy first ...
-        g.bench_with_input(BenchmarkId::new("simd_json_with_copy", label), b, |x, b| {
-            x.iter(|| {
-                let mut v = b.to_vec();
-                black_box(simd_json::serde::from_slice::<Manifest>(&mut v).unwrap())
-            })
-        });
-        // ... unless `open` handed it its own read buffer: the copy excluded.
-        g.bench_with_input(BenchmarkId::new("simd_json_in_place", label), b, |x, b| {
-            x.iter_batched_ref(
-                || b.to_vec(),
-                |v| black_box(simd_json::serde::from_slice::<Manifest>(v).unwrap()),
-                BatchSize::LargeInput,
-            )
-        });
-        // For scale: the whole decode (trailer CRC, hand-written parse, validation).
-        g.bench_with_input(BenchmarkId::new("decode_total", label), b, |x, b| {
-            x.iter(|| black_box(manifest::decode(b).unwrap()))
-        });
+        for (name, f) in VARIANTS {
+            g.bench_with_input(BenchmarkId::new(name, label), &bytes, |x, b| {
+                if name == IN_PLACE {
+                    x.iter_batched_ref(|| b.clone(), |v| black_box(f(v)), BatchSize::LargeInput)
+                } else {
+                    let mut v = b.clone();
+                    x.iter(|| black_box(f(&mut v)))
+                }
+            });
+        }
     }
     g.finish();
 }
 
+/// `CKPT_BENCH_INTERLEAVED=ROUNDS`: instead of criterion, one call of each variant in
+/// turn, ROUNDS times, and the median thread CPU time of each; load that comes and goes
+/// then hits every variant alike.
+fn interleaved(rounds: usize) {
+    println!("{rounds} interleaved rounds, median thread CPU time per decode");
+    println!("| manifest | variant | ms | x hand_written | x serde_json |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (label, bytes) in manifests() {
+        let mut times = vec![Vec::with_capacity(rounds); VARIANTS.len()];
+        let mut shared = bytes.clone();
+        for r in 0..rounds {
+            for k in (0..VARIANTS.len()).map(|k| (k + r) % VARIANTS.len()) {
+                let (name, f) = VARIANTS[k];
+                let mut fresh = (name == IN_PLACE).then(|| bytes.clone());
+                let input = fresh.as_mut().unwrap_or(&mut shared);
+                let t = cpu_time::ThreadTime::now();
+                drop(black_box(f(input)));
+                times[k].push(t.elapsed());
+            }
+        }
+        let med: Vec<f64> = times
+            .iter_mut()
+            .map(|t| {
+                t.sort_unstable();
+                t[t.len() / 2].as_secs_f64() * 1e3
+            })
+            .collect();
+        for (k, (name, _)) in VARIANTS.iter().enumerate() {
+            println!(
+                "| {label} | {name} | {:.2} | {:.2} | {:.2} |",
+                med[k],
+                med[k] / med[0],
+                med[k] / med[1]
+            );
+        }
+    }
+}
+
 fn main() {
-    if std::env::var_os("CKPT_BENCH_WALL").is_some() {
+    if let Ok(r) = std::env::var("CKPT_BENCH_INTERLEAVED") {
+        interleaved(r.parse().unwrap_or(100));
+    } else if std::env::var_os("CKPT_BENCH_WALL").is_some() {
         let mut c = Criterion::default().configure_from_args();
         manifest_parse(&mut c, "manifest_parse_wall");
         c.final_summary();
