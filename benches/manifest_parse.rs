@@ -165,6 +165,7 @@ fn llm_like_manifest() -> Vec<u8> {
         tensors,
         metadata: serde_json::json!({"step": 100000, "model": "llm-like", "lr": 3e-4}),
         optimizer: None,
+        globals: Vec::new(),
     };
     manifest::encode(&m)
 }

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::global::GlobalEntry;
 use super::{check_tensor_name, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS};
 use crate::dtype::{checked_nbytes, DType};
 
@@ -16,7 +17,7 @@ pub const FORMAT_NAME: &str = "ckptstore";
 pub const VERSION: u64 = 1;
 /// Features (`features` field) this build understands. A manifest that requires any
 /// other feature is refused (format-spec/README.md §Versioning).
-pub const KNOWN_FEATURES: &[&str] = &["optimizer"];
+pub const KNOWN_FEATURES: &[&str] = &["optimizer", "global"];
 
 /// `,"manifest_crc32":"` — the start of the fixed trailer (format-spec/manifest.md §Trailer).
 pub const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
@@ -45,6 +46,10 @@ pub struct Manifest {
     /// The optimizer section (format-spec/optimizer.md), if the checkpoint holds one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer: Option<OptimizerSection>,
+    /// Global tensors stored in chunks (format-spec/global.md); present, and not empty,
+    /// exactly when `features` lists `global`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub globals: Vec<GlobalEntry>,
 }
 
 fn empty_object() -> serde_json::Value {
@@ -278,7 +283,14 @@ pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), Deco
             "the \"optimizer\" feature and the optimizer section must come together".into(),
         ));
     }
+    if !m.globals.is_empty() != m.features.iter().any(|f| f == "global") {
+        return Err(Invalid(
+            "the \"global\" feature and a non-empty globals list must come together".into(),
+        ));
+    }
     let names = validate(&m).map_err(Invalid)?;
+    super::global::validate(&m.globals, &m.tensors, |n| names.position(&m.tensors, n))
+        .map_err(Invalid)?;
     Ok((m, names))
 }
 
@@ -546,12 +558,17 @@ impl NameIndex {
 
     /// The tensor named `name`, in the list this index was built over.
     pub(crate) fn get<'t>(&self, tensors: &'t [TensorInfo], name: &str) -> Option<&'t TensorInfo> {
+        self.position(tensors, name).and_then(|j| tensors.get(j))
+    }
+
+    /// The position of the tensor named `name` in the list this index was built over.
+    pub(crate) fn position(&self, tensors: &[TensorInfo], name: &str) -> Option<usize> {
         use std::hash::BuildHasher;
         self.table
             .find(self.hasher.hash_one(name), |&j| {
                 tensors.get(j as usize).is_some_and(|t| t.name == name)
             })
-            .and_then(|&j| tensors.get(j as usize))
+            .map(|&j| j as usize)
     }
 }
 
@@ -593,6 +610,7 @@ mod tests {
             ],
             metadata: serde_json::json!({"step": 3}),
             optimizer: None,
+            globals: Vec::new(),
         }
     }
 

@@ -2,6 +2,7 @@
 //!
 //! Byte layouts and rules live in `format-spec/`; the constants here cite its sections.
 
+pub mod global;
 pub mod header;
 pub mod manifest;
 pub mod optimizer;

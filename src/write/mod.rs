@@ -735,6 +735,7 @@ fn commit<F: Fs>(
         tensors: Vec::with_capacity(tensors.len()),
         metadata: opts.metadata.clone(),
         optimizer,
+        globals: Vec::new(),
     };
     // Manifest tensors in the caller's order.
     let mut by_name: BTreeMap<&str, TensorInfo> = BTreeMap::new();

@@ -10,7 +10,7 @@
 //! `None` and the caller parses again with serde_json, which decides. `metadata`,
 //! `optimizer` and unknown members are located here and handed to serde_json.
 
-use super::{empty_object, Manifest, OptimizerSection, ShardEntry, TensorInfo};
+use super::{empty_object, GlobalEntry, Manifest, OptimizerSection, ShardEntry, TensorInfo};
 use crate::dtype::DType;
 
 /// Deepest nesting handed to serde_json as one member's value. serde_json refuses
@@ -395,6 +395,7 @@ impl<'a> Parser<'a> {
         let mut tensors = None;
         let mut metadata = None;
         let mut optimizer: Option<Option<OptimizerSection>> = None;
+        let mut globals: Option<Vec<GlobalEntry>> = None;
         self.members(|p, key| match key {
             "format" => once(&mut format, p.string()?),
             "version" => once(&mut version, p.u64()?),
@@ -433,6 +434,7 @@ impl<'a> Parser<'a> {
             }
             "metadata" => once(&mut metadata, p.serde()?),
             "optimizer" => once(&mut optimizer, p.serde()?),
+            "globals" => once(&mut globals, p.serde()?),
             _ => p.ignored(),
         })?;
         Some(Manifest {
@@ -444,6 +446,7 @@ impl<'a> Parser<'a> {
             tensors: tensors?,
             metadata: metadata.unwrap_or_else(empty_object),
             optimizer: optimizer.flatten(),
+            globals: globals.unwrap_or_default(),
         })
     }
 
