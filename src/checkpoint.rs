@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
+mod region;
+pub use region::Region;
+
 use crate::crc::crc32_parallel;
 use crate::error::{Error, Result};
 pub use crate::format::manifest::TensorInfo;
@@ -71,6 +74,8 @@ pub struct Checkpoint<B: AsRef<[u8]> = Map> {
     by_name: NameIndex,
     metadata: serde_json::Value,
     manifest: Option<Manifest>,
+    /// Global tensor name -> index into the manifest's `globals`.
+    globals: HashMap<String, usize>,
 }
 
 fn open_map(path: &Path) -> Result<Map> {
@@ -444,6 +449,12 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             foreign: Vec::new(),
             by_name,
             metadata: m.metadata.clone(),
+            globals: m
+                .globals
+                .iter()
+                .enumerate()
+                .map(|(i, g)| (g.name.clone(), i))
+                .collect(),
             manifest: Some(m),
         })
     }
@@ -544,6 +555,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             by_name,
             metadata: metadata.into(),
             manifest: None,
+            globals: HashMap::new(),
         })
     }
 

@@ -16,7 +16,7 @@ pub mod tensor;
 pub mod view;
 pub mod write;
 
-pub use checkpoint::{Checkpoint, Kind, Shard, TensorInfo, VerifyReport};
+pub use checkpoint::{Checkpoint, Kind, Region, Shard, TensorInfo, VerifyReport};
 pub use crc::crc32_parallel;
 pub use dtype::DType;
 pub use error::{Error, Result};

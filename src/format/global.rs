@@ -134,9 +134,12 @@ pub(crate) fn validate(
                 let rep = chunk_tensor(tensors, &index, r, g, ch, &mut used).map_err(&cerr)?;
                 // G6
                 if rep.crc32 != primary.crc32 {
+                    let hex = |c: Option<u32>| c.map_or("none".into(), |c| format!("{c:08x}"));
                     return Err(cerr(format!(
-                        "replica {r:?} has CRC32 {:?}, the chunk's tensor {:?} has {:?}: the copies differ",
-                        rep.crc32, ch.tensor, primary.crc32
+                        "replica {r:?} has CRC32 {}, the chunk's tensor {:?} has {}: the copies differ",
+                        hex(rep.crc32),
+                        ch.tensor,
+                        hex(primary.crc32)
                     )));
                 }
             }

@@ -1,0 +1,291 @@
+//! Region reads (format-spec/global.md §Reading regions): any box of a global tensor, or
+//! of a whole tensor, assembled from the chunks it intersects into a fresh buffer.
+
+use rayon::prelude::*;
+
+use super::Checkpoint;
+use crate::dtype::{checked_nbytes, DType};
+use crate::error::{Error, Result};
+use crate::format::global::GlobalEntry;
+use crate::format::manifest::TensorInfo;
+use crate::tensor::Tensor;
+
+/// A box in a tensor's index space: where it starts and its extent, per dimension.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// The first index along each dimension.
+    pub offsets: Vec<u64>,
+    /// The extent along each dimension.
+    pub shape: Vec<u64>,
+}
+
+impl Region {
+    /// A region.
+    pub fn new(offsets: &[u64], shape: &[u64]) -> Region {
+        Region {
+            offsets: offsets.to_vec(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// The intersection with `other` (same rank), or `None` if it has no elements.
+    fn intersect(&self, other: &Region) -> Option<(Vec<u64>, Vec<u64>)> {
+        let mut lo = Vec::with_capacity(self.offsets.len());
+        let mut hi = Vec::with_capacity(self.offsets.len());
+        for d in 0..self.offsets.len() {
+            let l = self.offsets[d].max(other.offsets[d]);
+            let h = (self.offsets[d] + self.shape[d]).min(other.offsets[d] + other.shape[d]);
+            if l >= h {
+                return None;
+            }
+            lo.push(l);
+            hi.push(h);
+        }
+        Some((lo, hi))
+    }
+}
+
+/// What a region is assembled from: the chunks of a global tensor, or one whole tensor.
+struct Source<'a> {
+    name: &'a str,
+    dtype: DType,
+    shape: &'a [u64],
+    /// Each piece: where it lies, and the stored tensor that holds it.
+    pieces: Vec<(Region, &'a TensorInfo)>,
+}
+
+impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// The global tensors (format-spec/global.md), in manifest order; empty for checkpoints
+    /// without any.
+    pub fn globals(&self) -> &[GlobalEntry] {
+        self.manifest().map_or(&[], |m| &m.globals)
+    }
+
+    /// The global tensor called `name`, if there is one.
+    pub fn global(&self, name: &str) -> Option<&GlobalEntry> {
+        let i = *self.globals.get(name)?;
+        self.globals().get(i)
+    }
+
+    /// The dtype and (global) shape of `name`: a global tensor, or a whole tensor.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] if neither holds that name.
+    pub fn shape_of(&self, name: &str) -> Result<(DType, &[u64])> {
+        match self.global(name) {
+            Some(g) => Ok((g.dtype, &g.global_shape)),
+            None => self.info(name).map(|t| (t.dtype, t.shape.as_slice())),
+        }
+    }
+
+    /// The chunks of `name` as regions of its global index space, in manifest order: a
+    /// whole tensor is one chunk at the origin.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`].
+    pub fn chunks(&self, name: &str) -> Result<Vec<Region>> {
+        Ok(self
+            .source(name)?
+            .pieces
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect())
+    }
+
+    fn source(&self, name: &str) -> Result<Source<'_>> {
+        if let Some(g) = self.global(name) {
+            let pieces = g
+                .chunks
+                .iter()
+                .map(|c| {
+                    // Validated at open (G4): every chunk's tensor exists.
+                    let t = self.info(&c.tensor)?;
+                    Ok((Region::new(&c.offsets, &c.shape), t))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Source {
+                name: &g.name,
+                dtype: g.dtype,
+                shape: &g.global_shape,
+                pieces,
+            });
+        }
+        let t = self.info(name)?;
+        Ok(Source {
+            name: &t.name,
+            dtype: t.dtype,
+            shape: &t.shape,
+            pieces: vec![(Region::new(&vec![0; t.shape.len()], &t.shape), t)],
+        })
+    }
+
+    /// Check `region` against `src`'s shape; the stored pieces it intersects, with the
+    /// intersections.
+    fn plan_region<'s>(
+        &self,
+        src: &'s Source<'_>,
+        region: &Region,
+    ) -> Result<Vec<(&'s Region, &'s TensorInfo, Vec<u64>, Vec<u64>)>> {
+        let bad = |why: String| {
+            Error::InvalidArgument(format!(
+                "tensor {:?} of shape {:?}: region offsets {:?}, shape {:?}: {why}",
+                src.name, src.shape, region.offsets, region.shape
+            ))
+        };
+        if region.offsets.len() != src.shape.len() || region.shape.len() != src.shape.len() {
+            return Err(bad(format!(
+                "offsets and shape must have the tensor's rank {}",
+                src.shape.len()
+            )));
+        }
+        for d in 0..src.shape.len() {
+            if region.offsets[d]
+                .checked_add(region.shape[d])
+                .is_none_or(|e| e > src.shape[d])
+            {
+                return Err(bad(format!("dimension {d} is out of bounds")));
+            }
+        }
+        Ok(src
+            .pieces
+            .iter()
+            .filter_map(|(r, t)| region.intersect(r).map(|(lo, hi)| (r, *t, lo, hi)))
+            .collect())
+    }
+
+    /// Read the box `[offsets, offsets + shape)` of `name` (a global tensor, or a whole
+    /// tensor) into a freshly allocated tensor of shape `shape`, assembling it from the
+    /// chunks it intersects. Every chunk read from has its CRC32 checked (whole: see
+    /// [`Checkpoint::region_bytes_read`]) before its bytes are used. The checkpoint's
+    /// files are only read.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a region of the wrong rank
+    /// or out of bounds; [`Error::ChecksumMismatch`] naming the chunk's tensor and shard
+    /// for damaged bytes (nothing is returned).
+    ///
+    /// # Example
+    /// ```
+    /// # fn main() -> ckptstore::Result<()> {
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let w: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    /// ckptstore::save(dir.path(), &[ckptstore::TensorRef::from_slice("w", &[3, 4], &w)], &Default::default())?;
+    /// let ck = ckptstore::Checkpoint::open(dir.path())?;
+    /// let r = ck.read_region("w", &[1, 1], &[2, 2])?;
+    /// assert_eq!(r.as_slice::<f32>()?, &[5.0, 6.0, 9.0, 10.0]);
+    /// # Ok(()) }
+    /// ```
+    pub fn read_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<Tensor> {
+        let src = self.source(name)?;
+        let region = Region::new(offsets, shape);
+        let plan = self.plan_region(&src, &region)?;
+        let mut out = Tensor::zeros(src.dtype, shape)?;
+        // Check every piece's CRC first (in parallel), so that damage anywhere fails the
+        // read before any byte is used.
+        plan.par_iter().try_for_each(|(_, t, _, _)| {
+            let v = self.view(t);
+            self.check_crc(t, crate::crc::crc32_parallel(v.bytes()))
+        })?;
+        let es = src.dtype.size();
+        for (piece, t, lo, hi) in &plan {
+            let v = self.view(t);
+            copy_box(v.bytes(), piece, out.bytes_mut(), &region, lo, hi, es).ok_or_else(|| {
+                Error::InvalidTensor {
+                    name: t.name.clone(),
+                    reason: "stored bytes do not match the chunk's shape".into(),
+                }
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// The whole of `name` (a global tensor assembled from its chunks, or a whole tensor),
+    /// in a fresh buffer, every chunk CRC-checked.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`].
+    pub fn read_global(&self, name: &str) -> Result<Tensor> {
+        let (_, shape) = self.shape_of(name)?;
+        let shape = shape.to_vec();
+        self.read_region(name, &vec![0; shape.len()], &shape)
+    }
+
+    /// The bytes [`Checkpoint::read_region`] reads for this region: every chunk it
+    /// intersects, whole (its CRC covers the whole chunk). Divided by the region's own
+    /// byte size, the read amplification of a resharding layout.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`], without reading any tensor data.
+    pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64> {
+        let src = self.source(name)?;
+        let plan = self.plan_region(&src, &Region::new(offsets, shape))?;
+        // Bounded by the checkpoint's data size, validated at open.
+        Ok(plan.iter().map(|(_, t, _, _)| t.nbytes()).sum())
+    }
+
+    /// The byte size of a region of `name`.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if it overflows.
+    pub fn region_nbytes(&self, name: &str, shape: &[u64]) -> Result<u64> {
+        let (dtype, _) = self.shape_of(name)?;
+        checked_nbytes(dtype, shape)
+            .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))
+    }
+}
+
+/// Copy the box `[lo, hi)` (global indices) from `src`, a row-major piece at
+/// `piece.offsets` of shape `piece.shape`, into `dst`, a row-major region at
+/// `region.offsets` of shape `region.shape`; `es` bytes per element. `None` if a range
+/// falls outside either buffer (never for validated pieces).
+fn copy_box(
+    src: &[u8],
+    piece: &Region,
+    dst: &mut [u8],
+    region: &Region,
+    lo: &[u64],
+    hi: &[u64],
+    es: usize,
+) -> Option<()> {
+    let rank = lo.len();
+    let strides = |shape: &[u64]| {
+        let mut s = vec![1u64; shape.len()];
+        for d in (0..shape.len().saturating_sub(1)).rev() {
+            s[d] = s[d + 1] * shape[d + 1];
+        }
+        s
+    };
+    let (ss, ds) = (strides(&piece.shape), strides(&region.shape));
+    // Elements per run: the intersection along the last dimension (1 for 0-dim).
+    let run = if rank == 0 {
+        1
+    } else {
+        hi[rank - 1] - lo[rank - 1]
+    };
+    let run_bytes = usize::try_from(run).ok()?.checked_mul(es)?;
+    let mut idx: Vec<u64> = lo.to_vec();
+    loop {
+        let (mut so, mut dof) = (0u64, 0u64);
+        for d in 0..rank {
+            so += (idx[d] - piece.offsets[d]) * ss[d];
+            dof += (idx[d] - region.offsets[d]) * ds[d];
+        }
+        let so = usize::try_from(so).ok()?.checked_mul(es)?;
+        let dof = usize::try_from(dof).ok()?.checked_mul(es)?;
+        dst.get_mut(dof..dof.checked_add(run_bytes)?)?
+            .copy_from_slice(src.get(so..so.checked_add(run_bytes)?)?);
+        // Next run: every dimension but the last, last-but-one fastest.
+        let mut d = rank.saturating_sub(1);
+        loop {
+            if d == 0 {
+                return Some(());
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < hi[d] {
+                break;
+            }
+            idx[d] = lo[d];
+        }
+    }
+}

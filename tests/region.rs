@@ -1,0 +1,368 @@
+//! Region reads of global tensors (format-spec/global.md §Reading regions): any box of a
+//! tensor chunked any way, compared element for element with the global tensor the test
+//! built, and hostile `globals` refused at open with the rule broken named.
+//!
+//! The chunked checkpoints here are made independently of the multi-rank writer: the chunks
+//! are saved as ordinary tensors, then the manifest is given its `globals` by hand (with a
+//! correct CRC), so the reader is checked against the spec, not against the writer.
+
+#[path = "common/manifest_edit.rs"]
+mod manifest_edit;
+
+use std::path::Path;
+
+use ckptstore::{save, Checkpoint, DType, Error, SaveOptions, TensorRef};
+use proptest::prelude::*;
+
+/// Element `i` (row-major index into the global tensor) as `es` bytes.
+fn element(i: u64, es: usize) -> Vec<u8> {
+    let x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i >> 7);
+    x.to_le_bytes()[..es].to_vec()
+}
+
+fn numel(shape: &[u64]) -> u64 {
+    shape.iter().product()
+}
+
+/// Row-major index of `idx` in `shape`.
+fn linear(idx: &[u64], shape: &[u64]) -> u64 {
+    idx.iter().zip(shape).fold(0, |a, (&i, &n)| a * n + i)
+}
+
+/// Every index tuple of the box `[offsets, offsets + shape)`, row-major.
+fn box_indices(offsets: &[u64], shape: &[u64]) -> Vec<Vec<u64>> {
+    let mut out = vec![vec![]];
+    for (&o, &n) in offsets.iter().zip(shape) {
+        out = out
+            .into_iter()
+            .flat_map(|p| {
+                (o..o + n).map(move |i| {
+                    let mut q = p.clone();
+                    q.push(i);
+                    q
+                })
+            })
+            .collect();
+    }
+    out
+}
+
+/// The bytes of the box of the global tensor of `gshape`.
+fn expected(gshape: &[u64], offsets: &[u64], shape: &[u64], es: usize) -> Vec<u8> {
+    box_indices(offsets, shape)
+        .iter()
+        .flat_map(|idx| element(linear(idx, gshape), es))
+        .collect()
+}
+
+/// Save global tensor `name` of `gshape` chunked as `chunks` (offsets, shape) into `dir`,
+/// with a whole tensor `plain` beside it.
+fn save_chunked(dir: &Path, dtype: DType, gshape: &[u64], chunks: &[(Vec<u64>, Vec<u64>)]) {
+    let es = dtype.size();
+    let datas: Vec<(String, Vec<u8>)> = chunks
+        .iter()
+        .map(|(o, s)| {
+            let name = format!(
+                "g@{}",
+                o.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+            );
+            (name, expected(gshape, o, s, es))
+        })
+        .collect();
+    let plain = vec![7u8; 12];
+    let mut refs: Vec<TensorRef<'_>> = datas
+        .iter()
+        .zip(chunks)
+        .map(|((n, d), (_, s))| TensorRef::new(n.as_str(), dtype, s, d))
+        .collect();
+    refs.push(TensorRef::new("plain", DType::U8, &[3, 4], &plain));
+    save(
+        dir,
+        &refs,
+        &SaveOptions {
+            max_shard_size: 4096,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    manifest_edit::rewrite_manifest(dir, |m| {
+        let chunks: Vec<serde_json::Value> = chunks
+            .iter()
+            .zip(&datas)
+            .map(|((o, s), (n, _))| serde_json::json!({"offsets": o, "shape": s, "tensor": n}))
+            .collect();
+        m["features"] = serde_json::json!(["global"]);
+        m["globals"] = serde_json::json!([{
+            "name": "g", "dtype": dtype.name(), "global_shape": gshape, "chunks": chunks
+        }]);
+    });
+}
+
+/// Split points of `n` into `k` uneven parts (at least 1 element each).
+fn splits(n: u64, cuts: &[u64]) -> Vec<(u64, u64)> {
+    let mut c: Vec<u64> = cuts
+        .iter()
+        .map(|&x| x % n.max(1))
+        .filter(|&x| x < n)
+        .collect();
+    c.push(0);
+    c.push(n);
+    c.sort_unstable();
+    c.dedup();
+    c.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
+}
+
+/// A grid chunking of `gshape` from per-dimension cut points.
+fn grid(gshape: &[u64], cuts: &[Vec<u64>]) -> Vec<(Vec<u64>, Vec<u64>)> {
+    let mut out = vec![(vec![], vec![])];
+    for (d, &n) in gshape.iter().enumerate() {
+        let parts = splits(n, &cuts[d]);
+        out = out
+            .into_iter()
+            .flat_map(|(o, s)| {
+                parts.iter().map(move |&(a, l)| {
+                    let (mut o, mut s) = (o.clone(), s.clone());
+                    o.push(a);
+                    s.push(l);
+                    (o, s)
+                })
+            })
+            .collect();
+    }
+    out
+}
+
+fn check_regions(ck: &Checkpoint, gshape: &[u64], es: usize, regions: &[(Vec<u64>, Vec<u64>)]) {
+    for (o, s) in regions {
+        let t = ck.read_region("g", o, s).unwrap();
+        assert_eq!(t.shape(), &s[..]);
+        assert_eq!(
+            t.bytes(),
+            &expected(gshape, o, s, es)[..],
+            "region {o:?} {s:?}"
+        );
+    }
+}
+
+#[test]
+fn row_column_block_and_uneven_chunkings_read_back_exactly() {
+    let gshape = [7u64, 10];
+    let layouts: Vec<(&str, Vec<Vec<u64>>)> = vec![
+        ("one chunk", vec![vec![], vec![]]),
+        ("rows", vec![vec![3, 5], vec![]]),
+        ("columns", vec![vec![], vec![2, 7]]),
+        ("blocks", vec![vec![3], vec![4]]),
+        ("uneven blocks", vec![vec![0, 5], vec![0, 2, 8]]),
+    ];
+    for dtype in [
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::F64,
+        DType::I64,
+        DType::U8,
+    ] {
+        for (what, cuts) in &layouts {
+            let dir = tempfile::tempdir().unwrap();
+            let chunks = grid(&gshape, cuts);
+            save_chunked(dir.path(), dtype, &gshape, &chunks);
+            let ck = Checkpoint::open(dir.path()).unwrap();
+            ck.verify().unwrap();
+            assert_eq!(ck.chunks("g").unwrap().len(), chunks.len(), "{what}");
+            let es = dtype.size();
+            // Whole, each row, each column, a block across every chunk edge, one element.
+            let mut regions = vec![
+                (vec![0, 0], vec![7, 10]),
+                (vec![2, 1], vec![4, 8]),
+                (vec![6, 9], vec![1, 1]),
+            ];
+            regions.extend((0..7).map(|r| (vec![r, 0], vec![1, 10])));
+            regions.extend((0..10).map(|c| (vec![0, c], vec![7, 1])));
+            check_regions(&ck, &gshape, es, &regions);
+            assert_eq!(
+                ck.read_global("g").unwrap().bytes(),
+                &expected(&gshape, &[0, 0], &gshape, es)[..]
+            );
+            // A whole tensor reads by region too.
+            let p = ck.read_region("plain", &[1, 1], &[2, 2]).unwrap();
+            assert_eq!(p.bytes(), &[7u8; 4]);
+        }
+    }
+}
+
+#[test]
+fn zero_dim_and_one_element_globals() {
+    for gshape in [vec![], vec![1u64], vec![1, 1, 1]] {
+        let dir = tempfile::tempdir().unwrap();
+        let chunk = (vec![0; gshape.len()], gshape.clone());
+        save_chunked(dir.path(), DType::F32, &gshape, &[chunk]);
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let t = ck.read_global("g").unwrap();
+        assert_eq!(t.shape(), &gshape[..]);
+        assert_eq!(t.bytes(), &element(0, 4)[..]);
+    }
+}
+
+#[test]
+fn bad_regions_and_damaged_chunks_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let gshape = [6u64, 4];
+    save_chunked(
+        dir.path(),
+        DType::F32,
+        &gshape,
+        &grid(&gshape, &[vec![3], vec![]]),
+    );
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    for (o, s, want) in [
+        (vec![0u64], vec![1u64], "rank 2"),
+        (vec![5, 0], vec![2, 4], "out of bounds"),
+        (vec![u64::MAX, 0], vec![2, 4], "out of bounds"),
+    ] {
+        let e = ck.read_region("g", &o, &s).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(want),
+            "{e}"
+        );
+    }
+    assert!(matches!(
+        ck.read_region("nope", &[], &[]),
+        Err(Error::TensorNotFound { .. })
+    ));
+    // Flip one byte of the second chunk: a region touching only the first still reads, one
+    // touching the second fails naming the chunk's tensor.
+    let t = ck.info("g@3,0").unwrap().clone();
+    let path = dir.path().join(&ck.shards()[t.shard].file);
+    drop(ck);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[t.offsets[0] as usize + 5] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    ck.read_region("g", &[0, 0], &[3, 4]).unwrap();
+    let e = ck.read_region("g", &[2, 0], &[2, 4]).unwrap_err();
+    assert!(
+        matches!(e, Error::ChecksumMismatch { .. }) && e.to_string().contains("g@3,0"),
+        "{e}"
+    );
+    // The bytes read for a region are whole chunks: reported, not hidden.
+    assert_eq!(
+        ck.region_bytes_read("g", &[2, 0], &[2, 4]).unwrap(),
+        2 * 3 * 4 * 4
+    );
+}
+
+#[test]
+fn hostile_globals_are_refused_at_open() {
+    type Edit = fn(&mut serde_json::Value);
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "gap",
+            |m| m["globals"][0]["global_shape"] = serde_json::json!([7, 4]),
+            "a gap",
+        ),
+        (
+            "overlap",
+            |m| m["globals"][0]["chunks"][1]["offsets"] = serde_json::json!([2, 0]),
+            "overlap",
+        ),
+        (
+            "overlap inside",
+            |m| {
+                m["globals"][0]["global_shape"] = serde_json::json!([6, 8]);
+                m["globals"][0]["chunks"][1]["offsets"] = serde_json::json!([2, 4]);
+            },
+            "a gap",
+        ),
+        (
+            "out of bounds",
+            |m| m["globals"][0]["chunks"][1]["offsets"] = serde_json::json!([3, 1]),
+            "outside",
+        ),
+        (
+            "wrong dtype",
+            |m| m["globals"][0]["dtype"] = "I32".into(),
+            "the chunk needs",
+        ),
+        (
+            "wrong rank",
+            |m| m["globals"][0]["chunks"][0]["offsets"] = serde_json::json!([0]),
+            "global rank",
+        ),
+        (
+            "missing chunk tensor",
+            |m| m["globals"][0]["chunks"][0]["tensor"] = "zz".into(),
+            "does not list",
+        ),
+        (
+            "chunk used twice",
+            |m| m["globals"][0]["chunks"][1]["tensor"] = "g@0,0".into(),
+            "tensor \"g@0,0\" is",
+        ),
+        (
+            "name clash",
+            |m| m["globals"][0]["name"] = "plain".into(),
+            "also a tensor",
+        ),
+        (
+            "no feature",
+            |m| m["features"] = serde_json::json!([]),
+            "must come together",
+        ),
+        (
+            "empty globals",
+            |m| m["globals"] = serde_json::json!([]),
+            "must come together",
+        ),
+        (
+            "replica differs",
+            |m| m["globals"][0]["chunks"][0]["replicas"] = serde_json::json!(["g@3,0"]),
+            "the copies differ",
+        ),
+    ];
+    for (what, edit, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let gshape = [6u64, 4];
+        save_chunked(
+            dir.path(),
+            DType::F32,
+            &gshape,
+            &grid(&gshape, &[vec![3], vec![]]),
+        );
+        manifest_edit::rewrite_manifest(dir.path(), edit);
+        let e = Checkpoint::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidManifest { .. }) && e.to_string().contains(want),
+            "{what}: {want:?} not in {e}"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random global shapes (rank 0-3), random grid chunkings and random regions: every
+    /// region equals the slice of the global tensor, element for element.
+    #[test]
+    fn random_regions_of_random_chunkings(
+        gshape in proptest::collection::vec(1u64..7, 0..4),
+        cuts in proptest::collection::vec(proptest::collection::vec(0u64..8, 0..3), 3),
+        picks in proptest::collection::vec((0u64..64, 0u64..64), 3),
+        es in prop_oneof![Just(DType::U8), Just(DType::BF16), Just(DType::F32), Just(DType::I64)],
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let chunks = grid(&gshape, &cuts);
+        save_chunked(dir.path(), es, &gshape, &chunks);
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let (o, s): (Vec<u64>, Vec<u64>) = gshape
+            .iter()
+            .zip(&picks)
+            .map(|(&n, &(a, b))| {
+                let o = a % n;
+                (o, 1 + b % (n - o))
+            })
+            .unzip();
+        let t = ck.read_region("g", &o, &s).unwrap();
+        prop_assert_eq!(t.bytes(), &expected(&gshape, &o, &s, es.size())[..]);
+        prop_assert_eq!(numel(&s) * es.size() as u64, t.bytes().len() as u64);
+    }
+}
