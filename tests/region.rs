@@ -366,3 +366,53 @@ proptest! {
         prop_assert_eq!(numel(&s) * es.size() as u64, t.bytes().len() as u64);
     }
 }
+
+#[test]
+fn cli_inspect_shows_globals_and_verify_checks_every_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let gshape = [6u64, 4];
+    let chunks = grid(&gshape, &[vec![3], vec![1]]);
+    save_chunked(dir.path(), DType::F32, &gshape, &chunks);
+    let ckpt = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let p = dir.path().to_str().unwrap();
+    let o = ckpt(&["inspect", "--json", p]);
+    assert!(o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let g = &v["globals"][0];
+    assert_eq!(g["name"], "g");
+    assert_eq!(g["global_shape"], serde_json::json!([6, 4]));
+    let got: Vec<(serde_json::Value, serde_json::Value)> = g["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert!(c["crc32"].is_u64() && c["shard"].is_u64(), "{c}");
+            (c["offsets"].clone(), c["shape"].clone())
+        })
+        .collect();
+    let want: Vec<_> = chunks
+        .iter()
+        .map(|(o, s)| (serde_json::json!(o), serde_json::json!(s)))
+        .collect();
+    assert_eq!(got, want);
+    let text = String::from_utf8_lossy(&ckpt(&["inspect", p]).stdout).to_string();
+    assert!(text.contains("g  F32  [6, 4]  4 chunk(s)"), "{text}");
+    assert_eq!(ckpt(&["verify", p]).status.code(), Some(0));
+    // One flipped byte in one chunk: verify fails naming that chunk's tensor.
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let t = ck.info("g@3,1").unwrap().clone();
+    let path = dir.path().join(&ck.shards()[t.shard].file);
+    drop(ck);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[t.offsets[1] as usize - 1] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let o = ckpt(&["verify", p]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
+    assert!(err.contains("g@3,1"), "{err}");
+}

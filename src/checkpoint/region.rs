@@ -45,6 +45,10 @@ impl Region {
     }
 }
 
+/// A stored piece a region reads from: where it lies, the tensor holding it, and the
+/// intersection `[lo, hi)` with the region.
+type Step<'s> = (&'s Region, &'s TensorInfo, Vec<u64>, Vec<u64>);
+
 /// What a region is assembled from: the chunks of a global tensor, or one whole tensor.
 struct Source<'a> {
     name: &'a str,
@@ -121,11 +125,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
 
     /// Check `region` against `src`'s shape; the stored pieces it intersects, with the
     /// intersections.
-    fn plan_region<'s>(
-        &self,
-        src: &'s Source<'_>,
-        region: &Region,
-    ) -> Result<Vec<(&'s Region, &'s TensorInfo, Vec<u64>, Vec<u64>)>> {
+    fn plan_region<'s>(&self, src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>> {
         let bad = |why: String| {
             Error::InvalidArgument(format!(
                 "tensor {:?} of shape {:?}: region offsets {:?}, shape {:?}: {why}",

@@ -289,6 +289,11 @@ fn check_no_overlap_with(g: &GlobalEntry, max_cells: u128) -> Result<(), String>
 mod tests {
     use super::*;
 
+    /// A global shape and its chunks as (offsets, shape).
+    type Layout<'a> = (&'a [u64], Vec<(&'a [u64], &'a [u64])>);
+    /// A layout and what to expect of it.
+    type Case<'a, T> = (&'a [u64], Vec<(&'a [u64], &'a [u64])>, T);
+
     fn entry(shape: &[u64], chunks: &[(&[u64], &[u64])]) -> (GlobalEntry, Vec<TensorInfo>) {
         let mut tensors = Vec::new();
         let mut g = GlobalEntry {
@@ -328,7 +333,7 @@ mod tests {
 
     #[test]
     fn tilings_accepted() {
-        let ok: Vec<(&[u64], Vec<(&[u64], &[u64])>)> = vec![
+        let ok: Vec<Layout<'_>> = vec![
             (&[], vec![(&[], &[])]),
             (&[1], vec![(&[0], &[1])]),
             (&[10], vec![(&[0], &[3]), (&[3], &[7])]),
@@ -351,7 +356,7 @@ mod tests {
 
     #[test]
     fn defects_refused() {
-        let bad: Vec<(&[u64], Vec<(&[u64], &[u64])>, &str)> = vec![
+        let bad: Vec<Case<'_, &str>> = vec![
             (&[10], vec![(&[0], &[3]), (&[4], &[6])], "a gap"),
             (&[10], vec![(&[0], &[4]), (&[3], &[6])], "overlap"),
             (&[10], vec![(&[0], &[4]), (&[4], &[7])], "outside"),
@@ -387,7 +392,7 @@ mod tests {
 
     #[test]
     fn pairwise_path_agrees_with_the_grid() {
-        let cases: Vec<(&[u64], Vec<(&[u64], &[u64])>, bool)> = vec![
+        let cases: Vec<Case<'_, bool>> = vec![
             (
                 &[5, 5],
                 vec![

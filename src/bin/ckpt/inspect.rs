@@ -14,7 +14,8 @@ pub struct Args {
     path: PathBuf,
     /// Print one JSON object: {path, kind, checkpoint_id, shards:[{file,size}],
     /// tensors:[{name,dtype,shape,bytes,shard,file,crc32}], total_tensors, total_bytes,
-    /// metadata, optimizer}.
+    /// metadata, optimizer, globals:[{name,dtype,global_shape,chunks:[{offsets,shape,
+    /// tensor,shard,file,crc32,replicas}]}]}.
     #[arg(long)]
     json: bool,
 }
@@ -42,6 +43,25 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .iter()
             .map(|s| json!({"file": s.file, "size": s.bytes.as_ref().len()}))
             .collect();
+        let globals: Vec<_> = ck
+            .globals()
+            .iter()
+            .map(|g| {
+                let chunks: Vec<_> = g
+                    .chunks
+                    .iter()
+                    .map(|c| {
+                        let t = ck.info(&c.tensor).ok();
+                        json!({"offsets": c.offsets, "shape": c.shape, "tensor": c.tensor,
+                               "shard": t.map(|t| t.shard),
+                               "file": t.map(|t| ck.shards()[t.shard].file.clone()),
+                               "crc32": t.and_then(|t| t.crc32), "replicas": c.replicas})
+                    })
+                    .collect();
+                json!({"name": g.name, "dtype": g.dtype.name(), "global_shape": g.global_shape,
+                       "chunks": chunks})
+            })
+            .collect();
         let out = json!({
             "path": a.path, "kind": kind,
             "checkpoint_id": ck.manifest().map(|m| m.checkpoint_id.clone()),
@@ -49,6 +69,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "total_tensors": ck.tensors().len(), "total_bytes": total,
             "metadata": ck.metadata(),
             "optimizer": ck.manifest().and_then(|m| m.optimizer.as_ref()),
+            "globals": globals,
         });
         println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
         return Ok(ExitCode::SUCCESS);
@@ -84,6 +105,32 @@ pub fn run(a: Args) -> Result<ExitCode> {
         human(total),
         ck.shards().len()
     );
+    if !ck.globals().is_empty() {
+        println!("global tensors (stored as the chunk tensors above):");
+        for g in ck.globals() {
+            let replicas: usize = g.chunks.iter().map(|c| c.replicas.len()).sum();
+            println!(
+                "  {}  {}  {:?}  {} chunk(s){}",
+                g.name.escape_debug(),
+                g.dtype.name(),
+                g.global_shape,
+                g.chunks.len(),
+                if replicas > 0 {
+                    format!(", {replicas} replica(s)")
+                } else {
+                    String::new()
+                }
+            );
+            for c in &g.chunks {
+                println!(
+                    "    offsets {:?} shape {:?}: {}",
+                    c.offsets,
+                    c.shape,
+                    c.tensor.escape_debug()
+                );
+            }
+        }
+    }
     let meta = ck.metadata();
     if meta.as_object().is_some_and(|o| !o.is_empty()) {
         println!("metadata: {meta}");
