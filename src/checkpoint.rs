@@ -736,9 +736,8 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// [`Error::InvalidOptimizerState`] naming the parameter and state.
     pub fn check_optimizer_section(&self) -> Result<()> {
         match self.manifest.as_ref().and_then(|m| m.optimizer.as_ref()) {
-            Some(sec) => crate::format::optimizer::check_section(sec, |n| {
-                self.info(n).ok().map(|t| (t.dtype, t.shape.as_slice()))
-            }),
+            // A state may be stored whole or as a global tensor (format-spec/global.md).
+            Some(sec) => crate::format::optimizer::check_section(sec, |n| self.shape_of(n).ok()),
             None => Ok(()),
         }
     }

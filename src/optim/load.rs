@@ -7,7 +7,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::{BufferPool, OptimizerState, ParamGroup, ParamSpec, StateValue, Tensor};
-use crate::checkpoint::{Checkpoint, TensorInfo};
+use crate::checkpoint::{Checkpoint, Region, TensorInfo};
 use crate::convert;
 use crate::crc::crc32_parallel;
 use crate::dtype::DType;
@@ -192,6 +192,22 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .and_then(|m| m.optimizer.as_ref())
             .ok_or_else(|| Error::optim("", "", "the checkpoint holds no optimizer state"))?;
         self.check_optimizer_section()?;
+        // State stored as global tensors (format-spec/global.md) is assembled by region:
+        // the partition path with every parameter whole.
+        let chunked = sec.params.iter().flat_map(|p| &p.state).any(|s| {
+            self.global(&s.tensor).is_some()
+                || s.scale
+                    .as_deref()
+                    .is_some_and(|sc| self.global(sc).is_some())
+        });
+        if chunked {
+            if pool.is_some() {
+                return Err(Error::InvalidArgument(
+                    "a BufferPool cannot serve optimizer state stored as global tensors: use load_optimizer".into(),
+                ));
+            }
+            return self.load_optimizer_partition(layout, &HashMap::new());
+        }
         let shapes: HashMap<&str, &[u64]> = sec
             .params
             .iter()
@@ -257,6 +273,163 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         Ok(OptimizerState { groups, state })
     }
 
+    /// Load the optimizer state of one rank's partition: for each parameter named in
+    /// `partition`, only the region of it that the rank holds (in the parameter's global
+    /// index space), read from whatever chunking the checkpoint was saved with; parameters
+    /// not named are loaded whole. States shaped like their parameter are read by region
+    /// ([`Checkpoint::read_region`], every chunk read CRC-checked); scalar states (`step`)
+    /// whole. The layout applies as in [`Checkpoint::load_optimizer`], to each rank's
+    /// region: an F16-scaled target computes the scale from the region's own absmax, as
+    /// FusedAdam does per local tensor. The returned state's parameter shapes are the
+    /// regions' shapes; it is built whole in fresh buffers, or not at all.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_optimizer`]; [`Error::InvalidArgument`] for a partition
+    /// naming a parameter the checkpoint does not have, or a region of the wrong rank or
+    /// out of the parameter's bounds.
+    pub fn load_optimizer_partition(
+        &self,
+        layout: &StateLayout,
+        partition: &HashMap<String, Region>,
+    ) -> Result<OptimizerState> {
+        let sec = self
+            .manifest()
+            .and_then(|m| m.optimizer.as_ref())
+            .ok_or_else(|| Error::optim("", "", "the checkpoint holds no optimizer state"))?;
+        self.check_optimizer_section()?;
+        let mut regions: HashMap<&str, Region> = HashMap::new();
+        for p in &sec.params {
+            let r = match partition.get(&p.name) {
+                Some(r) => {
+                    let fits = r.offsets.len() == p.shape.len()
+                        && r.shape.len() == p.shape.len()
+                        && (0..p.shape.len()).all(|d| {
+                            r.offsets[d]
+                                .checked_add(r.shape[d])
+                                .is_some_and(|e| e <= p.shape[d])
+                        });
+                    if !fits {
+                        return Err(Error::InvalidArgument(format!(
+                            "partition: parameter {:?} of shape {:?}: region offsets {:?}, shape {:?} does not fit it",
+                            p.name, p.shape, r.offsets, r.shape
+                        )));
+                    }
+                    r.clone()
+                }
+                None => Region::new(&vec![0; p.shape.len()], &p.shape),
+            };
+            regions.insert(&p.name, r);
+        }
+        if let Some(n) = partition.keys().find(|n| !regions.contains_key(n.as_str())) {
+            return Err(Error::InvalidArgument(format!(
+                "partition names parameter {n:?}, which the checkpoint's optimizer state does not have"
+            )));
+        }
+        let jobs: Vec<(
+            &str,
+            &str,
+            &Region,
+            &crate::format::manifest::StateEntry,
+            &[u64],
+        )> = sec
+            .params
+            .iter()
+            .flat_map(|p| {
+                let r = &regions[p.name.as_str()];
+                p.state
+                    .iter()
+                    .map(move |s| (p.name.as_str(), s.name.as_str(), r, s, p.shape.as_slice()))
+            })
+            .collect();
+        let values: Vec<StateValue> = jobs
+            .par_iter()
+            .map(|&(param, state, r, s, pshape)| {
+                let conv = |reason: String| Error::Conversion {
+                    param: param.into(),
+                    state: state.into(),
+                    reason,
+                };
+                let (_, stored_shape) = self.shape_of(&s.tensor)?;
+                let shaped = stored_shape == pshape;
+                let data = if shaped {
+                    self.read_region(&s.tensor, &r.offsets, &r.shape)?
+                } else {
+                    self.read_global(&s.tensor)?
+                };
+                let (target, explicit) = layout.resolve(param, state);
+                let float = data.dtype().is_float() || s.encoding == Encoding::F16Scaled;
+                let target = if explicit || (float && shaped) {
+                    target
+                } else {
+                    Target::AsStored
+                };
+                match (&s.scale, target) {
+                    (None, Target::AsStored) => Ok(StateValue::Plain(data)),
+                    (None, t) => {
+                        if !data.dtype().is_float() {
+                            return Err(conv(format!(
+                                "the stored {} state is not floating-point and cannot be loaded as {t:?}",
+                                data.dtype()
+                            )));
+                        }
+                        if matches!(
+                            (t, data.dtype()),
+                            (Target::F32, DType::F32) | (Target::BF16, DType::BF16)
+                        ) {
+                            return Ok(StateValue::Plain(data));
+                        }
+                        let v = TensorView::new(&s.tensor, data.dtype(), data.shape(), data.bytes());
+                        convert_plain(&v, t, None, conv)
+                    }
+                    (Some(sc), t) => {
+                        let scale = self.read_global(sc)?;
+                        match t {
+                            Target::AsStored | Target::F16Scaled(ScaleShape::Keep) => {
+                                Ok(StateValue::F16Scaled { q: data, scale })
+                            }
+                            Target::F16Scaled(sh) => Ok(StateValue::F16Scaled {
+                                q: data,
+                                scale: scale.reshaped(sh.dims()),
+                            }),
+                            t => {
+                                let sv = scale
+                                    .as_slice::<f32>()?
+                                    .first()
+                                    .copied()
+                                    .ok_or_else(|| conv("empty scale".into()))?;
+                                let v = TensorView::new(&s.tensor, data.dtype(), data.shape(), data.bytes());
+                                unscale(&v, sv, t, None)
+                            }
+                        }
+                    }
+                }
+            })
+            .collect::<Result<_>>()?;
+        let mut state: BTreeMap<String, BTreeMap<String, StateValue>> = BTreeMap::new();
+        for (j, v) in jobs.iter().zip(values) {
+            state
+                .entry(j.0.to_string())
+                .or_default()
+                .insert(j.1.to_string(), v);
+        }
+        let groups = sec
+            .groups
+            .iter()
+            .map(|g| ParamGroup {
+                params: g
+                    .params
+                    .iter()
+                    .map(|n| {
+                        let shape = regions.get(n.as_str()).map_or(&[][..], |r| &r.shape[..]);
+                        ParamSpec::new(n.clone(), shape)
+                    })
+                    .collect(),
+                hyper: g.hyper.as_object().cloned().unwrap_or_default(),
+            })
+            .collect();
+        Ok(OptimizerState { groups, state })
+    }
+
     /// A view of `t` whose CRC32 was just checked.
     fn checked_view<'a>(&'a self, t: &'a TensorInfo) -> Result<TensorView<'a>> {
         let v = self.view(t);
@@ -303,21 +476,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     });
                 }
                 let qv = self.checked_view(q)?;
-                let codes = typed::<f16>(&qv);
-                let shape = qv.shape();
-                match t {
-                    Target::F32 => {
-                        let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
-                        convert::f16_scaled_to_f32(&codes, s, out.as_mut_slice()?);
-                        Ok(StateValue::Plain(out))
-                    }
-                    Target::BF16 => {
-                        let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
-                        convert::f16_scaled_to_bf16(&codes, s, out.as_mut_slice()?);
-                        Ok(StateValue::Plain(out))
-                    }
-                    Target::AsStored | Target::F16Scaled(_) => unreachable_as_stored(),
-                }
+                unscale(&qv, s, t, pool)
             }
             (Source::Plain(t), Target::F16Scaled(sh)) if t.dtype == DType::F32 => {
                 let v = self.view(t);
@@ -378,43 +537,78 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     _ => {}
                 }
                 let v = self.checked_view(t)?;
-                let shape = v.shape();
-                match target {
-                    Target::F32 => {
-                        let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
-                        widen_to_f32(&v, out.as_mut_slice()?);
-                        Ok(StateValue::Plain(out))
-                    }
-                    Target::BF16 => {
-                        let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
-                        match v.dtype() {
-                            DType::F64 => {
-                                for (o, &x) in out
-                                    .as_mut_slice::<bf16>()?
-                                    .iter_mut()
-                                    .zip(typed::<f64>(&v).iter())
-                                {
-                                    *o = convert::f64_to_bf16(x);
-                                }
-                            }
-                            _ => {
-                                let x = to_f32(&v);
-                                convert::f32_to_bf16(&x, out.as_mut_slice()?);
-                            }
-                        }
-                        Ok(StateValue::Plain(out))
-                    }
-                    Target::F16Scaled(sh) => {
-                        let x = to_f32(&v);
-                        StateValue::f16_scaled_from_f32(shape, &x, sh).map_err(|e| match e {
-                            Error::Conversion { reason, .. } => conv(reason),
-                            e => e,
-                        })
-                    }
-                    Target::AsStored => unreachable_as_stored(),
-                }
+                convert_plain(&v, target, pool, conv)
             }
         }
+    }
+}
+
+/// FP16 codes `qv` times scale `s`, in `t` (F32 or BF16), into a fresh tensor.
+fn unscale(
+    qv: &TensorView<'_>,
+    s: f32,
+    t: Target,
+    pool: Option<&BufferPool>,
+) -> Result<StateValue> {
+    let codes = typed::<f16>(qv);
+    let shape = qv.shape();
+    match t {
+        Target::F32 => {
+            let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
+            convert::f16_scaled_to_f32(&codes, s, out.as_mut_slice()?);
+            Ok(StateValue::Plain(out))
+        }
+        Target::BF16 => {
+            let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
+            convert::f16_scaled_to_bf16(&codes, s, out.as_mut_slice()?);
+            Ok(StateValue::Plain(out))
+        }
+        Target::AsStored | Target::F16Scaled(_) => unreachable_as_stored(),
+    }
+}
+
+/// A floating-point plain state `v` (already CRC-checked) in `target` (not `AsStored`),
+/// into a fresh tensor: the general path, without the fused CRC-and-convert kernels.
+fn convert_plain(
+    v: &TensorView<'_>,
+    target: Target,
+    pool: Option<&BufferPool>,
+    conv: impl Fn(String) -> Error,
+) -> Result<StateValue> {
+    let shape = v.shape();
+    match target {
+        Target::F32 => {
+            let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
+            widen_to_f32(v, out.as_mut_slice()?);
+            Ok(StateValue::Plain(out))
+        }
+        Target::BF16 => {
+            let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
+            match v.dtype() {
+                DType::F64 => {
+                    for (o, &x) in out
+                        .as_mut_slice::<bf16>()?
+                        .iter_mut()
+                        .zip(typed::<f64>(v).iter())
+                    {
+                        *o = convert::f64_to_bf16(x);
+                    }
+                }
+                _ => {
+                    let x = to_f32(v);
+                    convert::f32_to_bf16(&x, out.as_mut_slice()?);
+                }
+            }
+            Ok(StateValue::Plain(out))
+        }
+        Target::F16Scaled(sh) => {
+            let x = to_f32(v);
+            StateValue::f16_scaled_from_f32(shape, &x, sh).map_err(|e| match e {
+                Error::Conversion { reason, .. } => conv(reason),
+                e => e,
+            })
+        }
+        Target::AsStored => unreachable_as_stored(),
     }
 }
 

@@ -456,6 +456,28 @@ impl<'a> OptimizerStateRef<'a> {
     }
 }
 
+impl OptimizerState {
+    /// [`OptimizerState::restore_from`] for one rank's partition (see
+    /// [`crate::Checkpoint::load_optimizer_partition`]): the state of the regions this rank
+    /// holds replaces this state whole, after checking it fits this optimizer, whose
+    /// parameter shapes are the local (region) shapes.
+    ///
+    /// # Errors
+    /// As [`OptimizerState::restore_from`] and
+    /// [`crate::Checkpoint::load_optimizer_partition`]; on error `self` is unchanged.
+    pub fn restore_from_partition<B: AsRef<[u8]> + Sync>(
+        &mut self,
+        ckpt: &crate::Checkpoint<B>,
+        layout: &StateLayout,
+        partition: &std::collections::HashMap<String, crate::Region>,
+    ) -> Result<()> {
+        let new = ckpt.load_optimizer_partition(layout, partition)?;
+        check_compatible(self, &new)?;
+        *self = new;
+        Ok(())
+    }
+}
+
 fn check_compatible(live: &OptimizerState, new: &OptimizerState) -> Result<()> {
     let bad = |reason: String| Error::IncompatibleState { reason };
     if live.groups.len() != new.groups.len() {
