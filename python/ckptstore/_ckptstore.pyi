@@ -57,6 +57,15 @@ class Checkpoint:
         self, names: Optional[Sequence[str]] = None, *, verify: bool = True, raw: bool = False
     ) -> dict[str, np.ndarray]:
         """Zero-copy read-only arrays for many tensors, CRCs checked in parallel first."""
+    def read_region(
+        self, name: str, offsets: Sequence[int], shape: Sequence[int]
+    ) -> np.ndarray:
+        """The box ``[offsets, offsets + shape)`` of a global (or whole) tensor in a fresh
+        writable array, every chunk read CRC-checked."""
+    def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
+        """How ``name`` is stored: ``(offsets, shape)`` boxes of its global index space."""
+    def globals(self) -> dict[str, tuple[str, list[int]]]:
+        """The global tensors (stored in chunks): name -> (wire dtype, global shape)."""
     def info(self, name: str) -> dict[str, Any]:
         """``dtype`` (wire name), ``shape``, ``nbytes``, ``shard``, ``file``, ``crc32``."""
     @property

@@ -263,6 +263,48 @@ impl PyCheckpoint {
         Ok(out)
     }
 
+    /// `ck.read_region(name, offsets, shape) -> ndarray`: the box `[offsets, offsets +
+    /// shape)` of a global tensor (or of a whole tensor) in a fresh writable array,
+    /// assembled from the chunks it intersects, every chunk read CRC-checked; the
+    /// interpreter is released while it reads.
+    fn read_region(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        offsets: Vec<u64>,
+        shape: Vec<u64>,
+    ) -> PyResult<Py<PyAny>> {
+        let (ck, _) = self.open_parts()?;
+        let ck = ck.clone();
+        let t = py
+            .detach(move || ck.read_region(name, &offsets, &shape))
+            .map_err(CkError)?;
+        owned_array(py, t, false)
+    }
+
+    /// `ck.chunks(name) -> list[(offsets, shape)]`: how `name` is stored, as boxes of its
+    /// global index space (one box at the origin for a whole tensor).
+    fn chunks(&self, name: &str) -> PyResult<Vec<(Vec<u64>, Vec<u64>)>> {
+        let (ck, _) = self.open_parts()?;
+        Ok(ck
+            .chunks(name)
+            .map_err(CkError)?
+            .into_iter()
+            .map(|r| (r.offsets, r.shape))
+            .collect())
+    }
+
+    /// `ck.globals() -> dict[str, (dtype, global_shape)]`: the global tensors (stored in
+    /// chunks), by name.
+    fn globals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (ck, _) = self.open_parts()?;
+        let d = PyDict::new(py);
+        for g in ck.globals() {
+            d.set_item(&g.name, (g.dtype.name(), g.global_shape.clone()))?;
+        }
+        Ok(d)
+    }
+
     /// `ck.info(name) -> dict`: `dtype` (wire name such as "F32"), `shape` (tuple),
     /// `nbytes`, `shard` (index), `file` (shard file name) and `crc32` (None for foreign
     /// stores).
