@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _ckptstore
 from ._ckptstore import Checkpoint
-from ._types import F16Scaled
+from ._types import Chunk, F16Scaled
 from .errors import (
     CheckpointError,
     CheckpointIOError,
@@ -58,7 +58,9 @@ from .errors import (
     IncompatibleStateError,
     InvalidArgumentError,
     InvalidTensorError,
+    MissingPartsError,
     OptimizerStateError,
+    PartError,
     TensorNotFoundError,
     UnsupportedFormatError,
 )
@@ -70,6 +72,10 @@ __all__ = [
     "open",
     "Checkpoint",
     "F16Scaled",
+    "Chunk",
+    "new_checkpoint_id",
+    "write_part",
+    "commit",
     "wire_dtype",
     "OPTIM_PREFIX",
     "CheckpointError",
@@ -80,7 +86,9 @@ __all__ = [
     "IncompatibleStateError",
     "InvalidArgumentError",
     "InvalidTensorError",
+    "MissingPartsError",
     "OptimizerStateError",
+    "PartError",
     "TensorNotFoundError",
     "UnsupportedFormatError",
 ]
@@ -240,6 +248,88 @@ def save(
     if max_shard_size is not None and max_shard_size <= 0:
         raise InvalidArgumentError("max_shard_size must be positive")
     return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, opt)
+
+
+def new_checkpoint_id() -> str:
+    """A fresh checkpoint id (32 hex digits) for a multi-rank save: drawn once (by the
+    coordinator) and handed to every rank (e.g. with ``torch.distributed.broadcast_object_list``)."""
+    return _ckptstore.new_checkpoint_id()
+
+
+def write_part(
+    path: PathLike,
+    checkpoint_id: str,
+    rank: int,
+    tensors: Mapping[str, Any],
+    *,
+    max_shard_size: Optional[int] = None,
+) -> bytes:
+    """Write this rank's part of the multi-rank checkpoint ``checkpoint_id`` into the
+    directory ``path`` (format-spec/global.md): its own shard files (temporary file,
+    fsync, rename) and its part descriptor ``part-<id>-r<rank>.json``. Returns the part
+    descriptor, to hand to the coordinator's :func:`commit` (with a collective such as
+    ``torch.distributed.gather_object``), or leave for the file rendezvous.
+
+    ``tensors`` maps a name to an array (a whole tensor, which exactly one rank offers),
+    a :class:`Chunk` (a piece of the global tensor of that name), or a list of Chunks
+    (several pieces of it). Arrays are read in place, as in :func:`save`. Nothing is
+    committed until :func:`commit`; raises before writing anything for invalid input.
+    """
+    if not isinstance(tensors, Mapping):
+        raise InvalidArgumentError("tensors must be a mapping of name -> array or Chunk")
+    items = []
+    for name, value in tensors.items():
+        pieces = value if isinstance(value, (list, tuple)) else [value]
+        for v in pieces:
+            if isinstance(v, Chunk):
+                n, wire, a = _prepare(name, v.array)
+                items.append((n, wire, a, (list(v.global_shape), list(v.offsets))))
+            elif isinstance(value, (list, tuple)):
+                raise InvalidArgumentError(
+                    f"tensor {name!r}: a list holds Chunks only, got {type(v).__name__}"
+                )
+            else:
+                n, wire, a = _prepare(name, v)
+                items.append((n, wire, a, None))
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise InvalidArgumentError("max_shard_size must be positive")
+    return _ckptstore.write_part(os.fspath(path), checkpoint_id, int(rank), items, max_shard_size)
+
+
+def commit(
+    path: PathLike,
+    checkpoint_id: str,
+    parts: Optional[Sequence[bytes]] = None,
+    world_size: Optional[int] = None,
+    timeout: Optional[float] = None,
+    metadata: Optional[Mapping[str, Any]] = None,
+) -> dict:
+    """Commit the multi-rank checkpoint ``checkpoint_id`` in ``path``: check every part
+    and shard together (every global tensor tiled exactly once, the same dtype and global
+    shape from every rank, replicated chunks byte-identical), then write the manifest last
+    (fsynced, renamed, directory fsynced): the only commit point. Until it returns, the
+    previous checkpoint in ``path`` stays the committed one.
+
+    ``parts``: the descriptors :func:`write_part` returned on every rank. Without
+    ``parts``, the file rendezvous: wait up to ``timeout`` seconds (default 300) for the
+    part files of ``world_size`` ranks; the error names the ranks still missing. With both,
+    the parts' ranks must be exactly ``0..world_size``. ``metadata``: a JSON-serializable
+    dict stored in the manifest.
+    """
+    meta = None
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise InvalidArgumentError("metadata must be a dict (a JSON object)")
+        try:
+            meta = json.dumps(dict(metadata), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
+    plist = None if parts is None else [bytes(p) for p in parts]
+    if plist is None and world_size is None:
+        raise InvalidArgumentError("commit needs parts, or world_size for the file rendezvous")
+    return _ckptstore.commit(
+        os.fspath(path), checkpoint_id, plist, world_size, timeout, meta
+    )
 
 
 def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's reader entry point

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["F16Scaled"]
+__all__ = ["F16Scaled", "Chunk"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,4 +41,26 @@ class F16Scaled:
         return (
             f"F16Scaled(q=<float16 {tuple(self.q.shape)}>, "
             f"scale={np.asarray(self.scale).tolist()!r} {tuple(np.shape(self.scale))})"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """A piece of a global tensor held by one rank, for :func:`ckptstore.write_part`:
+    ``array`` holds the elements of the box that starts at ``offsets`` of a global tensor
+    of shape ``global_shape`` (the box's shape is ``array.shape``)."""
+
+    array: Any
+    global_shape: Sequence[int]
+    offsets: Sequence[int]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(d) for d in self.global_shape))
+        object.__setattr__(self, "offsets", tuple(int(d) for d in self.offsets))
+
+    def __repr__(self) -> str:
+        a = np.asarray(self.array) if not hasattr(self.array, "shape") else self.array
+        return (
+            f"Chunk(shape={tuple(a.shape)}, offsets={self.offsets}, "
+            f"global_shape={self.global_shape})"
         )

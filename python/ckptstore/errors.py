@@ -25,6 +25,8 @@ __all__ = [
     "OptimizerStateError",
     "IncompatibleStateError",
     "InvalidArgumentError",
+    "PartError",
+    "MissingPartsError",
 ]
 
 
@@ -87,3 +89,15 @@ class IncompatibleStateError(OptimizerStateError):
 
 class InvalidArgumentError(CheckpointError, ValueError):
     """An argument is invalid (metadata not an object, a size of zero, a bad layout...)."""
+
+
+class PartError(CheckpointError):
+    """A multi-rank save's parts are invalid or disagree (two ranks offering one whole
+    tensor, a global tensor with different dtypes or shapes, replicas whose bytes differ,
+    overlapping chunks, a part of another checkpoint id); nothing was committed. Has
+    ``name`` and ``ranks`` where two ranks disagree."""
+
+
+class MissingPartsError(PartError, TimeoutError):
+    """Ranks of a multi-rank save wrote no part (``missing``: their ranks), so nothing was
+    committed and the previous checkpoint stays."""

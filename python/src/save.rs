@@ -21,14 +21,22 @@ type Entry<'py> = (String, String, Bound<'py, PyUntypedArray>);
 type StateEntry<'py> = (String, String, Entry<'py>, Option<Entry<'py>>);
 
 /// A borrowed tensor over an array's memory (no copy).
-fn tensor_ref<'a>(e: &'a Entry<'_>) -> PyResult<TensorRef<'a>> {
-    let (name, dt, arr) = e;
+fn entry_ref<'a>(e: &'a Entry<'_>) -> PyResult<TensorRef<'a>> {
+    tensor_ref(&e.0, &e.1, &e.2)
+}
+
+/// A borrowed tensor `name` of wire dtype `dt` over `arr`'s memory (no copy).
+pub(crate) fn tensor_ref<'a>(
+    name: &'a str,
+    dt: &str,
+    arr: &'a Bound<'_, PyUntypedArray>,
+) -> PyResult<TensorRef<'a>> {
     let dtype = parse_dtype(dt)?;
     let shape: Vec<u64> = arr.shape().iter().map(|&d| d as u64).collect();
     let (bytes, strides) = array_bytes(name, arr, dtype)?;
     Ok(match strides {
-        None => TensorRef::new(name.as_str(), dtype, &shape, bytes),
-        Some(st) => TensorRef::strided(name.as_str(), dtype, &shape, &st, 0, bytes),
+        None => TensorRef::new(name, dtype, &shape, bytes),
+        Some(st) => TensorRef::strided(name, dtype, &shape, &st, 0, bytes),
     })
 }
 
@@ -99,7 +107,7 @@ pub(crate) fn save<'py>(
     }
     let refs = tensors
         .iter()
-        .map(tensor_ref)
+        .map(entry_ref)
         .collect::<PyResult<Vec<_>>>()?;
     let info = match &optimizer {
         None => py.detach(|| ckptstore::save(&path, &refs, &opts)),
@@ -107,10 +115,10 @@ pub(crate) fn save<'py>(
             let mut state: BTreeMap<String, BTreeMap<String, StateValueRef<'_>>> = BTreeMap::new();
             for (param, sname, values, scale) in states {
                 let v = match scale {
-                    None => StateValueRef::Plain(tensor_ref(values)?),
+                    None => StateValueRef::Plain(entry_ref(values)?),
                     Some(s) => StateValueRef::F16Scaled {
-                        q: tensor_ref(values)?,
-                        scale: tensor_ref(s)?,
+                        q: entry_ref(values)?,
+                        scale: entry_ref(s)?,
                     },
                 };
                 if state

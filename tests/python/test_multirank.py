@@ -1,0 +1,165 @@
+"""Multi-rank checkpoints from Python (format-spec/global.md): N real writer processes
+each write their part of global tensors into one directory, one coordinator commits, and
+M readers read any region back, compared bit for bit with the global arrays the test built.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckptstore
+
+ROWS, COLS = 10, 6
+DTYPES = {
+    "f32": np.float32,
+    "bf16": ml_dtypes.bfloat16,
+    "f16": np.float16,
+    "f64": np.float64,
+    "i64": np.int64,
+}
+
+
+def global_array(name: str) -> np.ndarray:
+    """The global tensor ``name`` (deterministic, so every process builds the same)."""
+    dt = DTYPES[name]
+    x = np.arange(ROWS * COLS, dtype=np.float64).reshape(ROWS, COLS)
+    v = np.sin(x * 0.37 + len(name)) * 100
+    return (v.astype(np.int64) if dt is np.int64 else v).astype(dt)
+
+
+def splits(n: int, parts: int) -> list[tuple[int, int]]:
+    """Uneven contiguous splits of ``n`` into ``parts`` (first ones one larger)."""
+    q, r = divmod(n, parts)
+    out, at = [], 0
+    for k in range(parts):
+        size = q + (k < r)
+        out.append((at, size))
+        at += size
+    return out
+
+
+def rank_tensors(rank: int, world: int) -> dict:
+    """What rank ``rank`` of ``world`` holds: rows of the f32/bf16/i64 globals, columns of
+    f16, 2-D blocks of f64 (world 4), a replicated 0-dim step and 1-element bias, and one
+    whole tensor from rank 0 only."""
+    out: dict = {}
+    r0, n = splits(ROWS, world)[rank]
+    for name in ("f32", "bf16", "i64"):
+        g = global_array(name)
+        out[name] = ckptstore.Chunk(g[r0 : r0 + n], g.shape, (r0, 0))
+    c0, m = splits(COLS, world)[rank]
+    g = global_array("f16")
+    out["f16"] = ckptstore.Chunk(g[:, c0 : c0 + m], g.shape, (0, c0))  # strided view
+    g = global_array("f64")
+    if world == 4:
+        (a, an), (b, bn) = splits(ROWS, 2)[rank // 2], splits(COLS, 2)[rank % 2]
+        out["f64"] = ckptstore.Chunk(g[a : a + an, b : b + bn], g.shape, (a, b))
+    else:
+        # Two pieces per rank: its rows split at column 2.
+        out["f64"] = [
+            ckptstore.Chunk(g[r0 : r0 + n, :2], g.shape, (r0, 0)),
+            ckptstore.Chunk(g[r0 : r0 + n, 2:], g.shape, (r0, 2)),
+        ]
+    out["step"] = ckptstore.Chunk(np.array(42.0, np.float32), (), ())
+    out["bias"] = ckptstore.Chunk(np.array([1.5], np.float32), (1,), (0,))
+    if rank == 0:
+        out["meta.table"] = np.arange(5, dtype=np.uint8)
+    return out
+
+
+def _write(args) -> bytes:
+    path, cid, rank, world = args
+    return ckptstore.write_part(path, cid, rank, rank_tensors(rank, world), max_shard_size=512)
+
+
+def write_parts(path, cid, world) -> list[bytes]:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(world) as pool:
+        return pool.map(_write, [(str(path), cid, r, world) for r in range(world)])
+
+
+def check_all_regions(path, world_read: int):
+    ck = ckptstore.open(path)
+    assert ck.verify()["checksummed"]
+    for name in DTYPES:
+        g = global_array(name)
+        assert np.array_equal(ck.read_region(name, (0, 0), g.shape).view(np.uint8), g.view(np.uint8))
+        for r0, n in splits(ROWS, world_read):
+            got = ck.read_region(name, (r0, 0), (n, COLS))
+            assert got.dtype == g.dtype and got.flags.writeable
+            assert np.array_equal(got.view(np.uint8), g[r0 : r0 + n].view(np.uint8)), name
+        for c0, m in splits(COLS, world_read):
+            got = ck.read_region(name, (0, c0), (ROWS, m))
+            assert np.array_equal(got.view(np.uint8), np.ascontiguousarray(g[:, c0 : c0 + m]).view(np.uint8))
+    assert ck.read_region("step", (), ()) == np.float32(42.0)
+    assert ck.read_region("bias", (0,), (1,)).tolist() == [1.5]
+    assert ck["meta.table"].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_n_writer_processes_commit_once_and_m_readers_reshard(tmp_path, world):
+    cid = ckptstore.new_checkpoint_id()
+    parts = write_parts(tmp_path, cid, world)
+    # Nothing is committed before the commit.
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        ckptstore.open(tmp_path)
+    if world % 2:
+        info = ckptstore.commit(tmp_path, cid, parts=parts, metadata={"step": 7})
+    else:
+        info = ckptstore.commit(tmp_path, cid, world_size=world, timeout=30, metadata={"step": 7})
+    assert info["checkpoint_id"] == cid
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("part-")]
+    ck = ckptstore.open(tmp_path)
+    assert ck.metadata == {"step": 7}
+    g = ck.globals()
+    assert g["f32"] == ("F32", [ROWS, COLS]) and g["step"] == ("F32", [])
+    assert len(ck.chunks("f32")) == world
+    # The replicated step: one chunk, the other ranks' copies as replicas.
+    assert ck.chunks("step") == [([], [])]
+    for m in (1, 2, 3, 4):
+        check_all_regions(tmp_path, m)
+
+
+def test_conflicts_and_missing_ranks_commit_nothing(tmp_path):
+    cid = ckptstore.new_checkpoint_id()
+    parts = write_parts(tmp_path, cid, 2)
+    # Rank 2 of 3 never wrote: the rendezvous names it, nothing is committed.
+    with pytest.raises(ckptstore.MissingPartsError, match=r"\[2\]"):
+        ckptstore.commit(tmp_path, cid, world_size=3, timeout=0.2)
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        ckptstore.open(tmp_path)
+    # A part of another save is refused.
+    other = ckptstore.new_checkpoint_id()
+    with pytest.raises(ckptstore.PartError):
+        ckptstore.commit(tmp_path, other, parts=parts)
+    # A damaged descriptor is refused.
+    bad = bytearray(parts[1])
+    bad[10] ^= 1
+    with pytest.raises(ckptstore.CheckpointError):
+        ckptstore.commit(tmp_path, cid, parts=[parts[0], bytes(bad)])
+    ckptstore.commit(tmp_path, cid, parts=parts)
+    check_all_regions(tmp_path, 3)
+
+
+def test_replicas_with_different_bytes_are_refused(tmp_path):
+    cid = ckptstore.new_checkpoint_id()
+    p0 = ckptstore.write_part(tmp_path, cid, 0, {"s": ckptstore.Chunk(np.float32(1.0), (), ())})
+    p1 = ckptstore.write_part(tmp_path, cid, 1, {"s": ckptstore.Chunk(np.float32(2.0), (), ())})
+    with pytest.raises(ckptstore.PartError, match="ranks 0 and 1"):
+        ckptstore.commit(tmp_path, cid, parts=[p0, p1])
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        ckptstore.open(tmp_path)
+
+
+def test_bad_chunks_are_refused_before_writing(tmp_path):
+    cid = ckptstore.new_checkpoint_id()
+    with pytest.raises(ckptstore.InvalidTensorError):
+        ckptstore.write_part(tmp_path, cid, 0, {"w": ckptstore.Chunk(np.zeros((3, 2), np.float32), (4, 2), (2, 0))})
+    with pytest.raises(ckptstore.InvalidArgumentError):
+        ckptstore.write_part(tmp_path, cid, 0, {"w": [np.zeros(3)]})
+    assert not os.listdir(tmp_path) or all(f == ".ckpt-lock" for f in os.listdir(tmp_path))
