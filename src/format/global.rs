@@ -286,6 +286,9 @@ fn check_no_overlap_with(g: &GlobalEntry, max_cells: u128) -> Result<(), String>
 mod tests {
     use super::*;
 
+    /// A chunk's (offsets, shape).
+    type Boxed = (&'static [u64], &'static [u64]);
+
     fn entry(shape: &[u64], chunks: &[(&[u64], &[u64])]) -> (GlobalEntry, Vec<TensorInfo>) {
         let mut tensors = Vec::new();
         let mut g = GlobalEntry {
@@ -325,7 +328,7 @@ mod tests {
 
     #[test]
     fn tilings_accepted() {
-        let ok: Vec<(&[u64], Vec<(&[u64], &[u64])>)> = vec![
+        let ok: Vec<(&[u64], Vec<Boxed>)> = vec![
             (&[], vec![(&[], &[])]),
             (&[1], vec![(&[0], &[1])]),
             (&[10], vec![(&[0], &[3]), (&[3], &[7])]),
@@ -348,7 +351,7 @@ mod tests {
 
     #[test]
     fn defects_refused() {
-        let bad: Vec<(&[u64], Vec<(&[u64], &[u64])>, &str)> = vec![
+        let bad: Vec<(&[u64], Vec<Boxed>, &str)> = vec![
             (&[10], vec![(&[0], &[3]), (&[4], &[6])], "a gap"),
             (&[10], vec![(&[0], &[4]), (&[3], &[6])], "overlap"),
             (&[10], vec![(&[0], &[4]), (&[4], &[7])], "outside"),
@@ -384,7 +387,7 @@ mod tests {
 
     #[test]
     fn pairwise_path_agrees_with_the_grid() {
-        let cases: Vec<(&[u64], Vec<(&[u64], &[u64])>, bool)> = vec![
+        let cases: Vec<(&[u64], Vec<Boxed>, bool)> = vec![
             (
                 &[5, 5],
                 vec![

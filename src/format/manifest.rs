@@ -283,7 +283,7 @@ pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), Deco
             "the \"optimizer\" feature and the optimizer section must come together".into(),
         ));
     }
-    if !m.globals.is_empty() != m.features.iter().any(|f| f == "global") {
+    if m.globals.is_empty() == m.features.iter().any(|f| f == "global") {
         return Err(Invalid(
             "the \"global\" feature and a non-empty globals list must come together".into(),
         ));
