@@ -2,6 +2,7 @@
 //! (format-spec/durability.md).
 
 pub mod fs;
+pub mod parts;
 #[doc(hidden)]
 pub mod pause;
 
