@@ -390,11 +390,16 @@ fn hostile_commits_are_refused_and_nothing_is_committed() {
         &[chunk("w", &all[4..], &g, &[2, 0], &[2, 2])],
     );
     match commit(&dir, &id, &parts, &opts(2)) {
-        Err(Error::InvalidManifest { reason, .. }) => {
+        Err(Error::PartConflict {
+            name,
+            ranks,
+            reason,
+        }) => {
+            assert_eq!((name.as_str(), ranks), ("w", [0, 1]));
             assert!(
-                reason.contains("\"w\"") && reason.contains("overlap"),
+                reason.contains("overlap") && reason.contains("[2, 0]"),
                 "{reason}"
-            )
+            );
         }
         other => panic!("overlap: {other:?}"),
     }
@@ -511,6 +516,23 @@ fn hostile_commits_are_refused_and_nothing_is_committed() {
         }
         other => panic!("other id: {other:?}"),
     }
+    unchanged(&dir, &old);
+
+    // A shard whose header bytes changed (same size).
+    let shard0 = dir.join(&parts[0].shards[0].file);
+    let good0 = std::fs::read(&shard0).unwrap();
+    let mut bad0 = good0.clone();
+    let at = bad0.iter().position(|&b| b == b'F').unwrap(); // "F32" in the header
+    bad0[at] = b'G';
+    std::fs::write(&shard0, &bad0).unwrap();
+    match commit(&dir, &id, &parts, &opts(2)) {
+        Err(Error::ChecksumMismatch { what, file, .. }) => {
+            assert_eq!(file, parts[0].shards[0].file);
+            assert!(what.contains("header") && what.contains("rank 0"), "{what}");
+        }
+        other => panic!("header changed: {other:?}"),
+    }
+    std::fs::write(&shard0, &good0).unwrap();
     unchanged(&dir, &old);
 
     // A shard of the wrong size.

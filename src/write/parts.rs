@@ -476,8 +476,8 @@ impl Default for CommitOptions {
 /// [`Error::ShardMismatch`] / [`Error::ChecksumMismatch`] for a shard file that is missing,
 /// misnamed, of the wrong size or whose header CRC differs; [`Error::PartConflict`] naming
 /// both ranks for a whole tensor offered twice, a global declared with different dtypes or
-/// shapes, or replicas whose bytes differ; [`Error::InvalidManifest`] for a merged manifest
-/// the reader would refuse (chunks that overlap or leave a gap, ...);
+/// shapes, replicas whose bytes differ, or chunks that overlap; [`Error::InvalidManifest`]
+/// for a merged manifest the reader would refuse otherwise (chunks that leave a gap, ...);
 /// [`Error::InvalidArgument`] for a merged manifest over the size cap; [`Error::Io`].
 pub fn commit(
     dir: impl AsRef<Path>,
@@ -514,13 +514,18 @@ pub fn commit(
             MAX_MANIFEST_SIZE
         ))
     })?;
-    manifest::decode(&bytes).map_err(|e| Error::InvalidManifest {
-        file: format!(
-            "{} (merged from the parts of checkpoint {checkpoint_id}; not written)",
-            dir.join(manifest::MANIFEST_FILE).display()
-        ),
-        reason: decode_reason(e),
-    })?;
+    if let Err(e) = manifest::decode(&bytes) {
+        // Overlapping chunks are the ranks' disagreement: name both where it is cheap.
+        return Err(
+            overlapping_ranks(&m, &sorted).unwrap_or_else(|| Error::InvalidManifest {
+                file: format!(
+                    "{} (merged from the parts of checkpoint {checkpoint_id}; not written)",
+                    dir.join(manifest::MANIFEST_FILE).display()
+                ),
+                reason: decode_reason(e),
+            }),
+        );
+    }
     // C6: steps 3-5 of a save.
     let fs = StdFs;
     let removed = commit_manifest(&fs, dir, Created::new(&fs), &bytes, &m)?;
@@ -775,6 +780,52 @@ fn merge(id: &str, sorted: &[&Part], metadata: &serde_json::Value) -> Result<Man
         optimizer: None,
         globals,
     })
+}
+
+/// Globals of up to this many chunks are searched pair by pair for an overlap to report.
+const MAX_OVERLAP_SEARCH: usize = 4096;
+
+/// Two chunks of one global of `m` that overlap, as the conflict of the ranks that wrote
+/// them (the first pair found; globals of more than [`MAX_OVERLAP_SEARCH`] chunks are not
+/// searched).
+fn overlapping_ranks(m: &Manifest, sorted: &[&Part]) -> Option<Error> {
+    let rank_of: HashMap<&str, u32> = sorted
+        .iter()
+        .flat_map(|p| p.chunks.iter().map(|c| (c.tensor.as_str(), p.rank)))
+        .collect();
+    let meets = |a: &ChunkEntry, b: &ChunkEntry| {
+        (0..a.offsets.len()).all(|d| {
+            let (ao, bo) = (a.offsets[d], b.offsets[d]);
+            let (ae, be) = (
+                ao.saturating_add(a.shape.get(d).copied().unwrap_or(0)),
+                bo.saturating_add(b.shape.get(d).copied().unwrap_or(0)),
+            );
+            ao < be && bo < ae
+        })
+    };
+    for g in m
+        .globals
+        .iter()
+        .filter(|g| g.chunks.len() <= MAX_OVERLAP_SEARCH)
+    {
+        for (i, a) in g.chunks.iter().enumerate() {
+            for b in &g.chunks[i + 1..] {
+                if a.offsets.len() == b.offsets.len() && meets(a, b) {
+                    let ra = rank_of.get(a.tensor.as_str()).copied()?;
+                    let rb = rank_of.get(b.tensor.as_str()).copied()?;
+                    return Some(Error::PartConflict {
+                        name: g.name.clone(),
+                        ranks: [ra.min(rb), ra.max(rb)],
+                        reason: format!(
+                            "chunks overlap: rank {ra}'s at offsets {:?} shape {:?}, rank {rb}'s at offsets {:?} shape {:?}",
+                            a.offsets, a.shape, b.offsets, b.shape
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    None
 }
 
 fn crc_text(c: Option<&Option<u32>>) -> String {
