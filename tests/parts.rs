@@ -855,6 +855,22 @@ fn sigkilled_rank_leaves_the_previous_checkpoint() {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    // While rank 2 is alive it holds the directory lock shared: a save refuses at once, so
+    // its removal of temporary files cannot touch a live rank's files.
+    let z = [0f32];
+    match save(
+        &dir,
+        &[TensorRef::from_slice("z", &[1], &z)],
+        &SaveOptions::default(),
+    ) {
+        Err(Error::Io {
+            op: "lock", source, ..
+        }) => {
+            assert_eq!(source.kind(), std::io::ErrorKind::WouldBlock)
+        }
+        other => panic!("a save while a rank writes: {other:?}"),
+    }
+    unchanged(&dir, &old);
     killed.kill().unwrap(); // SIGKILL
     killed.wait().unwrap();
     let dead_shards: Vec<String> = names(&dir)

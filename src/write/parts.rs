@@ -479,6 +479,35 @@ impl Default for CommitOptions {
 /// shapes, replicas whose bytes differ, or chunks that overlap; [`Error::InvalidManifest`]
 /// for a merged manifest the reader would refuse otherwise (chunks that leave a gap, ...);
 /// [`Error::InvalidArgument`] for a merged manifest over the size cap; [`Error::Io`].
+///
+/// # Example
+/// ```
+/// # fn main() -> ckptstore::Result<()> {
+/// use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
+/// use ckptstore::{Checkpoint, CommitOptions, PartItem, SaveOptions, TensorRef};
+/// let dir = tempfile::tempdir().unwrap();
+/// let id = new_checkpoint_id()?;
+/// let w: Vec<f32> = (0..8).map(|i| i as f32).collect();
+/// // Two ranks, each holding half of the rows of the global tensor "w" [4, 2].
+/// let parts = (0..2u32)
+///     .map(|r| {
+///         let rows = &w[r as usize * 4..][..4];
+///         let chunk = PartItem::Chunk {
+///             tensor: TensorRef::from_slice("w", &[2, 2], rows),
+///             global_shape: vec![4, 2],
+///             offsets: vec![2 * u64::from(r), 0],
+///         };
+///         write_part(dir.path(), &id, r, &[chunk], &SaveOptions::default())
+///     })
+///     .collect::<ckptstore::Result<Vec<_>>>()?;
+/// let opts = CommitOptions { world_size: Some(2), ..Default::default() };
+/// commit(dir.path(), &id, &parts, &opts)?;
+/// let ck = Checkpoint::open(dir.path())?;
+/// ck.verify()?;
+/// assert_eq!(ck.manifest().unwrap().globals[0].chunks.len(), 2);
+/// assert_eq!(ck.tensor("w@2,0~r1")?.as_slice::<f32>()?, &w[4..]);
+/// # Ok(()) }
+/// ```
 pub fn commit(
     dir: impl AsRef<Path>,
     checkpoint_id: &str,
