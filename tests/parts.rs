@@ -911,3 +911,42 @@ fn sigkilled_rank_leaves_the_previous_checkpoint() {
     }
     Checkpoint::open(&dir).unwrap().verify().unwrap();
 }
+
+#[test]
+fn a_failed_write_part_removes_what_it_created() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    std::fs::create_dir(&dir).unwrap();
+    let id = new_checkpoint_id().unwrap();
+    // The part descriptor's temporary name is taken (by a directory): creating it fails
+    // after the shards are written.
+    let blocker = dir.join(format!(".ckpt-tmp-{}", part_file_name(&id, 0)));
+    std::fs::create_dir(&blocker).unwrap();
+    let d = rows(2);
+    let so = SaveOptions {
+        max_shard_size: 8, // one shard per tensor: two shards
+        ..Default::default()
+    };
+    let items = [
+        chunk("w", &d, &[4, 2], &[0, 0], &[2, 2]),
+        PartItem::Whole(TensorRef::from_slice("x", &[2], &d[..2])),
+    ];
+    match write_part(&dir, &id, 0, &items, &so) {
+        Err(Error::Io {
+            op: "create", path, ..
+        }) => assert_eq!(path, blocker),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        names(&dir),
+        vec![
+            ".ckpt-lock".to_string(),
+            blocker.file_name().unwrap().to_str().unwrap().to_string()
+        ],
+        "the shards written before the error are gone"
+    );
+    std::fs::remove_dir(&blocker).unwrap();
+    let p = write_part(&dir, &id, 0, &items, &so).unwrap();
+    assert_eq!(p.shards.len(), 2);
+    assert_eq!(p.shards[1].file, format!("shard-{id}-r0-1.safetensors"));
+}
