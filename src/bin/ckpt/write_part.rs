@@ -28,6 +28,12 @@ pub struct Args {
 type Chunk = (usize, Vec<u64>, Vec<u64>, Vec<u8>);
 
 pub fn run(a: Args) -> Result<ExitCode> {
+    if a.world == 0 || a.world > 1024 || a.rank >= a.world {
+        return Err(ckptstore::Error::InvalidArgument(format!(
+            "rank {} of world {}: the layout needs 0 <= rank < world <= 1024",
+            a.rank, a.world
+        )));
+    }
     let gs = globals(a.world);
     let datas: Vec<Chunk> = rank_chunks(a.world, a.rank)
         .into_iter()
