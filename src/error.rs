@@ -173,6 +173,40 @@ pub enum Error {
         actual: f32,
     },
 
+    /// A part descriptor of a multi-rank save (format-spec/global.md §Parts) is damaged,
+    /// inconsistent, or cannot be committed with the others; nothing was committed.
+    #[error("part {part}: {reason}")]
+    InvalidPart {
+        /// The part: its file name (`part-<id>-r<rank>.json`) or what was decoded.
+        part: String,
+        /// What is wrong, naming the rank, shard or tensor involved.
+        reason: String,
+    },
+
+    /// Two ranks' parts disagree about a tensor (format-spec/global.md §The commit, C3-C4);
+    /// nothing was committed.
+    #[error("tensor {name:?}: ranks {} and {}: {reason}", ranks[0], ranks[1])]
+    PartConflict {
+        /// The tensor (whole or global) the ranks disagree about.
+        name: String,
+        /// The two ranks, lower first.
+        ranks: [u32; 2],
+        /// What disagrees.
+        reason: String,
+    },
+
+    /// Ranks of a multi-rank save have not written their parts (missing from the parts
+    /// given, or still absent when the rendezvous timed out); nothing was committed.
+    #[error("checkpoint {checkpoint_id} in {}: no part from rank(s) {missing:?}", dir.display())]
+    MissingParts {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The checkpoint id being committed.
+        checkpoint_id: String,
+        /// The ranks without a part, ascending.
+        missing: Vec<u32>,
+    },
+
     /// An argument given to the API is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

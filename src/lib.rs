@@ -24,4 +24,5 @@ pub use sys::mmap;
 pub use sys::mmap::Map;
 pub use tensor::{BufferPool, PoolStats, Tensor};
 pub use view::{Element, TensorView};
+pub use write::parts::{CommitOptions, Part, PartChunk, PartItem};
 pub use write::{save, save_with_section, CommitInfo, SaveOptions, TensorRef};

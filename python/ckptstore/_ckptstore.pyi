@@ -32,6 +32,29 @@ def save(
     optimizer state as ``(groups JSON, [(param, state, values, scale or None), ...])``;
     the engine builds and checks the optimizer section. Use :func:`ckptstore.save`."""
 
+def new_checkpoint_id() -> str:
+    """A fresh 32-hex-digit checkpoint id for a multi-rank save."""
+
+def write_part(
+    path: Union[str, os.PathLike[str]],
+    checkpoint_id: str,
+    rank: int,
+    items: Sequence[tuple[str, str, np.ndarray, Optional[tuple[Sequence[int], Sequence[int]]]]],
+    max_shard_size: Optional[int] = None,
+) -> bytes:
+    """Low-level write_part: ``(name, wire dtype, array, (global_shape, offsets) or None)``
+    items. Use :func:`ckptstore.write_part`."""
+
+def commit(
+    path: Union[str, os.PathLike[str]],
+    checkpoint_id: str,
+    parts: Optional[Sequence[bytes]] = None,
+    world_size: Optional[int] = None,
+    timeout: Optional[float] = None,
+    metadata: Optional[str] = None,
+) -> dict[str, Any]:
+    """Low-level commit (metadata as JSON text). Use :func:`ckptstore.commit`."""
+
 class MappedCheckpoint:
     """The base object of arrays over a mapped checkpoint: keeps the mapping alive."""
 

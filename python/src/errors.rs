@@ -94,6 +94,39 @@ fn classify(e: &Error) -> (&'static str, Vec<(&'static str, Py<PyAny>)>) {
                 attrs(vec![("param", s(param)), ("state", s(state))]),
             ),
             Error::IncompatibleState { .. } => ("IncompatibleStateError", vec![]),
+            Error::InvalidPart { part, .. } => ("PartError", attrs(vec![("part", s(part))])),
+            Error::PartConflict { name, ranks, .. } => (
+                "PartError",
+                attrs(vec![
+                    ("name", s(name)),
+                    (
+                        "ranks",
+                        ranks
+                            .to_vec()
+                            .into_pyobject(py)
+                            .ok()
+                            .map(|o| o.into_any().unbind()),
+                    ),
+                ]),
+            ),
+            Error::MissingParts {
+                checkpoint_id,
+                missing,
+                ..
+            } => (
+                "MissingPartsError",
+                attrs(vec![
+                    ("checkpoint_id", s(checkpoint_id)),
+                    (
+                        "missing",
+                        missing
+                            .clone()
+                            .into_pyobject(py)
+                            .ok()
+                            .map(|o| o.into_any().unbind()),
+                    ),
+                ]),
+            ),
             Error::InvalidArgument(_) => ("InvalidArgumentError", vec![]),
             _ => ("CheckpointError", vec![]),
         }

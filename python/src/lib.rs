@@ -15,6 +15,7 @@
 mod checkpoint;
 mod dtypes;
 mod errors;
+mod parts;
 mod save;
 
 use pyo3::prelude::*;
@@ -25,6 +26,9 @@ use checkpoint::{MappedCheckpoint, OwnedBuffer, PyCheckpoint};
 #[pymodule]
 fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save::save, m)?)?;
+    m.add_function(wrap_pyfunction!(parts::write_part, m)?)?;
+    m.add_function(wrap_pyfunction!(parts::commit, m)?)?;
+    m.add_function(wrap_pyfunction!(parts::new_checkpoint_id, m)?)?;
     m.add_class::<PyCheckpoint>()?;
     m.add_class::<MappedCheckpoint>()?;
     m.add_class::<OwnedBuffer>()?;

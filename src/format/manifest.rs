@@ -246,29 +246,7 @@ pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), Deco
             bytes.len()
         )));
     }
-    let split = bytes.len().checked_sub(TRAILER_LEN).ok_or_else(|| {
-        Invalid(format!(
-            "{} bytes is too short to hold the CRC trailer",
-            bytes.len()
-        ))
-    })?;
-    let (body, trailer) = bytes.split_at(split);
-    let hex = trailer
-        .strip_prefix(TRAILER_HEAD)
-        .and_then(|t| t.strip_suffix(b"\"}\n"))
-        .filter(|h| {
-            h.iter()
-                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
-        })
-        .ok_or_else(|| Invalid("missing or malformed manifest_crc32 trailer".into()))?;
-    let expected = std::str::from_utf8(hex)
-        .ok()
-        .and_then(|h| u32::from_str_radix(h, 16).ok())
-        .ok_or_else(|| Invalid("malformed manifest_crc32".into()))?;
-    let got = crc32fast::hash(body);
-    if got != expected {
-        return Err(DecodeError::Checksum { expected, got });
-    }
+    let body = check_trailer(bytes)?;
     if body.first() != Some(&b'{') {
         return Err(Invalid("does not start with '{'".into()));
     }
@@ -292,6 +270,37 @@ pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), Deco
     super::global::validate(&m.globals, &m.tensors, |n| names.position(&m.tensors, n))
         .map_err(Invalid)?;
     Ok((m, names))
+}
+
+/// Check the CRC trailer of `bytes` (format-spec/manifest.md §Trailer), shared by the
+/// manifest and the part descriptors (format-spec/global.md §Parts); returns the body
+/// before the trailer.
+pub(crate) fn check_trailer(bytes: &[u8]) -> Result<&[u8], DecodeError> {
+    use DecodeError::Invalid;
+    let split = bytes.len().checked_sub(TRAILER_LEN).ok_or_else(|| {
+        Invalid(format!(
+            "{} bytes is too short to hold the CRC trailer",
+            bytes.len()
+        ))
+    })?;
+    let (body, trailer) = bytes.split_at(split);
+    let hex = trailer
+        .strip_prefix(TRAILER_HEAD)
+        .and_then(|t| t.strip_suffix(b"\"}\n"))
+        .filter(|h| {
+            h.iter()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+        })
+        .ok_or_else(|| Invalid("missing or malformed manifest_crc32 trailer".into()))?;
+    let expected = std::str::from_utf8(hex)
+        .ok()
+        .and_then(|h| u32::from_str_radix(h, 16).ok())
+        .ok_or_else(|| Invalid("malformed manifest_crc32".into()))?;
+    let got = crc32fast::hash(body);
+    if got != expected {
+        return Err(DecodeError::Checksum { expected, got });
+    }
+    Ok(body)
 }
 
 /// R7-R9: the format name, the version and the features this reader knows.

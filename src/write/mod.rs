@@ -2,6 +2,7 @@
 //! (format-spec/durability.md).
 
 pub mod fs;
+pub mod parts;
 #[doc(hidden)]
 pub mod pause;
 
@@ -43,25 +44,68 @@ pub fn shard_file_name(id: &str, index: usize) -> String {
     format!("shard-{id}-{index:05}.safetensors")
 }
 
-/// True for names the engine creates: shard files and temporary files. Only such files
-/// are ever removed by cleanup.
+/// The name of shard `k` written by rank `rank` for checkpoint `id` (format-spec/global.md
+/// §Parts).
+pub fn rank_shard_file_name(id: &str, rank: u32, k: usize) -> String {
+    format!("shard-{id}-r{rank}-{k}.safetensors")
+}
+
+/// The name of the part descriptor of rank `rank` for checkpoint `id` (format-spec/global.md
+/// §Parts).
+pub fn part_file_name(id: &str, rank: u32) -> String {
+    format!("part-{id}-r{rank}.json")
+}
+
+/// True for names the engine creates: shard files (of a single-process save or of a rank),
+/// part descriptors and temporary files. Only such files are ever removed by cleanup.
 pub fn is_engine_file(name: &str) -> bool {
-    if name.starts_with(TEMP_PREFIX) {
-        return true;
+    name.starts_with(TEMP_PREFIX) || engine_file_id(name).is_some()
+}
+
+/// `s` is 32 lowercase hex digits (a checkpoint id).
+pub(crate) fn is_id(s: &str) -> bool {
+    s.len() == 32
+        && s.bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+}
+
+/// `s` is one or more ASCII digits.
+fn is_digits(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit())
+}
+
+/// The checkpoint id in the name of an engine file: `shard-<id>-<i>.safetensors` (5 or more
+/// digits), `shard-<id>-r<rank>-<k>.safetensors`, `part-<id>-r<rank>.json`, and the
+/// temporary files `.ckpt-tmp-shard-<id>-...`, `.ckpt-tmp-part-<id>-...`,
+/// `.ckpt-tmp-<id>-...`. `None` for any other name (a temporary file without an id is still
+/// an engine file, [`is_engine_file`]).
+pub(crate) fn engine_file_id(name: &str) -> Option<&str> {
+    if let Some(t) = name.strip_prefix(TEMP_PREFIX) {
+        let t = t
+            .strip_prefix("shard-")
+            .or_else(|| t.strip_prefix("part-"))
+            .unwrap_or(t);
+        return t
+            .get(..32)
+            .filter(|id| is_id(id) && t.as_bytes().get(32) == Some(&b'-'));
     }
-    let Some(rest) = name
+    if let Some(rest) = name
         .strip_prefix("shard-")
         .and_then(|r| r.strip_suffix(".safetensors"))
-    else {
-        return false;
-    };
-    let b = rest.as_bytes();
-    b.len() >= 32 + 1 + 5
-        && b[..32]
-            .iter()
-            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
-        && b[32] == b'-'
-        && b[33..].iter().all(u8::is_ascii_digit)
+    {
+        let (id, tail) = (rest.get(..32)?, rest.get(32..)?);
+        let tail = tail.strip_prefix('-')?;
+        let ok = match tail.strip_prefix('r') {
+            Some(rk) => rk
+                .split_once('-')
+                .is_some_and(|(r, k)| is_digits(r) && is_digits(k)),
+            None => tail.len() >= 5 && is_digits(tail),
+        };
+        return (is_id(id) && ok).then_some(id);
+    }
+    let rest = name.strip_prefix("part-")?.strip_suffix(".json")?;
+    let (id, tail) = (rest.get(..32)?, rest.get(32..)?);
+    (is_id(id) && tail.strip_prefix("-r").is_some_and(is_digits)).then_some(id)
 }
 
 /// A tensor handed to the writer: borrowed bytes, contiguous or strided.
@@ -680,6 +724,56 @@ fn commit<F: Fs>(
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
     let id = random_id()?;
+    let planned = plan_shards(&id, tensors, sizes, opts)?;
+    pause::point(pause::Point::BeforeShards);
+    // From here until the manifest rename, an error removes every file this save created.
+    let created = Created::new(fs);
+    // Steps 1-2.
+    let (shards, infos) = write_shards(fs, &created, dir, tensors, &planned, opts, &|i| {
+        shard_file_name(&id, i)
+    })?;
+    // 3. The manifest.
+    let m = Manifest {
+        format: manifest::FORMAT_NAME.into(),
+        version: manifest::VERSION,
+        features: if optimizer.is_some() {
+            vec!["optimizer".into()]
+        } else {
+            vec![]
+        },
+        checkpoint_id: id.clone(),
+        shards,
+        tensors: infos,
+        metadata: opts.metadata.clone(),
+        optimizer,
+        globals: Vec::new(),
+    };
+    let bytes = encode_checked(&m)?;
+    // Steps 3-5.
+    let removed = commit_manifest(fs, dir, created, &bytes, &m)?;
+    Ok(CommitInfo {
+        checkpoint_id: id,
+        shards: m.shards.len(),
+        tensors: m.tensors.len(),
+        data_bytes: sizes.iter().sum(),
+        removed,
+    })
+}
+
+/// Shards planned for writing, with their header bytes (step 0 done).
+struct Planned<'t, 'a> {
+    shards: Vec<PlannedShard<'t, 'a>>,
+    headers: Vec<Vec<u8>>,
+}
+
+/// Step 0's plan: group `tensors` into shards and emit their headers, checked against the
+/// format's limits (shard count, header size) before any file is written.
+fn plan_shards<'t, 'a>(
+    id: &str,
+    tensors: &'t [TensorRef<'a>],
+    sizes: &[u64],
+    opts: &SaveOptions,
+) -> Result<Planned<'t, 'a>> {
     let shards = plan(tensors, sizes, opts.max_shard_size);
     if shards.len() > MAX_SHARDS {
         return Err(Error::InvalidArgument(format!(
@@ -690,7 +784,7 @@ fn commit<F: Fs>(
     let headers: Vec<Vec<u8>> = shards
         .iter()
         .enumerate()
-        .map(|(i, s)| shard_header(&id, i, s))
+        .map(|(i, s)| shard_header(id, i, s))
         .collect();
     if let Some((i, h)) = headers
         .iter()
@@ -702,15 +796,39 @@ fn commit<F: Fs>(
             h.len() - 8
         )));
     }
+    Ok(Planned { shards, headers })
+}
 
-    pause::point(pause::Point::BeforeShards);
-    // From here until the manifest rename, an error removes every file this save created.
-    let created = Created::new(fs);
+/// Steps 1-2: write the planned shards (rayon-parallel) to temporary files, fsync, rename
+/// each to `shard_name(index)`, then fsync the directory. Returns the shard entries and the
+/// tensors' manifest entries in the caller's order (`shard` indexes into the returned
+/// shards). Every file created is recorded in `created`.
+#[allow(clippy::too_many_arguments)]
+fn write_shards<F: Fs>(
+    fs: &F,
+    created: &Created<'_, F>,
+    dir: &Path,
+    tensors: &[TensorRef<'_>],
+    planned: &Planned<'_, '_>,
+    opts: &SaveOptions,
+    shard_name: &(dyn Fn(usize) -> String + Sync),
+) -> Result<(Vec<ShardEntry>, Vec<TensorInfo>)> {
     // 1. Write shards to temporary files, fsync, rename to their final names.
-    let written: Vec<(ShardEntry, Vec<TensorSums>)> = shards
+    let written: Vec<(ShardEntry, Vec<TensorSums>)> = planned
+        .shards
         .par_iter()
         .enumerate()
-        .map(|(i, s)| write_shard(fs, &created, dir, &id, i, s, &headers[i], opts))
+        .map(|(i, s)| {
+            write_shard(
+                fs,
+                created,
+                dir,
+                shard_name(i),
+                s,
+                &planned.headers[i],
+                opts,
+            )
+        })
         .collect::<Result<_>>()?;
     // 2. Make the renames durable before the manifest can reference them.
     fs.sync_dir(dir).map_err(|e| {
@@ -720,26 +838,9 @@ fn commit<F: Fs>(
             e,
         )
     })?;
-
-    // 3. The manifest.
-    let mut m = Manifest {
-        format: manifest::FORMAT_NAME.into(),
-        version: manifest::VERSION,
-        features: if optimizer.is_some() {
-            vec!["optimizer".into()]
-        } else {
-            vec![]
-        },
-        checkpoint_id: id.clone(),
-        shards: Vec::with_capacity(shards.len()),
-        tensors: Vec::with_capacity(tensors.len()),
-        metadata: opts.metadata.clone(),
-        optimizer,
-        globals: Vec::new(),
-    };
-    // Manifest tensors in the caller's order.
+    let mut entries = Vec::with_capacity(written.len());
     let mut by_name: BTreeMap<&str, TensorInfo> = BTreeMap::new();
-    for (si, (s, (entry, crcs))) in shards.iter().zip(written).enumerate() {
+    for (si, (s, (entry, crcs))) in planned.shards.iter().zip(written).enumerate() {
         let ds = 8 + entry.header_size;
         for (e, (crc, absmax)) in s.entries.iter().zip(crcs) {
             by_name.insert(
@@ -755,24 +856,46 @@ fn commit<F: Fs>(
                 },
             );
         }
-        m.shards.push(entry);
+        entries.push(entry);
     }
+    // Manifest tensors in the caller's order.
+    let mut infos = Vec::with_capacity(tensors.len());
     for t in tensors {
         if let Some(e) = by_name.remove(t.name.as_ref()) {
-            m.tensors.push(e);
+            infos.push(e);
         }
     }
-    let bytes = manifest::encode(&m);
+    Ok((entries, infos))
+}
+
+/// `m` encoded with its trailer, refused if over the format's manifest size cap.
+fn encode_checked(m: &Manifest) -> Result<Vec<u8>> {
+    let bytes = manifest::encode(m);
     if bytes.len() as u64 > MAX_MANIFEST_SIZE {
         return Err(Error::InvalidArgument(format!(
             "the manifest would be {} bytes, over the format's {MAX_MANIFEST_SIZE}-byte cap",
             bytes.len()
         )));
     }
+    Ok(bytes)
+}
+
+/// Steps 3-5 of the protocol, shared by [`save`] and [`parts::commit`]: write `bytes` (the
+/// encoding of `m`) to a temporary file, fsync, rename it over the manifest (the commit
+/// point), fsync the directory, then clean up (`cleanup`). Until the rename, an error drops
+/// `created` and so removes every file it records. Returns the number of files removed.
+fn commit_manifest<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    created: Created<'_, F>,
+    bytes: &[u8],
+    m: &Manifest,
+) -> Result<usize> {
+    let id = &m.checkpoint_id;
     let tmp = dir.join(format!("{TEMP_PREFIX}{id}-manifest"));
     let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
     created.created(&tmp);
-    f.write_all(&bytes)
+    f.write_all(bytes)
         .map_err(|e| Error::io("write", &tmp, e))?;
     fs.sync(&mut f, &tmp)
         .map_err(|e| Error::io("fsync", &tmp, e))?;
@@ -792,28 +915,27 @@ fn commit<F: Fs>(
         )
     })?;
     pause::point(pause::Point::BeforeCleanup);
+    // 5. Cleanup.
+    Ok(cleanup(fs, dir, m))
+}
 
-    // 5. Cleanup: engine files the new manifest does not reference. Failures here leave
-    //    garbage, never damage: the new checkpoint is committed.
+/// Step 5: remove the engine files `m` (just committed) does not reference: files of
+/// earlier checkpoints and of interrupted saves, temporary files, and the part descriptors
+/// of `m`'s own id. Other files of `m`'s id are never removed. Call only under the writer
+/// lock. Failures here leave garbage, never damage: the new checkpoint is committed.
+fn cleanup<F: Fs>(fs: &F, dir: &Path, m: &Manifest) -> usize {
     let keep: HashSet<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
-    let mut removed = 0;
-    if let Ok(entries) = fs.list(dir) {
-        for name in entries {
-            if is_engine_file(&name)
-                && !keep.contains(name.as_str())
-                && fs.remove(&dir.join(&name)).is_ok()
-            {
-                removed += 1;
-            }
-        }
-    }
-    Ok(CommitInfo {
-        checkpoint_id: id,
-        shards: m.shards.len(),
-        tensors: m.tensors.len(),
-        data_bytes: sizes.iter().sum(),
-        removed,
-    })
+    let Ok(entries) = fs.list(dir) else {
+        return 0;
+    };
+    entries
+        .iter()
+        .filter(|name| is_engine_file(name) && !keep.contains(name.as_str()))
+        .filter(|name| {
+            engine_file_id(name) != Some(m.checkpoint_id.as_str()) || name.starts_with("part-")
+        })
+        .filter(|name| fs.remove(&dir.join(name)).is_ok())
+        .count()
 }
 
 /// What the writer learns about each tensor as its bytes pass through: the CRC32 and,
@@ -830,20 +952,17 @@ fn shard_header(id: &str, index: usize, s: &PlannedShard<'_, '_>) -> Vec<u8> {
     header::emit(&s.entries, &meta)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn write_shard<F: Fs>(
     fs: &F,
     created: &Created<'_, F>,
     dir: &Path,
-    id: &str,
-    index: usize,
+    name: String,
     s: &PlannedShard<'_, '_>,
     head: &[u8],
     opts: &SaveOptions,
 ) -> Result<(ShardEntry, Vec<TensorSums>)> {
     let header_size = head.len() as u64 - 8;
     let header_crc32 = crc32fast::hash(&head[8..]);
-    let name = shard_file_name(id, index);
     let tmp: PathBuf = dir.join(format!("{TEMP_PREFIX}{name}"));
     let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
     created.created(&tmp);

@@ -38,10 +38,14 @@ pub enum Point {
     AfterManifestRename,
     /// The commit point (step 4) has passed; cleanup (step 5) is next.
     BeforeCleanup,
+    /// A rank's shards are durable under their final names
+    /// (`write::parts::write_part`); its part descriptor is next. Not in [`Point::ALL`],
+    /// which lists the points of a single-process save.
+    BeforePart,
 }
 
 impl Point {
-    /// Every point, in protocol order.
+    /// Every point of a single-process save, in protocol order.
     pub const ALL: [Point; 4] = [
         Point::BeforeShards,
         Point::BeforeManifestRename,
@@ -56,6 +60,7 @@ impl Point {
             Point::BeforeManifestRename => "before-manifest-rename",
             Point::AfterManifestRename => "after-manifest-rename",
             Point::BeforeCleanup => "before-cleanup",
+            Point::BeforePart => "before-part",
         }
     }
 }

@@ -8,8 +8,10 @@ mod diff;
 mod inspect;
 mod manage;
 mod pack;
+mod part_layout;
 mod util;
 mod verify;
+mod write_part;
 
 use std::process::ExitCode;
 
@@ -74,6 +76,9 @@ enum Cmd {
     ///
     /// Example: ckpt bench --size 1GiB --tensors 64 --json
     Bench(bench::Args),
+    /// Test-only: write one rank's part of a synthetic multi-rank checkpoint.
+    #[command(name = "_write-part", hide = true)]
+    WritePart(write_part::Args),
 }
 
 fn main() -> ExitCode {
@@ -88,6 +93,7 @@ fn main() -> ExitCode {
         Cmd::Gc(a) => manage::gc(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::WritePart(a) => write_part::run(a),
     };
     match r {
         Ok(code) => code,

@@ -1,0 +1,919 @@
+//! Multi-rank saves (format-spec/global.md §Parts, §The commit): each rank writes its own
+//! shards and a part descriptor ([`write_part`]); one coordinator merges the parts into the
+//! manifest and commits it last ([`commit`], [`commit_rendezvous`]).
+
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::fs::{Fs, StdFs};
+use super::{
+    commit_manifest, encode_checked, is_id, part_file_name, pause, plan_shards, prepare_dir,
+    random_id, rank_shard_file_name, validate_inputs, write_shards, CommitInfo, Created,
+    SaveOptions, TensorRef, LOCK_FILE, TEMP_PREFIX,
+};
+use crate::dtype::{checked_nbytes, DType};
+use crate::error::{Error, Result};
+use crate::format::global::{ChunkEntry, GlobalEntry};
+use crate::format::manifest::{self, DecodeError, Manifest, ShardEntry, TensorInfo};
+use crate::format::{
+    check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS,
+};
+
+/// The `format` member of a part descriptor.
+pub const PART_FORMAT: &str = "ckptstore-part";
+/// The part descriptor version this build writes and reads.
+pub const PART_VERSION: u64 = 1;
+/// How often [`commit_rendezvous`] looks for the part files.
+const POLL: Duration = Duration::from_millis(20);
+
+/// One tensor a rank contributes to a multi-rank checkpoint.
+#[derive(Debug, Clone)]
+pub enum PartItem<'a> {
+    /// A whole (not global) tensor, stored under its own name. Exactly one rank may offer
+    /// a given whole tensor.
+    Whole(TensorRef<'a>),
+    /// A chunk of a global tensor: `tensor` holds the chunk's elements (its shape is the
+    /// chunk's shape) and is named with the **global** tensor's name; the chunk starts at
+    /// `offsets` of the global index space of shape `global_shape`. It is stored as the
+    /// tensor `<global>@<o0>,<o1>,...~r<rank>` ([`chunk_tensor_name`]).
+    Chunk {
+        /// The chunk's data, named with the global name.
+        tensor: TensorRef<'a>,
+        /// The global tensor's shape.
+        global_shape: Vec<u64>,
+        /// Where the chunk starts, one entry per dimension.
+        offsets: Vec<u64>,
+    },
+}
+
+/// One chunk listed by a part descriptor: which stored tensor of the part holds which box
+/// of which global tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartChunk {
+    /// The global tensor's name.
+    pub global: String,
+    /// The global tensor's dtype.
+    pub dtype: DType,
+    /// The global tensor's shape.
+    pub global_shape: Vec<u64>,
+    /// Where the chunk starts.
+    pub offsets: Vec<u64>,
+    /// The chunk's shape.
+    pub shape: Vec<u64>,
+    /// The part's tensor holding the chunk.
+    pub tensor: String,
+}
+
+/// A decoded part descriptor (format-spec/global.md §Parts): one rank's contribution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Part {
+    /// The checkpoint id the part was written for.
+    pub checkpoint_id: String,
+    /// The rank that wrote it.
+    pub rank: u32,
+    /// The rank's shard files (`shard-<id>-r<rank>-<k>.safetensors`, `k` = index).
+    pub shards: Vec<ShardEntry>,
+    /// Every tensor of those shards; `shard` indexes into [`Part::shards`].
+    pub tensors: Vec<TensorInfo>,
+    /// Which tensors are chunks of which global tensors.
+    pub chunks: Vec<PartChunk>,
+}
+
+/// The descriptor as stored (member order as in format-spec/global.md).
+#[derive(Serialize, Deserialize)]
+struct Wire {
+    format: String,
+    version: u64,
+    checkpoint_id: String,
+    rank: u32,
+    shards: Vec<ShardEntry>,
+    tensors: Vec<TensorInfo>,
+    chunks: Vec<PartChunk>,
+}
+
+impl Part {
+    /// The descriptor's bytes: JSON with the manifest's CRC trailer.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let w = Wire {
+            format: PART_FORMAT.into(),
+            version: PART_VERSION,
+            checkpoint_id: self.checkpoint_id.clone(),
+            rank: self.rank,
+            shards: self.shards.clone(),
+            tensors: self.tensors.clone(),
+            chunks: self.chunks.clone(),
+        };
+        // Serializing plain data into a Vec cannot fail.
+        let mut body = serde_json::to_vec(&w).unwrap_or_default();
+        body.pop(); // the closing brace; the trailer replaces it
+        manifest::append_trailer(body)
+    }
+
+    /// Decode and check a part descriptor: trailer CRC, format `ckptstore-part`, version 1,
+    /// and its internal consistency (shard indexes, chunk tensors, ranks of shapes).
+    ///
+    /// # Errors
+    /// [`Error::InvalidPart`] saying what is wrong. Never panics, whatever the bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Part> {
+        decode_part(bytes, "part descriptor")
+    }
+
+    /// The descriptor's file name, `part-<id>-r<rank>.json`.
+    pub fn file_name(&self) -> String {
+        part_file_name(&self.checkpoint_id, self.rank)
+    }
+
+    /// Internal consistency (everything that needs no file and no other part).
+    fn check(&self) -> std::result::Result<(), String> {
+        if !is_id(&self.checkpoint_id) {
+            return Err(format!(
+                "checkpoint_id {:?} is not 32 lowercase hex digits",
+                self.checkpoint_id
+            ));
+        }
+        if self.shards.len() > MAX_SHARDS || self.tensors.len() > MAX_TENSORS {
+            return Err(format!(
+                "{} shards and {} tensors exceed the format's limits",
+                self.shards.len(),
+                self.tensors.len()
+            ));
+        }
+        let mut names: HashMap<&str, &TensorInfo> = HashMap::with_capacity(self.tensors.len());
+        for t in &self.tensors {
+            if t.shard >= self.shards.len() {
+                return Err(format!(
+                    "tensor {:?} is in shard {}, but the part lists {} shards",
+                    t.name,
+                    t.shard,
+                    self.shards.len()
+                ));
+            }
+            if names.insert(t.name.as_str(), t).is_some() {
+                return Err(format!("tensor {:?} is listed twice", t.name));
+            }
+        }
+        let mut chunk_tensors = HashSet::new();
+        for c in &self.chunks {
+            check_tensor_name(&c.global).map_err(|e| format!("chunk of {:?}: {e}", c.global))?;
+            let t = names.get(c.tensor.as_str()).ok_or_else(|| {
+                format!(
+                    "chunk of {:?} names tensor {:?}, which the part does not list",
+                    c.global, c.tensor
+                )
+            })?;
+            if !chunk_tensors.insert(c.tensor.as_str()) {
+                return Err(format!("tensor {:?} is listed as two chunks", c.tensor));
+            }
+            let r = c.global_shape.len();
+            if r > MAX_RANK || c.offsets.len() != r || c.shape.len() != r {
+                return Err(format!(
+                    "chunk {:?} of {:?}: offsets {:?} and shape {:?} do not have the global rank {r} (at most {MAX_RANK})",
+                    c.tensor, c.global, c.offsets, c.shape
+                ));
+            }
+            if t.dtype != c.dtype || t.shape != c.shape {
+                return Err(format!(
+                    "chunk {:?} of {:?} is {} {:?}, its tensor is {} {:?}",
+                    c.tensor, c.global, c.dtype, c.shape, t.dtype, t.shape
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn decode_part(bytes: &[u8], what: &str) -> Result<Part> {
+    let bad = |reason: String| Error::InvalidPart {
+        part: what.to_string(),
+        reason,
+    };
+    manifest::check_trailer(bytes).map_err(|e| match e {
+        DecodeError::Checksum { expected, got } => bad(format!(
+            "CRC32 mismatch: the trailer records {expected:08x}, the bytes have {got:08x} (a damaged or edited descriptor)"
+        )),
+        other => bad(decode_reason(other)),
+    })?;
+    #[derive(Deserialize)]
+    struct Head {
+        format: String,
+        version: u64,
+    }
+    let head: Head = serde_json::from_slice(bytes).map_err(|e| bad(format!("JSON: {e}")))?;
+    if head.format != PART_FORMAT {
+        return Err(bad(format!(
+            "format is {:?}, expected {PART_FORMAT:?}",
+            head.format
+        )));
+    }
+    if head.version != PART_VERSION {
+        return Err(bad(format!(
+            "version {} is not supported (this build reads version {PART_VERSION})",
+            head.version
+        )));
+    }
+    let w: Wire = serde_json::from_slice(bytes).map_err(|e| bad(format!("JSON: {e}")))?;
+    let p = Part {
+        checkpoint_id: w.checkpoint_id,
+        rank: w.rank,
+        shards: w.shards,
+        tensors: w.tensors,
+        chunks: w.chunks,
+    };
+    p.check().map_err(|r| Error::InvalidPart {
+        part: format!("{what} (rank {})", p.rank),
+        reason: r,
+    })?;
+    Ok(p)
+}
+
+fn decode_reason(e: DecodeError) -> String {
+    match e {
+        DecodeError::Checksum { expected, got } => {
+            format!("CRC32 mismatch: recorded {expected:08x}, computed {got:08x}")
+        }
+        DecodeError::Version(v) => format!("unsupported version {v}"),
+        DecodeError::Feature(f) => format!("requires unknown feature {f:?}"),
+        DecodeError::Invalid(r) => r,
+    }
+}
+
+/// A fresh random checkpoint id (32 lowercase hex digits, 128 random bits) for a multi-rank
+/// save: drawn once (by rank 0 or the launcher) and handed to every rank.
+///
+/// # Errors
+/// [`Error::Io`] if the system's random source fails.
+pub fn new_checkpoint_id() -> Result<String> {
+    random_id()
+}
+
+/// The name under which rank `rank` stores the chunk of `global` starting at `offsets`:
+/// `<global>@<o0>,<o1>,...~r<rank>` (`<global>@~r<rank>` for 0-dim). The rank suffix keeps
+/// copies of one chunk written by several ranks (replicas) distinct.
+pub fn chunk_tensor_name(global: &str, offsets: &[u64], rank: u32) -> String {
+    let o: Vec<String> = offsets.iter().map(u64::to_string).collect();
+    format!("{global}@{}~r{rank}", o.join(","))
+}
+
+/// Write rank `rank`'s part of checkpoint `checkpoint_id` into `dir` (format-spec/global.md
+/// §Parts): its shards `shard-<id>-r<rank>-<k>.safetensors` (temporary file, fsync, rename;
+/// directory fsync), then its part descriptor `part-<id>-r<rank>.json` the same way. Ranks
+/// run concurrently: each holds a shared lock on the directory's writer lock file while it
+/// writes (waiting for it while a save or commit holds it exclusively), so no save or
+/// commit runs meanwhile. `opts.metadata` is not used (the commit's metadata is).
+///
+/// Everything is validated before the disk is touched; after an error the files this call
+/// created are removed.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a malformed id or a part already written for this rank;
+/// [`Error::InvalidTensor`] naming the
+/// tensor for a bad name, size, chunk box outside its global shape, ranks that disagree,
+/// a chunk given twice, or a whole tensor named like a global one; [`Error::Io`] naming the
+/// file.
+pub fn write_part(
+    dir: impl AsRef<Path>,
+    checkpoint_id: &str,
+    rank: u32,
+    items: &[PartItem<'_>],
+    opts: &SaveOptions,
+) -> Result<Part> {
+    let dir = dir.as_ref();
+    if !is_id(checkpoint_id) {
+        return Err(Error::InvalidArgument(format!(
+            "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits (use new_checkpoint_id)"
+        )));
+    }
+    let (stored, chunks) = part_tensors(items, rank)?;
+    let sizes = validate_inputs(&stored, opts, None)?;
+    prepare_dir(dir)?;
+    let _lock = lock_dir_wait(dir, true)?;
+    let part_name = part_file_name(checkpoint_id, rank);
+    if dir.join(&part_name).exists() {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} already wrote its part of checkpoint {checkpoint_id} ({})",
+            dir.join(&part_name).display()
+        )));
+    }
+    let planned = plan_shards(checkpoint_id, &stored, &sizes, opts)?;
+    let fs = StdFs;
+    // From here, an error removes every file this call created.
+    let created = Created::new(&fs);
+    let (shards, tensors) = write_shards(&fs, &created, dir, &stored, &planned, opts, &|k| {
+        rank_shard_file_name(checkpoint_id, rank, k)
+    })?;
+    pause::point(pause::Point::BeforePart);
+    let part = Part {
+        checkpoint_id: checkpoint_id.to_string(),
+        rank,
+        shards,
+        tensors,
+        chunks,
+    };
+    let bytes = part.to_bytes();
+    let tmp = dir.join(format!("{TEMP_PREFIX}{part_name}"));
+    let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    created.created(&tmp);
+    f.write_all(&bytes)
+        .map_err(|e| Error::io("write", &tmp, e))?;
+    fs.sync(&mut f, &tmp)
+        .map_err(|e| Error::io("fsync", &tmp, e))?;
+    drop(f);
+    let fin = dir.join(&part_name);
+    fs.rename(&tmp, &fin)
+        .map_err(|e| Error::io("rename", &tmp, e))?;
+    created.renamed(&tmp, &fin);
+    fs.sync_dir(dir)
+        .map_err(|e| Error::io("fsync directory (after the part descriptor)", dir, e))?;
+    created.commit();
+    Ok(part)
+}
+
+/// The tensors a rank stores (chunks renamed) and its chunk list, with every check on the
+/// items that needs no disk.
+fn part_tensors<'a>(
+    items: &[PartItem<'a>],
+    rank: u32,
+) -> Result<(Vec<TensorRef<'a>>, Vec<PartChunk>)> {
+    let mut stored = Vec::with_capacity(items.len());
+    let mut chunks = Vec::new();
+    let mut globals: HashMap<&str, (DType, &[u64])> = HashMap::new();
+    let mut boxes: HashSet<(&str, &[u64])> = HashSet::new();
+    let mut wholes: Vec<&str> = Vec::new();
+    for it in items {
+        match it {
+            PartItem::Whole(t) => {
+                wholes.push(t.name());
+                stored.push(t.clone());
+            }
+            PartItem::Chunk {
+                tensor,
+                global_shape,
+                offsets,
+            } => {
+                let g = tensor.name();
+                let bad = |reason: String| Error::InvalidTensor {
+                    name: g.to_string(),
+                    reason: format!("chunk at offsets {offsets:?} (rank {rank}): {reason}"),
+                };
+                check_tensor_name(g).map_err(bad)?;
+                let shape = tensor.shape();
+                let r = global_shape.len();
+                if r > MAX_RANK {
+                    return Err(bad(format!("global rank {r} exceeds {MAX_RANK}")));
+                }
+                if offsets.len() != r || shape.len() != r {
+                    return Err(bad(format!(
+                        "offsets {offsets:?} and chunk shape {shape:?} must both have the global shape's rank {r} (global shape {global_shape:?})"
+                    )));
+                }
+                if checked_nbytes(tensor.dtype(), global_shape).is_none() {
+                    return Err(bad(format!("global shape {global_shape:?} overflows")));
+                }
+                for d in 0..r {
+                    if shape[d] == 0 {
+                        return Err(bad(format!(
+                            "dimension {d} of the chunk is empty (chunks hold elements)"
+                        )));
+                    }
+                    if offsets[d]
+                        .checked_add(shape[d])
+                        .is_none_or(|end| end > global_shape[d])
+                    {
+                        return Err(bad(format!(
+                            "dimension {d}: [{}, {}+{}) is outside the global extent {}",
+                            offsets[d], offsets[d], shape[d], global_shape[d]
+                        )));
+                    }
+                }
+                match globals.get(g) {
+                    Some(&(dt, gs)) if dt != tensor.dtype() || gs != global_shape.as_slice() => {
+                        return Err(bad(format!(
+                            "another chunk of this rank says the global is {dt} {gs:?}, this one {} {global_shape:?}",
+                            tensor.dtype()
+                        )));
+                    }
+                    Some(_) => {}
+                    None => {
+                        globals.insert(g, (tensor.dtype(), global_shape));
+                    }
+                }
+                if !boxes.insert((g, offsets.as_slice())) {
+                    return Err(bad("the chunk is given twice".into()));
+                }
+                let name = chunk_tensor_name(g, offsets, rank);
+                chunks.push(PartChunk {
+                    global: g.to_string(),
+                    dtype: tensor.dtype(),
+                    global_shape: global_shape.clone(),
+                    offsets: offsets.clone(),
+                    shape: shape.to_vec(),
+                    tensor: name.clone(),
+                });
+                stored.push(tensor.clone().renamed(name));
+            }
+        }
+    }
+    if let Some(w) = wholes.iter().find(|w| globals.contains_key(**w)) {
+        return Err(Error::InvalidTensor {
+            name: w.to_string(),
+            reason: format!(
+                "rank {rank} offers it both as a whole tensor and as chunks of a global tensor"
+            ),
+        });
+    }
+    Ok((stored, chunks))
+}
+
+/// Hold the directory's writer lock file (format-spec/durability.md §Writers), waiting for
+/// it: shared for a rank (ranks write concurrently; no save or commit runs meanwhile),
+/// exclusive for the committer (it waits for ranks still finishing, whose parts it may
+/// already see, and for a save in progress). Released when the file is dropped.
+fn lock_dir_wait(dir: &Path, shared: bool) -> Result<std::fs::File> {
+    let path = dir.join(LOCK_FILE);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io("open lock file", &path, e))?;
+    if shared { f.lock_shared() } else { f.lock() }.map_err(|e| Error::io("lock", &path, e))?;
+    Ok(f)
+}
+
+/// Options for [`commit`] and [`commit_rendezvous`].
+#[derive(Debug, Clone)]
+pub struct CommitOptions {
+    /// The number of ranks: when given, the parts' ranks must be exactly `0..world_size`.
+    pub world_size: Option<u32>,
+    /// User metadata stored in the manifest: a JSON object.
+    pub metadata: serde_json::Value,
+}
+
+impl Default for CommitOptions {
+    fn default() -> Self {
+        CommitOptions {
+            world_size: None,
+            metadata: serde_json::Value::Object(Default::default()),
+        }
+    }
+}
+
+/// Commit the parts of checkpoint `checkpoint_id` in `dir` (format-spec/global.md §The
+/// commit, rules C1-C6): under the writer lock (waiting for ranks still holding it shared,
+/// and for a save in progress), check every part and every shard file it
+/// lists, merge them into one manifest (replicated chunks become replicas), validate that
+/// manifest with the reader's own rules, and write it last exactly as [`super::save`] does.
+/// Then remove the part descriptors of this id and the engine files of other ids.
+///
+/// # Errors
+/// Nothing is committed after any error (the previous checkpoint stays):
+/// [`Error::InvalidPart`] for a part of another id, two parts of one rank, or ranks outside
+/// `0..world_size`; [`Error::MissingParts`] for ranks of `0..world_size` without a part;
+/// [`Error::ShardMismatch`] / [`Error::ChecksumMismatch`] for a shard file that is missing,
+/// misnamed, of the wrong size or whose header CRC differs; [`Error::PartConflict`] naming
+/// both ranks for a whole tensor offered twice, a global declared with different dtypes or
+/// shapes, replicas whose bytes differ, or chunks that overlap; [`Error::InvalidManifest`]
+/// for a merged manifest the reader would refuse otherwise (chunks that leave a gap, ...);
+/// [`Error::InvalidArgument`] for a merged manifest over the size cap; [`Error::Io`].
+///
+/// # Example
+/// ```
+/// # fn main() -> ckptstore::Result<()> {
+/// use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
+/// use ckptstore::{Checkpoint, CommitOptions, PartItem, SaveOptions, TensorRef};
+/// let dir = tempfile::tempdir().unwrap();
+/// let id = new_checkpoint_id()?;
+/// let w: Vec<f32> = (0..8).map(|i| i as f32).collect();
+/// // Two ranks, each holding half of the rows of the global tensor "w" [4, 2].
+/// let parts = (0..2u32)
+///     .map(|r| {
+///         let rows = &w[r as usize * 4..][..4];
+///         let chunk = PartItem::Chunk {
+///             tensor: TensorRef::from_slice("w", &[2, 2], rows),
+///             global_shape: vec![4, 2],
+///             offsets: vec![2 * u64::from(r), 0],
+///         };
+///         write_part(dir.path(), &id, r, &[chunk], &SaveOptions::default())
+///     })
+///     .collect::<ckptstore::Result<Vec<_>>>()?;
+/// let opts = CommitOptions { world_size: Some(2), ..Default::default() };
+/// commit(dir.path(), &id, &parts, &opts)?;
+/// let ck = Checkpoint::open(dir.path())?;
+/// ck.verify()?;
+/// assert_eq!(ck.manifest().unwrap().globals[0].chunks.len(), 2);
+/// assert_eq!(ck.tensor("w@2,0~r1")?.as_slice::<f32>()?, &w[4..]);
+/// # Ok(()) }
+/// ```
+pub fn commit(
+    dir: impl AsRef<Path>,
+    checkpoint_id: &str,
+    parts: &[Part],
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    let dir = dir.as_ref();
+    if !is_id(checkpoint_id) {
+        return Err(Error::InvalidArgument(format!(
+            "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits"
+        )));
+    }
+    if !opts.metadata.is_object() {
+        return Err(Error::InvalidArgument(
+            "metadata must be a JSON object".into(),
+        ));
+    }
+    // C1.
+    let mut sorted: Vec<&Part> = parts.iter().collect();
+    sorted.sort_by_key(|p| p.rank);
+    check_parts(dir, checkpoint_id, &sorted, opts.world_size)?;
+    let _lock = lock_dir_wait(dir, false)?;
+    // C2.
+    check_shards(dir, &sorted)?;
+    // C3, C4.
+    let m = merge(checkpoint_id, &sorted, &opts.metadata)?;
+    // C5: the reader's own rules, on the bytes about to be written.
+    let bytes = encode_checked(&m).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "the manifest merged from {} parts ({} tensors) would exceed the format's {}-byte cap; a two-level manifest is future work (format-spec/global.md §Limits)",
+            sorted.len(),
+            m.tensors.len(),
+            MAX_MANIFEST_SIZE
+        ))
+    })?;
+    if let Err(e) = manifest::decode(&bytes) {
+        // Overlapping chunks are the ranks' disagreement: name both where it is cheap.
+        return Err(
+            overlapping_ranks(&m, &sorted).unwrap_or_else(|| Error::InvalidManifest {
+                file: format!(
+                    "{} (merged from the parts of checkpoint {checkpoint_id}; not written)",
+                    dir.join(manifest::MANIFEST_FILE).display()
+                ),
+                reason: decode_reason(e),
+            }),
+        );
+    }
+    // C6: steps 3-5 of a save.
+    let fs = StdFs;
+    let removed = commit_manifest(&fs, dir, Created::new(&fs), &bytes, &m)?;
+    Ok(CommitInfo {
+        checkpoint_id: checkpoint_id.to_string(),
+        shards: m.shards.len(),
+        tensors: m.tensors.len(),
+        data_bytes: m.tensors.iter().map(TensorInfo::nbytes).sum(),
+        removed,
+    })
+}
+
+/// C1 on parts sorted by rank.
+fn check_parts(dir: &Path, id: &str, sorted: &[&Part], world_size: Option<u32>) -> Result<()> {
+    if sorted.is_empty() {
+        return Err(Error::InvalidArgument("no parts to commit".into()));
+    }
+    for (i, p) in sorted.iter().enumerate() {
+        let bad = |reason: String| Error::InvalidPart {
+            part: p.file_name(),
+            reason,
+        };
+        p.check().map_err(bad)?;
+        if p.checkpoint_id != id {
+            return Err(bad(format!(
+                "rank {} wrote it for checkpoint {}, not {id}: a part of another save is never committed",
+                p.rank, p.checkpoint_id
+            )));
+        }
+        if i > 0 && sorted[i - 1].rank == p.rank {
+            return Err(bad(format!("two parts are given for rank {}", p.rank)));
+        }
+        if let Some(ws) = world_size {
+            if p.rank >= ws {
+                return Err(bad(format!(
+                    "rank {} is outside the world size {ws}",
+                    p.rank
+                )));
+            }
+        }
+    }
+    if let Some(ws) = world_size {
+        let have: HashSet<u32> = sorted.iter().map(|p| p.rank).collect();
+        let missing: Vec<u32> = (0..ws).filter(|r| !have.contains(r)).collect();
+        if !missing.is_empty() {
+            return Err(Error::MissingParts {
+                dir: dir.to_path_buf(),
+                checkpoint_id: id.to_string(),
+                missing,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// C2: every shard file the parts list is this id's and rank's, present, of the recorded
+/// size, with the recorded header length and header CRC (only the header is read).
+fn check_shards(dir: &Path, sorted: &[&Part]) -> Result<()> {
+    let mut index = 0usize;
+    for p in sorted {
+        for (k, s) in p.shards.iter().enumerate() {
+            let mismatch = |reason: String| Error::ShardMismatch {
+                shard: index,
+                file: s.file.clone(),
+                reason: format!("rank {}'s shard {k}: {reason}", p.rank),
+            };
+            let want = rank_shard_file_name(&p.checkpoint_id, p.rank, k);
+            if s.file != want {
+                return Err(mismatch(format!("the part names it, expected {want:?}")));
+            }
+            let path = dir.join(&s.file);
+            let mut f = std::fs::File::open(&path)
+                .map_err(|e| mismatch(format!("cannot open {}: {e}", path.display())))?;
+            let len = f.metadata().map_err(|e| Error::io("stat", &path, e))?.len();
+            if len != s.size {
+                return Err(mismatch(format!(
+                    "the file is {len} bytes but the part records {}",
+                    s.size
+                )));
+            }
+            let end = s
+                .header_size
+                .checked_add(8)
+                .filter(|&e| e <= s.size && s.header_size <= MAX_HEADER_SIZE)
+                .ok_or_else(|| {
+                    mismatch(format!(
+                        "header_size {} does not fit size {}",
+                        s.header_size, s.size
+                    ))
+                })?;
+            // `end` <= MAX_HEADER_SIZE + 8, so it fits in memory.
+            let mut head = vec![0u8; usize::try_from(end).unwrap_or(0)];
+            f.read_exact(&mut head)
+                .map_err(|e| Error::io("read", &path, e))?;
+            let prefix = head.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok());
+            if prefix.map(u64::from_le_bytes) != Some(s.header_size) {
+                return Err(mismatch(format!(
+                    "the header length prefix differs from the part's {}",
+                    s.header_size
+                )));
+            }
+            let got = crc32fast::hash(head.get(8..).unwrap_or(&[]));
+            if got != s.header_crc32 {
+                return Err(Error::ChecksumMismatch {
+                    what: format!("shard header (rank {})", p.rank),
+                    shard: index,
+                    file: s.file.clone(),
+                    expected: s.header_crc32,
+                    got,
+                });
+            }
+            index += 1;
+        }
+    }
+    Ok(())
+}
+
+/// C3, C4: the merged manifest of parts sorted by rank.
+fn merge(id: &str, sorted: &[&Part], metadata: &serde_json::Value) -> Result<Manifest> {
+    let mut shards = Vec::new();
+    let mut tensors: Vec<TensorInfo> = Vec::new();
+    // Every stored tensor name, with the rank that stores it; whole tensors separately.
+    let mut owner: HashMap<String, u32> = HashMap::new();
+    let mut wholes: HashMap<String, u32> = HashMap::new();
+    let mut globals: Vec<GlobalEntry> = Vec::new();
+    // Per global: its index in `globals` and the rank that first declared it.
+    let mut global_ix: HashMap<String, (usize, u32)> = HashMap::new();
+    // Per (global index, offsets): the chunk's index and the rank of its primary copy.
+    let mut chunk_ix: HashMap<(usize, Vec<u64>), (usize, u32)> = HashMap::new();
+    let mut crc_of: HashMap<String, Option<u32>> = HashMap::new();
+    for p in sorted {
+        let base = shards.len();
+        shards.extend(p.shards.iter().cloned());
+        let chunk_names: HashSet<&str> = p.chunks.iter().map(|c| c.tensor.as_str()).collect();
+        for t in &p.tensors {
+            if let Some(&other) = owner.get(&t.name) {
+                let reason = if chunk_names.contains(t.name.as_str()) {
+                    "both ranks store a tensor of this name"
+                } else {
+                    "both ranks offer this whole tensor; to replicate a tensor, offer it from each rank as one chunk covering the whole tensor"
+                };
+                return Err(Error::PartConflict {
+                    name: t.name.clone(),
+                    ranks: [other, p.rank],
+                    reason: reason.into(),
+                });
+            }
+            owner.insert(t.name.clone(), p.rank);
+            if !chunk_names.contains(t.name.as_str()) {
+                wholes.insert(t.name.clone(), p.rank);
+            }
+            crc_of.insert(t.name.clone(), t.crc32);
+            let mut t = t.clone();
+            t.shard = base
+                .checked_add(t.shard)
+                .ok_or_else(|| Error::InvalidArgument("shard indexes overflow".into()))?;
+            tensors.push(t);
+        }
+        for c in &p.chunks {
+            let gi = match global_ix.get(&c.global) {
+                Some(&(gi, first)) => {
+                    let g = &globals[gi];
+                    if g.dtype != c.dtype || g.global_shape != c.global_shape {
+                        return Err(Error::PartConflict {
+                            name: c.global.clone(),
+                            ranks: [first, p.rank],
+                            reason: format!(
+                                "rank {first} declares the global tensor {} {:?}, rank {} {} {:?}",
+                                g.dtype, g.global_shape, p.rank, c.dtype, c.global_shape
+                            ),
+                        });
+                    }
+                    gi
+                }
+                None => {
+                    globals.push(GlobalEntry {
+                        name: c.global.clone(),
+                        dtype: c.dtype,
+                        global_shape: c.global_shape.clone(),
+                        chunks: Vec::new(),
+                    });
+                    global_ix.insert(c.global.clone(), (globals.len() - 1, p.rank));
+                    globals.len() - 1
+                }
+            };
+            match chunk_ix.get(&(gi, c.offsets.clone())) {
+                Some(&(ci, prank)) => {
+                    let ch = &mut globals[gi].chunks[ci];
+                    if ch.shape != c.shape {
+                        return Err(Error::PartConflict {
+                            name: c.global.clone(),
+                            ranks: [prank, p.rank],
+                            reason: format!(
+                                "chunks at offsets {:?} overlap: rank {prank}'s has shape {:?}, rank {}'s {:?}",
+                                c.offsets, ch.shape, p.rank, c.shape
+                            ),
+                        });
+                    }
+                    let (a, b) = (crc_of.get(&ch.tensor), crc_of.get(&c.tensor));
+                    if a != b || a.is_none_or(Option::is_none) {
+                        return Err(Error::PartConflict {
+                            name: c.global.clone(),
+                            ranks: [prank, p.rank],
+                            reason: format!(
+                                "both write the chunk at offsets {:?} (shape {:?}) but the copies differ: CRC32 {} vs {}",
+                                c.offsets,
+                                c.shape,
+                                crc_text(a),
+                                crc_text(b)
+                            ),
+                        });
+                    }
+                    ch.replicas.push(c.tensor.clone());
+                }
+                None => {
+                    let g = &mut globals[gi];
+                    g.chunks.push(ChunkEntry {
+                        offsets: c.offsets.clone(),
+                        shape: c.shape.clone(),
+                        tensor: c.tensor.clone(),
+                        replicas: Vec::new(),
+                    });
+                    chunk_ix.insert((gi, c.offsets.clone()), (g.chunks.len() - 1, p.rank));
+                }
+            }
+        }
+    }
+    for g in &globals {
+        if let Some(&r) = wholes.get(&g.name) {
+            let first = global_ix.get(&g.name).map_or(r, |&(_, f)| f);
+            return Err(Error::PartConflict {
+                name: g.name.clone(),
+                ranks: [r.min(first), r.max(first)],
+                reason: format!(
+                    "rank {r} offers a whole tensor of this name, rank {first} chunks of a global tensor"
+                ),
+            });
+        }
+    }
+    Ok(Manifest {
+        format: manifest::FORMAT_NAME.into(),
+        version: manifest::VERSION,
+        features: if globals.is_empty() {
+            vec![]
+        } else {
+            vec!["global".into()]
+        },
+        checkpoint_id: id.to_string(),
+        shards,
+        tensors,
+        metadata: metadata.clone(),
+        optimizer: None,
+        globals,
+    })
+}
+
+/// Globals of up to this many chunks are searched pair by pair for an overlap to report.
+const MAX_OVERLAP_SEARCH: usize = 4096;
+
+/// Two chunks of one global of `m` that overlap, as the conflict of the ranks that wrote
+/// them (the first pair found; globals of more than [`MAX_OVERLAP_SEARCH`] chunks are not
+/// searched).
+fn overlapping_ranks(m: &Manifest, sorted: &[&Part]) -> Option<Error> {
+    let rank_of: HashMap<&str, u32> = sorted
+        .iter()
+        .flat_map(|p| p.chunks.iter().map(|c| (c.tensor.as_str(), p.rank)))
+        .collect();
+    let meets = |a: &ChunkEntry, b: &ChunkEntry| {
+        (0..a.offsets.len()).all(|d| {
+            let (ao, bo) = (a.offsets[d], b.offsets[d]);
+            let (ae, be) = (
+                ao.saturating_add(a.shape.get(d).copied().unwrap_or(0)),
+                bo.saturating_add(b.shape.get(d).copied().unwrap_or(0)),
+            );
+            ao < be && bo < ae
+        })
+    };
+    for g in m
+        .globals
+        .iter()
+        .filter(|g| g.chunks.len() <= MAX_OVERLAP_SEARCH)
+    {
+        for (i, a) in g.chunks.iter().enumerate() {
+            for b in &g.chunks[i + 1..] {
+                if a.offsets.len() == b.offsets.len() && meets(a, b) {
+                    let ra = rank_of.get(a.tensor.as_str()).copied()?;
+                    let rb = rank_of.get(b.tensor.as_str()).copied()?;
+                    return Some(Error::PartConflict {
+                        name: g.name.clone(),
+                        ranks: [ra.min(rb), ra.max(rb)],
+                        reason: format!(
+                            "chunks overlap: rank {ra}'s at offsets {:?} shape {:?}, rank {rb}'s at offsets {:?} shape {:?}",
+                            a.offsets, a.shape, b.offsets, b.shape
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    None
+}
+
+fn crc_text(c: Option<&Option<u32>>) -> String {
+    match c {
+        Some(Some(v)) => format!("{v:08x}"),
+        _ => "(none)".into(),
+    }
+}
+
+/// Wait until the part files of ranks `0..world_size` of `checkpoint_id` are all in `dir`
+/// (polling), then [`commit`] them with `world_size`. The timeout bounds the wait for the
+/// part files.
+///
+/// # Errors
+/// [`Error::MissingParts`] naming the ranks whose part is still missing at the timeout
+/// (nothing is committed); [`Error::InvalidPart`] naming the file of a descriptor that does
+/// not decode; otherwise as [`commit`].
+pub fn commit_rendezvous(
+    dir: impl AsRef<Path>,
+    checkpoint_id: &str,
+    world_size: u32,
+    timeout: Duration,
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    let dir = dir.as_ref();
+    if world_size == 0 {
+        return Err(Error::InvalidArgument("world_size must be positive".into()));
+    }
+    if !is_id(checkpoint_id) {
+        return Err(Error::InvalidArgument(format!(
+            "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits"
+        )));
+    }
+    let deadline = Instant::now().checked_add(timeout);
+    let expired = || deadline.is_some_and(|d| Instant::now() >= d);
+    let opts = CommitOptions {
+        world_size: Some(world_size),
+        ..opts.clone()
+    };
+    loop {
+        let missing: Vec<u32> = (0..world_size)
+            .filter(|&r| !dir.join(part_file_name(checkpoint_id, r)).is_file())
+            .collect();
+        if missing.is_empty() {
+            let mut parts = Vec::with_capacity(world_size as usize);
+            for r in 0..world_size {
+                let name = part_file_name(checkpoint_id, r);
+                let path = dir.join(&name);
+                let bytes = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
+                parts.push(decode_part(&bytes, &name)?);
+            }
+            return commit(dir, checkpoint_id, &parts, &opts);
+        } else if expired() {
+            return Err(Error::MissingParts {
+                dir: dir.to_path_buf(),
+                checkpoint_id: checkpoint_id.to_string(),
+                missing,
+            });
+        }
+        std::thread::sleep(POLL);
+    }
+}
