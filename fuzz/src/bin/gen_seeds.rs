@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ckptstore::format::{header, manifest};
+use ckptstore::write::parts::{self, PartItem};
 use ckptstore::optim::{OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateValue, Tensor};
 use ckptstore::{save, Checkpoint, DType, SaveOptions, TensorRef};
 use ckptstore_fuzz::{frame, FIX_ALL};
@@ -254,7 +255,44 @@ fn save_all(tmp: &Path) -> Res<Vec<Saved>> {
     mixed()?.save(&dir, &model[3..5], &SaveOptions::default())?;
     out.push(next(&dir, "mixed")?);
 
+    // Two ranks, global tensors in chunks (format-spec/global.md): rows of `g`, a
+    // replicated 0-dim `s` (one chunk plus a replica), a whole tensor from rank 0.
+    let dir = tmp.join("global");
+    let id = parts::new_checkpoint_id()?;
+    let g = vals(103, 12);
+    let mut descriptors = Vec::new();
+    for rank in 0..2u32 {
+        let rows = &g[rank as usize * 6..rank as usize * 6 + 6];
+        let mut items = vec![
+            PartItem::Chunk {
+                tensor: TensorRef::from_slice("g", &[2, 3], rows),
+                global_shape: vec![4, 3],
+                offsets: vec![u64::from(rank) * 2, 0],
+            },
+            PartItem::Chunk {
+                tensor: TensorRef::from_slice("s", &[], &step[..]),
+                global_shape: vec![],
+                offsets: vec![],
+            },
+        ];
+        if rank == 0 {
+            items.push(PartItem::Whole(model[0].clone()));
+        }
+        descriptors.push(parts::write_part(&dir, &id, rank, &items, &opts(1 << 20))?);
+    }
+    parts::commit(&dir, &id, &descriptors, &parts::CommitOptions::default())?;
+    out.push(next(&dir, "global")?);
+    PART_SEEDS.with(|p| {
+        p.borrow_mut()
+            .extend(descriptors.iter().map(parts::Part::to_bytes))
+    });
+
     Ok(out)
+}
+
+thread_local! {
+    /// Part descriptors written by [`save_all`], the seeds of the `part` target.
+    static PART_SEEDS: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A plain safetensors file the writer would not make: no ckptstore metadata, a header
@@ -313,16 +351,22 @@ fn main() -> Res<()> {
         )?;
         counts[2] += 2;
     }
+    let part_dir = corpus.join("part");
+    let part_seeds = PART_SEEDS.with(|p| p.borrow().clone());
+    for (i, b) in part_seeds.iter().enumerate() {
+        write(&part_dir, &format!("seed-global-r{i}"), b)?;
+    }
     let foreign = foreign_safetensors();
     header::parse(&foreign).map_err(|e| format!("foreign seed: {e}"))?;
     write(&hdr, "seed-foreign", &foreign)?;
     counts[0] += 1;
 
     println!(
-        "gen_seeds: {} header, {} manifest, {} open_verify_load seeds in {}",
+        "gen_seeds: {} header, {} manifest, {} open_verify_load, {} part seeds in {}",
         counts[0],
         counts[1],
         counts[2],
+        part_seeds.len(),
         corpus.display()
     );
     Ok(())
