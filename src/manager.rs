@@ -498,11 +498,42 @@ impl CheckpointManager {
         let Ok(entries) = self.list() else {
             return 0;
         };
+        // A `step-` directory without a manifest that is newer than every committed step
+        // may be a multi-rank save whose ranks have written their parts and whose commit
+        // is still to come (format-spec/global.md): it is kept until a newer step commits.
+        let newest = entries.iter().filter(|e| e.committed).map(|e| e.step).max();
         entries
             .iter()
             .filter(|e| !e.committed && !skip.contains(&e.path))
+            .filter(|e| {
+                let multi_rank_in_progress = parse_step_dir(&e.path).is_some()
+                    && newest.is_none_or(|n| e.step > n)
+                    && has_part_files(&e.path);
+                !multi_rank_in_progress
+            })
             .filter(|e| matches!(remove_step_dir(&e.path, false), Ok(true)))
             .count()
+    }
+
+    /// Commit step `step` of a multi-rank save (format-spec/global.md): every rank has
+    /// written its part into [`CheckpointManager::step_dir`] with
+    /// [`crate::write::parts::write_part`]; this commits them (manifest last), then applies
+    /// retention as [`CheckpointManager::save`] does. The step is committed only when its
+    /// manifest is: until then `steps`, `latest` and `ckpt ls` do not count it.
+    ///
+    /// # Errors
+    /// The errors of [`crate::write::parts::commit`] (nothing is committed); retention
+    /// errors as [`CheckpointManager::gc`].
+    pub fn commit_parts(
+        &self,
+        step: u64,
+        checkpoint_id: &str,
+        parts: &[crate::write::parts::Part],
+        opts: &crate::write::parts::CommitOptions,
+    ) -> Result<CommitInfo> {
+        let info = crate::write::parts::commit(self.step_dir(step), checkpoint_id, parts, opts)?;
+        self.gc()?;
+        Ok(info)
     }
 
     /// Start saving `step` in the background and return as soon as the data is snapshot:
@@ -608,6 +639,22 @@ impl Drop for Release {
 /// or if it was listed as uncommitted (`committed` false) but holds a committed manifest
 /// once its lock is taken (a save committed it meanwhile). Only engine files (manifest,
 /// shards, temp files, lock) are removed; the directory itself only if that leaves it empty.
+/// The step of a `step-` directory (not a `.tmp-step-` one).
+fn parse_step_dir(dir: &Path) -> Option<u64> {
+    parse_step(dir.file_name()?.to_str()?)
+}
+
+/// True if `dir` holds part descriptors of a multi-rank save.
+fn has_part_files(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|rd| {
+        rd.flatten().any(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with("part-") && n.ends_with(".json"))
+        })
+    })
+}
+
 fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
     let lock_path = dir.join(LOCK_FILE);
     let lock = OpenOptions::new()

@@ -318,3 +318,68 @@ fn a_save_removes_interrupted_steps_but_never_a_committed_or_held_one() {
     mgr.gc().unwrap();
     assert!(!tmp4.exists());
 }
+
+/// Rank `rank` of 2 writes its rows of `w` (global [4, 250]) for `step` into the step's
+/// directory.
+fn write_rank(
+    mgr: &CheckpointManager,
+    step: u64,
+    id: &str,
+    rank: u32,
+) -> ckptstore::write::parts::Part {
+    use ckptstore::write::parts::{write_part, PartItem};
+    let v = w(step);
+    let rows = &v[rank as usize * 500..rank as usize * 500 + 500];
+    let chunk = PartItem::Chunk {
+        tensor: TensorRef::from_slice("w", &[2, 250], rows),
+        global_shape: vec![4, 250],
+        offsets: vec![u64::from(rank) * 2, 0],
+    };
+    write_part(
+        mgr.step_dir(step),
+        id,
+        rank,
+        &[chunk],
+        &SaveOptions::default(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn multi_rank_steps_commit_once_and_retention_spares_a_save_in_progress() {
+    use ckptstore::write::parts::{new_checkpoint_id, CommitOptions};
+    let root = tempfile::tempdir().unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(2)).unwrap();
+    for step in [10, 20, 30] {
+        let id = new_checkpoint_id().unwrap();
+        let parts: Vec<_> = (0..2).map(|r| write_rank(&mgr, step, &id, r)).collect();
+        // Written but not committed: not a step yet.
+        assert_eq!(
+            mgr.steps().unwrap().last().copied(),
+            (step > 10).then_some(step - 10)
+        );
+        mgr.commit_parts(step, &id, &parts, &CommitOptions::default())
+            .unwrap();
+        assert_eq!(mgr.latest().unwrap(), Some(step));
+        let ck = mgr.open(step).unwrap();
+        assert_eq!(
+            ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+            &w(step)[..]
+        );
+    }
+    assert_eq!(mgr.steps().unwrap(), vec![20, 30]);
+    // Step 40: rank 0 has written, rank 1 not yet. A gc meanwhile keeps it; it is not
+    // counted as a step.
+    let id40 = new_checkpoint_id().unwrap();
+    let p0 = write_rank(&mgr, 40, &id40, 0);
+    mgr.gc().unwrap();
+    assert!(mgr.step_dir(40).join(p0.file_name()).is_file());
+    assert_eq!(mgr.latest().unwrap(), Some(30));
+    // Rank 1 dies; the job goes on and commits step 50: step 40's leftovers go.
+    let id50 = new_checkpoint_id().unwrap();
+    let parts: Vec<_> = (0..2).map(|r| write_rank(&mgr, 50, &id50, r)).collect();
+    mgr.commit_parts(50, &id50, &parts, &CommitOptions::default())
+        .unwrap();
+    assert!(!mgr.step_dir(40).exists());
+    assert_eq!(mgr.steps().unwrap(), vec![30, 50]);
+}
