@@ -54,12 +54,13 @@ pub fn run(a: Args) -> Result<ExitCode> {
     // borrowed from SRC's read-only maps).
     let mut assembled: Vec<(&str, Tensor)> = Vec::with_capacity(ck.globals().len());
     for g in ck.globals() {
-        let t = ck.read_global(&g.name).map_err(|e| {
-            Error::InvalidArgument(format!(
-                "cannot assemble global tensor {:?} from {}: {e}",
+        // The error names the damaged chunk tensor and its shard; say which global it is.
+        let t = ck.read_global(&g.name).inspect_err(|_| {
+            eprintln!(
+                "ckpt consolidate: cannot assemble global tensor {:?} of {}",
                 g.name,
                 a.src.display()
-            ))
+            )
         })?;
         assembled.push((g.name.as_str(), t));
     }
