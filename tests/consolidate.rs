@@ -245,6 +245,28 @@ fn consolidating_again_replaces_the_checkpoint_and_its_index() {
         assert!(dst.join(file.as_str().unwrap()).is_file(), "{file}");
     }
     ok(&["verify", s(&dst)]);
+
+    // A later plain save into DST commits and cleans up (removing the consolidated shards)
+    // but leaves the index, which is no engine file: it now names missing shards only, and
+    // `open` still reads the new manifest.
+    let x = [7.0f32; 2];
+    ckptstore::save(
+        &dst,
+        &[TensorRef::from_slice("x", &[2], &x)],
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        read_index(&dst),
+        second,
+        "cleanup must not remove the index"
+    );
+    for file in second["weight_map"].as_object().unwrap().values() {
+        assert!(!dst.join(file.as_str().unwrap()).exists(), "{file}");
+    }
+    let ck = Checkpoint::open(&dst).unwrap();
+    assert_eq!(ck.kind(), Kind::Native);
+    assert_eq!(ck.tensor("x").unwrap().as_slice::<f32>().unwrap(), &x);
 }
 
 #[test]
