@@ -2,6 +2,7 @@
 #![deny(unsafe_code)]
 
 mod bench;
+mod consolidate;
 mod convert;
 mod demo;
 mod diff;
@@ -70,6 +71,11 @@ enum Cmd {
     ///
     /// Example: ckpt convert runs/step-00001000 --out bf16/ --dtype bf16
     Convert(convert::Args),
+    /// Assemble every global tensor of a (multi-rank) checkpoint whole and write a plain
+    /// checkpoint plus a Hugging Face model.safetensors.index.json of the model tensors.
+    ///
+    /// Example: ckpt consolidate runs/step-1000 --out hf/ --max-shard-size 2GiB
+    Consolidate(consolidate::Args),
     /// Measure save, open, verify and load (F16-scaled, BF16, F32) on a synthetic FP32
     /// checkpoint, each beside a baseline measured in the same run (raw write+fsync,
     /// crc32fast, the plain conversion kernels, memcpy).
@@ -93,6 +99,7 @@ fn main() -> ExitCode {
         Cmd::Gc(a) => manage::gc(a),
         Cmd::Convert(a) => convert::run(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Consolidate(a) => consolidate::run(a),
         Cmd::WritePart(a) => write_part::run(a),
     };
     match r {
