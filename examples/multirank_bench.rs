@@ -1,0 +1,452 @@
+//! Issue 12, Performance: multi-rank save against a single-process save of the same bytes,
+//! and the read amplification and throughput of resharding reads. Every figure sits beside a
+//! baseline measured in the same run (BENCHMARKS.md §Multi-rank save and resharding).
+//!
+//! Run: `cargo run --release --example multirank_bench -- [--size 1GiB] [--tensors 64]
+//! [--ranks 2] [--reps 3] [--dir DIR] [--only save|reshard] [--json]`.
+//!
+//! * save: `--tensors` F32 global tensors `[rows, cols]` of `--size` bytes in all, written
+//!   (a) by `ckptstore::save` in this process (whole tensors; shards, fsyncs, manifest), and
+//!   (b) by `--ranks` real processes (this example re-executed with `CKPT_MR_RANK` set), each
+//!   writing its row slice of every tensor with `write_part`, then `commit` here; and (c) the
+//!   same with one process (the control: process and part overhead without parallelism). The
+//!   three alternate, best of `--reps` each, so that all see the same disk state. (b) and (c)
+//!   are timed from spawn to commit return (`multirank_save_gibps`: process start-up and each
+//!   child building its bytes in fresh memory included) and from the moment every child has
+//!   its bytes in memory to commit return (`multirank_write_gibps`: what the single save is
+//!   timed on, since its bytes are in memory before its clock starts).
+//! * reshard: the same tensors chunked by rows over 4 ranks (`write_part` in process, then
+//!   `commit`), read back by M = 1..4 readers as row splits, column splits and 2-D blocks:
+//!   bytes read / bytes needed (`region_bytes_read` / `region_nbytes`, summed over every
+//!   reader's regions) and read throughput (GiB/s of region bytes, all readers one after the
+//!   other, hot page cache, best of `--reps`) against memcpy of the same region sizes into
+//!   pre-faulted memory.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
+use ckptstore::{Checkpoint, CommitOptions, DType, Part, PartItem, SaveOptions, TensorRef};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+const SHARD: u64 = 256 << 20;
+const READ_RANKS_WRITTEN: u64 = 4;
+
+struct Cfg {
+    size: u64,
+    tensors: u64,
+    ranks: u64,
+    reps: usize,
+    dir: Option<PathBuf>,
+    only: Option<String>,
+    json: bool,
+}
+
+/// Rows and columns of each tensor: `cols` 1024 F32 (4 KiB rows), rows from the size.
+fn shape(c: &Cfg) -> (u64, u64) {
+    let cols = 1024;
+    let rows = (c.size / 4 / c.tensors / cols).max(4 * 12);
+    (rows, cols)
+}
+
+/// The elements of rows `[r0, r1)` of tensor `t`: a cheap function of the global index.
+fn rows_data(t: u64, r0: u64, r1: u64, cols: u64) -> Vec<f32> {
+    (r0 * cols..r1 * cols)
+        .map(|i| ((i % 1021) as f32) * 1e-3 - 0.5 + t as f32)
+        .collect()
+}
+
+fn split(len: u64, n: u64, k: u64) -> (u64, u64) {
+    (len * k / n, len * (k + 1) / n)
+}
+
+fn opts() -> SaveOptions {
+    SaveOptions {
+        max_shard_size: SHARD,
+        ..Default::default()
+    }
+}
+
+fn gib(bytes: u64, s: f64) -> f64 {
+    bytes as f64 / s / (1u64 << 30) as f64
+}
+
+/// The part of rank `rank` of `world`: its rows of every tensor.
+fn rank_part(
+    dir: &Path,
+    id: &str,
+    rank: u64,
+    world: u64,
+    data: &[Vec<f32>],
+    rows: u64,
+    cols: u64,
+) -> ckptstore::Result<Part> {
+    let (r0, r1) = split(rows, world, rank);
+    let shapes: Vec<[u64; 2]> = data.iter().map(|_| [r1 - r0, cols]).collect();
+    let names: Vec<String> = (0..data.len()).map(|t| format!("t{t:03}")).collect();
+    let items: Vec<PartItem<'_>> = data
+        .iter()
+        .enumerate()
+        .map(|(t, d)| PartItem::Chunk {
+            tensor: TensorRef::new(&names[t], DType::F32, &shapes[t], bytemuck::cast_slice(d)),
+            global_shape: vec![rows, cols],
+            offsets: vec![r0, 0],
+        })
+        .collect();
+    write_part(dir, id, rank as u32, &items, &opts())
+}
+
+/// A child: build the bytes, say "ready", wait for "go", write the part, print it.
+fn child(rank: u64) -> Res<()> {
+    let var = |k: &str| std::env::var(k).map_err(|e| format!("{k}: {e}"));
+    let (world, tensors, rows, cols) = (
+        var("CKPT_MR_WORLD")?.parse::<u64>()?,
+        var("CKPT_MR_TENSORS")?.parse::<u64>()?,
+        var("CKPT_MR_ROWS")?.parse::<u64>()?,
+        var("CKPT_MR_COLS")?.parse::<u64>()?,
+    );
+    let (dir, id) = (PathBuf::from(var("CKPT_MR_DIR")?), var("CKPT_MR_ID")?);
+    let (r0, r1) = split(rows, world, rank);
+    let data: Vec<Vec<f32>> = (0..tensors).map(|t| rows_data(t, r0, r1, cols)).collect();
+    let mut out = std::io::stdout().lock();
+    out.write_all(b"ready\n")?;
+    out.flush()?;
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line)?;
+    let part = rank_part(&dir, &id, rank, world, &data, rows, cols)?;
+    out.write_all(&part.to_bytes())?;
+    out.flush()?;
+    Ok(())
+}
+
+/// One multi-process save: (spawn -> commit seconds, all-ready -> commit seconds).
+fn multi_save(c: &Cfg, dir: &Path, world: u64) -> Res<(f64, f64)> {
+    let (rows, cols) = shape(c);
+    let id = new_checkpoint_id()?;
+    let exe = std::env::current_exe()?;
+    let t0 = Instant::now();
+    let mut kids = Vec::new();
+    for r in 0..world {
+        let kid = Command::new(&exe)
+            .env("CKPT_MR_RANK", r.to_string())
+            .env("CKPT_MR_WORLD", world.to_string())
+            .env("CKPT_MR_TENSORS", c.tensors.to_string())
+            .env("CKPT_MR_ROWS", rows.to_string())
+            .env("CKPT_MR_COLS", cols.to_string())
+            .env("CKPT_MR_DIR", dir)
+            .env("CKPT_MR_ID", &id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        kids.push(kid);
+    }
+    let mut outs = Vec::new();
+    for k in &mut kids {
+        let mut rd = BufReader::new(k.stdout.take().ok_or("no stdout")?);
+        let mut line = String::new();
+        rd.read_line(&mut line)?;
+        if line != "ready\n" {
+            return Err(format!("child said {line:?}").into());
+        }
+        outs.push(rd);
+    }
+    let t1 = Instant::now();
+    for k in &mut kids {
+        k.stdin.take().ok_or("no stdin")?.write_all(b"go\n")?;
+    }
+    let mut parts = Vec::new();
+    for (k, mut rd) in kids.iter_mut().zip(outs) {
+        let mut bytes = Vec::new();
+        rd.read_to_end(&mut bytes)?;
+        if !k.wait()?.success() {
+            return Err("a rank failed".into());
+        }
+        parts.push(Part::from_bytes(&bytes)?);
+    }
+    let co = CommitOptions {
+        world_size: Some(world as u32),
+        ..Default::default()
+    };
+    commit(dir, &id, &parts, &co)?;
+    Ok((t0.elapsed().as_secs_f64(), t1.elapsed().as_secs_f64()))
+}
+
+fn bench_save(
+    c: &Cfg,
+    root: &Path,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) -> Res<()> {
+    let (rows, cols) = shape(c);
+    let bytes = rows * cols * 4 * c.tensors;
+    let data: Vec<Vec<f32>> = (0..c.tensors)
+        .map(|t| rows_data(t, 0, rows, cols))
+        .collect();
+    let names: Vec<String> = (0..c.tensors).map(|t| format!("t{t:03}")).collect();
+    let sh = [rows, cols];
+    let refs: Vec<TensorRef<'_>> = data
+        .iter()
+        .zip(&names)
+        .map(|(d, n)| TensorRef::new(n, DType::F32, &sh, bytemuck::cast_slice(d)))
+        .collect();
+    // All three write into one directory: each replaces (and removes) the previous one's
+    // files, as a training job's next checkpoint does.
+    let dir = root.join("save");
+    let (mut single, mut multi, mut multi_w, mut one, mut one_w) =
+        (f64::MAX, f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+    for _ in 0..c.reps.max(1) {
+        let t = Instant::now();
+        ckptstore::save(&dir, &refs, &opts())?;
+        single = single.min(t.elapsed().as_secs_f64());
+        let (a, b) = multi_save(c, &dir, c.ranks)?;
+        (multi, multi_w) = (multi.min(a), multi_w.min(b));
+        let (a, b) = multi_save(c, &dir, 1)?;
+        (one, one_w) = (one.min(a), one_w.min(b));
+    }
+    // The last commit must read back as the same tensors.
+    let ck = Checkpoint::open(&dir)?;
+    let g = ck.read_region("t001", &[rows / 2, 0], &[1, cols])?;
+    assert_eq!(
+        g.as_slice::<f32>()?,
+        &data[1][(rows / 2 * cols) as usize..][..cols as usize]
+    );
+    drop(ck);
+    let g = |s| gib(bytes, s);
+    let rows_out = [
+        ("single_save", g(single), 1.0),
+        ("multirank_save", g(multi), single / multi),
+        ("multirank_write", g(multi_w), single / multi_w),
+        ("onerank_save", g(one), single / one),
+        ("onerank_write", g(one_w), single / one_w),
+    ];
+    out.insert("save_bytes".into(), bytes.into());
+    out.insert("ranks".into(), c.ranks.into());
+    for (k, v, r) in rows_out {
+        out.insert(format!("{k}_gibps"), v.into());
+        if k != "single_save" {
+            out.insert(format!("{k}_ratio"), r.into());
+        }
+    }
+    if !c.json {
+        println!(
+            "save: {} MiB in {} F32 tensors [{rows}, {cols}], best of {} (alternating)",
+            bytes >> 20,
+            c.tensors,
+            c.reps
+        );
+        println!("{:<34} {:>7} {:>9}", "measure", "GiB/s", "/ single");
+        let label = |k: &str| match k {
+            "single_save" => "save, 1 process (baseline)".to_string(),
+            "multirank_save" => format!("{} procs, spawn -> commit", c.ranks),
+            "multirank_write" => format!("{} procs, bytes ready -> commit", c.ranks),
+            "onerank_save" => "1 proc part, spawn -> commit".to_string(),
+            _ => "1 proc part, bytes ready -> commit".to_string(),
+        };
+        for (k, v, r) in rows_out {
+            println!("{:<34} {v:>7.2} {r:>9.2}", label(k));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// A reader layout: name, readers M, and each reader's box as (row range, col range).
+type Layout = (String, u64, Vec<((u64, u64), (u64, u64))>);
+
+fn layouts(rows: u64, cols: u64) -> Vec<Layout> {
+    let grid = |name: &str, pr: u64, pc: u64| -> Layout {
+        let mut boxes = Vec::new();
+        for i in 0..pr {
+            for j in 0..pc {
+                boxes.push((split(rows, pr, i), split(cols, pc, j)));
+            }
+        }
+        (format!("{name} M={}", pr * pc), pr * pc, boxes)
+    };
+    let mut v = Vec::new();
+    for m in 1..=4 {
+        v.push(grid("rows", m, 1));
+    }
+    for m in 2..=4 {
+        v.push(grid("cols", 1, m));
+    }
+    v.push(grid("blocks 2x2", 2, 2));
+    v
+}
+
+fn bench_reshard(
+    c: &Cfg,
+    root: &Path,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) -> Res<()> {
+    let (rows, cols) = shape(c);
+    let dir = root.join("reshard");
+    let id = new_checkpoint_id()?;
+    let mut parts = Vec::new();
+    for r in 0..READ_RANKS_WRITTEN {
+        let (r0, r1) = split(rows, READ_RANKS_WRITTEN, r);
+        let data: Vec<Vec<f32>> = (0..c.tensors).map(|t| rows_data(t, r0, r1, cols)).collect();
+        parts.push(rank_part(
+            &dir,
+            &id,
+            r,
+            READ_RANKS_WRITTEN,
+            &data,
+            rows,
+            cols,
+        )?);
+    }
+    let co = CommitOptions {
+        world_size: Some(READ_RANKS_WRITTEN as u32),
+        ..Default::default()
+    };
+    commit(&dir, &id, &parts, &co)?;
+    let ck = Checkpoint::open(&dir)?;
+    let names: Vec<String> = (0..c.tensors).map(|t| format!("t{t:03}")).collect();
+    // memcpy source and (pre-faulted) destination, each as large as the whole checkpoint:
+    // every region is copied from and to its own place, so that small regions do not run
+    // from the CPU caches while the reads come from the page cache.
+    let total = (rows * cols * 4 * c.tensors) as usize;
+    let src = vec![1u8; total];
+    let mut dst = vec![2u8; total];
+    if !c.json {
+        println!(
+            "reshard: {} MiB in {} F32 tensors [{rows}, {cols}], written as 4 row chunks each; \
+             read by M readers, one after the other; best of {}",
+            (rows * cols * 4 * c.tensors) >> 20,
+            c.tensors,
+            c.reps
+        );
+        println!(
+            "{:<14} {:>7} {:>7} {:>6} {:>7} {:>7} {:>6} {:>7} {:>6}",
+            "layout", "needMiB", "readMiB", "ampl.", "GiB/s", "memcpy", "ratio", "m.fresh", "ratio"
+        );
+    }
+    let mut rows_json = Vec::new();
+    for (name, m, boxes) in layouts(rows, cols) {
+        let (mut needed, mut read) = (0u64, 0u64);
+        for ((r0, r1), (c0, c1)) in &boxes {
+            for n in &names {
+                let sh = [r1 - r0, c1 - c0];
+                needed += ck.region_nbytes(n, &sh)?;
+                read += ck.region_bytes_read(n, &[*r0, *c0], &sh)?;
+            }
+        }
+        let (mut rd, mut mc, mut mf) = (f64::MAX, f64::MAX, f64::MAX);
+        for _ in 0..c.reps.max(1) {
+            let t = Instant::now();
+            for ((r0, r1), (c0, c1)) in &boxes {
+                for n in &names {
+                    let r = ck.read_region(n, &[*r0, *c0], &[r1 - r0, c1 - c0])?;
+                    std::hint::black_box(&r);
+                }
+            }
+            rd = rd.min(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            let mut at = 0;
+            for ((r0, r1), (c0, c1)) in &boxes {
+                let nb = ((r1 - r0) * (c1 - c0) * 4) as usize;
+                for _ in &names {
+                    dst[at..at + nb].copy_from_slice(&src[at..at + nb]);
+                    std::hint::black_box(&dst);
+                    at += nb;
+                }
+            }
+            mc = mc.min(t.elapsed().as_secs_f64());
+            // Into a fresh zeroed buffer per region, as `read_region` allocates its result.
+            let t = Instant::now();
+            let mut at = 0;
+            for ((r0, r1), (c0, c1)) in &boxes {
+                let nb = ((r1 - r0) * (c1 - c0) * 4) as usize;
+                for _ in &names {
+                    let mut d = vec![0u8; nb];
+                    d.copy_from_slice(&src[at..at + nb]);
+                    std::hint::black_box(&d);
+                    at += nb;
+                }
+            }
+            mf = mf.min(t.elapsed().as_secs_f64());
+        }
+        let amp = read as f64 / needed as f64;
+        let (g, gm, gf) = (gib(needed, rd), gib(needed, mc), gib(needed, mf));
+        if !c.json {
+            println!(
+                "{name:<14} {:>7} {:>7} {amp:>6.2} {g:>7.2} {gm:>7.2} {:>6.2} {gf:>7.2} {:>6.2}",
+                needed >> 20,
+                read >> 20,
+                g / gm,
+                g / gf
+            );
+        }
+        rows_json.push(serde_json::json!({
+            "layout": name, "readers": m, "bytes_needed": needed, "bytes_read": read,
+            "amplification": amp, "read_gibps": g, "memcpy_gibps": gm, "ratio": g / gm,
+            "memcpy_fresh_gibps": gf, "ratio_fresh": g / gf,
+        }));
+    }
+    out.insert("reshard".into(), rows_json.into());
+    drop(ck);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+fn parse_size(s: &str) -> Res<u64> {
+    let t = s.trim().to_ascii_lowercase();
+    let i = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let n: u64 = t[..i].parse()?;
+    let m = match &t[i..] {
+        "" | "b" => 1,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        u => return Err(format!("unknown unit {u:?} (B, KiB, MiB, GiB)").into()),
+    };
+    Ok(n * m)
+}
+
+fn main() -> Res<()> {
+    if let Ok(r) = std::env::var("CKPT_MR_RANK") {
+        return child(r.parse()?);
+    }
+    let mut c = Cfg {
+        size: 1 << 30,
+        tensors: 64,
+        ranks: 2,
+        reps: 3,
+        dir: None,
+        only: None,
+        json: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--size" => c.size = parse_size(&val()?)?,
+            "--tensors" => c.tensors = val()?.parse()?,
+            "--ranks" => c.ranks = val()?.parse()?,
+            "--reps" => c.reps = val()?.parse()?,
+            "--dir" => c.dir = Some(PathBuf::from(val()?)),
+            "--only" => c.only = Some(val()?),
+            "--json" => c.json = true,
+            _ => return Err(format!("unknown argument {a:?}").into()),
+        }
+    }
+    if c.tensors == 0 || c.ranks == 0 || c.ranks > 1024 {
+        return Err("--tensors and --ranks (at most 1024) must be positive".into());
+    }
+    let tmp = tempfile::tempdir_in(c.dir.clone().unwrap_or_else(std::env::temp_dir))?;
+    let mut out = serde_json::Map::new();
+    out.insert("tensors".into(), c.tensors.into());
+    if c.only.as_deref() != Some("reshard") {
+        bench_save(&c, tmp.path(), &mut out)?;
+    }
+    if c.only.as_deref() != Some("save") {
+        bench_reshard(&c, tmp.path(), &mut out)?;
+    }
+    if c.json {
+        println!("{}", serde_json::Value::Object(out));
+    }
+    Ok(())
+}
