@@ -150,6 +150,18 @@ def _prepare(name: str, value: Any) -> tuple[str, str, np.ndarray]:
 _StateEntry = tuple[str, str, tuple[str, str, np.ndarray], Optional[tuple[str, str, np.ndarray]]]
 
 
+def _metadata_json(metadata: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The manifest's ``metadata`` as JSON text (``None`` stays ``None``)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgumentError("metadata must be a dict (a JSON object)")
+    try:
+        return json.dumps(dict(metadata), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
+
+
 def _optimizer_parts(
     optimizer: Mapping[str, Any],
     prepare: Callable[[str, Any], tuple[str, str, np.ndarray]] = _prepare,
@@ -237,14 +249,7 @@ def save(
         raise InvalidArgumentError("tensors must be a mapping of name -> array")
     entries = [_prepare(n, v) for n, v in tensors.items()]
     opt = None if optimizer is None else _optimizer_parts(optimizer)
-    meta = None
-    if metadata is not None:
-        if not isinstance(metadata, Mapping):
-            raise InvalidArgumentError("metadata must be a dict (a JSON object)")
-        try:
-            meta = json.dumps(dict(metadata), allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
+    meta = _metadata_json(metadata)
     if max_shard_size is not None and max_shard_size <= 0:
         raise InvalidArgumentError("max_shard_size must be positive")
     return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, opt)
@@ -316,14 +321,7 @@ def commit(
     the parts' ranks must be exactly ``0..world_size``. ``metadata``: a JSON-serializable
     dict stored in the manifest.
     """
-    meta = None
-    if metadata is not None:
-        if not isinstance(metadata, Mapping):
-            raise InvalidArgumentError("metadata must be a dict (a JSON object)")
-        try:
-            meta = json.dumps(dict(metadata), allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
+    meta = _metadata_json(metadata)
     plist = None if parts is None else [bytes(p) for p in parts]
     if plist is None and world_size is None:
         raise InvalidArgumentError("commit needs parts, or world_size for the file rendezvous")
