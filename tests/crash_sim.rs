@@ -608,6 +608,7 @@ fn same_op(a: &OpRecord, b: &OpRecord) -> bool {
         OpKind::SyncDir => "sync_dir".into(),
         OpKind::Remove { name } => format!("remove {}", shorten_ids(name)),
         OpKind::List => "list".into(),
+        OpKind::Read { name } => format!("read {}", shorten_ids(name)),
     };
     key(a) == key(b)
 }

@@ -2,7 +2,7 @@
 //! through [`Fs`], so tests can substitute a fault-injecting implementation.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::path::Path;
 
 /// The file operations of a save (format-spec/durability.md §Operations).
@@ -24,6 +24,10 @@ pub trait Fs: Sync {
     fn remove(&self, path: &Path) -> io::Result<()>;
     /// List the names of the entries of a directory.
     fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    /// Read an existing file: its length and its first `min(max, length)` bytes (the
+    /// commit of a multi-rank save reads the headers of the ranks' shards this way,
+    /// format-spec/global.md C2). Not a step of a save.
+    fn read_prefix(&self, path: &Path, max: u64) -> io::Result<(u64, Vec<u8>)>;
     /// A hint that `[offset, offset + len)` of `file` is written and can start going to the
     /// device (write-back), ahead of the [`Fs::sync`] that makes it durable. It promises
     /// nothing and must not fail; the default does nothing.
@@ -57,6 +61,14 @@ impl Fs for StdFs {
 
     fn remove(&self, path: &Path) -> io::Result<()> {
         std::fs::remove_file(path)
+    }
+
+    fn read_prefix(&self, path: &Path, max: u64) -> io::Result<(u64, Vec<u8>)> {
+        let f = File::open(path)?;
+        let len = f.metadata()?.len();
+        let mut head = Vec::new();
+        f.take(max.min(len)).read_to_end(&mut head)?;
+        Ok((len, head))
     }
 
     fn start_writeback(&self, file: &mut File, offset: u64, len: u64) {

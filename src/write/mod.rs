@@ -382,8 +382,9 @@ pub struct CommitInfo {
     /// Bytes of tensor data.
     pub data_bytes: u64,
     /// Files removed: temporary files of interrupted saves (before the shards were written,
-    /// by [`save`] and [`save_with_section`]) and, after the commit, files of earlier
-    /// checkpoints and interrupted saves.
+    /// by [`save`] and [`save_with_section`]; before the shard checks, by
+    /// [`parts::commit`]) and, after the commit, files of earlier checkpoints and
+    /// interrupted saves.
     pub removed: usize,
 }
 

@@ -3,7 +3,7 @@
 //! manifest and commits it last ([`commit`], [`commit_rendezvous`]).
 
 use std::collections::{HashMap, HashSet};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use super::fs::{Fs, StdFs};
 use super::{
     commit_manifest, encode_checked, is_id, part_file_name, pause, plan_shards, prepare_dir,
-    random_id, rank_shard_file_name, validate_inputs, write_shards, CommitInfo, Created,
-    SaveOptions, TensorRef, LOCK_FILE, TEMP_PREFIX,
+    random_id, rank_shard_file_name, remove_leftover_temps, validate_inputs, write_shards,
+    CommitInfo, Created, SaveOptions, TensorRef, LOCK_FILE, TEMP_PREFIX,
 };
 use crate::dtype::{checked_nbytes, DType};
 use crate::error::{Error, Result};
@@ -281,7 +281,36 @@ pub fn write_part(
     items: &[PartItem<'_>],
     opts: &SaveOptions,
 ) -> Result<Part> {
-    let dir = dir.as_ref();
+    write_part_impl(&StdFs, dir.as_ref(), checkpoint_id, rank, items, opts, true)
+}
+
+/// [`write_part`] through a substitute file system, into an existing directory, without the
+/// writer lock and without the check for a part already written: the seam for
+/// crash-simulation tests (format-spec/durability.md §Operations), like
+/// [`super::save_with_fs`].
+#[doc(hidden)]
+pub fn write_part_with_fs<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    checkpoint_id: &str,
+    rank: u32,
+    items: &[PartItem<'_>],
+    opts: &SaveOptions,
+) -> Result<Part> {
+    write_part_impl(fs, dir, checkpoint_id, rank, items, opts, false)
+}
+
+/// [`write_part`] through `fs`; `locked`: create the directory, hold the shared writer lock
+/// and refuse a part already written (the real file system only).
+fn write_part_impl<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    checkpoint_id: &str,
+    rank: u32,
+    items: &[PartItem<'_>],
+    opts: &SaveOptions,
+    locked: bool,
+) -> Result<Part> {
     if !is_id(checkpoint_id) {
         return Err(Error::InvalidArgument(format!(
             "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits (use new_checkpoint_id)"
@@ -289,20 +318,23 @@ pub fn write_part(
     }
     let (stored, chunks) = part_tensors(items, rank)?;
     let sizes = validate_inputs(&stored, opts, None)?;
-    prepare_dir(dir)?;
-    let _lock = lock_dir_wait(dir, true)?;
     let part_name = part_file_name(checkpoint_id, rank);
-    if dir.join(&part_name).exists() {
+    let _lock = if locked {
+        prepare_dir(dir)?;
+        Some(lock_dir_wait(dir, true)?)
+    } else {
+        None
+    };
+    if locked && dir.join(&part_name).exists() {
         return Err(Error::InvalidArgument(format!(
             "rank {rank} already wrote its part of checkpoint {checkpoint_id} ({})",
             dir.join(&part_name).display()
         )));
     }
     let planned = plan_shards(checkpoint_id, &stored, &sizes, opts)?;
-    let fs = StdFs;
     // From here, an error removes every file this call created.
-    let created = Created::new(&fs);
-    let (shards, tensors) = write_shards(&fs, &created, dir, &stored, &planned, opts, &|k| {
+    let created = Created::new(fs);
+    let (shards, tensors) = write_shards(fs, &created, dir, &stored, &planned, opts, &|k| {
         rank_shard_file_name(checkpoint_id, rank, k)
     })?;
     pause::point(pause::Point::BeforePart);
@@ -464,7 +496,8 @@ impl Default for CommitOptions {
 
 /// Commit the parts of checkpoint `checkpoint_id` in `dir` (format-spec/global.md §The
 /// commit, rules C1-C6): under the writer lock (waiting for ranks still holding it shared,
-/// and for a save in progress), check every part and every shard file it
+/// and for a save in progress), remove the temporary files of writers that have ended (a
+/// crashed commit's temporary manifest among them), check every part and every shard file it
 /// lists, merge them into one manifest (replicated chunks become replicas), validate that
 /// manifest with the reader's own rules, and write it last exactly as [`super::save`] does.
 /// Then remove the part descriptors of this id and the engine files of other ids.
@@ -514,7 +547,33 @@ pub fn commit(
     parts: &[Part],
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    let dir = dir.as_ref();
+    commit_impl(&StdFs, dir.as_ref(), checkpoint_id, parts, opts, true)
+}
+
+/// [`commit`] through a substitute file system, without the writer lock (the caller
+/// guarantees that no rank, save or other commit runs meanwhile): the seam for
+/// crash-simulation tests (format-spec/durability.md §Operations), like
+/// [`super::save_with_fs`].
+#[doc(hidden)]
+pub fn commit_with_fs<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    checkpoint_id: &str,
+    parts: &[Part],
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    commit_impl(fs, dir, checkpoint_id, parts, opts, false)
+}
+
+/// [`commit`] through `fs`; `locked`: take the exclusive writer lock after C1.
+fn commit_impl<F: Fs>(
+    fs: &F,
+    dir: &Path,
+    checkpoint_id: &str,
+    parts: &[Part],
+    opts: &CommitOptions,
+    locked: bool,
+) -> Result<CommitInfo> {
     if !is_id(checkpoint_id) {
         return Err(Error::InvalidArgument(format!(
             "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits"
@@ -529,9 +588,17 @@ pub fn commit(
     let mut sorted: Vec<&Part> = parts.iter().collect();
     sorted.sort_by_key(|p| p.rank);
     check_parts(dir, checkpoint_id, &sorted, opts.world_size)?;
-    let _lock = lock_dir_wait(dir, false)?;
+    let _lock = if locked {
+        Some(lock_dir_wait(dir, false)?)
+    } else {
+        None
+    };
+    // Under the exclusive lock every temporary file belongs to a writer that has ended: a
+    // commit of this id that crashed left its temporary manifest, whose name a retry of
+    // the commit would otherwise find taken (format-spec/global.md §The commit).
+    let leftovers = remove_leftover_temps(fs, dir);
     // C2.
-    check_shards(dir, &sorted)?;
+    check_shards(fs, dir, &sorted)?;
     // C3, C4.
     let m = merge(checkpoint_id, &sorted, &opts.metadata)?;
     // C5: the reader's own rules, on the bytes about to be written.
@@ -556,14 +623,13 @@ pub fn commit(
         );
     }
     // C6: steps 3-5 of a save.
-    let fs = StdFs;
-    let removed = commit_manifest(&fs, dir, Created::new(&fs), &bytes, &m)?;
+    let removed = commit_manifest(fs, dir, Created::new(fs), &bytes, &m)?;
     Ok(CommitInfo {
         checkpoint_id: checkpoint_id.to_string(),
         shards: m.shards.len(),
         tensors: m.tensors.len(),
         data_bytes: m.tensors.iter().map(TensorInfo::nbytes).sum(),
-        removed,
+        removed: removed + leftovers,
     })
 }
 
@@ -612,7 +678,7 @@ fn check_parts(dir: &Path, id: &str, sorted: &[&Part], world_size: Option<u32>) 
 
 /// C2: every shard file the parts list is this id's and rank's, present, of the recorded
 /// size, with the recorded header length and header CRC (only the header is read).
-fn check_shards(dir: &Path, sorted: &[&Part]) -> Result<()> {
+fn check_shards<F: Fs>(fs: &F, dir: &Path, sorted: &[&Part]) -> Result<()> {
     let mut index = 0usize;
     for p in sorted {
         for (k, s) in p.shards.iter().enumerate() {
@@ -626,9 +692,11 @@ fn check_shards(dir: &Path, sorted: &[&Part]) -> Result<()> {
                 return Err(mismatch(format!("the part names it, expected {want:?}")));
             }
             let path = dir.join(&s.file);
-            let mut f = std::fs::File::open(&path)
+            // At most the header a valid entry can have: never more than the format's cap.
+            let max = s.header_size.min(MAX_HEADER_SIZE).saturating_add(8);
+            let (len, head) = fs
+                .read_prefix(&path, max)
                 .map_err(|e| mismatch(format!("cannot open {}: {e}", path.display())))?;
-            let len = f.metadata().map_err(|e| Error::io("stat", &path, e))?.len();
             if len != s.size {
                 return Err(mismatch(format!(
                     "the file is {len} bytes but the part records {}",
@@ -645,10 +713,18 @@ fn check_shards(dir: &Path, sorted: &[&Part]) -> Result<()> {
                         s.header_size, s.size
                     ))
                 })?;
-            // `end` <= MAX_HEADER_SIZE + 8, so it fits in memory.
-            let mut head = vec![0u8; usize::try_from(end).unwrap_or(0)];
-            f.read_exact(&mut head)
-                .map_err(|e| Error::io("read", &path, e))?;
+            // `end` <= `max` and <= the file's length: `head` holds `end` bytes, unless the
+            // file shrank meanwhile.
+            let head = usize::try_from(end)
+                .ok()
+                .and_then(|e| head.get(..e))
+                .ok_or_else(|| {
+                    Error::io(
+                        "read",
+                        &path,
+                        std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                    )
+                })?;
             let prefix = head.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok());
             if prefix.map(u64::from_le_bytes) != Some(s.header_size) {
                 return Err(mismatch(format!(

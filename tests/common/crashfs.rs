@@ -84,4 +84,8 @@ impl Fs for CrashFs {
         self.tick()?;
         StdFs.list(dir)
     }
+    fn read_prefix(&self, path: &Path, max: u64) -> io::Result<(u64, Vec<u8>)> {
+        self.tick()?;
+        StdFs.read_prefix(path, max)
+    }
 }

@@ -1,6 +1,6 @@
 //! An in-memory model of a POSIX file system for crash-consistency tests of the commit
 //! protocol (format-spec/durability.md), plugged into the writer through
-//! `ckptstore::write::fs::Fs` (`save_with_fs`).
+//! `ckptstore::write::fs::Fs` (`save_with_fs`, `write_part_with_fs`, `commit_with_fs`).
 //!
 //! The model holds one directory (the checkpoint directory; every path handed to it must be
 //! `<dir>/<name>`) and a table of inodes. Per inode it records the *current* content (what
@@ -10,7 +10,7 @@
 //! A3), plus the directory operations issued since that `sync_dir` (`pending`), so that
 //! power-loss images in which only some of them reached the disk can be built (A4).
 //!
-//! Every operation (create, each `write` call, sync, rename, sync_dir, remove, list) is
+//! Every operation (create, each `write` call, sync, rename, sync_dir, remove, list, read) is
 //! numbered in one global log, under a mutex: the writer runs its shards on rayon threads.
 //! Faults: crash (every operation from the k-th on fails and has no effect), an errno once
 //! at the k-th operation or forever from it, and a "lying" sync (the j-th sync, counting file
@@ -106,6 +106,10 @@ pub enum OpKind {
         name: String,
     },
     List,
+    /// `read_prefix`: reads the current content (the commit of a multi-rank save, C2).
+    Read {
+        name: String,
+    },
 }
 
 /// How an operation ended.
@@ -146,6 +150,7 @@ impl OpRecord {
             OpKind::SyncDir => "sync_dir".to_string(),
             OpKind::Remove { name } => format!("remove {name}"),
             OpKind::List => "list".to_string(),
+            OpKind::Read { name } => format!("read {name}"),
         };
         let r = match &self.result {
             OpResult::Ok => String::new(),
@@ -638,6 +643,21 @@ impl Fs for SimFs {
             return Err(e);
         }
         Ok(st.cur.keys().cloned().collect())
+    }
+
+    fn read_prefix(&self, path: &Path, max: u64) -> io::Result<(u64, Vec<u8>)> {
+        let name = self.name(path);
+        let mut st = self.lock();
+        let (index, err) = st.begin(OpKind::Read { name: name.clone() });
+        if let Some(e) = err {
+            return Err(e);
+        }
+        let Some(&ino) = st.cur.get(&name) else {
+            return Err(st.fail(index, io::Error::from(io::ErrorKind::NotFound)));
+        };
+        let cur = &st.inodes[ino].current;
+        let n = usize::try_from(max).unwrap_or(usize::MAX).min(cur.len());
+        Ok((cur.len() as u64, cur[..n].to_vec()))
     }
 }
 
