@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::{invalid_arg, CkError};
-use crate::save::tensor_ref;
+use crate::save::{commit_info, tensor_ref};
 
 /// One item as the Python package prepares it: `(name, wire dtype, ndarray, chunk)` where
 /// `chunk` is `(global_shape, offsets)` for a chunk of a global tensor, `None` for a
@@ -103,11 +103,5 @@ pub(crate) fn commit<'py>(
         }
     }
     .map_err(CkError)?;
-    let d = PyDict::new(py);
-    d.set_item("checkpoint_id", info.checkpoint_id)?;
-    d.set_item("shards", info.shards)?;
-    d.set_item("tensors", info.tensors)?;
-    d.set_item("data_bytes", info.data_bytes)?;
-    d.set_item("removed", info.removed)?;
-    Ok(d)
+    commit_info(py, info)
 }

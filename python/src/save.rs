@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use ckptstore::optim::{OptimizerStateRef, ParamGroup, ParamSpec, StateValueRef};
-use ckptstore::{SaveOptions, TensorRef};
+use ckptstore::{CommitInfo, SaveOptions, TensorRef};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -140,6 +140,12 @@ pub(crate) fn save<'py>(
         }
     }
     .map_err(CkError)?;
+    commit_info(py, info)
+}
+
+/// What a save or commit returns to Python: `checkpoint_id`, `shards`, `tensors`,
+/// `data_bytes`, `removed`.
+pub(crate) fn commit_info(py: Python<'_>, info: CommitInfo) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("checkpoint_id", info.checkpoint_id)?;
     d.set_item("shards", info.shards)?;

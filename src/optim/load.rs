@@ -12,7 +12,7 @@ use crate::convert;
 use crate::crc::crc32_parallel;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::format::manifest::Encoding;
+use crate::format::manifest::{Encoding, OptimizerSection};
 use crate::view::{Element, TensorView};
 
 /// The shape of the scale tensor of an FP16-scaled state.
@@ -249,28 +249,10 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .map(|j| self.run_job(j, pool))
             .collect::<Result<_>>()?;
 
-        let mut state: BTreeMap<String, BTreeMap<String, StateValue>> = BTreeMap::new();
-        for (j, v) in jobs.iter().zip(values) {
-            state
-                .entry(j.param.to_string())
-                .or_default()
-                .insert(j.state.to_string(), v);
-        }
-        let groups = sec
-            .groups
-            .iter()
-            .map(|g| ParamGroup {
-                params: g
-                    .params
-                    .iter()
-                    .map(|n| {
-                        ParamSpec::new(n.clone(), shapes.get(n.as_str()).copied().unwrap_or(&[]))
-                    })
-                    .collect(),
-                hyper: g.hyper.as_object().cloned().unwrap_or_default(),
-            })
-            .collect();
-        Ok(OptimizerState { groups, state })
+        let keys = jobs.iter().map(|j| (j.param, j.state));
+        Ok(assemble(sec, keys, values, |n| {
+            shapes.get(n).map_or(Vec::new(), |s| s.to_vec())
+        }))
     }
 
     /// Load the optimizer state of one rank's partition: for each parameter named in
@@ -405,29 +387,10 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 }
             })
             .collect::<Result<_>>()?;
-        let mut state: BTreeMap<String, BTreeMap<String, StateValue>> = BTreeMap::new();
-        for (j, v) in jobs.iter().zip(values) {
-            state
-                .entry(j.0.to_string())
-                .or_default()
-                .insert(j.1.to_string(), v);
-        }
-        let groups = sec
-            .groups
-            .iter()
-            .map(|g| ParamGroup {
-                params: g
-                    .params
-                    .iter()
-                    .map(|n| {
-                        let shape = regions.get(n.as_str()).map_or(&[][..], |r| &r.shape[..]);
-                        ParamSpec::new(n.clone(), shape)
-                    })
-                    .collect(),
-                hyper: g.hyper.as_object().cloned().unwrap_or_default(),
-            })
-            .collect();
-        Ok(OptimizerState { groups, state })
+        let keys = jobs.iter().map(|j| (j.0, j.1));
+        Ok(assemble(sec, keys, values, |n| {
+            regions.get(n).map_or(Vec::new(), |r| r.shape.clone())
+        }))
     }
 
     /// A view of `t` whose CRC32 was just checked.
@@ -541,6 +504,36 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             }
         }
     }
+}
+
+/// The loaded state: `values[i]` is state `keys[i]` = (parameter, state name); groups and
+/// hyperparameters from the section, each parameter with the shape `shape(name)`.
+fn assemble<'k>(
+    sec: &OptimizerSection,
+    keys: impl Iterator<Item = (&'k str, &'k str)>,
+    values: Vec<StateValue>,
+    shape: impl Fn(&str) -> Vec<u64>,
+) -> OptimizerState {
+    let mut state: BTreeMap<String, BTreeMap<String, StateValue>> = BTreeMap::new();
+    for ((param, name), v) in keys.zip(values) {
+        state
+            .entry(param.to_string())
+            .or_default()
+            .insert(name.to_string(), v);
+    }
+    let groups = sec
+        .groups
+        .iter()
+        .map(|g| ParamGroup {
+            params: g
+                .params
+                .iter()
+                .map(|n| ParamSpec::new(n.clone(), &shape(n)))
+                .collect(),
+            hyper: g.hyper.as_object().cloned().unwrap_or_default(),
+        })
+        .collect();
+    OptimizerState { groups, state }
 }
 
 /// FP16 codes `qv` times scale `s`, in `t` (F32 or BF16), into a fresh tensor.
