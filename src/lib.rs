@@ -1,14 +1,21 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
-// Modules, lowest floor first: each one uses only those above it in this list
-// (`error`, `dtype`, `view`, `tensor`, `crc` and `convert` are the base every floor uses).
-pub mod checkpoint;
-pub mod convert;
-mod crc;
-pub mod dtype;
+// Modules, lowest floor first: each one uses only those above it in this list. `error`,
+// `dtype`, `view`, `tensor` and `crc` are the base; then `format` (bytes on disk), `sys`
+// (the only unsafe code), `convert` (kernels over `sys`), `write` and `checkpoint` (whole
+// checkpoints), `optim` (optimizer state on top of checkpoints), `manager`.
 pub mod error;
+pub mod dtype;
+pub mod view;
+pub mod tensor;
+mod crc;
 pub mod format;
+mod sys;
+pub mod convert;
+pub mod write;
+pub mod checkpoint;
+pub mod optim;
 pub mod manager;
 pub mod optim;
 mod sys;
