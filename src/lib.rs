@@ -1,27 +1,37 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
-// Modules, lowest floor first: each one uses only those above it in this list. `error`,
-// `dtype`, `view`, `tensor` and `crc` are the base; then `format` (bytes on disk), `sys`
-// (the only unsafe code), `convert` (kernels over `sys`), `write` and `checkpoint` (whole
-// checkpoints), `optim` (optimizer state on top of checkpoints), `manager`.
+// Modules, lowest floor first: each one uses only those above it. (Blank-line groups keep
+// rustfmt from sorting the floors alphabetically.)
+
+// The base every floor uses.
 pub mod error;
+
 pub mod dtype;
+
 pub mod view;
+
 pub mod tensor;
+
 mod crc;
+
+// Bytes on disk.
 pub mod format;
+
+// The only unsafe code (memory maps, SIMD kernels, I/O hints), and the kernels over it.
 mod sys;
+
 pub mod convert;
+
+// Whole checkpoints: writing and reading.
 pub mod write;
+
 pub mod checkpoint;
+
+// Optimizer state on top of checkpoints, then steps of a training run.
 pub mod optim;
+
 pub mod manager;
-pub mod optim;
-mod sys;
-pub mod tensor;
-pub mod view;
-pub mod write;
 
 pub use checkpoint::{Checkpoint, Kind, Region, Shard, TensorInfo, VerifyReport};
 pub use crc::crc32_parallel;
