@@ -1,4 +1,16 @@
 #![doc = include_str!("../README.md")]
+#![doc = "
+## Modules, lowest floor first
+
+Dependencies run one way: each module uses only those listed before it.
+
+1. The base: [`error`], [`dtype`], [`view`], [`tensor`] (owned tensors and the buffer pool).
+2. [`format`]: bytes on disk (shard header, manifest, optimizer-section and global-tensor rules).
+3. `sys` (private: the only `unsafe` code; public face [`mmap`]) and [`convert`] (kernels).
+4. [`write`] and [`checkpoint`]: whole checkpoints, written (single- and multi-rank) and read.
+5. [`optim`]: optimizer state on top of checkpoints.
+6. [`manager`]: steps of a training run.
+"]
 #![warn(missing_docs)]
 
 // Modules, lowest floor first: each one uses only those above it. (Blank-line groups keep
