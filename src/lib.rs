@@ -5,9 +5,9 @@
 Dependencies run one way: each module uses only those listed before it.
 
 1. The base: [`error`], [`dtype`], [`view`], [`tensor`] (owned tensors and the buffer pool).
-2. [`format`]: bytes on disk (shard header, manifest, optimizer-section and global-tensor rules).
+2. [`format`](mod@format): bytes on disk (shard header, manifest, optimizer-section and global-tensor rules).
 3. `sys` (private: the only `unsafe` code; public face [`mmap`]) and [`convert`] (kernels).
-4. [`write`] and [`checkpoint`]: whole checkpoints, written (single- and multi-rank) and read.
+4. [`write`](mod@write) and [`checkpoint`]: whole checkpoints, written (single- and multi-rank) and read.
 5. [`optim`]: optimizer state on top of checkpoints.
 6. [`manager`]: steps of a training run.
 "]

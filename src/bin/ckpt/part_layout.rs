@@ -3,7 +3,7 @@
 //!
 //! Globals: `w` F32 [8, 6] split by rows, `b` BF16 [2*world+1] split in 1-D, `h` F16 [4, 4]
 //! split by columns (at most 4 ranks hold a column; the others hold none), `d` F64 0-dim
-//! replicated on every rank, `i` I64 [1] on the last rank. Rank 0 also holds the whole
+//! replicated on every rank, `i` I64 `[1]` on the last rank. Rank 0 also holds the whole
 //! tensor `step` (I64, 0-dim).
 
 use ckptstore::DType;
