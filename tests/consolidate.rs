@@ -105,6 +105,7 @@ fn two_rank_source(dir: &Path, g: &Globals) {
     let copts = CommitOptions {
         world_size: Some(2),
         metadata: serde_json::json!({"run": "consolidate-test", "step": 1234}),
+        ..Default::default()
     };
     commit(dir, &id, &parts, &copts).unwrap();
     let ck = Checkpoint::open(dir).unwrap();

@@ -180,6 +180,7 @@ fn commit_opts() -> CommitOptions {
     CommitOptions {
         world_size: Some(2),
         metadata: serde_json::json!({ "gen": "new" }),
+        ..Default::default()
     }
 }
 

@@ -235,3 +235,114 @@ fn partition_restore_replaces_stale_state_and_refuses_bad_partitions() {
     assert!(e.to_string().contains("exp_avg@6,0"), "{e}");
     assert!(other.state.is_empty());
 }
+
+/// N ranks save the state through the multi-rank writer (each its rows of `exp_avg` and
+/// `exp_avg_sq`, `step` replicated), the coordinator commits with the optimizer section;
+/// M ranks restore their partitions in every layout.
+#[test]
+fn n_ranks_save_sharded_adam_state_m_ranks_restore_it() {
+    use ckptstore::format::manifest::OptimizerSection;
+    use ckptstore::write::parts::{commit, new_checkpoint_id, write_part, CommitOptions, PartItem};
+    let (m_all, v_all) = (global_values(1), global_values(2));
+    let section: OptimizerSection = serde_json::from_value(serde_json::json!({
+        "groups": [{"params": ["w"], "hyper": {"lr": 0.001}}],
+        "params": [{"name": "w", "shape": [ROWS, COLS], "state": [
+            {"name": "exp_avg", "tensor": "optim/w/exp_avg", "encoding": "plain"},
+            {"name": "exp_avg_sq", "tensor": "optim/w/exp_avg_sq", "encoding": "plain"},
+            {"name": "step", "tensor": "optim/w/step", "encoding": "plain"}
+        ]}]
+    }))
+    .unwrap();
+    for n in 1..=4u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let id = new_checkpoint_id().unwrap();
+        let step = [7.0f32];
+        let parts: Vec<_> = row_split(n)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, (r0, rows_n))| {
+                let (m, v) = (rows(&m_all, r0, rows_n), rows(&v_all, r0, rows_n));
+                fn chunk<'a>(
+                    name: &'static str,
+                    d: &'a [f32],
+                    r0: u64,
+                    rows_n: u64,
+                ) -> PartItem<'a> {
+                    PartItem::Chunk {
+                        tensor: TensorRef::from_slice(name, &[rows_n, COLS], d),
+                        global_shape: vec![ROWS, COLS],
+                        offsets: vec![r0, 0],
+                    }
+                }
+                let items = [
+                    chunk("optim/w/exp_avg", &m, r0, rows_n),
+                    chunk("optim/w/exp_avg_sq", &v, r0, rows_n),
+                    PartItem::Chunk {
+                        tensor: TensorRef::from_slice("optim/w/step", &[], &step),
+                        global_shape: vec![],
+                        offsets: vec![],
+                    },
+                ];
+                write_part(
+                    dir.path(),
+                    &id,
+                    rank as u32,
+                    &items,
+                    &SaveOptions::default(),
+                )
+                .unwrap()
+            })
+            .collect();
+        let opts = CommitOptions {
+            optimizer: Some(section.clone()),
+            ..Default::default()
+        };
+        commit(dir.path(), &id, &parts, &opts).unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        ck.verify().unwrap();
+        for m in 1..=4 {
+            for (r0, rn) in row_split(m) {
+                let part: HashMap<String, Region> =
+                    [("w".to_string(), Region::new(&[r0, 0], &[rn, COLS]))].into();
+                let st = ck
+                    .load_optimizer_partition(&StateLayout::default(), &part)
+                    .unwrap();
+                assert_eq!(
+                    f32s(&st.state["w"]["exp_avg"]),
+                    rows(&m_all, r0, rn),
+                    "n {n} m {m}"
+                );
+                assert_eq!(f32s(&st.state["w"]["exp_avg_sq"]), rows(&v_all, r0, rn));
+                assert_eq!(f32s(&st.state["w"]["step"]), vec![7.0]);
+                let fused = StateLayout::with_default(Target::F16Scaled(ScaleShape::One));
+                let st = ck.load_optimizer_partition(&fused, &part).unwrap();
+                let want = StateValue::f16_scaled_from_f32(
+                    &[rn, COLS],
+                    &rows(&m_all, r0, rn),
+                    ScaleShape::One,
+                )
+                .unwrap();
+                assert!(st.state["w"]["exp_avg"].bit_eq(&want));
+            }
+        }
+    }
+    // A section naming a tensor the parts do not hold: refused, nothing committed.
+    let dir = tempfile::tempdir().unwrap();
+    let id = new_checkpoint_id().unwrap();
+    let x = [1.0f32; 4];
+    let p = write_part(
+        dir.path(),
+        &id,
+        0,
+        &[PartItem::Whole(TensorRef::from_slice("other", &[4], &x))],
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let opts = CommitOptions {
+        optimizer: Some(section),
+        ..Default::default()
+    };
+    let e = commit(dir.path(), &id, &[p], &opts).unwrap_err();
+    assert!(matches!(e, Error::InvalidOptimizerState { .. }), "{e}");
+    assert!(Checkpoint::open(dir.path()).is_err());
+}

@@ -136,6 +136,7 @@ fn real_processes_write_parts_then_commit() {
         let opts = CommitOptions {
             world_size: Some(world),
             metadata: serde_json::json!({"world": world}),
+            ..Default::default()
         };
         let info = commit(&dir, &id, &parts, &opts).unwrap();
         assert_eq!(info.checkpoint_id, id);

@@ -18,7 +18,10 @@ use super::{
 use crate::dtype::{checked_nbytes, DType};
 use crate::error::{Error, Result};
 use crate::format::global::{ChunkEntry, GlobalEntry};
-use crate::format::manifest::{self, DecodeError, Manifest, ShardEntry, TensorInfo};
+use crate::format::manifest::{
+    self, DecodeError, Manifest, OptimizerSection, ShardEntry, TensorInfo,
+};
+use crate::format::optimizer::check_section;
 use crate::format::{
     check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS,
 };
@@ -483,6 +486,10 @@ pub struct CommitOptions {
     pub world_size: Option<u32>,
     /// User metadata stored in the manifest: a JSON object.
     pub metadata: serde_json::Value,
+    /// The optimizer section (format-spec/optimizer.md), whose states may name global
+    /// tensors (optimizer state chunked like its parameters: FSDP, ZeRO). Checked by rules
+    /// O1-O9 against the merged tensors and globals before anything is written.
+    pub optimizer: Option<OptimizerSection>,
 }
 
 impl Default for CommitOptions {
@@ -490,6 +497,7 @@ impl Default for CommitOptions {
         CommitOptions {
             world_size: None,
             metadata: serde_json::Value::Object(Default::default()),
+            optimizer: None,
         }
     }
 }
@@ -600,7 +608,22 @@ fn commit_impl<F: Fs>(
     // C2.
     check_shards(fs, dir, &sorted)?;
     // C3, C4.
-    let m = merge(checkpoint_id, &sorted, &opts.metadata)?;
+    let mut m = merge(checkpoint_id, &sorted, &opts.metadata)?;
+    if let Some(sec) = &opts.optimizer {
+        let mut shapes: HashMap<&str, (DType, &[u64])> = m
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), (t.dtype, t.shape.as_slice())))
+            .collect();
+        shapes.extend(
+            m.globals
+                .iter()
+                .map(|g| (g.name.as_str(), (g.dtype, g.global_shape.as_slice()))),
+        );
+        check_section(sec, |n| shapes.get(n).copied())?;
+        m.optimizer = Some(sec.clone());
+        m.features.insert(0, "optimizer".into());
+    }
     // C5: the reader's own rules, on the bytes about to be written.
     let bytes = encode_checked(&m).map_err(|_| {
         Error::InvalidArgument(format!(
