@@ -308,6 +308,7 @@ def commit(
     world_size: Optional[int] = None,
     timeout: Optional[float] = None,
     metadata: Optional[Mapping[str, Any]] = None,
+    optimizer: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Commit the multi-rank checkpoint ``checkpoint_id`` in ``path``: check every part
     and shard together (every global tensor tiled exactly once, the same dtype and global
@@ -319,14 +320,23 @@ def commit(
     ``parts``, the file rendezvous: wait up to ``timeout`` seconds (default 300) for the
     part files of ``world_size`` ranks; the error names the ranks still missing. With both,
     the parts' ranks must be exactly ``0..world_size``. ``metadata``: a JSON-serializable
-    dict stored in the manifest.
+    dict stored in the manifest. ``optimizer``: the manifest's optimizer section
+    (format-spec/optimizer.md: ``{"groups": [...], "params": [...]}``), whose states may
+    name global tensors the ranks wrote as chunks (sharded optimizer state); the engine
+    checks every rule before committing.
     """
     meta = _metadata_json(metadata)
     plist = None if parts is None else [bytes(p) for p in parts]
     if plist is None and world_size is None:
         raise InvalidArgumentError("commit needs parts, or world_size for the file rendezvous")
+    section = None
+    if optimizer is not None:
+        try:
+            section = json.dumps(dict(optimizer), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"optimizer section must be JSON: {e}") from e
     return _ckptstore.commit(
-        os.fspath(path), checkpoint_id, plist, world_size, timeout, meta
+        os.fspath(path), checkpoint_id, plist, world_size, timeout, meta, section
     )
 
 

@@ -52,8 +52,10 @@ def commit(
     world_size: Optional[int] = None,
     timeout: Optional[float] = None,
     metadata: Optional[str] = None,
+    optimizer: Optional[str] = None,
 ) -> dict[str, Any]:
-    """Low-level commit (metadata as JSON text). Use :func:`ckptstore.commit`."""
+    """Low-level commit (metadata and optimizer section as JSON text). Use
+    :func:`ckptstore.commit`."""
 
 class MappedCheckpoint:
     """The base object of arrays over a mapped checkpoint: keeps the mapping alive."""

@@ -65,7 +65,9 @@ pub(crate) fn write_part<'py>(
 
 /// Commit a multi-rank checkpoint (see `ckptstore.commit`).
 #[pyfunction]
-#[pyo3(signature = (path, checkpoint_id, parts = None, world_size = None, timeout = None, metadata = None))]
+#[pyo3(signature = (path, checkpoint_id, parts = None, world_size = None, timeout = None, metadata = None, optimizer = None))]
+// The Python keyword arguments of `ckptstore.commit`, one for one.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn commit<'py>(
     py: Python<'py>,
     path: PathBuf,
@@ -74,6 +76,7 @@ pub(crate) fn commit<'py>(
     world_size: Option<u32>,
     timeout: Option<f64>,
     metadata: Option<&str>,
+    optimizer: Option<&str>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut opts = CommitOptions {
         world_size,
@@ -82,6 +85,11 @@ pub(crate) fn commit<'py>(
     if let Some(m) = metadata {
         opts.metadata = serde_json::from_str(m)
             .map_err(|e| invalid_arg(format!("metadata is not valid JSON: {e}")))?;
+    }
+    if let Some(o) = optimizer {
+        opts.optimizer = Some(
+            serde_json::from_str(o).map_err(|e| invalid_arg(format!("optimizer section: {e}")))?,
+        );
     }
     let info = match parts {
         Some(bytes) => {

@@ -163,3 +163,45 @@ def test_bad_chunks_are_refused_before_writing(tmp_path):
     with pytest.raises(ckptstore.InvalidArgumentError):
         ckptstore.write_part(tmp_path, cid, 0, {"w": [np.zeros(3)]})
     assert not os.listdir(tmp_path) or all(f == ".ckpt-lock" for f in os.listdir(tmp_path))
+
+
+def test_sharded_optimizer_state_commits_with_its_section(tmp_path):
+    """Two ranks save their rows of Adam state; the coordinator commits the optimizer
+    section naming the global tensors; the state loads whole and validates."""
+    m = np.linspace(-1, 1, ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+    cid = ckptstore.new_checkpoint_id()
+    parts = []
+    for rank, (r0, n) in enumerate(splits(ROWS, 2)):
+        parts.append(
+            ckptstore.write_part(
+                tmp_path,
+                cid,
+                rank,
+                {
+                    "optim/w/exp_avg": ckptstore.Chunk(m[r0 : r0 + n], m.shape, (r0, 0)),
+                    "optim/w/step": ckptstore.Chunk(np.float32(3), (), ()),
+                },
+            )
+        )
+    section = {
+        "groups": [{"params": ["w"], "hyper": {"lr": 0.01}}],
+        "params": [
+            {
+                "name": "w",
+                "shape": [ROWS, COLS],
+                "state": [
+                    {"name": "exp_avg", "tensor": "optim/w/exp_avg", "encoding": "plain"},
+                    {"name": "step", "tensor": "optim/w/step", "encoding": "plain"},
+                ],
+            }
+        ],
+    }
+    bad = {**section, "params": [{**section["params"][0], "shape": [ROWS + 1, COLS]}]}
+    with pytest.raises(ckptstore.OptimizerStateError, match="fits neither"):
+        ckptstore.commit(tmp_path, cid, parts=parts, optimizer=bad)
+    ckptstore.commit(tmp_path, cid, parts=parts, optimizer=section)
+    ck = ckptstore.open(tmp_path)
+    st = ck.load_optimizer()
+    assert np.array_equal(st["state"]["w"]["exp_avg"], m)
+    assert st["state"]["w"]["step"] == np.float32(3)
+    assert st["param_groups"][0]["lr"] == 0.01
