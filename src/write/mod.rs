@@ -881,6 +881,15 @@ fn encode_checked(m: &Manifest) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// Create `tmp` (recorded in `created`, so an error removes it), write `bytes` and fsync:
+/// the first half of writing a small file durably; the caller renames it into place.
+fn write_synced<F: Fs>(fs: &F, created: &Created<'_, F>, tmp: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = fs.create(tmp).map_err(|e| Error::io("create", tmp, e))?;
+    created.created(tmp);
+    f.write_all(bytes).map_err(|e| Error::io("write", tmp, e))?;
+    fs.sync(&mut f, tmp).map_err(|e| Error::io("fsync", tmp, e))
+}
+
 /// Steps 3-5 of the protocol, shared by [`save`] and [`parts::commit`]: write `bytes` (the
 /// encoding of `m`) to a temporary file, fsync, rename it over the manifest (the commit
 /// point), fsync the directory, then clean up (`cleanup`). Until the rename, an error drops
@@ -894,13 +903,7 @@ fn commit_manifest<F: Fs>(
 ) -> Result<usize> {
     let id = &m.checkpoint_id;
     let tmp = dir.join(format!("{TEMP_PREFIX}{id}-manifest"));
-    let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-    created.created(&tmp);
-    f.write_all(bytes)
-        .map_err(|e| Error::io("write", &tmp, e))?;
-    fs.sync(&mut f, &tmp)
-        .map_err(|e| Error::io("fsync", &tmp, e))?;
-    drop(f);
+    write_synced(fs, &created, &tmp, bytes)?;
     let target = dir.join(MANIFEST_FILE);
     pause::point(pause::Point::BeforeManifestRename);
     fs.rename(&tmp, &target)

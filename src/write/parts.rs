@@ -3,7 +3,6 @@
 //! manifest and commits it last ([`commit`], [`commit_rendezvous`]).
 
 use std::collections::{HashMap, HashSet};
-use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -13,7 +12,7 @@ use super::fs::{Fs, StdFs};
 use super::{
     commit_manifest, encode_checked, is_id, part_file_name, pause, plan_shards, prepare_dir,
     random_id, rank_shard_file_name, remove_leftover_temps, validate_inputs, write_shards,
-    CommitInfo, Created, SaveOptions, TensorRef, LOCK_FILE, TEMP_PREFIX,
+    write_synced, CommitInfo, Created, SaveOptions, TensorRef, LOCK_FILE, TEMP_PREFIX,
 };
 use crate::dtype::{checked_nbytes, DType};
 use crate::error::{Error, Result};
@@ -350,13 +349,7 @@ fn write_part_impl<F: Fs>(
     };
     let bytes = part.to_bytes();
     let tmp = dir.join(format!("{TEMP_PREFIX}{part_name}"));
-    let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-    created.created(&tmp);
-    f.write_all(&bytes)
-        .map_err(|e| Error::io("write", &tmp, e))?;
-    fs.sync(&mut f, &tmp)
-        .map_err(|e| Error::io("fsync", &tmp, e))?;
-    drop(f);
+    write_synced(fs, &created, &tmp, &bytes)?;
     let fin = dir.join(&part_name);
     fs.rename(&tmp, &fin)
         .map_err(|e| Error::io("rename", &tmp, e))?;
