@@ -40,9 +40,9 @@ from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
 
-from . import _ckptstore, _optimizer_parts, open as _open
-from ._types import F16Scaled
-from .errors import IncompatibleStateError, InvalidArgumentError, InvalidTensorError
+from .. import _ckptstore, _optimizer_parts, open as _open
+from .._types import F16Scaled
+from ..errors import IncompatibleStateError, InvalidArgumentError, InvalidTensorError
 
 __all__ = ["save", "load", "META_KEY", "EXTRA_PREFIX"]
 
@@ -90,11 +90,11 @@ def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
     copied; others are copied to the CPU first)."""
     torch = _torch()
     if isinstance(t, np.ndarray):
-        from . import _prepare
+        from .. import _prepare
 
         return _prepare(name, t)
     if not isinstance(t, torch.Tensor):
-        from . import _prepare
+        from .. import _prepare
 
         return _prepare(name, np.asarray(t))
     t = t.detach()
