@@ -150,6 +150,7 @@ fn llm_like_manifest() -> Vec<u8> {
             offsets: [at, at + n],
             crc32: Some(seed as u32),
             absmax: (dtype == DType::F32).then(|| (seed >> 40) as f32 / (1u64 << 22) as f32),
+            blocks: None,
         });
         at += n;
     }

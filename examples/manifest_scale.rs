@@ -105,6 +105,7 @@ fn rank_entries(r: u64, ranks: u64, tensors: u64, shard: usize) -> (ShardEntry, 
             crc32: Some(h as u32),
             // A weight's largest magnitude, 0.01 to about 4, as an FP32 value.
             absmax: Some(0.01 + ((h >> 32) % 40_000) as f32 * 1e-4),
+            blocks: None,
         });
         at += nbytes;
     }

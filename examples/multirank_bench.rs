@@ -3,7 +3,7 @@
 //! baseline measured in the same run (BENCHMARKS.md §Multi-rank save and resharding).
 //!
 //! Run: `cargo run --release --example multirank_bench -- [--size 1GiB] [--tensors 64]
-//! [--ranks 2] [--reps 3] [--dir DIR] [--only save|reshard] [--json]`.
+//! [--ranks 2] [--reps 3] [--dir DIR] [--only save|reshard] [--block-size 1MiB] [--json]`.
 //!
 //! * save: `--tensors` F32 global tensors `[rows, cols]` of `--size` bytes in all, written
 //!   (a) by `ckptstore::save` in this process (whole tensors; shards, fsyncs, manifest), and
@@ -63,11 +63,20 @@ fn split(len: u64, n: u64, k: u64) -> (u64, u64) {
     (len * k / n, len * (k + 1) / n)
 }
 
+/// Save options; `--block-size` (block CRC size, 0 for none) reaches the rank processes
+/// through `CKPT_MR_BLOCK_SIZE`.
 fn opts() -> SaveOptions {
-    SaveOptions {
+    let mut o = SaveOptions {
         max_shard_size: SHARD,
         ..Default::default()
+    };
+    if let Some(b) = std::env::var("CKPT_MR_BLOCK_SIZE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        o.block_size = b;
     }
+    o
 }
 
 fn gib(bytes: u64, s: f64) -> f64 {
@@ -430,6 +439,9 @@ fn main() -> Res<()> {
             "--dir" => c.dir = Some(PathBuf::from(val()?)),
             "--only" => c.only = Some(val()?),
             "--json" => c.json = true,
+            "--block-size" => {
+                std::env::set_var("CKPT_MR_BLOCK_SIZE", parse_size(&val()?)?.to_string())
+            }
             _ => return Err(format!("unknown argument {a:?}").into()),
         }
     }

@@ -537,6 +537,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     offsets: [e.data_offsets[0] + ds, e.data_offsets[1] + ds],
                     crc32: None,
                     absmax: None,
+                    blocks: None,
                 });
             }
         }
@@ -702,8 +703,47 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
 
     /// The CRC32 of one tensor and, where the manifest records one, its absmax: both in
     /// one pass over the bytes.
+    ///
+    /// With block CRCs (format-spec/integrity.md §Block CRCs) the pass computes each
+    /// block's CRC (and absmax bits), checks every block, and checks that the blocks
+    /// combine to the tensor's `crc32`.
     fn check_tensor(&self, t: &TensorInfo) -> Result<()> {
         let v = self.view(t);
+        if let Some(bl) = &t.blocks {
+            let with_abs = t.absmax.is_some();
+            let sums: Vec<(u32, u32)> = v
+                .bytes()
+                .par_chunks(usize::try_from(bl.size).unwrap_or(usize::MAX))
+                .map(|c| {
+                    let abs = if with_abs {
+                        crate::convert::absbits_le_bytes(c)
+                    } else {
+                        0
+                    };
+                    (crc32fast::hash(c), abs)
+                })
+                .collect();
+            for (i, ((got, _), &expected)) in sums.iter().zip(&bl.crc32).enumerate() {
+                if *got != expected {
+                    return Err(Error::ChecksumMismatch {
+                        what: format!("tensor {:?}, block {i}", t.name),
+                        shard: t.shard,
+                        file: self.shards[t.shard].file.clone(),
+                        expected,
+                        got: *got,
+                    });
+                }
+            }
+            let combined = crate::crc::combine_blocks(&bl.crc32, bl.size, t.nbytes());
+            // Counts were checked at open (M18), so `combined` is `Some`; `None` fails.
+            self.check_crc(t, combined.unwrap_or(!t.crc32.unwrap_or(0)))?;
+            let Some(recorded) = t.absmax else {
+                return Ok(());
+            };
+            let bits = sums.iter().map(|s| s.1).max().unwrap_or(0);
+            let actual = crate::convert::absmax_from_bits(bits);
+            return self.check_absmax(t, recorded, actual);
+        }
         let Some(recorded) = t.absmax else {
             return self.check_crc(t, crc32_parallel(v.bytes()));
         };
@@ -715,6 +755,10 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             ),
         };
         self.check_crc(t, crc)?;
+        self.check_absmax(t, recorded, actual)
+    }
+
+    fn check_absmax(&self, t: &TensorInfo, recorded: f32, actual: Option<f32>) -> Result<()> {
         let actual = actual.unwrap_or(f32::INFINITY);
         if actual.to_bits() != recorded.to_bits() {
             return Err(Error::AbsmaxMismatch {

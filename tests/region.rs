@@ -58,6 +58,23 @@ fn expected(gshape: &[u64], offsets: &[u64], shape: &[u64], es: usize) -> Vec<u8
 /// Save global tensor `name` of `gshape` chunked as `chunks` (offsets, shape) into `dir`,
 /// with a whole tensor `plain` beside it.
 fn save_chunked(dir: &Path, dtype: DType, gshape: &[u64], chunks: &[(Vec<u64>, Vec<u64>)]) {
+    save_chunked_with(
+        dir,
+        dtype,
+        gshape,
+        chunks,
+        SaveOptions::default().block_size,
+    )
+}
+
+/// [`save_chunked`] with per-block CRCs of `block_size` bytes (0: none).
+fn save_chunked_with(
+    dir: &Path,
+    dtype: DType,
+    gshape: &[u64],
+    chunks: &[(Vec<u64>, Vec<u64>)],
+    block_size: u64,
+) {
     let es = dtype.size();
     let datas: Vec<(String, Vec<u8>)> = chunks
         .iter()
@@ -81,6 +98,7 @@ fn save_chunked(dir: &Path, dtype: DType, gshape: &[u64], chunks: &[(Vec<u64>, V
         &refs,
         &SaveOptions {
             max_shard_size: 4096,
+            block_size,
             ..Default::default()
         },
     )
@@ -415,4 +433,119 @@ fn cli_inspect_shows_globals_and_verify_checks_every_chunk() {
     assert_eq!(o.status.code(), Some(1));
     let err = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
     assert!(err.contains("g@3,1"), "{err}");
+}
+
+/// Per-block CRCs (format-spec/integrity.md §Block CRCs): a region read checks and reads
+/// only the blocks it touches; damage is found in the block it hits, by region reads that
+/// touch it and by verify; block lists that do not fit are refused at open.
+#[test]
+fn block_crcs_check_only_the_blocks_a_region_touches() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 x 256 F32 rows of 1 KiB; chunks of 24, 16 and 24 rows; 4 KiB blocks = 4 rows.
+    let gshape = [64u64, 256];
+    let chunks = grid(&gshape, &[vec![24, 40], vec![]]);
+    save_chunked_with(dir.path(), DType::F32, &gshape, &chunks, 4096);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let bl = ck
+        .info("g@0,0")
+        .unwrap()
+        .blocks
+        .clone()
+        .expect("block CRCs recorded");
+    assert_eq!((bl.size, bl.crc32.len()), (4096, 6));
+    assert!(
+        ck.info("plain").unwrap().blocks.is_none(),
+        "one block: none"
+    );
+    ck.verify().unwrap();
+    let regions: Vec<(Vec<u64>, Vec<u64>)> = vec![
+        (vec![0, 0], vec![64, 256]),
+        (vec![5, 3], vec![30, 200]),
+        (vec![23, 255], vec![2, 1]),
+        (vec![4, 0], vec![16, 256]),
+    ];
+    check_regions(&ck, &gshape, 4, &regions);
+    // Aligned rows read exactly their bytes; unaligned ones at most a block per edge;
+    // half rows touch every block of the rows they span.
+    let read = |o: [u64; 2], s: [u64; 2]| ck.region_bytes_read("g", &o, &s).unwrap();
+    assert_eq!(read([4, 0], [16, 256]), 16 * 1024);
+    assert_eq!(read([5, 0], [16, 256]), 20 * 1024);
+    assert_eq!(read([20, 0], [8, 256]), 8 * 1024);
+    assert_eq!(read([0, 0], [24, 128]), 24 * 1024);
+    assert_eq!(read([0, 0], [64, 256]), 64 * 1024);
+    // Damage block 3 of the first chunk (rows 12..16).
+    let t = ck.info("g@0,0").unwrap().clone();
+    let path = dir.path().join(&ck.shards()[t.shard].file);
+    drop(ck);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[t.offsets[0] as usize + 3 * 4096 + 17] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    check_regions(
+        &ck,
+        &gshape,
+        4,
+        &[(vec![0, 0], vec![12, 256]), (vec![16, 0], vec![48, 256])],
+    );
+    for e in [
+        ck.read_region("g", &[10, 7], &[4, 9]).unwrap_err(),
+        ck.verify().unwrap_err(),
+    ] {
+        assert!(
+            matches!(e, Error::ChecksumMismatch { .. })
+                && e.to_string().contains("g@0,0")
+                && e.to_string().contains("block 3"),
+            "{e}"
+        );
+    }
+    drop(ck);
+    bytes[t.offsets[0] as usize + 3 * 4096 + 17] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    Checkpoint::open(dir.path()).unwrap().verify().unwrap();
+
+    // A block list that lies about a block the data still matches as a whole: the region
+    // read that touches it and verify refuse it.
+    let lie = tempfile::tempdir().unwrap();
+    save_chunked_with(lie.path(), DType::F32, &gshape, &chunks, 4096);
+    manifest_edit::rewrite_manifest(lie.path(), |m| {
+        let t = m["tensors"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .find(|t| t["name"] == "g@0,0")
+            .unwrap();
+        let c = t["blocks"]["crc32"][1].as_u64().unwrap();
+        t["blocks"]["crc32"][1] = (c ^ 1).into();
+    });
+    let ck = Checkpoint::open(lie.path()).unwrap();
+    ck.read_region("g", &[8, 0], &[16, 256]).unwrap();
+    for e in [
+        ck.read_region("g", &[4, 0], &[1, 1]).unwrap_err(),
+        ck.verify().unwrap_err(),
+    ] {
+        assert!(
+            matches!(e, Error::ChecksumMismatch { .. }) && e.to_string().contains("block 1"),
+            "{e}"
+        );
+    }
+
+    // Block lists that do not fit the tensor are refused at open (M18).
+    for (size, count, want) in [
+        (1000u64, 6usize, "power of two"),
+        (4096, 5, "want 6"),
+        (1 << 31, 1, "power of two"),
+        (32768, 1, "at least 2"),
+    ] {
+        let bad = tempfile::tempdir().unwrap();
+        save_chunked_with(bad.path(), DType::F32, &gshape, &chunks, 4096);
+        manifest_edit::rewrite_manifest(bad.path(), |m| {
+            let t = &mut m["tensors"][0];
+            t["blocks"] = serde_json::json!({"size": size, "crc32": vec![0u32; count]});
+        });
+        let e = Checkpoint::open(bad.path()).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidManifest { .. }) && e.to_string().contains(want),
+            "{size} {count}: {e}"
+        );
+    }
 }

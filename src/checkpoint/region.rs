@@ -180,21 +180,22 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         let region = Region::new(offsets, shape);
         let plan = self.plan_region(&src, &region)?;
         let mut out = Tensor::zeros(src.dtype, shape)?;
-        // Check every piece's CRC first (in parallel), so that damage anywhere fails the
-        // read before any byte is used.
-        plan.par_iter().try_for_each(|(_, t, _, _)| {
-            let v = self.view(t);
-            self.check_crc(t, crate::crc::crc32_parallel(v.bytes()))
-        })?;
         let es = src.dtype.size();
+        // Check every piece's CRC first (in parallel), so that damage anywhere fails the
+        // read before any byte is used: only the blocks the region touches where the
+        // tensor has block CRCs, the whole tensor where it has not.
+        plan.par_iter().try_for_each(|(piece, t, lo, hi)| {
+            let v = self.view(t);
+            let Some(bl) = &t.blocks else {
+                return self.check_crc(t, crate::crc::crc32_parallel(v.bytes()));
+            };
+            let blocks = touched(t, piece, &region, lo, hi, es, bl.size)?;
+            blocks.par_iter().try_for_each(|&i| self.check_block(t, i))
+        })?;
         for (piece, t, lo, hi) in &plan {
             let v = self.view(t);
-            copy_box(v.bytes(), piece, out.bytes_mut(), &region, lo, hi, es).ok_or_else(|| {
-                Error::InvalidTensor {
-                    name: t.name.clone(),
-                    reason: "stored bytes do not match the chunk's shape".into(),
-                }
-            })?;
+            copy_box(v.bytes(), piece, out.bytes_mut(), &region, lo, hi, es)
+                .ok_or_else(|| bad_piece(t))?;
         }
         Ok(out)
     }
@@ -210,17 +211,55 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         self.read_region(name, &vec![0; shape.len()], &shape)
     }
 
-    /// The bytes [`Checkpoint::read_region`] reads for this region: every chunk it
-    /// intersects, whole (its CRC covers the whole chunk). Divided by the region's own
+    /// The bytes [`Checkpoint::read_region`] reads for this region: of every chunk it
+    /// intersects, the CRC blocks it touches (format-spec/integrity.md §Block CRCs), or
+    /// the whole chunk where the chunk has no block CRCs. Divided by the region's own
     /// byte size, the read amplification of a resharding layout.
     ///
     /// # Errors
     /// As [`Checkpoint::read_region`], without reading any tensor data.
     pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64> {
         let src = self.source(name)?;
-        let plan = self.plan_region(&src, &Region::new(offsets, shape))?;
-        // Bounded by the checkpoint's data size, validated at open.
-        Ok(plan.iter().map(|(_, t, _, _)| t.nbytes()).sum())
+        let region = Region::new(offsets, shape);
+        let plan = self.plan_region(&src, &region)?;
+        let es = src.dtype.size();
+        let mut total = 0u64;
+        for (piece, t, lo, hi) in &plan {
+            // Bounded by the checkpoint's data size, validated at open.
+            total += match &t.blocks {
+                None => t.nbytes(),
+                Some(bl) => touched(t, piece, &region, lo, hi, es, bl.size)?
+                    .iter()
+                    .map(|&i| block_range(t, bl.size, i).map_or(0, |(b, e)| e - b))
+                    .sum(),
+            };
+        }
+        Ok(total)
+    }
+
+    /// Check block `i` of `t` against its recorded CRC32.
+    fn check_block(&self, t: &TensorInfo, i: u64) -> Result<()> {
+        let Some(bl) = &t.blocks else {
+            return Ok(());
+        };
+        let v = self.view(t);
+        let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
+        let bytes = v
+            .bytes()
+            .get(b as usize..e as usize)
+            .ok_or_else(|| bad_piece(t))?;
+        let expected = *bl.crc32.get(i as usize).ok_or_else(|| bad_piece(t))?;
+        let got = crc32fast::hash(bytes);
+        if got != expected {
+            return Err(Error::ChecksumMismatch {
+                what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
+                shard: t.shard,
+                file: self.shards[t.shard].file.clone(),
+                expected,
+                got,
+            });
+        }
+        Ok(())
     }
 
     /// The byte size of a region of `name`.
@@ -234,18 +273,46 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     }
 }
 
-/// Copy the box `[lo, hi)` (global indices) from `src`, a row-major piece at
-/// `piece.offsets` of shape `piece.shape`, into `dst`, a row-major region at
-/// `region.offsets` of shape `region.shape`; `es` bytes per element. `None` if a range
-/// falls outside either buffer (never for validated pieces).
-fn copy_box(
-    src: &[u8],
+fn bad_piece(t: &TensorInfo) -> Error {
+    Error::InvalidTensor {
+        name: t.name.clone(),
+        reason: "stored bytes do not match the chunk's shape".into(),
+    }
+}
+
+/// Byte range `[begin, end)` of block `i` within tensor `t`'s bytes.
+fn block_range(t: &TensorInfo, bs: u64, i: u64) -> Option<(u64, u64)> {
+    let b = i.checked_mul(bs)?;
+    let n = t.nbytes();
+    (b < n).then(|| (b, b.saturating_add(bs).min(n)))
+}
+
+/// [`touched_blocks`] of a planned step, as a `Result`.
+fn touched(
+    t: &TensorInfo,
     piece: &Region,
-    dst: &mut [u8],
     region: &Region,
     lo: &[u64],
     hi: &[u64],
     es: usize,
+    bs: u64,
+) -> Result<Vec<u64>> {
+    touched_blocks(piece, region, lo, hi, es, bs).ok_or_else(|| bad_piece(t))
+}
+
+/// Call `f(src_offset, dst_offset, len)` (bytes) for every contiguous run of the box
+/// `[lo, hi)` (global indices), where the source is a row-major piece at
+/// `piece.offsets` of shape `piece.shape` and the destination a row-major region at
+/// `region.offsets` of shape `region.shape`; `es` bytes per element. Runs come in
+/// increasing source (and destination) order. `None` if an offset overflows or `f`
+/// returns `None`.
+fn for_each_run(
+    piece: &Region,
+    region: &Region,
+    lo: &[u64],
+    hi: &[u64],
+    es: usize,
+    mut f: impl FnMut(usize, usize, usize) -> Option<()>,
 ) -> Option<()> {
     let rank = lo.len();
     let strides = |shape: &[u64]| {
@@ -272,8 +339,7 @@ fn copy_box(
         }
         let so = usize::try_from(so).ok()?.checked_mul(es)?;
         let dof = usize::try_from(dof).ok()?.checked_mul(es)?;
-        dst.get_mut(dof..dof.checked_add(run_bytes)?)?
-            .copy_from_slice(src.get(so..so.checked_add(run_bytes)?)?);
+        f(so, dof, run_bytes)?;
         // Next run: every dimension but the last, last-but-one fastest.
         let mut d = rank.saturating_sub(1);
         loop {
@@ -288,4 +354,50 @@ fn copy_box(
             idx[d] = lo[d];
         }
     }
+}
+
+/// Copy the box `[lo, hi)` from `src` (the piece's bytes) into `dst` (the region's), as
+/// [`for_each_run`] lays them out. `None` if a range falls outside either buffer (never
+/// for validated pieces).
+fn copy_box(
+    src: &[u8],
+    piece: &Region,
+    dst: &mut [u8],
+    region: &Region,
+    lo: &[u64],
+    hi: &[u64],
+    es: usize,
+) -> Option<()> {
+    for_each_run(piece, region, lo, hi, es, |so, dof, n| {
+        dst.get_mut(dof..dof.checked_add(n)?)?
+            .copy_from_slice(src.get(so..so.checked_add(n)?)?);
+        Some(())
+    })
+}
+
+/// The indices of the `bs`-byte blocks of a piece that the box `[lo, hi)` touches, in
+/// increasing order, without repeats.
+fn touched_blocks(
+    piece: &Region,
+    region: &Region,
+    lo: &[u64],
+    hi: &[u64],
+    es: usize,
+    bs: u64,
+) -> Option<Vec<u64>> {
+    let mut out: Vec<u64> = Vec::new();
+    for_each_run(piece, region, lo, hi, es, |so, _, n| {
+        if n == 0 {
+            return Some(());
+        }
+        let first = so as u64 / bs;
+        let last = (so as u64).checked_add(n as u64 - 1)? / bs;
+        let from = match out.last() {
+            Some(&l) => first.max(l + 1),
+            None => first,
+        };
+        out.extend(from..=last);
+        Some(())
+    })?;
+    Some(out)
 }

@@ -313,6 +313,7 @@ mod tests {
                 offsets: [off, off + nb],
                 crc32: Some(0),
                 absmax: None,
+                blocks: None,
             });
             off += nb;
             g.chunks.push(ChunkEntry {

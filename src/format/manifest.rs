@@ -98,6 +98,23 @@ pub struct TensorInfo {
         deserialize_with = "de_absmax"
     )]
     pub absmax: Option<f32>,
+    /// CRC32s of the tensor's bytes in fixed-size blocks, so that a read of part of a
+    /// large tensor (a region) checks only the blocks it touches
+    /// (format-spec/integrity.md §Block CRCs). Optional; readers that do not know it
+    /// ignore it and check `crc32`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<BlockCrcs>,
+}
+
+/// Per-block CRC32s of one tensor: block `i` covers the tensor's bytes
+/// `[i * size, min((i + 1) * size, nbytes))`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockCrcs {
+    /// Block size in bytes: a power of two in `[4096, 2^30]`.
+    pub size: u64,
+    /// One CRC32 per block, `ceil(nbytes / size)` of them (at least two), combining to
+    /// the tensor's `crc32`.
+    pub crc32: Vec<u32>,
 }
 
 fn ser_absmax<S: serde::Serializer>(v: &Option<f32>, s: S) -> Result<S::Ok, S::Error> {
@@ -303,6 +320,27 @@ pub(crate) fn check_trailer(bytes: &[u8]) -> Result<&[u8], DecodeError> {
     Ok(body)
 }
 
+/// M18: a tensor's block CRCs fit its byte size. That they combine to its `crc32` is
+/// checked by `verify`, which reads the bytes anyway.
+fn check_blocks(bl: &BlockCrcs, nbytes: u64) -> Result<(), String> {
+    use crate::crc::{MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
+    if !bl.size.is_power_of_two() || !(MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&bl.size) {
+        return Err(format!(
+            "size {} is not a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
+            bl.size
+        ));
+    }
+    let want = nbytes.div_ceil(bl.size);
+    if want < 2 || bl.crc32.len() as u64 != want {
+        return Err(format!(
+            "{} CRCs of {}-byte blocks for {nbytes} bytes (want {want}, at least 2)",
+            bl.crc32.len(),
+            bl.size
+        ));
+    }
+    Ok(())
+}
+
 /// R7-R9: the format name, the version and the features this reader knows.
 fn check_head(format: &str, version: u64, features: &[String]) -> Result<(), DecodeError> {
     if format != FORMAT_NAME {
@@ -489,6 +527,9 @@ fn validate(m: &Manifest) -> Result<NameIndex, String> {
                 dtype.size()
             ));
         }
+        if let Some(bl) = &t.blocks {
+            check_blocks(bl, nbytes).map_err(|e| format!("tensor {:?}: blocks: {e}", t.name))?;
+        }
         if let Some(last) = last_end.get_mut(t.shard) {
             in_order &= b >= *last;
             *last = e;
@@ -606,6 +647,7 @@ mod tests {
                     offsets: [72, 80],
                     crc32: Some(1),
                     absmax: None,
+                    blocks: None,
                 },
                 TensorInfo {
                     name: "b".into(),
@@ -615,6 +657,7 @@ mod tests {
                     offsets: [80, 84],
                     crc32: Some(2),
                     absmax: None,
+                    blocks: None,
                 },
             ],
             metadata: serde_json::json!({"step": 3}),
@@ -704,12 +747,17 @@ mod tests {
         assert_eq!(decode(&append_trailer(b)).unwrap(), sample());
     }
 
-    /// A manifest using every member: features, absmax, an optimizer section, nested
+    /// A manifest using every member: features, absmax, block CRCs (parsed only: they do
+    /// not fit the tensor), an optimizer section, nested
     /// metadata, a non-ASCII tensor name.
     fn full_sample() -> Manifest {
         let mut m = sample();
         m.features = vec!["optimizer".into()];
         m.tensors[0].absmax = Some(0.75);
+        m.tensors[0].blocks = Some(BlockCrcs {
+            size: 4096,
+            crc32: vec![0, 4_294_967_295, 7],
+        });
         m.tensors[1].name = "é.b".into();
         m.metadata = serde_json::json!({"step": 3, "nested": {"a": [1, 2.5, null, "x\"y"]}});
         m.optimizer = Some(OptimizerSection {

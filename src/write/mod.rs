@@ -18,7 +18,7 @@ use crate::dtype::{checked_nbytes, checked_numel, DType};
 use crate::error::{Error, Result};
 use crate::format::header::{self, HeaderEntry};
 use crate::format::manifest::{
-    self, Manifest, OptimizerSection, ShardEntry, TensorInfo, MANIFEST_FILE,
+    self, BlockCrcs, Manifest, OptimizerSection, ShardEntry, TensorInfo, MANIFEST_FILE,
 };
 use crate::format::optimizer::check_section;
 use crate::format::{
@@ -349,6 +349,11 @@ pub struct SaveOptions {
     pub metadata: serde_json::Value,
     /// Called with the byte count of each chunk written (for progress bars).
     pub progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
+    /// Block size of the per-block CRC32s recorded for tensors larger than one block
+    /// (format-spec/integrity.md §Block CRCs), which let region reads check only the
+    /// blocks they touch; `0` records none. A power of two in `[4096, 2^30]`; default
+    /// [`crate::crc::DEFAULT_BLOCK_SIZE`] (256 KiB).
+    pub block_size: u64,
 }
 
 impl Default for SaveOptions {
@@ -357,6 +362,7 @@ impl Default for SaveOptions {
             max_shard_size: DEFAULT_MAX_SHARD_SIZE,
             metadata: serde_json::Value::Object(Default::default()),
             progress: None,
+            block_size: crate::crc::DEFAULT_BLOCK_SIZE,
         }
     }
 }
@@ -366,6 +372,7 @@ impl std::fmt::Debug for SaveOptions {
         f.debug_struct("SaveOptions")
             .field("max_shard_size", &self.max_shard_size)
             .field("metadata", &self.metadata)
+            .field("block_size", &self.block_size)
             .finish_non_exhaustive()
     }
 }
@@ -663,6 +670,17 @@ fn validate_inputs(
             "max_shard_size must be positive".into(),
         ));
     }
+    let b = opts.block_size;
+    if b != 0
+        && (!b.is_power_of_two()
+            || !(crate::crc::MIN_BLOCK_SIZE..=crate::crc::MAX_BLOCK_SIZE).contains(&b))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "block_size {b} must be 0 or a power of two in [{}, {}]",
+            crate::crc::MIN_BLOCK_SIZE,
+            crate::crc::MAX_BLOCK_SIZE
+        )));
+    }
     if tensors.len() > MAX_TENSORS {
         return Err(Error::InvalidArgument(format!(
             "{} tensors exceed the format's limit of {MAX_TENSORS} per checkpoint",
@@ -843,7 +861,7 @@ fn write_shards<F: Fs>(
     let mut by_name: BTreeMap<&str, TensorInfo> = BTreeMap::new();
     for (si, (s, (entry, crcs))) in planned.shards.iter().zip(written).enumerate() {
         let ds = 8 + entry.header_size;
-        for (e, (crc, absmax)) in s.entries.iter().zip(crcs) {
+        for (e, (crc, absmax, blocks)) in s.entries.iter().zip(crcs) {
             by_name.insert(
                 e.name.as_str(),
                 TensorInfo {
@@ -854,6 +872,10 @@ fn write_shards<F: Fs>(
                     offsets: [ds + e.data_offsets[0], ds + e.data_offsets[1]],
                     crc32: Some(crc),
                     absmax,
+                    blocks: blocks.map(|crc32| BlockCrcs {
+                        size: opts.block_size,
+                        crc32,
+                    }),
                 },
             );
         }
@@ -944,7 +966,7 @@ fn cleanup<F: Fs>(fs: &F, dir: &Path, m: &Manifest) -> usize {
 
 /// What the writer learns about each tensor as its bytes pass through: the CRC32 and,
 /// for F32 tensors with finite values, the absmax.
-type TensorSums = (u32, Option<f32>);
+type TensorSums = (u32, Option<f32>, Option<Vec<u32>>);
 
 /// The header bytes of planned shard `index` (format-spec/shard.md §Layout).
 fn shard_header(id: &str, index: usize, s: &PlannedShard<'_, '_>) -> Vec<u8> {
@@ -976,7 +998,7 @@ fn write_shard<F: Fs>(
     let mut written_back = 0u64;
     let mut crcs = Vec::with_capacity(s.tensors.len());
     for t in &s.tensors {
-        let mut h = crc32fast::Hasher::new();
+        let mut h = crate::crc::BlockHasher::new(opts.block_size);
         // The absmax of F32 tensors rides along with the CRC while the chunk is in cache
         // (format-spec/manifest.md §Tensors); a chunk boundary inside an element would
         // skip that element, so chunks are whole elements (CHUNK is a multiple of 8).
@@ -1007,7 +1029,8 @@ fn write_shard<F: Fs>(
         } else {
             None
         };
-        crcs.push((h.finalize(), absmax));
+        let (crc, blocks) = h.finish();
+        crcs.push((crc, absmax, blocks));
     }
     fs.sync(&mut f, &tmp)
         .map_err(|e| Error::io("fsync", &tmp, e))?;

@@ -255,6 +255,19 @@ fn save_all(tmp: &Path) -> Res<Vec<Saved>> {
     mixed()?.save(&dir, &model[3..5], &SaveOptions::default())?;
     out.push(next(&dir, "mixed")?);
 
+    // Block CRCs (format-spec/integrity.md §Block CRCs): a 12 KiB tensor in 4 KiB blocks.
+    let dir = tmp.join("blocks");
+    let big = vals(103, 3072);
+    save(
+        &dir,
+        &[TensorRef::from_slice("big", &[3, 1024], &big)],
+        &SaveOptions {
+            block_size: 4096,
+            ..opts(1 << 20)
+        },
+    )?;
+    out.push(next(&dir, "blocks")?);
+
     // Two ranks, global tensors in chunks (format-spec/global.md): rows of `g`, a
     // replicated 0-dim `s` (one chunk plus a replica), a whole tensor from rank 0.
     let dir = tmp.join("global");

@@ -86,6 +86,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         max_shard_size: a.max_shard_size,
         metadata: ck.metadata().clone(),
         progress: None,
+        ..Default::default()
     };
     let info = save_with_section(&a.out, &tensors, &opts, optimizer)?;
     drop(tensors);

@@ -182,6 +182,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         max_shard_size: a.max_shard_size,
         metadata: ck.metadata().clone(),
         progress: None,
+        ..Default::default()
     };
     let info = match &state {
         Some(s) => s.save(&a.out, &model, &opts)?,

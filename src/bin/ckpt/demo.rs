@@ -121,6 +121,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         max_shard_size: (a.size / 3).max(1 << 20),
         metadata: serde_json::json!({"demo": true, "step": a.steps}),
         progress: None,
+        ..Default::default()
     };
     let t = Instant::now();
     let info = opt.save(&dir, &refopt::model_refs(&model), &opts)?;

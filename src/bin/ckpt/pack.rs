@@ -77,6 +77,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         max_shard_size: a.max_shard_size,
         metadata: meta.into(),
         progress: Some(callback(&pb)),
+        ..Default::default()
     };
     let info = save_with_section(&a.out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
     pb.finish_and_clear();

@@ -10,7 +10,9 @@
 //! `None` and the caller parses again with serde_json, which decides. `metadata`,
 //! `optimizer` and unknown members are located here and handed to serde_json.
 
-use super::{empty_object, GlobalEntry, Manifest, OptimizerSection, ShardEntry, TensorInfo};
+use super::{
+    empty_object, BlockCrcs, GlobalEntry, Manifest, OptimizerSection, ShardEntry, TensorInfo,
+};
 use crate::dtype::DType;
 
 /// Deepest nesting handed to serde_json as one member's value. serde_json refuses
@@ -505,6 +507,22 @@ impl<'a> Parser<'a> {
             Some(()) => Some(self.absmax()?),
             None => None,
         };
+        let blocks = match self.lit(b",\"blocks\":{\"size\":") {
+            Some(()) => {
+                let size = self.u64()?;
+                self.lit(b",\"crc32\":[")?;
+                let mut crc32 = Vec::new();
+                loop {
+                    crc32.push(self.u32()?);
+                    if self.lit(b",").is_none() {
+                        break;
+                    }
+                }
+                self.lit(b"]}")?;
+                Some(BlockCrcs { size, crc32 })
+            }
+            None => None,
+        };
         self.lit(b"}")?;
         Some(TensorInfo {
             name: name.to_owned(),
@@ -514,6 +532,7 @@ impl<'a> Parser<'a> {
             offsets: [begin, end],
             crc32: Some(crc32),
             absmax,
+            blocks,
         })
     }
 
@@ -525,6 +544,7 @@ impl<'a> Parser<'a> {
         let mut offsets = None;
         let mut crc32: Option<Option<u32>> = None;
         let mut absmax: Option<Option<f32>> = None;
+        let mut blocks: Option<BlockCrcs> = None;
         self.members(|p, key| match key {
             "name" => once(&mut name, p.string()?),
             "shard" => once(&mut shard, usize::try_from(p.u64()?).ok()?),
@@ -547,6 +567,10 @@ impl<'a> Parser<'a> {
             }
             // `de_absmax` refuses null: only a number.
             "absmax" => once(&mut absmax, Some(p.absmax()?)),
+            "blocks" => {
+                let v = p.serde()?;
+                once(&mut blocks, v)
+            }
             _ => p.ignored(),
         })?;
         Some(TensorInfo {
@@ -557,6 +581,7 @@ impl<'a> Parser<'a> {
             offsets: offsets?,
             crc32: crc32.flatten(),
             absmax: absmax.flatten(),
+            blocks,
         })
     }
 }
