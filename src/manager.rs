@@ -567,7 +567,13 @@ impl CheckpointManager {
                     && has_part_files(&e.path);
                 !multi_rank_in_progress
             })
-            .filter(|e| matches!(remove_step_dir(&e.path, false), Ok(true)))
+            // A `.tmp-step-` directory may hold a committed manifest of its own (a save
+            // killed between its commit and the rename into place): once its lock is
+            // ours its writer is gone, and it is removed all the same.
+            .filter(|e| {
+                let tmp = parse_step_dir(&e.path).is_none();
+                matches!(remove_step_dir(&e.path, tmp), Ok(true))
+            })
             .count()
     }
 
@@ -691,10 +697,6 @@ impl Drop for Release {
     }
 }
 
-/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use,
-/// or if it was listed as uncommitted (`committed` false) but holds a committed manifest
-/// once its lock is taken (a save committed it meanwhile). Only engine files (manifest,
-/// shards, temp files, lock) are removed; the directory itself only if that leaves it empty.
 /// The step of a `step-` directory (not a `.tmp-step-` one).
 fn parse_step_dir(dir: &Path) -> Option<u64> {
     parse_step(dir.file_name()?.to_str()?)
@@ -711,6 +713,10 @@ fn has_part_files(dir: &Path) -> bool {
     })
 }
 
+/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use,
+/// or if it was listed as uncommitted (`committed` false) but holds a committed manifest
+/// once its lock is taken (a save committed it meanwhile). Only engine files (manifest,
+/// shards, temp files, lock) are removed; the directory itself only if that leaves it empty.
 fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
     let lock_path = dir.join(LOCK_FILE);
     let lock = OpenOptions::new()
@@ -750,4 +756,38 @@ fn remove_locked_step_dir(dir: &Path, lock: File) -> std::io::Result<()> {
         let _ = File::open(parent).and_then(|d| d.sync_all());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A save killed after committing its manifest inside its `.tmp-step-` directory (before
+    /// the rename into place) leaves a directory with a manifest: still an interrupted save,
+    /// not a step, and the next `gc` removes it.
+    #[test]
+    fn gc_removes_a_tmp_step_with_a_committed_manifest() {
+        let root = tempfile::tempdir().unwrap();
+        let mgr = CheckpointManager::new(root.path(), Retention::keep_last(2)).unwrap();
+        let w = vec![1f32; 8];
+        mgr.save(
+            1,
+            &[TensorRef::from_slice("w", &[8], &w)],
+            None,
+            &SaveOptions::default(),
+        )
+        .unwrap();
+        let tmp = root.path().join(format!("{TMP_STEP_PREFIX}2-00ff"));
+        crate::save(
+            &tmp,
+            &[TensorRef::from_slice("w", &[8], &w)],
+            &SaveOptions::default(),
+        )
+        .unwrap();
+        assert!(tmp.join(MANIFEST_FILE).is_file());
+        assert_eq!(mgr.steps().unwrap(), vec![1]);
+        assert_eq!(mgr.gc().unwrap().interrupted_removed, 1);
+        assert!(!tmp.exists());
+        assert_eq!(mgr.steps().unwrap(), vec![1]);
+    }
 }
