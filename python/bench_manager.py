@@ -20,11 +20,17 @@ import os
 import shutil
 import statistics
 import tempfile
+import sys
 import time
 
-import torch
+# Run as `python python/bench_manager.py`: the installed package, not the source tree
+# beside this file (which lacks the compiled extension).
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
-import ckptstore.torch as ct
+import torch  # noqa: E402
+
+import ckptstore.torch as ct  # noqa: E402
 
 
 def parse_size(s: str) -> int:
@@ -144,6 +150,18 @@ def main() -> None:
             )
             h.wait()
             results["  ... until durable"].append(time.perf_counter() - t0)
+
+        # Check (not timed): the background save holds the state of the moment it was
+        # called, though training went on during the write.
+        h = bg_save()
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        train_step(model, opt, x)
+        h.wait()
+        back, _, _ = make(parse_size(a.size), a.device, a.width)
+        mgr.restore(h.step, back)
+        same = all(torch.equal(v.cpu(), expected[k]) for k, v in back.state_dict().items())
+        if not same:
+            raise SystemExit("FAILED: the background save does not hold the state it was given")
         mgr.close()
 
         med = {k: statistics.median(v) for k, v in results.items()}
@@ -154,6 +172,7 @@ def main() -> None:
         print(f"{'first manager.save (allocating)':40s} {first:8.3f}s {first / ref:23.3f}x")
         print(f"{'  ... until durable':40s} {first_durable:8.3f}s")
         blocked = med["manager.save(blocking=False)"]
+        print("restore of a background save: bit-exact")
         print(
             f"blocked by a background save: {100 * blocked / ref:.1f}% of a blocking "
             f"ckptstore.torch.save, {100 * blocked / med['torch.save']:.1f}% of torch.save "
