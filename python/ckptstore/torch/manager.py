@@ -293,6 +293,7 @@ class CheckpointManager:
 
     @property
     def max_in_flight(self) -> int:
+        """The most background saves in flight (and buffer sets held)."""
         return self._max_in_flight
 
     def steps(self) -> List[int]:
