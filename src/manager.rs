@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::format::manifest::MANIFEST_FILE;
-use crate::optim::{OptimizerState, StateLayout};
+use crate::optim::{OptimizerState, OptimizerStateRef, StateLayout};
 use crate::write::{self, CommitInfo, SaveOptions, TensorRef, LOCK_FILE};
 use crate::DType;
 
@@ -90,14 +90,35 @@ pub struct GcReport {
 #[derive(Debug)]
 pub struct LeasedCheckpoint {
     ckpt: Checkpoint,
-    step: u64,
-    _lease: File,
+    lease: StepLease,
 }
 
 impl LeasedCheckpoint {
     /// The step this checkpoint belongs to.
     pub fn step(&self) -> u64 {
+        self.lease.step
+    }
+}
+
+/// A shared hold on a committed step (see [`CheckpointManager::lease`]): while it lives,
+/// garbage collection does not delete the step. Readers that open the step's directory by
+/// themselves (another binding, another reader API) hold one around their reads.
+#[derive(Debug)]
+pub struct StepLease {
+    step: u64,
+    path: PathBuf,
+    _lock: File,
+}
+
+impl StepLease {
+    /// The step held.
+    pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The step's directory.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 }
 
@@ -362,23 +383,41 @@ impl CheckpointManager {
     /// # Errors
     /// [`Error::NotFound`] if the step is not committed; the errors of [`Checkpoint::open`].
     pub fn open(&self, step: u64) -> Result<LeasedCheckpoint> {
+        let lease = self.lease(step)?;
+        let ckpt = Checkpoint::open(&lease.path)?;
+        Ok(LeasedCheckpoint { ckpt, lease })
+    }
+
+    /// Hold committed step `step` against garbage collection (a shared lock on its
+    /// `.ckpt-lock`) without opening it: for readers that open the directory by other
+    /// means. The step is checked to be committed once the lock is held, so a step that
+    /// `gc` deleted in between is reported as not found.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] if the step is not committed; [`Error::Io`] if the lock cannot
+    /// be taken.
+    pub fn lease(&self, step: u64) -> Result<StepLease> {
         let dir = self.step_dir(step);
         let lock_path = dir.join(LOCK_FILE);
-        let lease = OpenOptions::new()
+        let not_found = || Error::NotFound {
+            path: dir.clone(),
+            reason: format!("step {step} is not committed"),
+        };
+        let lock = OpenOptions::new()
             .read(true)
             .open(&lock_path)
-            .map_err(|_| Error::NotFound {
-                path: dir.clone(),
-                reason: format!("step {step} is not committed"),
-            })?;
-        lease
-            .lock_shared()
+            .map_err(|_| not_found())?;
+        lock.lock_shared()
             .map_err(|e| Error::io("lock (shared)", &lock_path, e))?;
-        let ckpt = Checkpoint::open(&dir)?;
-        Ok(LeasedCheckpoint {
-            ckpt,
+        // gc deletes the manifest first, under the exclusive lock: a manifest seen now,
+        // with the shared lock held, stays until the lease is dropped.
+        if !dir.join(MANIFEST_FILE).is_file() {
+            return Err(not_found());
+        }
+        Ok(StepLease {
             step,
-            _lease: lease,
+            path: dir,
+            _lock: lock,
         })
     }
 
@@ -413,6 +452,23 @@ impl CheckpointManager {
         optimizer: Option<&OptimizerState>,
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
+        let optimizer = optimizer.map(OptimizerState::as_borrowed);
+        self.save_with(step, tensors, optimizer.as_ref(), opts)
+    }
+
+    /// [`CheckpointManager::save`] with the optimizer state over borrowed tensors (see
+    /// [`OptimizerStateRef`]): what bindings that keep their tensors elsewhere (NumPy,
+    /// PyTorch) call, without copying them first.
+    ///
+    /// # Errors
+    /// As [`CheckpointManager::save`].
+    pub fn save_with(
+        &self,
+        step: u64,
+        tensors: &[TensorRef<'_>],
+        optimizer: Option<&OptimizerStateRef<'_>>,
+        opts: &SaveOptions,
+    ) -> Result<CommitInfo> {
         let info = self.save_step(step, tensors, optimizer, opts)?;
         self.gc()?;
         Ok(info)
@@ -422,13 +478,13 @@ impl CheckpointManager {
         &self,
         step: u64,
         tensors: &[TensorRef<'_>],
-        optimizer: Option<&OptimizerState>,
+        optimizer: Option<&OptimizerStateRef<'_>>,
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
         let final_dir = self.step_dir(step);
         let (tensors, section) = match optimizer {
             Some(o) => {
-                let (t, s) = o.as_borrowed().to_parts(tensors)?;
+                let (t, s) = o.to_parts(tensors)?;
                 (t, Some(s))
             }
             None => (tensors.to_vec(), None),
@@ -511,7 +567,13 @@ impl CheckpointManager {
                     && has_part_files(&e.path);
                 !multi_rank_in_progress
             })
-            .filter(|e| matches!(remove_step_dir(&e.path, false), Ok(true)))
+            // A `.tmp-step-` directory may hold a committed manifest of its own (a save
+            // killed between its commit and the rename into place): once its lock is
+            // ours its writer is gone, and it is removed all the same.
+            .filter(|e| {
+                let tmp = parse_step_dir(&e.path).is_none();
+                matches!(remove_step_dir(&e.path, tmp), Ok(true))
+            })
             .count()
     }
 
@@ -635,10 +697,6 @@ impl Drop for Release {
     }
 }
 
-/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use,
-/// or if it was listed as uncommitted (`committed` false) but holds a committed manifest
-/// once its lock is taken (a save committed it meanwhile). Only engine files (manifest,
-/// shards, temp files, lock) are removed; the directory itself only if that leaves it empty.
 /// The step of a `step-` directory (not a `.tmp-step-` one).
 fn parse_step_dir(dir: &Path) -> Option<u64> {
     parse_step(dir.file_name()?.to_str()?)
@@ -655,6 +713,10 @@ fn has_part_files(dir: &Path) -> bool {
     })
 }
 
+/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use,
+/// or if it was listed as uncommitted (`committed` false) but holds a committed manifest
+/// once its lock is taken (a save committed it meanwhile). Only engine files (manifest,
+/// shards, temp files, lock) are removed; the directory itself only if that leaves it empty.
 fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
     let lock_path = dir.join(LOCK_FILE);
     let lock = OpenOptions::new()
@@ -694,4 +756,38 @@ fn remove_locked_step_dir(dir: &Path, lock: File) -> std::io::Result<()> {
         let _ = File::open(parent).and_then(|d| d.sync_all());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A save killed after committing its manifest inside its `.tmp-step-` directory (before
+    /// the rename into place) leaves a directory with a manifest: still an interrupted save,
+    /// not a step, and the next `gc` removes it.
+    #[test]
+    fn gc_removes_a_tmp_step_with_a_committed_manifest() {
+        let root = tempfile::tempdir().unwrap();
+        let mgr = CheckpointManager::new(root.path(), Retention::keep_last(2)).unwrap();
+        let w = vec![1f32; 8];
+        mgr.save(
+            1,
+            &[TensorRef::from_slice("w", &[8], &w)],
+            None,
+            &SaveOptions::default(),
+        )
+        .unwrap();
+        let tmp = root.path().join(format!("{TMP_STEP_PREFIX}2-00ff"));
+        crate::save(
+            &tmp,
+            &[TensorRef::from_slice("w", &[8], &w)],
+            &SaveOptions::default(),
+        )
+        .unwrap();
+        assert!(tmp.join(MANIFEST_FILE).is_file());
+        assert_eq!(mgr.steps().unwrap(), vec![1]);
+        assert_eq!(mgr.gc().unwrap().interrupted_removed, 1);
+        assert!(!tmp.exists());
+        assert_eq!(mgr.steps().unwrap(), vec![1]);
+    }
 }

@@ -76,6 +76,7 @@ __all__ = [
     "new_checkpoint_id",
     "write_part",
     "commit",
+    "CheckpointManager",
     "wire_dtype",
     "OPTIM_PREFIX",
     "CheckpointError",
@@ -351,3 +352,113 @@ def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's reader ent
     :class:`CorruptCheckpointError` / :class:`ChecksumError` for damage.
     """
     return Checkpoint(os.fspath(path))
+
+
+def _check_count(name: str, v: Optional[int]) -> Optional[int]:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise InvalidArgumentError(f"{name} must be an integer >= 1 or None, got {v!r}")
+    return int(v)
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise InvalidArgumentError(f"a step is an integer >= 0, got {step!r}")
+    if step >= 1 << 64:
+        raise InvalidArgumentError(f"step {step} is too large (at most 2**64 - 1)")
+    return int(step)
+
+
+class CheckpointManager:
+    """The steps of a training run under one root directory: ``ROOT/step-<step>/`` holds
+    one normal checkpoint per step (the engine's manager, format-spec/durability.md
+    §Manager; ``ckpt ls`` and ``ckpt gc`` read the same layout).
+
+    A step directory exists only once committed: an interrupted save leaves a
+    ``.tmp-step-`` directory that :meth:`steps` ignores and the next save removes.
+    ``keep_last``: retention keeps the newest ``keep_last`` committed steps (``None``:
+    every step); ``keep_every``: it also keeps every step that is a multiple of it.
+    Retention runs after each save and never deletes a step that a reader holds through
+    :meth:`lease` (or the engine's own readers, in any process).
+
+    ::
+
+        mgr = ckptstore.CheckpointManager("run", keep_last=2)
+        mgr.save(100, {"w": w}, optimizer=opt_state)      # blocking, durable, then gc
+        with mgr.lease(mgr.latest()) as lease:            # gc keeps the step meanwhile
+            ck = ckptstore.open(lease.path)
+
+    :class:`ckptstore.torch.CheckpointManager` adds PyTorch models and background saves.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        *,
+        keep_last: Optional[int] = None,
+        keep_every: Optional[int] = None,
+    ) -> None:
+        self._native = _ckptstore.CheckpointManager(
+            os.fspath(root),
+            _check_count("keep_last", keep_last),
+            _check_count("keep_every", keep_every),
+        )
+
+    @property
+    def root(self) -> "os.PathLike[str]":
+        """The root directory (a ``pathlib.Path``)."""
+        return self._native.root
+
+    def step_dir(self, step: int) -> "os.PathLike[str]":
+        """The directory of ``step`` (whether or not it exists)."""
+        return self._native.step_dir(_check_step(step))
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending."""
+        return self._native.steps()
+
+    def latest(self) -> Optional[int]:
+        """The newest committed step, or ``None``."""
+        return self._native.latest()
+
+    def list(self) -> list[dict]:
+        """Every step directory, committed or not, and leftovers of interrupted saves:
+        ``{"step", "path", "committed", "bytes"}`` each, by step (as ``ckpt ls``)."""
+        return self._native.list()
+
+    def gc(self) -> dict:
+        """Apply retention now: ``{"deleted": [steps], "in_use": [steps a reader holds,
+        kept for now], "interrupted_removed": n}``."""
+        return self._native.gc()
+
+    def lease(self, step: int) -> Any:
+        """Hold committed ``step`` against retention until released: a context manager
+        with ``step``, ``path``, ``held`` and ``release()``. Raises
+        :class:`CheckpointNotFoundError` if the step is not committed."""
+        return self._native.lease(_check_step(step))
+
+    def save(
+        self,
+        step: int,
+        tensors: Mapping[str, Any],
+        *,
+        metadata: Optional[Mapping[str, Any]] = None,
+        max_shard_size: Optional[int] = None,
+        optimizer: Optional[Mapping[str, Any]] = None,
+    ) -> dict:
+        """Save ``tensors`` (and ``optimizer``) as step ``step``, as :func:`save` does, and
+        return once it is committed and durable and retention has run. Saving a committed
+        step replaces it atomically. The arrays are read in place: keep them unchanged
+        until this returns."""
+        step = _check_step(step)
+        if not isinstance(tensors, Mapping):
+            raise InvalidArgumentError("tensors must be a mapping of name -> array")
+        entries = [_prepare(n, v) for n, v in tensors.items()]
+        opt = None if optimizer is None else _optimizer_parts(optimizer)
+        if max_shard_size is not None and max_shard_size <= 0:
+            raise InvalidArgumentError("max_shard_size must be positive")
+        return self._native.save(step, entries, _metadata_json(metadata), max_shard_size, opt)
+
+    def __repr__(self) -> str:
+        return f"ckptstore.CheckpointManager({str(self.root)!r})"

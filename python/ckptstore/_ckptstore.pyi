@@ -57,6 +57,59 @@ def commit(
     """Low-level commit (metadata and optimizer section as JSON text). Use
     :func:`ckptstore.commit`."""
 
+class StepLease:
+    """A shared hold on a committed step of a :class:`CheckpointManager` root: garbage
+    collection keeps the step while it is held."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def path(self) -> Path:
+        """The step's directory."""
+    @property
+    def held(self) -> bool: ...
+    def release(self) -> None:
+        """Let the step go (idempotent)."""
+    def __enter__(self) -> "StepLease": ...
+    def __exit__(self, *args: Any) -> bool: ...
+
+class CheckpointManager:
+    """The engine's checkpoint manager over ``root`` (``ROOT/step-<step>/``). Use
+    :class:`ckptstore.CheckpointManager` or :class:`ckptstore.torch.CheckpointManager`."""
+
+    def __init__(
+        self,
+        root: Union[str, os.PathLike[str]],
+        keep_last: Optional[int] = None,
+        keep_every: Optional[int] = None,
+    ) -> None: ...
+    @property
+    def root(self) -> Path: ...
+    def step_dir(self, step: int) -> Path: ...
+    def steps(self) -> list[int]: ...
+    def latest(self) -> Optional[int]: ...
+    def list(self) -> list[dict[str, Any]]:
+        """``{"step", "path", "committed", "bytes"}`` per step directory or leftover."""
+    def gc(self) -> dict[str, Any]:
+        """``{"deleted", "in_use", "interrupted_removed"}``."""
+    def lease(self, step: int) -> StepLease: ...
+    def save(
+        self,
+        step: int,
+        tensors: Sequence[tuple[str, str, np.ndarray]],
+        metadata: Optional[str] = None,
+        max_shard_size: Optional[int] = None,
+        optimizer: Optional[
+            tuple[
+                str,
+                Sequence[
+                    tuple[str, str, tuple[str, str, np.ndarray], Optional[tuple[str, str, np.ndarray]]]
+                ],
+            ]
+        ] = None,
+    ) -> dict[str, Any]:
+        """Low-level save of one step (the arguments of :func:`save`), then retention."""
+
 class MappedCheckpoint:
     """The base object of arrays over a mapped checkpoint: keeps the mapping alive."""
 

@@ -15,6 +15,7 @@
 mod checkpoint;
 mod dtypes;
 mod errors;
+mod manager;
 mod parts;
 mod save;
 
@@ -30,6 +31,8 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parts::commit, m)?)?;
     m.add_function(wrap_pyfunction!(parts::new_checkpoint_id, m)?)?;
     m.add_class::<PyCheckpoint>()?;
+    m.add_class::<manager::PyCheckpointManager>()?;
+    m.add_class::<manager::PyStepLease>()?;
     m.add_class::<MappedCheckpoint>()?;
     m.add_class::<OwnedBuffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -14,14 +14,14 @@ use crate::dtypes::{array_bytes, parse_dtype};
 use crate::errors::{invalid_arg, CkError};
 
 /// One tensor as the Python package prepares it: `(name, wire dtype, ndarray)`.
-type Entry<'py> = (String, String, Bound<'py, PyUntypedArray>);
+pub(crate) type Entry<'py> = (String, String, Bound<'py, PyUntypedArray>);
 
 /// One optimizer state: `(param, state, values)` for a plain state, `(param, state, codes,
 /// scale)` for an FP16-scaled one.
-type StateEntry<'py> = (String, String, Entry<'py>, Option<Entry<'py>>);
+pub(crate) type StateEntry<'py> = (String, String, Entry<'py>, Option<Entry<'py>>);
 
 /// A borrowed tensor over an array's memory (no copy).
-fn entry_ref<'a>(e: &'a Entry<'_>) -> PyResult<TensorRef<'a>> {
+pub(crate) fn entry_ref<'a>(e: &'a Entry<'_>) -> PyResult<TensorRef<'a>> {
     tensor_ref(&e.0, &e.1, &e.2)
 }
 
@@ -112,35 +112,44 @@ pub(crate) fn save<'py>(
     let info = match &optimizer {
         None => py.detach(|| ckptstore::save(&path, &refs, &opts)),
         Some((groups, states)) => {
-            let mut state: BTreeMap<String, BTreeMap<String, StateValueRef<'_>>> = BTreeMap::new();
-            for (param, sname, values, scale) in states {
-                let v = match scale {
-                    None => StateValueRef::Plain(entry_ref(values)?),
-                    Some(s) => StateValueRef::F16Scaled {
-                        q: entry_ref(values)?,
-                        scale: entry_ref(s)?,
-                    },
-                };
-                if state
-                    .entry(param.clone())
-                    .or_default()
-                    .insert(sname.clone(), v)
-                    .is_some()
-                {
-                    return Err(invalid_arg(format!(
-                        "optimizer state {sname:?} of parameter {param:?} is given twice"
-                    )));
-                }
-            }
-            let opt = OptimizerStateRef {
-                groups: parse_groups(groups)?.into(),
-                state,
-            };
+            let opt = optimizer_ref(groups, states)?;
             py.detach(|| opt.save(&path, &refs, &opts))
         }
     }
     .map_err(CkError)?;
     commit_info(py, info)
+}
+
+/// The optimizer state of a save over the arrays' memory (no copy): `groups` as JSON (see
+/// [`parse_groups`]) and one [`StateEntry`] per state.
+pub(crate) fn optimizer_ref<'a>(
+    groups: &str,
+    states: &'a [StateEntry<'_>],
+) -> PyResult<OptimizerStateRef<'a>> {
+    let mut state: BTreeMap<String, BTreeMap<String, StateValueRef<'a>>> = BTreeMap::new();
+    for (param, sname, values, scale) in states {
+        let v = match scale {
+            None => StateValueRef::Plain(entry_ref(values)?),
+            Some(s) => StateValueRef::F16Scaled {
+                q: entry_ref(values)?,
+                scale: entry_ref(s)?,
+            },
+        };
+        if state
+            .entry(param.clone())
+            .or_default()
+            .insert(sname.clone(), v)
+            .is_some()
+        {
+            return Err(invalid_arg(format!(
+                "optimizer state {sname:?} of parameter {param:?} is given twice"
+            )));
+        }
+    }
+    Ok(OptimizerStateRef {
+        groups: parse_groups(groups)?.into(),
+        state,
+    })
 }
 
 /// What a save or commit returns to Python: `checkpoint_id`, `shards`, `tensors`,

@@ -43,8 +43,9 @@ import numpy as np
 from .. import _ckptstore, _optimizer_parts, open as _open
 from .._types import F16Scaled
 from ..errors import IncompatibleStateError, InvalidArgumentError, InvalidTensorError
+from .manager import CheckpointManager, SaveHandle
 
-__all__ = ["save", "load", "META_KEY", "EXTRA_PREFIX"]
+__all__ = ["save", "load", "META_KEY", "EXTRA_PREFIX", "CheckpointManager", "SaveHandle"]
 
 #: Metadata key under which the torch helpers record what they stored.
 META_KEY = "ckptstore.torch"

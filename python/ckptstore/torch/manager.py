@@ -1,0 +1,541 @@
+"""A checkpoint manager for PyTorch training loops: one checkpoint per step under a root
+directory, retention, restore of the latest step, and saves that overlap with training.
+
+::
+
+    from ckptstore.torch import CheckpointManager
+
+    with CheckpointManager("run/ckpts", keep_last=3, keep_every=1000) as mgr:
+        start = mgr.restore_latest(model, optimizer)      # the step, or None
+        for step in range(0 if start is None else start + 1, steps):
+            train_step(model, optimizer)
+            if step % 100 == 0:
+                mgr.save(step, model, optimizer, extra={"rng": torch.get_rng_state()})
+    # leaving the block waits for the saves in flight and raises their errors
+
+Each step is a normal ckptstore checkpoint in ``ROOT/step-<step>/`` with the content of
+:func:`ckptstore.torch.save`; the steps are managed by the Rust engine's manager, so
+``ckpt ls ROOT`` and ``ckpt gc ROOT`` see the same steps, retention and leases.
+
+A non-blocking ``save`` copies every tensor it stores (model state dict, optimizer state,
+``extra`` tensors) into snapshot buffers before it returns, so the next
+``optimizer.step()`` may change the live tensors at once; a background thread writes and
+commits the snapshot with the interpreter released. The buffers are kept and reused by the
+next save (the second save of the same model allocates nothing); ``max_in_flight`` bounds
+the saves in flight and so the number of buffer sets (each as large as the state saved).
+Saves commit in the order they were made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .. import CheckpointManager as _StepStore
+from .. import _optimizer_parts
+from ..errors import CheckpointNotFoundError, InvalidArgumentError, InvalidTensorError
+
+__all__ = ["CheckpointManager", "SaveHandle"]
+
+
+def _pkg():
+    """``ckptstore.torch`` (the format of :func:`ckptstore.torch.save` and its helpers),
+    imported at call time: this module is imported while that package initialises."""
+    import ckptstore.torch as ct
+
+    return ct
+
+
+# ---- what a step stores: exactly what ckptstore.torch.save stores -------------------------
+
+
+def _build(
+    model: Any,
+    optimizer: Any,
+    extra: Optional[Mapping[str, Any]],
+    prepare: Callable[[str, Any], Tuple[str, str, np.ndarray]],
+) -> Tuple[List[Tuple[str, str, np.ndarray]], str, Any]:
+    """The items of the native save for ``model``, ``optimizer`` and ``extra``, in the form
+    and with the metadata of :func:`ckptstore.torch.save` (so that
+    :func:`ckptstore.torch.load` restores them). ``prepare(name, tensor)`` turns each
+    tensor into ``(name, wire dtype, array)``: over the live tensor for a blocking save,
+    over a snapshot buffer for a background one."""
+    ct = _pkg()
+    torch = ct._torch()
+    entries: List[Tuple[str, str, np.ndarray]] = []
+    meta: Dict[str, Any] = {
+        "version": ct._META_VERSION,
+        "model": [],
+        "extra": {},
+        "extra_tensors": [],
+    }
+    if model is not None:
+        for name, t in model.state_dict().items():
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTensorError(
+                    f"model state {name!r} is a {type(t).__name__}, not a tensor: "
+                    "ckptstore.torch stores tensors (put other values in extra=)"
+                )
+            entries.append(prepare(name, t))
+            meta["model"].append(name)
+    optim = None
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        names = ct._param_names(model, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        groups = []
+        for gi, g in enumerate(sd["param_groups"]):
+            hyper = {
+                k: ct._encode(v, f"param group {gi}, {k!r}")
+                for k, v in g.items()
+                if k not in ("params", "param_names")
+            }
+            hyper["params"] = [names[i] for i in g["params"]]
+            groups.append(hyper)
+        state: Dict[str, Dict[str, Any]] = {}
+        values: Dict[str, Dict[str, Any]] = {}
+        for i, st in sd["state"].items():
+            n = names[i]
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    state.setdefault(n, {})[k] = v
+                elif v is not None:
+                    values.setdefault(n, {})[k] = ct._encode(v, f"parameter {n!r}, state {k!r}")
+        opt = {
+            "param_groups": groups,
+            "param_shapes": {n: tuple(p.shape) for n, p in zip(names, params)},
+            "state": state,
+        }
+        optim = _optimizer_parts(opt, prepare=prepare)
+        meta["optimizer"] = {"class": type(optimizer).__name__, "values": values}
+    for k, v in (extra or {}).items():
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
+        if isinstance(v, (torch.Tensor, np.ndarray)):
+            entries.append(prepare(ct.EXTRA_PREFIX + k, v))
+            meta["extra_tensors"].append(k)
+        else:
+            meta["extra"][k] = ct._encode(v, f"extra {k!r}")
+    metadata = json.dumps({ct.META_KEY: meta}, allow_nan=False)
+    return entries, metadata, optim
+
+
+class _Snapshot:
+    """One set of snapshot buffers, keyed by stored tensor name and reused from save to
+    save: a buffer is allocated only for a name it does not hold yet, or whose shape or
+    dtype changed. CUDA tensors are copied into pinned CPU buffers."""
+
+    def __init__(self) -> None:
+        self.bufs: Dict[str, Any] = {}
+        self.allocations = 0  # buffers allocated over this set's life
+        self._used: set = set()
+        self._devices: set = set()
+
+    def begin(self) -> None:
+        self._used = set()
+        self._devices = set()
+
+    def copy(self, name: str, src: Any) -> Tuple[str, str, np.ndarray]:
+        """``(name, wire dtype, array)`` over this set's copy of ``src``."""
+        ct = _pkg()
+        torch = ct._torch()
+        if name in self._used:
+            raise InvalidTensorError(f"tensor {name!r} is stored twice")
+        self._used.add(name)
+        if isinstance(src, torch.Tensor):
+            src = src.detach()
+            if src.layout != torch.strided:
+                raise InvalidTensorError(
+                    f"tensor {name!r}: only dense (strided) tensors can be stored"
+                )
+            if src.dtype not in ct._wire_of:
+                raise InvalidTensorError(f"tensor {name!r}: dtype {src.dtype} cannot be stored")
+            buf = self.bufs.get(name)
+            if (
+                not isinstance(buf, torch.Tensor)
+                or buf.shape != src.shape
+                or buf.dtype != src.dtype
+            ):
+                buf = torch.empty(
+                    src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda
+                )
+                self.bufs[name] = buf
+                self.allocations += 1
+            if src.is_cuda:
+                self._devices.add(src.device)
+                buf.copy_(src, non_blocking=True)
+            else:
+                buf.copy_(src)
+            return ct._to_numpy(name, buf)
+        from .. import _prepare
+
+        a = np.asarray(src)
+        buf = self.bufs.get(name)
+        if not isinstance(buf, np.ndarray) or buf.shape != a.shape or buf.dtype != a.dtype:
+            buf = np.empty(a.shape, a.dtype)
+            self.bufs[name] = buf
+            self.allocations += 1
+        np.copyto(buf, a)
+        return _prepare(name, buf)
+
+    def end(self) -> None:
+        """Wait for device copies; drop buffers of names this save did not store."""
+        if self._devices:
+            torch = _pkg()._torch()
+            for d in self._devices:
+                torch.cuda.synchronize(d)
+        for k in [k for k in self.bufs if k not in self._used]:
+            del self.bufs[k]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for b in self.bufs.values():
+            total += b.nbytes if isinstance(b, np.ndarray) else b.numel() * b.element_size()
+        return total
+
+
+class SaveHandle:
+    """A save started by :meth:`CheckpointManager.save`."""
+
+    def __init__(self, step: int) -> None:
+        self._step = step
+        self._event = threading.Event()
+        self._info: Optional[dict] = None
+        self._error: Optional[BaseException] = None
+        self._reported = False
+
+    @property
+    def step(self) -> int:
+        """The step being saved."""
+        return self._step
+
+    def done(self) -> bool:
+        """True once the save has finished, committed or failed (never blocks)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> dict:
+        """Wait until the step is committed and durable (and retention applied); return
+        the commit info (``checkpoint_id``, ``shards``, ``tensors``, ``data_bytes``,
+        ``removed``). Raises the save's error (a :class:`ckptstore.CheckpointError`), or
+        ``TimeoutError`` if ``timeout`` seconds pass first."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"the save of step {self._step} is still in flight")
+        self._reported = True
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def _finish(self, info: Optional[dict], error: Optional[BaseException]) -> None:
+        self._info = info
+        self._error = error
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "in flight" if not self.done() else ("failed" if self._error else "committed")
+        return f"SaveHandle(step={self._step}, {state})"
+
+
+class CheckpointManager:
+    """Steps of a PyTorch training run under ``root`` (see the module docs).
+
+    ``keep_last``: retention keeps the newest ``keep_last`` committed steps (``None``:
+    every step); ``keep_every``: it also keeps every step that is a multiple of it.
+    Retention runs after each durable save and never deletes a step a reader holds (a
+    :meth:`restore` in progress, a :meth:`lease`, a Rust reader, another process).
+    ``max_in_flight``: most background saves in flight; :meth:`save` blocks while that many
+    are. ``max_shard_size``: most bytes of tensor data per shard file.
+
+    A context manager: leaving the ``with`` block waits for every save in flight and
+    raises the first error no one has seen yet (see :meth:`close`).
+    """
+
+    def __init__(
+        self,
+        root: "str | os.PathLike[str]",
+        keep_last: Optional[int] = None,
+        keep_every: Optional[int] = None,
+        max_in_flight: int = 1,
+        *,
+        max_shard_size: Optional[int] = None,
+    ) -> None:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        if max_shard_size is not None and max_shard_size <= 0:
+            raise InvalidArgumentError("max_shard_size must be positive")
+        self._store = _StepStore(root, keep_last=keep_last, keep_every=keep_every)
+        self._max_in_flight = max_in_flight
+        self._max_shard_size = max_shard_size
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._lock = threading.Lock()
+        self._free: List[_Snapshot] = []  # buffer sets no save is using
+        self._sets = 0  # buffer sets in existence (<= max_in_flight)
+        self._queue: Deque[Tuple[SaveHandle, _Snapshot, tuple]] = deque()
+        self._worker: Optional[threading.Thread] = None
+        self._handles: List[SaveHandle] = []  # not yet known to be committed and reported
+        self._closed = False
+        #: Test seam: called with the step in the background thread, after the snapshot
+        #: and before the write (tests hold a save there while they change the model).
+        self._before_write: Optional[Callable[[int], None]] = None
+
+    # ---- the steps ---------------------------------------------------------------------
+
+    @property
+    def root(self):
+        """The root directory (a ``pathlib.Path``)."""
+        return self._store.root
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most background saves in flight (and buffer sets held)."""
+        return self._max_in_flight
+
+    def steps(self) -> List[int]:
+        """The committed steps, ascending (saves in flight are not among them)."""
+        return self._store.steps()
+
+    def latest(self) -> Optional[int]:
+        """The newest committed step, or ``None`` under an empty root."""
+        return self._store.latest()
+
+    def list(self) -> List[dict]:
+        """Every step directory, committed or not, and leftovers of interrupted saves
+        (``{"step", "path", "committed", "bytes"}`` each, by step), as ``ckpt ls``."""
+        return self._store.list()
+
+    def step_dir(self, step: int):
+        """The directory of ``step`` (a normal checkpoint once committed)."""
+        return self._store.step_dir(step)
+
+    def lease(self, step: int):
+        """Hold committed ``step`` against retention (a context manager with ``path``):
+        open it with :func:`ckptstore.open` or :func:`ckptstore.torch.load` while held.
+        Raises :class:`ckptstore.CheckpointNotFoundError` if the step is not committed."""
+        return self._store.lease(step)
+
+    def gc(self) -> dict:
+        """Apply retention now (it also runs after every save); see
+        :meth:`ckptstore.CheckpointManager.gc`."""
+        return self._store.gc()
+
+    # ---- saving ------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        model: Any = None,
+        optimizer: Any = None,
+        extra: Optional[Mapping[str, Any]] = None,
+        blocking: bool = False,
+    ) -> SaveHandle:
+        """Save ``model``, ``optimizer`` and ``extra`` (as :func:`ckptstore.torch.save`
+        does) as step ``step``; apply retention once it is durable.
+
+        Non-blocking (the default): blocks while ``max_in_flight`` saves are in flight,
+        then copies every tensor into the snapshot buffers and returns; the live tensors
+        may change as soon as it returns. The write and commit run in a background thread;
+        the returned handle's :meth:`SaveHandle.wait` gives the outcome.
+
+        ``blocking=True``: waits for the saves in flight, then writes from the live
+        tensors (no copy) and returns a finished handle once the step is durable; raises
+        the save's error directly.
+
+        An error of an earlier background save that no one has seen yet (through its
+        handle, :meth:`wait` or :meth:`close`) is raised here, before anything starts
+        (with ``max_in_flight=1`` that includes the save just before this one).
+        Saving a step that is already committed replaces it atomically.
+        """
+        step = _check_step(step)
+        if self._closed:
+            raise InvalidArgumentError("the checkpoint manager is closed")
+        if blocking:
+            self.wait()
+            ct = _pkg()
+            entries, metadata, optim = _build(model, optimizer, extra, ct._to_numpy)
+            info = self._store._native.save(step, entries, metadata, self._max_shard_size, optim)
+            h = SaveHandle(step)
+            h._finish(info, None)
+            return h
+        self._slots.acquire()
+        try:
+            self._raise_unreported()
+            with self._lock:
+                if self._free:
+                    snap = self._free.pop()
+                else:
+                    snap = _Snapshot()
+                    self._sets += 1
+            try:
+                snap.begin()
+                items = _build(model, optimizer, extra, snap.copy)
+                snap.end()
+            except BaseException:
+                with self._lock:
+                    self._free.append(snap)
+                raise
+        except BaseException:
+            self._slots.release()
+            raise
+        h = SaveHandle(step)
+        with self._lock:
+            self._handles.append(h)
+            self._queue.append((h, snap, items))
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._run, name="ckptstore-manager-save", daemon=False
+                )
+                self._worker.start()
+        return h
+
+    def _run(self) -> None:
+        """The background writer: runs queued saves in order, and ends when none is left
+        (so that a finished manager holds no thread, and interpreter exit waits for the
+        saves in flight)."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._worker = None
+                    return
+                h, snap, (entries, metadata, optim) = self._queue.popleft()
+            info, error = None, None
+            try:
+                hook = self._before_write
+                if hook is not None:
+                    hook(h.step)
+                info = self._store._native.save(
+                    h.step, entries, metadata, self._max_shard_size, optim
+                )
+            except BaseException as e:  # surfaced through the handle
+                error = e
+            del entries, optim
+            # The buffers are back before the handle says done, and the outcome is known
+            # before the slot is given back (a save that waited for it sees this error).
+            with self._lock:
+                self._free.append(snap)
+            h._finish(info, error)
+            self._slots.release()
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            failed = [h for h in self._handles if h.done() and h._error is not None and not h._reported]
+            self._handles = [h for h in self._handles if not h.done()]
+        for h in failed:
+            h._reported = True
+        if failed:
+            raise failed[0]._error  # type: ignore[misc]
+
+    def in_flight(self) -> List[SaveHandle]:
+        """The handles of the background saves not finished yet, oldest first."""
+        with self._lock:
+            return [h for h in self._handles if not h.done()]
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first error no one has seen yet."""
+        with self._lock:
+            pending = list(self._handles)
+        for h in pending:
+            h._event.wait()
+        self._raise_unreported()
+
+    def close(self) -> None:
+        """Wait for every save in flight, free the snapshot buffers, and raise the first
+        background error no one has seen yet. Saving is refused afterwards; the reading
+        methods keep working."""
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                self._free.clear()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            self.close()
+            return False
+        # The block failed: its exception goes on; the saves still finish, and their
+        # errors are attached to it rather than raised in its place.
+        try:
+            self.close()
+        except BaseException as e:  # noqa: BLE001
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"ckptstore: a background save failed as well: {e!r}")
+        return False
+
+    @property
+    def snapshot_nbytes(self) -> int:
+        """Bytes held by snapshot buffers that no save is using now (kept for reuse)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._free)
+
+    # ---- restoring ---------------------------------------------------------------------
+
+    def restore(
+        self,
+        step: int,
+        model: Any = None,
+        optimizer: Any = None,
+        *,
+        strict: bool = True,
+        layout: Any = None,
+    ) -> dict:
+        """Restore ``model`` and ``optimizer`` in place from committed ``step``, holding
+        the step against retention meanwhile; return its ``extra`` dict. The guarantees
+        and arguments are those of :func:`ckptstore.torch.load`: everything is checked
+        (names, shapes, every CRC) before anything changes, and the optimizer state is
+        replaced whole. Raises :class:`ckptstore.CheckpointNotFoundError` if the step is
+        not committed."""
+        step = _check_step(step)
+        ct = _pkg()
+        with self._store.lease(step) as lease:
+            return ct.load(lease.path, model, optimizer, strict=strict, layout=layout)
+
+    def restore_latest(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        *,
+        strict: bool = True,
+        layout: Any = None,
+        return_extra: bool = False,
+    ) -> Any:
+        """Restore ``model`` and ``optimizer`` from the newest committed step (as
+        :meth:`restore`); return the step, or ``None`` (nothing changed) under an empty
+        root. ``return_extra=True``: return ``(step, extra)`` (``(None, {})`` when
+        empty). A step deleted by another process between choosing and holding it is
+        skipped for the next newest."""
+        for _ in range(16):
+            step = self.latest()
+            if step is None:
+                return (None, {}) if return_extra else None
+            try:
+                lease = self._store.lease(step)
+            except CheckpointNotFoundError:
+                continue  # deleted meanwhile: look again
+            with lease:
+                ct = _pkg()
+                extra = ct.load(lease.path, model, optimizer, strict=strict, layout=layout)
+            return (step, extra) if return_extra else step
+        raise CheckpointNotFoundError(
+            f"{self.root}: the latest step kept disappearing while it was being restored"
+        )
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.root)!r}, max_in_flight={self._max_in_flight})"
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise InvalidArgumentError(f"a step is an integer >= 0, got {step!r}")
+    step = int(step)
+    if step >= 1 << 64:
+        raise InvalidArgumentError(f"step {step} is too large (at most 2**64 - 1)")
+    return step
