@@ -16,6 +16,7 @@ mod checkpoint;
 mod dtypes;
 mod errors;
 mod parts;
+mod region;
 mod save;
 
 use pyo3::prelude::*;
@@ -32,6 +33,7 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCheckpoint>()?;
     m.add_class::<MappedCheckpoint>()?;
     m.add_class::<OwnedBuffer>()?;
+    m.add_class::<region::RegionReader>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
