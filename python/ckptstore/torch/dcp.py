@@ -280,8 +280,9 @@ class Reader(StorageReader):
     rank's checks passed, and only then write into the destinations. Without it (or without
     an initialized process group) each rank checks before it writes its own destinations.
 
-    Every rank reads the checkpoint the coordinator's ``read_metadata`` found: a commit into
-    the directory in between makes the load fail instead of mixing checkpoints.
+    Every rank reads the checkpoint the coordinator's ``read_metadata`` found (and, with
+    ``expect_checkpoint_id``, that one): a commit into the directory in between makes the
+    load fail instead of mixing checkpoints.
     """
 
     def __init__(
@@ -290,8 +291,10 @@ class Reader(StorageReader):
         *,
         all_or_nothing: bool = True,
         process_group: Any = None,
+        expect_checkpoint_id: Optional[str] = None,
     ) -> None:
         StorageReader.__init__(self)
+        self.expect_checkpoint_id = expect_checkpoint_id
         self.path = os.fspath(path)
         self.all_or_nothing = all_or_nothing
         self.process_group = process_group
@@ -307,7 +310,14 @@ class Reader(StorageReader):
 
     def _open(self) -> Any:
         if self._rr is None:
-            self._rr = _ckptstore.RegionReader(self.path)
+            rr = _ckptstore.RegionReader(self.path)
+            want = self.expect_checkpoint_id
+            if want is not None and rr.checkpoint_id != want:
+                raise CheckpointError(
+                    f"{self.path}: expected checkpoint {want}, found {rr.checkpoint_id}: a "
+                    "save committed into the directory during the load"
+                )
+            self._rr = rr
         return self._rr
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
