@@ -31,7 +31,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from .. import open as _open
-from ..errors import IncompatibleStateError, InvalidArgumentError
+from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
 from . import _decode, _encode, _param_names, _torch
 from .dcp import META_KEY as _DCP_KEY, Reader, Writer
 
@@ -189,6 +189,7 @@ def load(
     """
     torch = _torch()
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -273,7 +274,17 @@ def load(
     if tgt_x:
         sd["extra"] = tgt_x
     reader = Reader(path, process_group=process_group, expect_checkpoint_id=cid)
-    dcp.load(sd, storage_reader=reader, process_group=process_group)
+    try:
+        dcp.load(sd, storage_reader=reader, process_group=process_group)
+    except CheckpointException as e:
+        # DCP's CheckpointException is a BaseException: report the first rank's error as
+        # ckptstore's own (an Exception), chained to DCP's.
+        failures = getattr(e, "failures", None) or {}
+        first = next(iter(failures.values()), e)
+        cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
+        raise cls(
+            f"loading {os.fspath(path)!r} failed on rank(s) {sorted(failures)}: {first}"
+        ) from e
 
     # 5. Moments in the layout asked for.
     if layout is not None and tgt_o:
