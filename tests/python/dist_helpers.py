@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -60,7 +61,9 @@ def _entry(rank, world, port, fn, args, q):
             "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S)
         )
         res = fn(rank, world, *args)
-        q.put((rank, True, res))
+        # Plain pickle (tensors by value): torch's queue reducers would share memory by
+        # file descriptor, which dies with this process.
+        q.put((rank, True, pickle.dumps(res)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -87,6 +90,8 @@ def run(world: int, fn, *args, allow_dead=(), join_timeout=PG_TIMEOUT_S * 3):
     while len(out) < world - len(allow_dead) or any(p.is_alive() for p in procs):
         try:
             rank, ok, val = q.get(timeout=1.0)
+            if ok:
+                val = pickle.loads(val)
             out[rank] = (ok, val)
             alive.discard(rank)
         except _q.Empty:
