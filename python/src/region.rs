@@ -23,6 +23,9 @@ use crate::errors::{invalid_arg, CkError};
 /// index space, and the destination buffer (the box's elements, row-major).
 type Request<'py> = (String, Vec<u64>, Vec<u64>, PyReadwriteArray1<'py, u8>);
 
+/// A request ready for the engine: name, offsets, shape and the destination bytes.
+type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
+
 /// A box in a tensor's index space.
 struct Box_ {
     offsets: Vec<u64>,
@@ -247,7 +250,7 @@ impl RegionReader {
     /// the destination tensor), every stored tensor read from CRC-checked first. Requests
     /// run in parallel with the interpreter released; the destinations must not overlap.
     fn read_into(&self, py: Python<'_>, mut requests: Vec<Request<'_>>) -> PyResult<()> {
-        let mut jobs: Vec<(&str, &[u64], &[u64], &mut [u8])> = Vec::with_capacity(requests.len());
+        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(requests.len());
         for (name, offsets, shape, out) in requests.iter_mut() {
             let buf = out.as_slice_mut().map_err(|_| {
                 invalid_arg(format!(

@@ -43,9 +43,10 @@ tensor, which detects damage, not malice: load checkpoints with bytes items only
 writers you trust. State dicts of tensors only (as :mod:`ckptstore.torch.distributed`
 saves) have no bytes items, and their load never unpickles anything.
 
-Supported torch: 2.4 to 2.15 (``StorageWriter`` / ``StorageReader`` with
-``storage_meta``, ``set_up_storage_writer(is_coordinator, rank=..., use_collectives=...)``);
-tested with 2.15. DTensor placements are not part of DCP's ``Metadata`` in these versions
+Supported torch: tested with 2.15 (CPU, gloo). The writer and reader use only the
+``StorageWriter`` / ``StorageReader`` protocol of torch >= 2.4 (``storage_meta``,
+``set_up_storage_writer(is_coordinator, rank=..., use_collectives=...)``), so earlier 2.x
+releases from 2.4 on are expected to work but are untested. DTensor placements are not part of DCP's ``Metadata`` in these versions
 (the planner records global shapes and chunk boxes only), so there is nothing more to store.
 """
 
