@@ -146,6 +146,10 @@ class RegionReader:
         """``(offsets, shape)`` of every stored chunk of ``name``."""
     def verify_regions(self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
         """Check the CRC32 of every stored tensor these boxes read from (``ChecksumError``)."""
+    def byte_ranges(
+        self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+    ) -> list[tuple[Path, int, int]]:
+        """``(shard file, begin, end)`` of the stored tensors these boxes read from."""
     def read_into(
         self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
     ) -> None:

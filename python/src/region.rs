@@ -245,6 +245,39 @@ impl RegionReader {
         Ok(())
     }
 
+    /// `byte_ranges([(name, offsets, shape), ...]) -> [(file, begin, end)]`: where the
+    /// stored tensors these boxes read from lie (each once, merged per file when adjacent):
+    /// the shard file's path and the byte range, for the caller to prefetch.
+    fn byte_ranges(
+        &self,
+        regions: Vec<(String, Vec<u64>, Vec<u64>)>,
+    ) -> PyResult<Vec<(PathBuf, u64, u64)>> {
+        let mut seen = HashSet::new();
+        let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
+        for (n, o, s) in &regions {
+            let (steps, _) = self.plan(n, o, s).map_err(CkError)?;
+            for st in steps {
+                if seen.insert(st.tensor.clone()) {
+                    let t = self.ck.info(&st.tensor).map_err(CkError)?;
+                    ranges.push((t.shard, t.offsets[0], t.offsets[1]));
+                }
+            }
+        }
+        ranges.sort_unstable();
+        let mut merged: Vec<(usize, u64, u64)> = Vec::new();
+        for (sh, b, e) in ranges {
+            match merged.last_mut() {
+                Some(last) if last.0 == sh && last.2 == b => last.2 = e,
+                _ => merged.push((sh, b, e)),
+            }
+        }
+        let shards = self.ck.shards();
+        Ok(merged
+            .into_iter()
+            .filter_map(|(sh, b, e)| shards.get(sh).map(|x| (self.ck.root().join(&x.file), b, e)))
+            .collect())
+    }
+
     /// `read_into([(name, offsets, shape, out), ...])`: copy each box into `out`, a
     /// writable, C-contiguous 1-D `uint8` array of exactly the box's bytes (the memory of
     /// the destination tensor), every stored tensor read from CRC-checked first. Requests
