@@ -182,3 +182,29 @@ class Checkpoint:
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
+
+class RegionReader:
+    """An open checkpoint that reads boxes of stored tensors into caller-owned buffers (the
+    storage layer of ``ckptstore.torch.dcp.Reader``); every stored tensor read from is
+    CRC-checked once per reader before its bytes are copied."""
+
+    def __init__(self, path: Union[str, os.PathLike[str]]) -> None: ...
+    def metadata_json(self) -> str:
+        """The manifest's user metadata as JSON text."""
+    @property
+    def checkpoint_id(self) -> Optional[str]: ...
+    def shape_of(self, name: str) -> tuple[str, list[int]]:
+        """``(wire dtype, shape)`` of a global or whole tensor."""
+    def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
+        """``(offsets, shape)`` of every stored chunk of ``name``."""
+    def verify_regions(self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
+        """Check the CRC32 of every stored tensor these boxes read from (``ChecksumError``)."""
+    def byte_ranges(
+        self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+    ) -> list[tuple[Path, int, int]]:
+        """``(shard file, begin, end)`` of the stored tensors these boxes read from."""
+    def read_into(
+        self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
+    ) -> None:
+        """Copy each box ``(name, offsets, shape)`` into its writable, C-contiguous 1-D
+        uint8 array of exactly the box's bytes; in parallel, interpreter released."""

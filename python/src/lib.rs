@@ -17,6 +17,7 @@ mod dtypes;
 mod errors;
 mod manager;
 mod parts;
+mod region;
 mod save;
 
 use pyo3::prelude::*;
@@ -35,6 +36,7 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyStepLease>()?;
     m.add_class::<MappedCheckpoint>()?;
     m.add_class::<OwnedBuffer>()?;
+    m.add_class::<region::RegionReader>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,390 @@
+"""Sharded save and restore of FSDP2 / DTensor models and their optimizers with ckptstore.
+
+::
+
+    import ckptstore.torch.distributed as ctd
+
+    ctd.save("run/ckpt", model, optimizer, extra={"epoch": 3})   # every rank
+    extra = ctd.load("run/ckpt", model, optimizer)                # every rank, any world size
+
+Built on ``torch.distributed.checkpoint`` (DCP) with ckptstore's storage layer
+(:mod:`ckptstore.torch.dcp`): every rank writes its own shards of the DTensor parameters
+and optimizer states, the coordinator commits them as one ckptstore checkpoint, and a load
+on any world size (or mesh) reads the boxes each rank needs. The model is taken with
+``get_model_state_dict``; the optimizer's state tensors are stored by parameter name
+(``optim.<param>.<state>``), its parameter groups and non-tensor values as JSON in the
+manifest: the DCP state dict holds tensors only, so a load unpickles nothing.
+
+:func:`load` has the guarantees of :func:`ckptstore.torch.load`: everything is checked
+before anything changes (names, global shapes, parameter groups, and the CRC32 of every
+stored byte read, the ranks agreeing that every rank's reads passed); the data is read into
+fresh tensors laid out like the live ones, and only then applied. The optimizer gets a
+complete new state through ``load_state_dict`` on every rank: state the checkpoint does not
+name is gone. ``layout`` rounds the moments as TransformerEngine-style FP16-scaled or BF16
+storage would (``"bf16"``, ``"f16_scaled"``, or a dict by state name with ``"*"`` as the
+default), and hands them to torch as float32, like :func:`ckptstore.torch.load`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional
+
+from .. import open as _open
+from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
+from . import _decode, _encode, _param_names, _torch
+from .dcp import META_KEY as _DCP_KEY, Reader, Writer
+
+__all__ = ["save", "load", "META_KEY"]
+
+#: Manifest metadata key under which :func:`save` records what it stored.
+META_KEY = "ckptstore.torch.distributed"
+_META_VERSION = 1
+_F16_RANGE = 32752.0  # the engine's FP16-scaled range (src/convert: F16_MAX_RANGE)
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    return isinstance(t, DTensor)
+
+
+def save(
+    path: "str | os.PathLike[str]",
+    model: Any,
+    optimizer: Any = None,
+    extra: Optional[Mapping[str, Any]] = None,
+    *,
+    max_shard_size: Optional[int] = None,
+    process_group: Any = None,
+) -> Optional[dict]:
+    """Save ``model`` (FSDP2, DTensor-sharded or plain), ``optimizer`` and ``extra`` as one
+    ckptstore checkpoint in the directory ``path``; call it on every rank. Committed
+    atomically and durably by the coordinator: until it returns, the previous checkpoint in
+    ``path`` stays the committed one.
+
+    ``extra``: tensors (stored as tensors, from one rank) and JSON values (numbers, strings,
+    lists, dicts, tuples), returned by :func:`load`. Returns the commit info on the
+    coordinator, ``None`` on the other ranks.
+    """
+    torch = _torch()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    msd = get_model_state_dict(model)
+    meta: dict[str, Any] = {
+        "version": _META_VERSION,
+        "model": list(msd),
+        "extra": {},
+        "extra_tensors": [],
+    }
+    sd: dict[str, Any] = {"model": dict(msd)}
+    if optimizer is not None:
+        names = _param_names(model, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        osd = optimizer.state_dict()
+        groups = []
+        for gi, g in enumerate(osd["param_groups"]):
+            hyper = {
+                k: _encode(v, f"param group {gi}, {k!r}")
+                for k, v in g.items()
+                if k not in ("params", "param_names")
+            }
+            hyper["params"] = [names[i] for i in g["params"]]
+            groups.append(hyper)
+        state: dict[str, dict[str, Any]] = {}
+        keys: dict[str, list[str]] = {}
+        values: dict[str, dict[str, Any]] = {}
+        for i, st in osd["state"].items():
+            n = names[i]
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    state.setdefault(n, {})[k] = v
+                    keys.setdefault(n, []).append(k)
+                elif v is not None:
+                    values.setdefault(n, {})[k] = _encode(v, f"parameter {n!r}, state {k!r}")
+        sd["optim"] = state
+        meta["optimizer"] = {
+            "class": type(optimizer).__name__,
+            "groups": groups,
+            "param_shapes": {n: list(p.shape) for n, p in zip(names, params)},
+            "state_keys": keys,
+            "values": values,
+        }
+    xt = {}
+    for k, v in (extra or {}).items():
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
+        if isinstance(v, torch.Tensor):
+            xt[k] = v
+            meta["extra_tensors"].append(k)
+        else:
+            meta["extra"][k] = _encode(v, f"extra {k!r}")
+    if xt:
+        sd["extra"] = xt
+    w = Writer(path, max_shard_size=max_shard_size, metadata={META_KEY: meta})
+    dcp.save(sd, storage_writer=w, process_group=process_group)
+    return w.commit_info
+
+
+def _broadcast_meta(path: Any, process_group: Any) -> tuple[dict, str]:
+    """The checkpoint's metadata and id, read by the first rank and sent to all (so every
+    rank checks against, and loads, the same checkpoint)."""
+    import torch.distributed as dist
+
+    obj: list[Any] = [None]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0:
+        try:
+            with _open(path) as ck:
+                obj[0] = (ck.metadata, ck.checkpoint_id, None)
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+            obj[0] = (None, None, f"{type(e).__name__}: {e}")
+    if dist.is_available() and dist.is_initialized():
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        dist.broadcast_object_list(obj, src=src, group=process_group)
+    meta, cid, err = obj[0]
+    if err is not None:
+        raise IncompatibleStateError(f"cannot open the checkpoint {os.fspath(path)!r}: {err}")
+    return meta, cid
+
+
+def _target(template: Any, size: list[int], dtype: Any) -> Any:
+    """A fresh tensor to load a stored tensor of ``size`` into: laid out like ``template``
+    (same DTensor placements) when the global shapes agree, else a plain tensor."""
+    torch = _torch()
+    if template is not None and list(template.shape) == size:
+        return torch.empty_like(template, dtype=dtype)
+    return torch.empty(size, dtype=dtype)
+
+
+def load(
+    path: "str | os.PathLike[str]",
+    model: Any,
+    optimizer: Any = None,
+    *,
+    strict: bool = True,
+    layout: Any = None,
+    process_group: Any = None,
+) -> dict:
+    """Restore ``model`` and ``optimizer`` in place from the checkpoint :func:`save` wrote
+    at ``path``, on any world size; call it on every rank. Returns the ``extra`` dict.
+
+    Checked before anything changes, identically on every rank: every model state-dict
+    entry is in the checkpoint with the same global shape (with ``strict``, the checkpoint
+    holds no model entry the model lacks); the optimizer has as many parameter groups as
+    the checkpoint, each naming the same parameters (by model name) with the same shapes;
+    then the checkpoint is read into fresh tensors, every stored chunk read CRC-checked and
+    the ranks agreeing that all reads passed. Any failure raises on every rank (a
+    :class:`ckptstore.CheckpointError`, or DCP's ``CheckpointException`` wrapping one) with
+    the model and optimizer untouched.
+
+    Applied: the optimizer's complete new state dict through ``load_state_dict``
+    (hyperparameters from the checkpoint, state exactly for the parameters the checkpoint
+    has state for), and the model through ``set_model_state_dict``. ``layout``: ``None``,
+    ``"bf16"`` / ``"f16_scaled"`` for every floating state shaped like its parameter (never
+    ``step``), or a dict by state name (``"*"``: the default; ``"as_stored"``/``"f32"``
+    leave a state as stored).
+    """
+    torch = _torch()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    meta_all, cid = _broadcast_meta(path, process_group)
+    meta = meta_all.get(META_KEY)
+    dmeta = meta_all.get(_DCP_KEY)
+    if not isinstance(meta, dict) or not isinstance(dmeta, dict):
+        raise IncompatibleStateError(
+            f"{os.fspath(path)!r} was not written by ckptstore.torch.distributed.save"
+        )
+    items = dmeta.get("items") or {}
+
+    def stored(fqn: str) -> tuple[list[int], Any]:
+        it = items.get(fqn)
+        if not isinstance(it, dict) or it.get("kind") != "tensor":
+            raise IncompatibleStateError(f"the checkpoint has no tensor {fqn!r}")
+        return [int(d) for d in it["size"]], getattr(torch, it["dtype"])
+
+    # 1. The model: names and global shapes.
+    msd = get_model_state_dict(model)
+    missing = [n for n in msd if f"model.{n}" not in items]
+    if missing:
+        raise IncompatibleStateError(
+            f"cannot restore the model: the checkpoint has no tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    if strict:
+        unexpected = [n for n in meta.get("model") or [] if n not in msd]
+        if unexpected:
+            raise IncompatibleStateError(
+                f"cannot restore the model: the checkpoint holds {unexpected[0]!r}, which the "
+                "model does not have (strict=False to ignore)"
+            )
+    tgt_m = {}
+    for n, t in msd.items():
+        size, _ = stored(f"model.{n}")
+        if size != list(t.shape):
+            raise IncompatibleStateError(
+                f"cannot restore the model: {n!r} has shape {tuple(size)} in the checkpoint, "
+                f"{tuple(t.shape)} in the model"
+            )
+        tgt_m[n] = torch.empty_like(t)
+
+    # 2. The optimizer: groups, parameters, shapes; fresh tensors for its state.
+    tgt_o: dict[str, dict[str, Any]] = {}
+    names: list[str] = []
+    om: dict = {}
+    if optimizer is not None:
+        om = meta.get("optimizer")
+        if not isinstance(om, dict):
+            raise IncompatibleStateError(
+                "cannot restore the optimizer: the checkpoint holds no optimizer state"
+            )
+        names = _param_names(model, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        by_name = dict(zip(names, params))
+        _check_groups(optimizer, names, om)
+        for pname, keys in (om.get("state_keys") or {}).items():
+            p = by_name.get(pname)
+            if p is None:
+                raise IncompatibleStateError(
+                    f"cannot restore the optimizer: the checkpoint has state for {pname!r}, "
+                    "which the optimizer does not optimize"
+                )
+            for k in keys:
+                size, dtype = stored(f"optim.{pname}.{k}")
+                tgt_o.setdefault(pname, {})[k] = _target(p, size, dtype)
+
+    # 3. Extra tensors.
+    tgt_x = {}
+    for k in meta.get("extra_tensors") or []:
+        size, dtype = stored(f"extra.{k}")
+        tgt_x[k] = torch.empty(size, dtype=dtype)
+
+    # 4. Read everything into the fresh tensors (CRC-checked; all ranks agree).
+    sd: dict[str, Any] = {"model": tgt_m}
+    if tgt_o:
+        sd["optim"] = tgt_o
+    if tgt_x:
+        sd["extra"] = tgt_x
+    reader = Reader(path, process_group=process_group, expect_checkpoint_id=cid)
+    try:
+        dcp.load(sd, storage_reader=reader, process_group=process_group)
+    except CheckpointException as e:
+        # DCP's CheckpointException is a BaseException: report the first rank's error as
+        # ckptstore's own (an Exception), chained to DCP's.
+        failures = getattr(e, "failures", None) or {}
+        first = next(iter(failures.values()), e)
+        cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
+        raise cls(
+            f"loading {os.fspath(path)!r} failed on rank(s) {sorted(failures)}: {first}"
+        ) from e
+
+    # 5. Moments in the layout asked for.
+    if layout is not None and tgt_o:
+        _apply_layout(tgt_o, names, optimizer, layout, process_group)
+
+    # 6. Apply: nothing above changed the model or the optimizer.
+    if optimizer is not None:
+        optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o))
+    set_model_state_dict(model, tgt_m, options=StateDictOptions(strict=strict))
+    extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
+    extra.update(tgt_x)
+    return extra
+
+
+def _check_groups(optimizer: Any, names: list[str], om: dict) -> None:
+    live_groups = optimizer.param_groups
+    ck_groups = om.get("groups") or []
+    shapes = om.get("param_shapes") or {}
+    if len(live_groups) != len(ck_groups):
+        raise IncompatibleStateError(
+            f"cannot restore the optimizer: the checkpoint has {len(ck_groups)} parameter "
+            f"group(s), the optimizer {len(live_groups)}"
+        )
+    pos = 0
+    for gi, (lg, cg) in enumerate(zip(live_groups, ck_groups)):
+        live = names[pos : pos + len(lg["params"])]
+        ck = list(cg["params"])
+        if len(live) != len(ck) or set(live) != set(ck):
+            raise IncompatibleStateError(
+                f"cannot restore the optimizer: group {gi} has parameters "
+                f"{sorted(set(live) - set(ck)) or '(none)'} that the checkpoint's group lacks "
+                f"and the checkpoint has {sorted(set(ck) - set(live)) or '(none)'} that the "
+                "optimizer's group lacks"
+            )
+        for p, n in zip(lg["params"], live):
+            if list(shapes.get(n, [])) != list(p.shape):
+                raise IncompatibleStateError(
+                    f"cannot restore the optimizer: parameter {n!r} has shape "
+                    f"{tuple(shapes.get(n, []))} in the checkpoint, {tuple(p.shape)} in the model"
+                )
+        pos += len(live)
+
+
+def _new_optimizer_state(optimizer: Any, names: list[str], om: dict, tgt_o: dict) -> dict:
+    values = om.get("values") or {}
+    groups = []
+    state: dict[int, dict[str, Any]] = {}
+    pos = 0
+    for lg, cg in zip(optimizer.param_groups, om["groups"]):
+        live = names[pos : pos + len(lg["params"])]
+        g = {k: _decode(v) for k, v in cg.items() if k != "params"}
+        g["params"] = list(range(pos, pos + len(live)))
+        groups.append(g)
+        for i, n in enumerate(live, start=pos):
+            s: dict[str, Any] = dict(tgt_o.get(n) or {})
+            for k, v in (values.get(n) or {}).items():
+                s[k] = _decode(v)
+            if s:
+                state[i] = s
+        pos += len(live)
+    return {"state": state, "param_groups": groups}
+
+
+def _apply_layout(tgt_o: dict, names: list[str], optimizer: Any, layout: Any, pg: Any) -> None:
+    """Round the moments in place as BF16 or FP16-scaled storage would (per-tensor scale
+    from the global absmax, one all-reduce per tensor)."""
+    torch = _torch()
+    import torch.distributed as dist
+
+    params = dict(zip(names, [p for g in optimizer.param_groups for p in g["params"]]))
+    for pname in sorted(tgt_o):
+        for k in sorted(tgt_o[pname]):
+            t = tgt_o[pname][k]
+            if isinstance(layout, str):
+                target = layout
+            elif isinstance(layout, Mapping):
+                target = layout.get((pname, k), layout.get(k, layout.get("*", "as_stored")))
+            else:
+                raise InvalidArgumentError(f"layout must be None, a string or a dict, got {layout!r}")
+            if target in ("as_stored", "f32", "float32") or k == "step":
+                continue
+            if not t.is_floating_point() or list(t.shape) != list(params[pname].shape):
+                continue
+            local = t.to_local() if _is_dtensor(t) else t
+            if target in ("bf16", "bfloat16"):
+                local.copy_(local.to(torch.bfloat16).to(local.dtype))
+            elif target in ("f16_scaled", "f16_scaled_scalar", "f16_scaled_one"):
+                amax = local.abs().max().float().reshape(1) if local.numel() else torch.zeros(1)
+                if not torch.isfinite(amax).all():
+                    raise InvalidArgumentError(
+                        f"optimizer state {pname!r}/{k!r} holds non-finite values: no FP16 scale"
+                    )
+                if dist.is_available() and dist.is_initialized():
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
+                s = amax / _F16_RANGE
+                if float(s) > 0:
+                    r = 1.0 / s
+                    q = (local.float() * r).to(torch.float16)
+                    local.copy_((q.float() * s).to(local.dtype))
+                else:
+                    local.zero_()
+            else:
+                raise InvalidArgumentError(f"unknown layout target {target!r}")

@@ -1,0 +1,236 @@
+"""ckptstore.torch.distributed: FSDP2 (``fully_shard`` on a CPU device mesh, gloo) models
+with Adam and AdamW, saved on 2 ranks and restored on 3, 1 and 2 ranks; bit-for-bit
+comparisons of the gathered parameters and optimizer states; a resumed run equal to an
+uninterrupted one; stale per-rank optimizer state dropped (the ColossalAI scenario); a
+damaged checkpoint refused with the model and optimizer untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import ckptstore  # noqa: E402
+import ckptstore.torch.distributed as ctd  # noqa: E402
+import dist_helpers as dh  # noqa: E402
+from ckptstore.torch.dcp import Reader  # noqa: E402
+
+OPTIMS = ("Adam", "AdamW")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # Uneven on 2 and 3 ranks: rows 10 and 5.
+        self.l1 = nn.Linear(8, 10)
+        self.l2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def build(world: int, seed: int, opt_name: str):
+    torch.manual_seed(seed)
+    m = Net()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(m.l1, mesh=mesh)
+    fully_shard(m.l2, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    if opt_name == "Adam":
+        o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    else:
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    return m, o
+
+
+def train(m, o, start: int, steps: int, rank: int):
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 * s + rank)
+        x = torch.randn(4, 8, generator=g)
+        loss = (m(x) ** 2).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+
+
+def snapshot(m, o) -> dict:
+    """Gathered parameters and optimizer states (collective: every rank calls it)."""
+    out = {}
+    names = {id(p): n for n, p in m.named_parameters()}
+    for n, p in m.named_parameters():
+        out[n] = p.detach().full_tensor().clone()
+    for p, st in o.state.items():
+        for k, v in st.items():
+            if hasattr(v, "full_tensor"):
+                v = v.full_tensor()
+            out[f"optim/{names[id(p)]}/{k}"] = v.detach().clone()
+    out["hyper"] = [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+    return out
+
+
+def same(a: dict, b: dict) -> list[str]:
+    """Names whose tensors differ (bit for bit) or are missing on either side."""
+    bad = sorted(set(a) ^ set(b))
+    for k in set(a) & set(b):
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(
+                x.view(-1).view(torch.uint8) if x.numel() else x, y.view(-1).view(torch.uint8) if y.numel() else y
+            ):
+                bad.append(k)
+        elif x != y:
+            bad.append(k)
+    return sorted(bad)
+
+
+# ---- jobs ----------------------------------------------------------------------------------
+
+
+def job_save(rank, world, base):
+    out = {}
+    for name in OPTIMS:
+        m, o = build(world, 0, name)
+        train(m, o, 0, 2, rank)
+        info = ctd.save(os.path.join(base, name), m, o, extra={"epoch": 2, "t": torch.arange(3)})
+        s2 = snapshot(m, o)
+        train(m, o, 2, 3, rank)
+        s5 = snapshot(m, o)
+        out[name] = (s2, s5, info is not None)
+        if name == "Adam":
+            # A checkpoint of an optimizer that has state for l1 only (as after steps in
+            # which l2 got no gradient).
+            for p in m.l2.parameters():
+                del o.state[p]
+            ctd.save(os.path.join(base, "partial"), m, o)
+            out["partial"] = snapshot(m, o)
+    return out
+
+
+def job_load(rank, world, base, damaged):
+    out = {}
+    for name in OPTIMS:
+        m, o = build(world, 1, name)
+        train(m, o, 7, 2, rank)  # its own state, to be replaced
+        if damaged and name == "Adam":
+            before = snapshot(m, o)
+            errs = []
+            try:
+                ctd.load(damaged, m, o)
+            except ckptstore.CheckpointError as e:
+                errs.append(str(e))
+            # The same through dcp.load on get_state_dict (DCP's way): refused before any
+            # rank writes.
+            msd, osd = get_state_dict(m, o)
+            try:
+                dcp.load({"model": msd}, storage_reader=Reader(damaged))
+            except BaseException as e:  # noqa: BLE001 - CheckpointException
+                errs.append(str(e))
+            out["damaged"] = (errs, same(before, snapshot(m, o)))
+        extra = ctd.load(os.path.join(base, name), m, o)
+        out[name] = (snapshot(m, o), {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in extra.items()})
+        if name == "Adam":
+            # ColossalAI: this optimizer has state for every parameter; the checkpoint only
+            # for l1. After the load, l2's state is gone on every rank.
+            ctd.load(os.path.join(base, "partial"), m, o)
+            l2 = [p for p in m.l2.parameters()]
+            out["partial"] = (snapshot(m, o), [len(o.state.get(p, {})) for p in l2])
+        if world == 1 and name == "Adam":
+            ctd.load(os.path.join(base, name), m, o, layout="bf16")
+            out["bf16"] = snapshot(m, o)
+            ctd.load(os.path.join(base, name), m, o, layout={"exp_avg": "f16_scaled"})
+            out["f16"] = snapshot(m, o)
+    return out
+
+
+def job_resume(rank, world, base):
+    out = {}
+    for name in OPTIMS:
+        m, o = build(world, 2, name)
+        ctd.load(os.path.join(base, name), m, o)
+        train(m, o, 2, 3, rank)
+        out[name] = snapshot(m, o)
+    return out
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fsdp")
+    res = dh.results(2, job_save, str(base))
+    assert res[0]["Adam"][2] and not res[1]["Adam"][2]  # the coordinator committed
+    return base, res[0]
+
+
+def _damaged_copy(src: Path, dst: Path) -> str:
+    shutil.copytree(src, dst)
+    ck = ckptstore.open(dst)
+    victim = next(n for n in ck.keys() if n.startswith("model.l1.weight@"))
+    f = dst / ck.info(victim)["file"]
+    ck.close()
+    raw = bytearray(f.read_bytes())
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    start, _ = json.loads(raw[8 : 8 + hlen])[victim]["data_offsets"]
+    raw[8 + hlen + start + 5] ^= 0x01
+    f.write_bytes(bytes(raw))
+    return victim
+
+
+def test_fsdp2_load_on_3_ranks_bit_identical_damage_and_stale_state(saved, tmp_path):
+    base, ref = saved
+    victim = _damaged_copy(base / "Adam", tmp_path / "damaged")
+    res = dh.results(3, job_load, str(base), str(tmp_path / "damaged"))
+    for r, out in enumerate(res):
+        for name in OPTIMS:
+            assert same(out[name][0], ref[name][0]) == [], (r, name)
+            assert out[name][1] == {"epoch": 2, "t": [0, 1, 2]}
+        # Damage: refused on every rank, naming the tensor; nothing changed.
+        errs, changed = out["damaged"]
+        assert len(errs) == 2 and all(victim in e for e in errs), errs
+        assert changed == [], changed
+        # Stale state for parameters the checkpoint does not name is gone, on every rank.
+        snap, l2_state = out["partial"]
+        assert l2_state == [0, 0]
+        want = {k: v for k, v in ref["partial"].items()}
+        assert same(snap, want) == []
+
+
+def test_fsdp2_load_on_1_rank_and_moment_layouts(saved):
+    base, ref = saved
+    (out,) = dh.results(1, job_load, str(base), "")
+    for name in OPTIMS:
+        assert same(out[name][0], ref[name][0]) == [], name
+    s2 = ref["Adam"][0]
+    for k, v in out["bf16"].items():
+        if k.endswith("/exp_avg") or k.endswith("/exp_avg_sq"):
+            assert torch.equal(v, s2[k].to(torch.bfloat16).float()), k
+            assert not torch.equal(v, s2[k]) or k.endswith("_sq"), k  # really rounded
+        else:
+            assert same({k: v}, {k: s2[k]}) == [], k
+    for k, v in out["f16"].items():
+        if k.endswith("/exp_avg"):
+            s = s2[k].abs().max() / 32752.0
+            assert torch.equal(v, (s2[k] * (1.0 / s)).half().float() * s), k
+        else:
+            assert same({k: v}, {k: s2[k]}) == [], k
+
+
+def test_fsdp2_resume_equals_uninterrupted_run(saved):
+    base, ref = saved
+    res = dh.results(2, job_resume, str(base))
+    for out in res:
+        for name in OPTIMS:
+            assert same(out[name], ref[name][1]) == [], name
