@@ -487,6 +487,31 @@ fn block_crcs_check_only_the_blocks_a_region_touches() {
         4,
         &[(vec![0, 0], vec![12, 256]), (vec![16, 0], vec![48, 256])],
     );
+    // Into a caller's buffer: nothing is written when a block is bad; the unchecked copy
+    // (for callers that verified first) copies what is there; a wrong size is refused.
+    let mut out = vec![0xaau8; 4 * 9 * 4];
+    assert!(ck
+        .read_region_into("g", &[10, 7], &[4, 9], &mut out)
+        .is_err());
+    assert!(out.iter().all(|&b| b == 0xaa));
+    ck.copy_region_unchecked("g", &[10, 7], &[4, 9], &mut out)
+        .unwrap();
+    assert!(ck.verify_region("g", &[10, 7], &[4, 9]).is_err());
+    ck.verify_region("g", &[0, 0], &[12, 256]).unwrap();
+    let e = ck
+        .read_region_into("g", &[0, 0], &[2, 2], &mut out)
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let mut good = vec![0u8; 12 * 256 * 4];
+    ck.read_region_into("g", &[0, 0], &[12, 256], &mut good)
+        .unwrap();
+    assert_eq!(good, expected(&gshape, &[0, 0], &[12, 256], 4));
+    // The byte ranges a read uses: the touched blocks, merged, absolute in the shard.
+    let base = t.offsets[0];
+    assert_eq!(
+        ck.region_byte_ranges("g", &[5, 0], &[16, 256]).unwrap(),
+        vec![(t.shard, base + 4096, base + 24 * 1024)]
+    );
     for e in [
         ck.read_region("g", &[10, 7], &[4, 9]).unwrap_err(),
         ck.verify().unwrap_err(),

@@ -1,12 +1,13 @@
 //! Region reads into buffers the caller owns, for the `torch.distributed.checkpoint`
 //! reader (`ckptstore.torch.dcp.Reader`): DCP hands the reader the destination tensor of
 //! every read, and this copies the requested box of a stored (global or whole) tensor
-//! straight from the read-only map into that memory, without an intermediate buffer.
+//! straight from the read-only map into that memory, without an intermediate buffer
+//! (`Checkpoint::read_region_into` and its halves, `verify_region` and
+//! `copy_region_unchecked`, in src/checkpoint/region.rs).
 //!
-//! Every stored tensor a read touches has its CRC32 checked (once per reader: the
-//! verified names are remembered) before any of its bytes are copied; the mapped files are
-//! only ever read. The box arithmetic mirrors `ckptstore::Checkpoint::read_region`
-//! (src/checkpoint/region.rs), which reads into a fresh buffer instead.
+//! Every block or chunk a read uses has its CRC32 checked before any of its bytes are
+//! copied (once per reader: the verified regions are remembered); the mapped files are
+//! only ever read.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -26,129 +27,44 @@ type Request<'py> = (String, Vec<u64>, Vec<u64>, PyReadwriteArray1<'py, u8>);
 /// A request ready for the engine: name, offsets, shape and the destination bytes.
 type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
 
-/// A box in a tensor's index space.
-struct Box_ {
-    offsets: Vec<u64>,
-    shape: Vec<u64>,
-}
-
-/// A stored piece a region reads from: where it lies, the manifest tensor holding it, and
-/// the intersection `[lo, hi)` with the region.
-struct Step {
-    piece: Box_,
-    tensor: String,
-    lo: Vec<u64>,
-    hi: Vec<u64>,
-}
+/// A region: name, offsets, shape.
+type Key = (String, Vec<u64>, Vec<u64>);
 
 /// An open checkpoint that reads regions into caller-owned buffers
 /// (`ckptstore._ckptstore.RegionReader(path)`).
 #[pyclass(module = "ckptstore._ckptstore", frozen)]
 pub(crate) struct RegionReader {
     ck: Arc<Checkpoint>,
-    /// Manifest tensors whose CRC32 was checked by this reader.
-    verified: Mutex<HashSet<String>>,
+    /// Regions whose CRCs (blocks or chunks) this reader has checked.
+    verified: Mutex<HashSet<Key>>,
 }
 
 impl RegionReader {
-    /// The pieces of `name` that the box `offsets`/`shape` intersects, after checking the
-    /// box against the tensor's shape; and the element size.
-    fn plan(
-        &self,
-        name: &str,
-        offsets: &[u64],
-        shape: &[u64],
-    ) -> Result<(Vec<Step>, usize), Error> {
-        let ck = &self.ck;
-        let (dtype, gshape) = ck.shape_of(name)?;
-        let bad = |why: String| {
-            Error::InvalidArgument(format!(
-                "tensor {name:?} of shape {gshape:?}: region offsets {offsets:?}, shape {shape:?}: {why}"
-            ))
-        };
-        if offsets.len() != gshape.len() || shape.len() != gshape.len() {
-            return Err(bad(format!(
-                "offsets and shape must have the tensor's rank {}",
-                gshape.len()
-            )));
-        }
-        for d in 0..gshape.len() {
-            if offsets[d]
-                .checked_add(shape[d])
-                .is_none_or(|e| e > gshape[d])
-            {
-                return Err(bad(format!("dimension {d} is out of bounds")));
-            }
-        }
-        let pieces: Vec<(Box_, String)> = match ck.global(name) {
-            Some(g) => g
-                .chunks
-                .iter()
-                .map(|c| {
-                    (
-                        Box_ {
-                            offsets: c.offsets.clone(),
-                            shape: c.shape.clone(),
-                        },
-                        c.tensor.clone(),
-                    )
-                })
-                .collect(),
-            None => vec![(
-                Box_ {
-                    offsets: vec![0; gshape.len()],
-                    shape: gshape.to_vec(),
-                },
-                name.to_string(),
-            )],
-        };
-        let mut steps = Vec::new();
-        for (piece, tensor) in pieces {
-            let mut lo = Vec::with_capacity(shape.len());
-            let mut hi = Vec::with_capacity(shape.len());
-            let mut empty = false;
-            for d in 0..shape.len() {
-                let l = offsets[d].max(piece.offsets[d]);
-                // Both ends were checked against the global shape (region above, chunks at open).
-                let h =
-                    (offsets[d] + shape[d]).min(piece.offsets[d].saturating_add(piece.shape[d]));
-                if l >= h {
-                    empty = true;
-                    break;
-                }
-                lo.push(l);
-                hi.push(h);
-            }
-            if !empty {
-                steps.push(Step {
-                    piece,
-                    tensor,
-                    lo,
-                    hi,
-                });
-            }
-        }
-        Ok((steps, dtype.size()))
+    fn is_verified(&self, k: &Key) -> bool {
+        self.verified
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(k)
     }
 
-    /// Check the CRC32 of every tensor in `names` not checked yet (in parallel).
-    fn verify_names(&self, names: Vec<String>) -> Result<(), Error> {
-        let todo: Vec<String> = {
+    /// Check every region not checked yet (in parallel) and remember them.
+    fn verify_keys(&self, keys: Vec<Key>) -> Result<(), Error> {
+        let todo: Vec<Key> = {
             let done = self.verified.lock().unwrap_or_else(|p| p.into_inner());
             let mut seen = HashSet::new();
-            names
-                .into_iter()
-                .filter(|n| !done.contains(n) && seen.insert(n.clone()))
+            keys.into_iter()
+                .filter(|k| !done.contains(k) && seen.insert(k.clone()))
                 .collect()
         };
         todo.par_iter()
-            .try_for_each(|n| self.ck.tensor_verified(n).map(|_| ()))?;
+            .try_for_each(|(n, o, s)| self.ck.verify_region(n, o, s))?;
         let mut done = self.verified.lock().unwrap_or_else(|p| p.into_inner());
         done.extend(todo);
         Ok(())
     }
 
-    /// Copy the box into `out` (its bytes, row-major), after checking every piece's CRC.
+    /// Copy the box into `out` (its bytes, row-major), CRC-checking it first unless this
+    /// reader already did.
     fn copy_region(
         &self,
         name: &str,
@@ -156,32 +72,12 @@ impl RegionReader {
         shape: &[u64],
         out: &mut [u8],
     ) -> Result<(), Error> {
-        let (steps, es) = self.plan(name, offsets, shape)?;
-        let want = shape
-            .iter()
-            .try_fold(es as u64, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))?;
-        if want != out.len() as u64 {
-            return Err(Error::InvalidArgument(format!(
-                "tensor {name:?}: region of shape {shape:?} is {want} bytes, the destination {} bytes",
-                out.len()
-            )));
+        let key = (name.to_string(), offsets.to_vec(), shape.to_vec());
+        if self.is_verified(&key) {
+            self.ck.copy_region_unchecked(name, offsets, shape, out)
+        } else {
+            self.ck.read_region_into(name, offsets, shape, out)
         }
-        self.verify_names(steps.iter().map(|s| s.tensor.clone()).collect())?;
-        let region = Box_ {
-            offsets: offsets.to_vec(),
-            shape: shape.to_vec(),
-        };
-        for s in &steps {
-            let v = self.ck.tensor(&s.tensor)?;
-            copy_box(v.bytes(), &s.piece, out, &region, &s.lo, &s.hi, es).ok_or_else(|| {
-                Error::InvalidTensor {
-                    name: s.tensor.clone(),
-                    reason: "stored bytes do not match the chunk's shape".into(),
-                }
-            })?;
-        }
-        Ok(())
     }
 }
 
@@ -225,49 +121,36 @@ impl RegionReader {
             .collect())
     }
 
-    /// `verify_regions([(name, offsets, shape), ...])`: check the CRC32 of every stored
-    /// tensor these regions read from (each once, in parallel, interpreter released).
-    /// Raises `ChecksumError` naming the damaged tensor and its shard.
+    /// `verify_regions([(name, offsets, shape), ...])`: check the CRC32s of everything
+    /// these regions read (the blocks they touch, or whole chunks without block CRCs; each
+    /// region once, in parallel, interpreter released). Raises `ChecksumError` naming the
+    /// damaged tensor (and block) and its shard.
     fn verify_regions(
         &self,
         py: Python<'_>,
         regions: Vec<(String, Vec<u64>, Vec<u64>)>,
     ) -> PyResult<()> {
-        py.detach(|| {
-            let mut names = Vec::new();
-            for (n, o, s) in &regions {
-                let (steps, _) = self.plan(n, o, s)?;
-                names.extend(steps.into_iter().map(|s| s.tensor));
-            }
-            self.verify_names(names)
-        })
-        .map_err(CkError)?;
+        py.detach(|| self.verify_keys(regions)).map_err(CkError)?;
         Ok(())
     }
 
     /// `byte_ranges([(name, offsets, shape), ...]) -> [(file, begin, end)]`: where the
-    /// stored tensors these boxes read from lie (each once, merged per file when adjacent):
-    /// the shard file's path and the byte range, for the caller to prefetch.
+    /// bytes these boxes read lie (blocks or whole chunks; merged per file where they
+    /// touch or overlap): the shard file's path and the byte range, for the caller to
+    /// prefetch.
     fn byte_ranges(
         &self,
         regions: Vec<(String, Vec<u64>, Vec<u64>)>,
     ) -> PyResult<Vec<(PathBuf, u64, u64)>> {
-        let mut seen = HashSet::new();
         let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
         for (n, o, s) in &regions {
-            let (steps, _) = self.plan(n, o, s).map_err(CkError)?;
-            for st in steps {
-                if seen.insert(st.tensor.clone()) {
-                    let t = self.ck.info(&st.tensor).map_err(CkError)?;
-                    ranges.push((t.shard, t.offsets[0], t.offsets[1]));
-                }
-            }
+            ranges.extend(self.ck.region_byte_ranges(n, o, s).map_err(CkError)?);
         }
         ranges.sort_unstable();
         let mut merged: Vec<(usize, u64, u64)> = Vec::new();
         for (sh, b, e) in ranges {
             match merged.last_mut() {
-                Some(last) if last.0 == sh && last.2 == b => last.2 = e,
+                Some(last) if last.0 == sh && b <= last.2 => last.2 = last.2.max(e),
                 _ => merged.push((sh, b, e)),
             }
         }
@@ -298,59 +181,5 @@ impl RegionReader {
         })
         .map_err(CkError)?;
         Ok(())
-    }
-}
-
-/// Copy the box `[lo, hi)` (global indices) from `src`, a row-major piece at
-/// `piece.offsets` of shape `piece.shape`, into `dst`, a row-major region at
-/// `region.offsets` of shape `region.shape`; `es` bytes per element. `None` if a range
-/// falls outside either buffer (never for validated pieces).
-fn copy_box(
-    src: &[u8],
-    piece: &Box_,
-    dst: &mut [u8],
-    region: &Box_,
-    lo: &[u64],
-    hi: &[u64],
-    es: usize,
-) -> Option<()> {
-    let rank = lo.len();
-    let strides = |shape: &[u64]| -> Option<Vec<u64>> {
-        let mut s = vec![1u64; shape.len()];
-        for d in (0..shape.len().saturating_sub(1)).rev() {
-            s[d] = s[d + 1].checked_mul(shape[d + 1])?;
-        }
-        Some(s)
-    };
-    let (ss, ds) = (strides(&piece.shape)?, strides(&region.shape)?);
-    let run = if rank == 0 {
-        1
-    } else {
-        hi[rank - 1] - lo[rank - 1]
-    };
-    let run_bytes = usize::try_from(run).ok()?.checked_mul(es)?;
-    let mut idx: Vec<u64> = lo.to_vec();
-    loop {
-        let (mut so, mut dof) = (0u64, 0u64);
-        for d in 0..rank {
-            so = so.checked_add((idx[d] - piece.offsets[d]).checked_mul(ss[d])?)?;
-            dof = dof.checked_add((idx[d] - region.offsets[d]).checked_mul(ds[d])?)?;
-        }
-        let so = usize::try_from(so).ok()?.checked_mul(es)?;
-        let dof = usize::try_from(dof).ok()?.checked_mul(es)?;
-        dst.get_mut(dof..dof.checked_add(run_bytes)?)?
-            .copy_from_slice(src.get(so..so.checked_add(run_bytes)?)?);
-        let mut d = rank.saturating_sub(1);
-        loop {
-            if d == 0 {
-                return Some(());
-            }
-            d -= 1;
-            idx[d] += 1;
-            if idx[d] < hi[d] {
-                break;
-            }
-            idx[d] = lo[d];
-        }
     }
 }

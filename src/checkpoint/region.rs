@@ -176,14 +176,44 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Ok(()) }
     /// ```
     pub fn read_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<Tensor> {
+        let (dtype, _) = self.shape_of(name)?;
+        let mut out = Tensor::zeros(dtype, shape)?;
+        self.read_region_into(name, offsets, shape, out.bytes_mut())?;
+        Ok(out)
+    }
+
+    /// [`Checkpoint::read_region`] into `out`, a buffer of exactly the region's bytes
+    /// (row-major, the tensor's little-endian element bytes): for readers that own the
+    /// destination (a training framework's tensor). Every block or chunk read from is
+    /// CRC-checked before any byte is copied; on error `out` is unchanged.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`], and [`Error::InvalidArgument`] if `out` is not the
+    /// region's byte size.
+    pub fn read_region_into(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+        out: &mut [u8],
+    ) -> Result<()> {
+        self.verify_region(name, offsets, shape)?;
+        self.copy_region_unchecked(name, offsets, shape, out)
+    }
+
+    /// Check the CRC32s of everything a read of this region uses (in parallel), reading
+    /// nothing else: the blocks it touches of chunks with block CRCs
+    /// (format-spec/integrity.md §Block CRCs), whole chunks otherwise. A reader that must
+    /// check many regions before it writes any destination (all-or-nothing across a job)
+    /// calls this for each, then [`Checkpoint::copy_region_unchecked`].
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`].
+    pub fn verify_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<()> {
         let src = self.source(name)?;
         let region = Region::new(offsets, shape);
         let plan = self.plan_region(&src, &region)?;
-        let mut out = Tensor::zeros(src.dtype, shape)?;
         let es = src.dtype.size();
-        // Check every piece's CRC first (in parallel), so that damage anywhere fails the
-        // read before any byte is used: only the blocks the region touches where the
-        // tensor has block CRCs, the whole tensor where it has not.
         plan.par_iter().try_for_each(|(piece, t, lo, hi)| {
             let v = self.view(t);
             let Some(bl) = &t.blocks else {
@@ -191,11 +221,77 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             };
             let blocks = touched(t, piece, &region, lo, hi, es, bl.size)?;
             blocks.par_iter().try_for_each(|&i| self.check_block(t, i))
-        })?;
+        })
+    }
+
+    /// Copy the region into `out` (exactly its bytes) **without checking any CRC**: the
+    /// second half of [`Checkpoint::read_region_into`], for callers that ran
+    /// [`Checkpoint::verify_region`] on it (like [`Checkpoint::tensor`] beside
+    /// [`Checkpoint::tensor_verified`]). The checkpoint's files are only read.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a region of the wrong
+    /// rank, out of bounds, or an `out` of the wrong size.
+    pub fn copy_region_unchecked(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+        out: &mut [u8],
+    ) -> Result<()> {
+        let src = self.source(name)?;
+        let region = Region::new(offsets, shape);
+        let plan = self.plan_region(&src, &region)?;
+        let want = checked_nbytes(src.dtype, shape)
+            .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))?;
+        if want != out.len() as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {name:?}: a region of shape {shape:?} is {want} bytes, the destination {}",
+                out.len()
+            )));
+        }
+        let es = src.dtype.size();
         for (piece, t, lo, hi) in &plan {
             let v = self.view(t);
-            copy_box(v.bytes(), piece, out.bytes_mut(), &region, lo, hi, es)
-                .ok_or_else(|| bad_piece(t))?;
+            copy_box(v.bytes(), piece, out, &region, lo, hi, es).ok_or_else(|| bad_piece(t))?;
+        }
+        Ok(())
+    }
+
+    /// Where the bytes a read of this region uses lie: `(shard index, begin, end)` absolute
+    /// byte ranges in the shard files, one per block touched (chunks with block CRCs) or
+    /// per chunk, in plan order, adjacent ranges merged. For prefetching (readahead hints,
+    /// ranged GETs).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`], without reading any tensor data.
+    pub fn region_byte_ranges(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+    ) -> Result<Vec<(usize, u64, u64)>> {
+        let src = self.source(name)?;
+        let region = Region::new(offsets, shape);
+        let plan = self.plan_region(&src, &region)?;
+        let es = src.dtype.size();
+        let mut out: Vec<(usize, u64, u64)> = Vec::new();
+        let mut push = |sh: usize, b: u64, e: u64| match out.last_mut() {
+            Some(last) if last.0 == sh && last.2 == b => last.2 = e,
+            _ => out.push((sh, b, e)),
+        };
+        for (piece, t, lo, hi) in &plan {
+            let base = t.offsets[0];
+            match &t.blocks {
+                None => push(t.shard, base, t.offsets[1]),
+                Some(bl) => {
+                    for i in touched(t, piece, &region, lo, hi, es, bl.size)? {
+                        if let Some((b, e)) = block_range(t, bl.size, i) {
+                            push(t.shard, base + b, base + e);
+                        }
+                    }
+                }
+            }
         }
         Ok(out)
     }
@@ -219,22 +315,12 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// As [`Checkpoint::read_region`], without reading any tensor data.
     pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64> {
-        let src = self.source(name)?;
-        let region = Region::new(offsets, shape);
-        let plan = self.plan_region(&src, &region)?;
-        let es = src.dtype.size();
-        let mut total = 0u64;
-        for (piece, t, lo, hi) in &plan {
-            // Bounded by the checkpoint's data size, validated at open.
-            total += match &t.blocks {
-                None => t.nbytes(),
-                Some(bl) => touched(t, piece, &region, lo, hi, es, bl.size)?
-                    .iter()
-                    .map(|&i| block_range(t, bl.size, i).map_or(0, |(b, e)| e - b))
-                    .sum(),
-            };
-        }
-        Ok(total)
+        // Bounded by the checkpoint's data size, validated at open.
+        Ok(self
+            .region_byte_ranges(name, offsets, shape)?
+            .iter()
+            .map(|(_, b, e)| e - b)
+            .sum())
     }
 
     /// Check block `i` of `t` against its recorded CRC32.
