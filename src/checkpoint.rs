@@ -747,3 +747,129 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         self.tensors().iter().map(TensorInfo::nbytes).sum()
     }
 }
+
+/// How loads read cold shard bytes; see [`set_read_strategy`].
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReadStrategy {
+    /// Page faults only (the kernel's fault read-ahead), tensors in parallel.
+    Faults,
+    /// A read-ahead thread walks the tensors in file order, ahead of the converters,
+    /// asking for windows that are not in memory (`MADV_WILLNEED`); tensors in parallel.
+    WillNeed,
+    /// The read-ahead thread, and tensors converted one after the other in file order
+    /// (each one rayon-parallel inside), so the converters follow the read-ahead.
+    WillNeedInOrder,
+}
+
+static READ_STRATEGY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
+/// Select how loads read cold bytes (for benchmarks that compare the strategies; the
+/// default is the one measured fastest, see BENCHMARKS.md).
+#[doc(hidden)]
+pub fn set_read_strategy(s: ReadStrategy) {
+    let v = match s {
+        ReadStrategy::Faults => 0,
+        ReadStrategy::WillNeed => 1,
+        ReadStrategy::WillNeedInOrder => 2,
+    };
+    READ_STRATEGY.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The strategy loads use now.
+#[doc(hidden)]
+pub fn read_strategy() -> ReadStrategy {
+    match READ_STRATEGY.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => ReadStrategy::Faults,
+        1 => ReadStrategy::WillNeed,
+        _ => ReadStrategy::WillNeedInOrder,
+    }
+}
+
+/// Bytes the read-ahead thread asks for at a time.
+const READAHEAD_WINDOW: usize = 16 << 20;
+
+/// Run `f` while a read-ahead thread asks the kernel for the not-yet-cached windows of
+/// `ranges` (slices of mapped shard bytes, in the order `f` will read them). Windows
+/// already in memory (sampled: first and last page) cost two `mincore` calls and nothing
+/// else, so hot loads pay almost nothing. The thread stops when `f` returns.
+pub(crate) fn with_readahead<R: Send>(ranges: &[&[u8]], f: impl FnOnce() -> R + Send) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if read_strategy() == ReadStrategy::Faults
+        || ranges.iter().all(|r| crate::sys::mmap::looks_resident(r))
+    {
+        return f();
+    }
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for r in ranges {
+                for w in r.chunks(READAHEAD_WINDOW) {
+                    if done.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    if !crate::sys::mmap::looks_resident(w) {
+                        crate::sys::mmap::will_need(w);
+                    }
+                }
+            }
+        });
+        let r = f();
+        done.store(true, Ordering::Relaxed);
+        r
+    })
+}
+
+/// Whether loads should convert tensors one after the other (see [`ReadStrategy`]).
+pub(crate) fn in_order() -> bool {
+    read_strategy() == ReadStrategy::WillNeedInOrder
+}
+
+impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// The mapped bytes of `tensors`, sorted in file order (shard, offset).
+    pub(crate) fn ranges_in_file_order<'a>(&'a self, tensors: &[&'a TensorInfo]) -> Vec<&'a [u8]> {
+        let mut ts: Vec<&TensorInfo> = tensors.to_vec();
+        ts.sort_by_key(|t| (t.shard, t.offsets[0]));
+        ts.dedup_by_key(|t| (t.shard, t.offsets[0]));
+        ts.into_iter().map(|t| self.view(t).bytes()).collect()
+    }
+}
+
+impl Checkpoint<Map> {
+    /// Paths of the shard files, in shard order.
+    pub fn shard_paths(&self) -> Vec<PathBuf> {
+        self.shards
+            .iter()
+            .map(|s| match self.kind {
+                Kind::Safetensors => PathBuf::from(&s.file),
+                _ => self.root.join(&s.file),
+            })
+            .collect()
+    }
+}
+
+/// `(cached, total)` pages of the file at `path` in the page cache (`mincore` over a new
+/// map that touches no page; `None` where the system cannot say). For benchmarks that must
+/// know the cache is cold before they trust a "cold" figure.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be opened or mapped.
+pub fn cached_pages(path: &Path) -> Result<Option<(usize, usize)>> {
+    let m = open_map(path)?;
+    Ok(crate::sys::mmap::resident_pages(m.as_ref()))
+}
+
+/// Drop the file at `path` from the page cache: flush its dirty pages (`fdatasync`), then
+/// `posix_fadvise(POSIX_FADV_DONTNEED)`, so that the next read comes from the device (a
+/// cold read, as after a reboot). No privileges needed. Pages that a live memory map of any
+/// process has faulted in stay cached: close checkpoints over the file first. A no-op on
+/// systems other than Linux.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be opened, flushed or advised.
+pub fn drop_page_cache(path: &Path) -> Result<()> {
+    let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    f.sync_data().map_err(|e| Error::io("fdatasync", path, e))?;
+    crate::sys::io::drop_cached(&f).map_err(|e| Error::io("posix_fadvise", path, e))
+}

@@ -244,10 +244,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 });
             }
         }
-        let values: Vec<StateValue> = jobs
-            .par_iter()
-            .map(|j| self.run_job(j, pool))
-            .collect::<Result<_>>()?;
+        let values = self.run_jobs(&jobs, pool)?;
 
         let keys = jobs.iter().map(|j| (j.param, j.state));
         Ok(assemble(sec, keys, values, |n| {
@@ -391,6 +388,39 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         Ok(assemble(sec, keys, values, |n| {
             regions.get(n).map_or(Vec::new(), |r| r.shape.clone())
         }))
+    }
+
+    /// Run `jobs`, the results in `jobs` order, with read-ahead of their source bytes
+    /// (see [`crate::checkpoint::with_readahead`]): in file order one tensor after the
+    /// other (each parallel inside), or all tensors in parallel, per the read strategy.
+    fn run_jobs(&self, jobs: &[Job<'_>], pool: Option<&BufferPool>) -> Result<Vec<StateValue>> {
+        let first = |j: &Job<'_>| match &j.source {
+            Source::Plain(t) | Source::Scaled { q: t, .. } => (t.shard, t.offsets[0]),
+        };
+        let sources: Vec<&TensorInfo> = jobs
+            .iter()
+            .flat_map(|j| match &j.source {
+                Source::Plain(t) => [Some(*t), None],
+                Source::Scaled { q, scale } => [Some(*q), Some(*scale)],
+            })
+            .flatten()
+            .collect();
+        let ranges = self.ranges_in_file_order(&sources);
+        crate::checkpoint::with_readahead(&ranges, || {
+            if !crate::checkpoint::in_order() {
+                return jobs
+                    .par_iter()
+                    .map(|j| self.run_job(j, pool))
+                    .collect::<Result<Vec<_>>>();
+            }
+            let mut order: Vec<usize> = (0..jobs.len()).collect();
+            order.sort_by_key(|&i| first(&jobs[i]));
+            let mut out: Vec<Option<StateValue>> = (0..jobs.len()).map(|_| None).collect();
+            for i in order {
+                out[i] = Some(self.run_job(&jobs[i], pool)?);
+            }
+            Ok(out.into_iter().flatten().collect())
+        })
     }
 
     /// A view of `t` whose CRC32 was just checked.
