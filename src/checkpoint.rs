@@ -763,7 +763,7 @@ pub enum ReadStrategy {
     WillNeedInOrder,
 }
 
-static READ_STRATEGY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+static READ_STRATEGY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(1);
 
 /// Select how loads read cold bytes (for benchmarks that compare the strategies; the
 /// default is the one measured fastest, see BENCHMARKS.md).
@@ -846,6 +846,84 @@ impl Checkpoint<Map> {
                 _ => self.root.join(&s.file),
             })
             .collect()
+    }
+}
+
+impl Checkpoint<Map> {
+    /// Release the mapped pages of tensor `t` from this process (they stay in the page
+    /// cache; a later read maps them again).
+    fn release_tensor(&self, t: &TensorInfo) {
+        self.shards[t.shard]
+            .bytes
+            .release(t.offsets[0] as usize, t.nbytes() as usize);
+    }
+
+    /// [`Checkpoint::load_optimizer`], releasing each source tensor's mapped pages from
+    /// this process once it is converted: the resident memory of a restore stays about the
+    /// size of the loaded state, not that plus the mapped checkpoint. Results are
+    /// bit-identical to `load_optimizer`; a later load from the same `Checkpoint` maps the
+    /// pages again (from the page cache).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_optimizer`].
+    pub fn load_optimizer_releasing(
+        &self,
+        layout: &crate::optim::StateLayout,
+    ) -> Result<crate::optim::OptimizerState> {
+        self.load_optimizer_impl(layout, None, Some(&|t| self.release_tensor(t)))
+    }
+
+    /// Check the CRC32 of every tensor named (rayon-parallel across tensors and within large
+    /// ones, with read-ahead of cold bytes), releasing each tensor's mapped pages from this
+    /// process afterwards when `release` is set.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] for an unknown name (before anything is read);
+    /// [`Error::ChecksumMismatch`] for damaged bytes (the first in `names` order).
+    pub fn verify_tensors(&self, names: &[&str], release: bool) -> Result<()> {
+        let infos: Vec<&TensorInfo> = names.iter().map(|n| self.info(n)).collect::<Result<_>>()?;
+        let ranges = self.ranges_in_file_order(&infos);
+        let first_bad = with_readahead(&ranges, || {
+            infos
+                .par_iter()
+                .enumerate()
+                .filter_map(|(i, t)| {
+                    let r = self.check_crc(t, crc32_parallel(self.view(t).bytes()));
+                    if release {
+                        self.release_tensor(t);
+                    }
+                    r.err().map(|e| (i, e))
+                })
+                .min_by_key(|(i, _)| *i)
+        });
+        match first_bad {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Copy the stored bytes of tensor `name` into `dst` (exactly its byte length),
+    /// rayon-parallel, releasing its mapped pages afterwards when `release` is set. The
+    /// CRC is not checked here: check it first ([`Checkpoint::verify_tensors`]).
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if `dst` is not exactly the
+    /// tensor's byte length.
+    pub fn copy_tensor_into(&self, name: &str, dst: &mut [u8], release: bool) -> Result<()> {
+        let t = self.info(name)?;
+        let src = self.view(t).bytes();
+        if src.len() != dst.len() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {name:?} is {} bytes, the destination {} bytes",
+                src.len(),
+                dst.len()
+            )));
+        }
+        crate::convert::copy_bytes(src, dst);
+        if release {
+            self.release_tensor(t);
+        }
+        Ok(())
     }
 }
 
