@@ -516,7 +516,9 @@ impl PyCheckpoint {
         let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(arrays.len());
         for (n, a) in names.iter().zip(arrays.iter_mut()) {
             dsts.push(a.as_slice_mut().map_err(|_| {
-                invalid_arg(format!("copy_into: the destination of {n:?} is not contiguous"))
+                invalid_arg(format!(
+                    "copy_into: the destination of {n:?} is not contiguous"
+                ))
             })?);
         }
         py.detach(move || {

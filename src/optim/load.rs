@@ -428,10 +428,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         let ranges = self.ranges_in_file_order(&sources);
         crate::checkpoint::with_readahead(&ranges, || {
             if !crate::checkpoint::in_order() {
-                return jobs
-                    .par_iter()
-                    .map(run)
-                    .collect::<Result<Vec<_>>>();
+                return jobs.par_iter().map(run).collect::<Result<Vec<_>>>();
             }
             let mut order: Vec<usize> = (0..jobs.len()).collect();
             order.sort_by_key(|&i| first(&jobs[i]));

@@ -100,7 +100,9 @@ fn page_range(bytes: &[u8]) -> Option<(usize, usize)> {
     }
     let addr = bytes.as_ptr() as usize;
     let start = addr / PAGE * PAGE;
-    let end = addr.checked_add(bytes.len())?.checked_next_multiple_of(PAGE)?;
+    let end = addr
+        .checked_add(bytes.len())?
+        .checked_next_multiple_of(PAGE)?;
     Some((start, end - start))
 }
 

@@ -260,7 +260,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     println!("{:<22} {:>9.2}", "open (ms)", open_s * 1e3);
     for (w, r) in ways.iter().zip(raw_each) {
-        println!("  save baseline candidate {:<22} {:>9.2} GiB/s", w.name(), g(r));
+        println!(
+            "  save baseline candidate {:<22} {:>9.2} GiB/s",
+            w.name(),
+            g(r)
+        );
     }
     if let Some(c) = &cold {
         println!(

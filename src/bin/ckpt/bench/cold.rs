@@ -89,7 +89,9 @@ pub fn raw_read(paths: &[PathBuf], readers: usize) -> Result<u64> {
             .collect();
         let mut total = 0u64;
         for h in hs {
-            total += h.join().unwrap_or_else(|_| Err(std::io::Error::other("reader panicked")))?;
+            total += h
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("reader panicked")))?;
         }
         Ok::<u64, std::io::Error>(total)
     });
@@ -253,7 +255,11 @@ pub fn raw_write(dir: &Path, data: &[Vec<f32>], shard: u64, how: RawWrite) -> Re
         let _ = std::fs::remove_file(dir.join(format!("bench-raw-{i}.bin")));
     }
     let next = AtomicUsize::new(0);
-    let threads = if matches!(how, RawWrite::OneFile) { 1 } else { 2 };
+    let threads = if matches!(how, RawWrite::OneFile) {
+        1
+    } else {
+        2
+    };
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|_| {
