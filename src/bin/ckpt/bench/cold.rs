@@ -157,7 +157,7 @@ pub fn run(ckdir: &Path, bytes: u64, reps: usize, strategies: bool) -> Result<Co
     } else {
         vec![("default", default)]
     };
-    let mut raw = vec![(1usize, f64::MAX), (2, f64::MAX), (4, f64::MAX)];
+    let mut raw = [(1usize, f64::MAX), (2, f64::MAX), (4, f64::MAX)];
     let mut loads: Vec<(&'static str, &'static str, f64)> = Vec::new();
     for &(tn, _) in &targets {
         for &(sn, _) in &strats {
