@@ -352,7 +352,8 @@ def restore_bench(args) -> None:
         keep = args.ways.split(",")
         ways = [w for w in ways if w[0] in keep]
     print(f"restore: {layers} x Linear({width}, {width}) + Adam state, {nbytes / 2**30:.3f} GiB; "
-          f"{os.cpu_count()} CPUs; torch {torch.__version__}; fresh process per run; best of {args.repeat}")
+          f"{os.cpu_count()} CPUs; torch {torch.__version__}; fresh process per run; best of {args.repeat}",
+          flush=True)
     res: dict = {}
     for cache in ("cold", "hot"):
         for _ in range(args.repeat):
@@ -376,6 +377,7 @@ def restore_bench(args) -> None:
                     print(f"{way} ({cache}) failed: {out.stderr.strip().splitlines()[-1:]}")
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"  run {cache} {way}: {json.dumps(r)}", flush=True)
                 k = (cache, way)
                 b = res.setdefault(k, r)
                 for key in ("load_s", "first_step_s"):
