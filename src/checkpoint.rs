@@ -797,7 +797,10 @@ const READAHEAD_WINDOW: usize = 16 << 20;
 pub(crate) fn with_readahead<R: Send>(ranges: &[&[u8]], f: impl FnOnce() -> R + Send) -> R {
     use std::sync::atomic::{AtomicBool, Ordering};
     if read_strategy() == ReadStrategy::Faults
-        || ranges.iter().all(|r| crate::sys::mmap::looks_resident(r))
+        || ranges
+            .iter()
+            .flat_map(|r| r.chunks(READAHEAD_WINDOW))
+            .all(crate::sys::mmap::looks_resident)
     {
         return f();
     }
@@ -828,11 +831,31 @@ pub(crate) fn in_order() -> bool {
 
 impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// The mapped bytes of `tensors`, sorted in file order (shard, offset).
+    /// Ranges that touch or overlap in a shard are merged, so that a checkpoint of many
+    /// small tensors costs a few `mincore` calls per window, not per tensor.
     pub(crate) fn ranges_in_file_order<'a>(&'a self, tensors: &[&'a TensorInfo]) -> Vec<&'a [u8]> {
-        let mut ts: Vec<&TensorInfo> = tensors.to_vec();
-        ts.sort_by_key(|t| (t.shard, t.offsets[0]));
-        ts.dedup_by_key(|t| (t.shard, t.offsets[0]));
-        ts.into_iter().map(|t| self.view(t).bytes()).collect()
+        let mut spans: Vec<(usize, u64, u64)> = tensors
+            .iter()
+            .map(|t| (t.shard, t.offsets[0], t.offsets[1]))
+            .collect();
+        spans.sort_unstable();
+        let mut merged: Vec<(usize, u64, u64)> = Vec::with_capacity(spans.len());
+        for (sh, a, b) in spans {
+            match merged.last_mut() {
+                Some(m) if m.0 == sh && a <= m.2 => m.2 = m.2.max(b),
+                _ => merged.push((sh, a, b)),
+            }
+        }
+        merged
+            .into_iter()
+            .filter_map(|(sh, a, b)| {
+                self.shards
+                    .get(sh)?
+                    .bytes
+                    .as_ref()
+                    .get(usize::try_from(a).ok()?..usize::try_from(b).ok()?)
+            })
+            .collect()
     }
 }
 
