@@ -25,6 +25,20 @@ What each column measures:
   (``posix_fadvise(DONTNEED)``), so loads read the disk; otherwise they read the page cache.
 
 Usage: python python/bench_torch.py [--size 1GiB] [--repeat 3] [--dir /tmp/x] [--cold]
+
+``--restore`` (issue 16) measures instead the real resume, **one fresh process per
+measurement**: the child imports torch, builds the model (``--layers`` x
+``Linear(--width, --width)``, default five 4096 x 4096 layers, 0.94 GiB with Adam's state) and
+an Adam optimizer without state, gives every parameter a gradient, then times (a) the restore
+and (b) the restore plus one ``optimizer.step()`` ("first step": the lazily loaded ways pay
+their reads there), and reports its peak RSS (``resource.getrusage``) after the restore against
+its RSS before it. Ways: ckptstore.torch.load; torch.load (plain, and mmap=True) +
+load_state_dict; safetensors.torch.load_file + load_state_dict; DCP (FileSystemReader,
+``dcp.load`` + ``set_state_dict``); and a raw pread of the same files (baseline). ``cold``:
+the files are evicted from the page cache before each child (posix_fadvise DONTNEED, checked
+with ``fincore`` where present); ``hot``: read once before. Best of ``--repeat`` for each.
+
+    python python/bench_torch.py --restore [--layers 5 --width 4096] [--repeat 2] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -198,13 +212,268 @@ def check_equal(model, opt, model2, opt2) -> None:
             assert torch.equal(v, opt2.state[q][k]), k
 
 
+# ---- --restore: fresh process per measurement -------------------------------------------
+
+
+def files_of(path: str) -> list:
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for root, _, fs in os.walk(path):
+        out += [os.path.join(root, f) for f in fs]
+    return sorted(out)
+
+
+def raw_read(path: str) -> int:
+    n = 0
+    buf = bytearray(8 << 20)
+    for p in files_of(path):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            off = 0
+            while True:
+                r = os.preadv(fd, [buf], off)
+                if r <= 0:
+                    break
+                off += r
+            n += off
+        finally:
+            os.close(fd)
+    return n
+
+
+def mlp(layers: int, width: int):
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def dcp_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def child(way: str, path: str, layers: int, width: int) -> None:
+    def status_kib(key: str) -> int:
+        # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over exec from the
+        # forking parent (this benchmark's big process), VmHWM is this process's own peak.
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        return 0
+
+    def rss_kib() -> int:
+        return status_kib("VmRSS")
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = mlp(layers, width)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    gc.collect()
+    before = rss_kib()
+    t0 = time.perf_counter()
+    if way == "ckptstore":
+        ct.load(path, model, opt)
+    elif way == "torch":
+        sd = torch.load(path, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        del sd
+    elif way == "torch_mmap":
+        sd = torch.load(path, mmap=True, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        del sd
+    elif way == "safetensors":
+        st_load(path, model, opt)
+    elif way == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        sd = dcp_state(model, opt)
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        del sd
+    elif way == "raw":
+        raw_read(path)
+    elif way == "fresh_fill":
+        # The floor of any restore into new memory: create the optimizer state's memory
+        # (two tensors per parameter, every page written once), nothing read.
+        st = [(torch.empty_like(p).fill_(0), torch.empty_like(p).fill_(0)) for p in model.parameters()]
+    else:
+        raise SystemExit(f"unknown way {way}")
+    t1 = time.perf_counter()
+    peak = status_kib("VmHWM")
+    if way not in ("raw", "fresh_fill"):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3) if p.grad is None else p.grad
+        opt.step()
+    t2 = time.perf_counter()
+    print(json.dumps({"load_s": t1 - t0, "first_step_s": t2 - t0, "rss_before_kib": before,
+                      "peak_after_load_kib": peak}))
+
+
+def restore_bench(args) -> None:
+    import subprocess
+
+    layers, width = args.layers, args.width
+    torch.manual_seed(0)
+    model = mlp(layers, width)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    nbytes = state_bytes(model, opt)
+    base = args.dir or tempfile.mkdtemp(prefix="ckptstore-restore-")
+    os.makedirs(base, exist_ok=True)
+    paths = {
+        "ckptstore": os.path.join(base, "ckpt"),
+        "torch": os.path.join(base, "ckpt.pt"),
+        "safetensors": os.path.join(base, "ckpt.safetensors"),
+        "dcp": os.path.join(base, "dcp"),
+    }
+    for p in paths.values():
+        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+    ct.save(paths["ckptstore"], model, opt)
+    torch_save(paths["torch"], model, opt)
+    st_save(paths["safetensors"], model, opt)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dcp_state(model, opt), storage_writer=dcp.FileSystemWriter(paths["dcp"]))
+    for p in paths.values():
+        fsync_path(p) if os.path.isfile(p) else [fsync_path(os.path.join(r, f)) for r, _, fs in os.walk(p) for f in fs]
+    del model, opt
+    gc.collect()
+    ways = [("raw", "ckptstore"), ("fresh_fill", "ckptstore"), ("ckptstore", "ckptstore"), ("torch", "torch"), ("torch_mmap", "torch"),
+            ("safetensors", "safetensors"), ("dcp", "dcp")]
+    if args.ways:
+        keep = args.ways.split(",")
+        ways = [w for w in ways if w[0] in keep]
+    print(f"restore: {layers} x Linear({width}, {width}) + Adam state, {nbytes / 2**30:.3f} GiB; "
+          f"{os.cpu_count()} CPUs; torch {torch.__version__}; fresh process per run; best of {args.repeat}",
+          flush=True)
+    res: dict = {}
+    for cache in ("cold", "hot"):
+        for _ in range(args.repeat):
+            for way, kind in ways:
+                path = paths[kind]
+                if cache == "cold":
+                    for f in files_of(path):
+                        evict(f)
+                    if shutil.which("fincore"):
+                        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES"] + files_of(path),
+                                             capture_output=True, text=True).stdout.split()
+                        cached = sum(int(x) for x in out if x.isdigit())
+                        if cached > nbytes // 100:
+                            raise SystemExit(f"eviction did not take: {cached} bytes of {path} cached")
+                else:
+                    raw_read(path)
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", way, path,
+                                      "--layers", str(layers), "--width", str(width)],
+                                     capture_output=True, text=True)
+                if out.returncode != 0:
+                    print(f"{way} ({cache}) failed: {out.stderr.strip().splitlines()[-1:]}")
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"  run {cache} {way}: {json.dumps(r)}", flush=True)
+                k = (cache, way)
+                b = res.setdefault(k, r)
+                for key in ("load_s", "first_step_s"):
+                    b[key] = min(b[key], r[key])
+                b["peak_after_load_kib"] = min(b["peak_after_load_kib"], r["peak_after_load_kib"])
+                b["rss_before_kib"] = r["rss_before_kib"] if b is r else b["rss_before_kib"]
+    gib = nbytes / 2**30
+    opt_bytes = nbytes * 2 / 3
+    for cache in ("cold", "hot"):
+        ck = res.get((cache, "ckptstore"))
+        print(f"\n{cache} page cache   {'restore s':>10} {'GiB/s':>6} {'first step s':>13} "
+              f"{'x ckptstore':>11} {'peak RSS MiB':>13} {'+ over before':>13} {'/ new state':>11}")
+        for way, _ in ways:
+            r = res.get((cache, way))
+            if r is None:
+                continue
+            inc = (r["peak_after_load_kib"] - r["rss_before_kib"]) * 1024
+            rel = r["first_step_s"] / ck["first_step_s"] if ck else float("nan")
+            if way in ("raw", "fresh_fill"):
+                rel = r["load_s"] / ck["load_s"] if ck else float("nan")
+            print(f"{way:<20} {r['load_s']:>10.3f} {gib / r['load_s']:>6.2f} {r['first_step_s']:>13.3f} "
+                  f"{rel:>11.2f} {r['peak_after_load_kib'] / 1024:>13.0f} {inc / 2**20:>13.0f} "
+                  f"{inc / opt_bytes:>11.2f}")
+    print("\nx ckptstore: the way's time to the first step / ckptstore's (> 1: ckptstore faster); "
+          "for raw (a pread of the files) and fresh_fill (creating the optimizer state's memory, "
+          "nothing read), their time / ckptstore's restore time.\n"
+          "+ over before: peak RSS after the restore minus RSS before it (the model and its "
+          "gradients exist before); / new state: that over the optimizer state's bytes, the "
+          "memory a restore must create.")
+    print("JSON " + json.dumps({f"{c}_{w}": v for (c, w), v in res.items()}))
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def save_compare(args) -> None:
+    """1 GiB (``--size``) of FP32 in 64 tensors: ckptstore.save (durable: shards, fsyncs,
+    manifest) against safetensors.torch.save_file + fsync of the file and its directory,
+    alternating, best of ``--repeat``."""
+    from safetensors.torch import save_file
+
+    n = 64
+    per = parse_size(args.size) // 4 // n
+    g = torch.Generator().manual_seed(0)
+    ts = {f"t{i:02d}": torch.rand(per, generator=g) for i in range(n)}
+    arrays = {k: v.numpy() for k, v in ts.items()}
+    nbytes = per * 4 * n
+    base = args.dir or tempfile.mkdtemp(prefix="ckptstore-save-")
+    os.makedirs(base, exist_ok=True)
+    ckp, stp = os.path.join(base, "ck"), os.path.join(base, "st.safetensors")
+    best = {"ckptstore": float("inf"), "safetensors": float("inf")}
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        ckptstore.save(ckp, arrays, max_shard_size=256 << 20)
+        best["ckptstore"] = min(best["ckptstore"], time.perf_counter() - t0)
+        if os.path.exists(stp):
+            os.remove(stp)
+        t0 = time.perf_counter()
+        save_file(ts, stp)
+        fsync_path(stp)
+        best["safetensors"] = min(best["safetensors"], time.perf_counter() - t0)
+    gib = nbytes / 2**30
+    for k, v in best.items():
+        print(f"save {k:<12} {v:8.3f} s {gib / v:6.2f} GiB/s")
+    print(f"ckptstore / safetensors save_file+fsync: {best['safetensors'] / best['ckptstore']:.2f}x")
+    print("JSON " + json.dumps({f"{k}_save_gibps": gib / v for k, v in best.items()}))
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        cp = argparse.ArgumentParser()
+        cp.add_argument("--child", nargs=2)
+        cp.add_argument("--layers", type=int)
+        cp.add_argument("--width", type=int)
+        a = cp.parse_args()
+        child(a.child[0], a.child[1], a.layers, a.width)
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1GiB", help="model + optimizer state size (default 1GiB)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is shown")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--cold", action="store_true", help="evict the files from the page cache before loads")
+    ap.add_argument("--restore", action="store_true", help="fresh-process restore + first step, cold and hot")
+    ap.add_argument("--layers", type=int, default=5, help="--restore: Linear layers (default 5)")
+    ap.add_argument("--width", type=int, default=4096, help="--restore: layer width (default 4096)")
+    ap.add_argument("--ways", default=None, help="--restore: comma-separated subset of the ways")
+    ap.add_argument("--save-compare", action="store_true",
+                    help="ckptstore.save against safetensors save_file + fsync, 64 FP32 tensors")
     args = ap.parse_args()
+    if args.save_compare:
+        save_compare(args)
+        return
+    if args.restore:
+        restore_bench(args)
+        return
 
     torch.set_num_threads(os.cpu_count() or 1)
     model, opt = build(parse_size(args.size))

@@ -791,3 +791,230 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         self.tensors().iter().map(TensorInfo::nbytes).sum()
     }
 }
+
+/// How loads read cold shard bytes; see [`set_read_strategy`].
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReadStrategy {
+    /// Page faults only (the kernel's fault read-ahead), tensors in parallel.
+    Faults,
+    /// A read-ahead thread walks the tensors in file order, ahead of the converters,
+    /// asking for windows that are not in memory (`MADV_WILLNEED`); tensors in parallel.
+    WillNeed,
+    /// The read-ahead thread, and tensors converted one after the other in file order
+    /// (each one rayon-parallel inside), so the converters follow the read-ahead.
+    WillNeedInOrder,
+}
+
+static READ_STRATEGY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(1);
+
+/// Select how loads read cold bytes (for benchmarks that compare the strategies; the
+/// default is the one measured fastest, see BENCHMARKS.md).
+#[doc(hidden)]
+pub fn set_read_strategy(s: ReadStrategy) {
+    let v = match s {
+        ReadStrategy::Faults => 0,
+        ReadStrategy::WillNeed => 1,
+        ReadStrategy::WillNeedInOrder => 2,
+    };
+    READ_STRATEGY.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The strategy loads use now.
+#[doc(hidden)]
+pub fn read_strategy() -> ReadStrategy {
+    match READ_STRATEGY.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => ReadStrategy::Faults,
+        1 => ReadStrategy::WillNeed,
+        _ => ReadStrategy::WillNeedInOrder,
+    }
+}
+
+/// Bytes the read-ahead thread asks for at a time.
+const READAHEAD_WINDOW: usize = 16 << 20;
+
+/// Run `f` while a read-ahead thread asks the kernel for the not-yet-cached windows of
+/// `ranges` (slices of mapped shard bytes, in the order `f` will read them). Windows
+/// already in memory (sampled: first and last page) cost two `mincore` calls and nothing
+/// else, so hot loads pay almost nothing. The thread stops when `f` returns.
+pub(crate) fn with_readahead<R: Send>(ranges: &[&[u8]], f: impl FnOnce() -> R + Send) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if read_strategy() == ReadStrategy::Faults
+        || ranges
+            .iter()
+            .flat_map(|r| r.chunks(READAHEAD_WINDOW))
+            .all(crate::sys::mmap::looks_resident)
+    {
+        return f();
+    }
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for r in ranges {
+                for w in r.chunks(READAHEAD_WINDOW) {
+                    if done.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    if !crate::sys::mmap::looks_resident(w) {
+                        crate::sys::mmap::will_need(w);
+                    }
+                }
+            }
+        });
+        let r = f();
+        done.store(true, Ordering::Relaxed);
+        r
+    })
+}
+
+/// Whether loads should convert tensors one after the other (see [`ReadStrategy`]).
+pub(crate) fn in_order() -> bool {
+    read_strategy() == ReadStrategy::WillNeedInOrder
+}
+
+impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// The mapped bytes of `tensors`, sorted in file order (shard, offset).
+    /// Ranges that touch or overlap in a shard are merged, so that a checkpoint of many
+    /// small tensors costs a few `mincore` calls per window, not per tensor.
+    pub(crate) fn ranges_in_file_order<'a>(&'a self, tensors: &[&'a TensorInfo]) -> Vec<&'a [u8]> {
+        let mut spans: Vec<(usize, u64, u64)> = tensors
+            .iter()
+            .map(|t| (t.shard, t.offsets[0], t.offsets[1]))
+            .collect();
+        spans.sort_unstable();
+        let mut merged: Vec<(usize, u64, u64)> = Vec::with_capacity(spans.len());
+        for (sh, a, b) in spans {
+            match merged.last_mut() {
+                Some(m) if m.0 == sh && a <= m.2 => m.2 = m.2.max(b),
+                _ => merged.push((sh, a, b)),
+            }
+        }
+        merged
+            .into_iter()
+            .filter_map(|(sh, a, b)| {
+                self.shards
+                    .get(sh)?
+                    .bytes
+                    .as_ref()
+                    .get(usize::try_from(a).ok()?..usize::try_from(b).ok()?)
+            })
+            .collect()
+    }
+}
+
+impl Checkpoint<Map> {
+    /// Paths of the shard files, in shard order.
+    pub fn shard_paths(&self) -> Vec<PathBuf> {
+        self.shards
+            .iter()
+            .map(|s| match self.kind {
+                Kind::Safetensors => PathBuf::from(&s.file),
+                _ => self.root.join(&s.file),
+            })
+            .collect()
+    }
+}
+
+impl Checkpoint<Map> {
+    /// Release the mapped pages of tensor `t` from this process (they stay in the page
+    /// cache; a later read maps them again).
+    fn release_tensor(&self, t: &TensorInfo) {
+        self.shards[t.shard]
+            .bytes
+            .release(t.offsets[0] as usize, t.nbytes() as usize);
+    }
+
+    /// [`Checkpoint::load_optimizer`], releasing each source tensor's mapped pages from
+    /// this process once it is converted: the resident memory of a restore stays about the
+    /// size of the loaded state, not that plus the mapped checkpoint. Results are
+    /// bit-identical to `load_optimizer`; a later load from the same `Checkpoint` maps the
+    /// pages again (from the page cache).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_optimizer`].
+    pub fn load_optimizer_releasing(
+        &self,
+        layout: &crate::optim::StateLayout,
+    ) -> Result<crate::optim::OptimizerState> {
+        self.load_optimizer_impl(layout, None, Some(&|t| self.release_tensor(t)))
+    }
+
+    /// Check the CRC32 of every tensor named (rayon-parallel across tensors and within large
+    /// ones, with read-ahead of cold bytes), releasing each tensor's mapped pages from this
+    /// process afterwards when `release` is set.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] for an unknown name (before anything is read);
+    /// [`Error::ChecksumMismatch`] for damaged bytes (the first in `names` order).
+    pub fn verify_tensors(&self, names: &[&str], release: bool) -> Result<()> {
+        let infos: Vec<&TensorInfo> = names.iter().map(|n| self.info(n)).collect::<Result<_>>()?;
+        let ranges = self.ranges_in_file_order(&infos);
+        let first_bad = with_readahead(&ranges, || {
+            infos
+                .par_iter()
+                .enumerate()
+                .filter_map(|(i, t)| {
+                    let r = self.check_crc(t, crc32_parallel(self.view(t).bytes()));
+                    if release {
+                        self.release_tensor(t);
+                    }
+                    r.err().map(|e| (i, e))
+                })
+                .min_by_key(|(i, _)| *i)
+        });
+        match first_bad {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Copy the stored bytes of tensor `name` into `dst` (exactly its byte length),
+    /// rayon-parallel, releasing its mapped pages afterwards when `release` is set. The
+    /// CRC is not checked here: check it first ([`Checkpoint::verify_tensors`]).
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if `dst` is not exactly the
+    /// tensor's byte length.
+    pub fn copy_tensor_into(&self, name: &str, dst: &mut [u8], release: bool) -> Result<()> {
+        let t = self.info(name)?;
+        let src = self.view(t).bytes();
+        if src.len() != dst.len() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {name:?} is {} bytes, the destination {} bytes",
+                src.len(),
+                dst.len()
+            )));
+        }
+        crate::convert::copy_bytes(src, dst);
+        if release {
+            self.release_tensor(t);
+        }
+        Ok(())
+    }
+}
+
+/// `(cached, total)` pages of the file at `path` in the page cache (`mincore` over a new
+/// map that touches no page; `None` where the system cannot say). For benchmarks that must
+/// know the cache is cold before they trust a "cold" figure.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be opened or mapped.
+pub fn cached_pages(path: &Path) -> Result<Option<(usize, usize)>> {
+    let m = open_map(path)?;
+    Ok(crate::sys::mmap::resident_pages(m.as_ref()))
+}
+
+/// Drop the file at `path` from the page cache: flush its dirty pages (`fdatasync`), then
+/// `posix_fadvise(POSIX_FADV_DONTNEED)`, so that the next read comes from the device (a
+/// cold read, as after a reboot). No privileges needed. Pages that a live memory map of any
+/// process has faulted in stay cached: close checkpoints over the file first. A no-op on
+/// systems other than Linux.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be opened, flushed or advised.
+pub fn drop_page_cache(path: &Path) -> Result<()> {
+    let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    f.sync_data().map_err(|e| Error::io("fdatasync", path, e))?;
+    crate::sys::io::drop_cached(&f).map_err(|e| Error::io("posix_fadvise", path, e))
+}

@@ -412,18 +412,29 @@ impl PyCheckpoint {
     /// shape}, "state": {name: {state: ndarray | F16Scaled}}}`; parameters without state
     /// have no entry in `state`. Raises `OptimizerStateError` if there is no optimizer
     /// section or a conversion cannot be done, `ChecksumError` for damaged bytes.
-    #[pyo3(signature = (layout = None, *, counters = Vec::new(), raw = false))]
+    ///
+    /// `release=True` drops each source tensor's mapped pages from the process once it is
+    /// converted (the pages stay in the page cache): a restore's resident memory stays about
+    /// the size of the state it loads.
+    #[pyo3(signature = (layout = None, *, counters = Vec::new(), raw = false, release = false))]
     fn load_optimizer<'py>(
         &self,
         py: Python<'py>,
         layout: Option<&Bound<'py, PyAny>>,
         counters: Vec<String>,
         raw: bool,
+        release: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let layout = parse_layout(layout, counters)?;
         let ck = self.open_parts()?.0.clone();
         let st = py
-            .detach(move || ck.load_optimizer(&layout))
+            .detach(move || {
+                if release {
+                    ck.load_optimizer_releasing(&layout)
+                } else {
+                    ck.load_optimizer(&layout)
+                }
+            })
             .map_err(CkError)?;
         let scaled_cls = py.import("ckptstore._types")?.getattr("F16Scaled")?;
         let groups = PyList::empty(py);
@@ -457,6 +468,67 @@ impl PyCheckpoint {
         out.set_item("param_shapes", shapes)?;
         out.set_item("state", state)?;
         Ok(out)
+    }
+
+    /// `ck.verify_tensors(names, *, release=False)`: check the CRC32 of every named tensor
+    /// (parallel, read-ahead of cold bytes, interpreter released); with `release=True` each
+    /// tensor's mapped pages leave the process afterwards. Raises `TensorNotFoundError`
+    /// before reading anything for an unknown name, `ChecksumError` for damaged bytes.
+    #[pyo3(signature = (names, *, release = false))]
+    fn verify_tensors(&self, py: Python<'_>, names: Vec<String>, release: bool) -> PyResult<()> {
+        let ck = self.open_parts()?.0.clone();
+        py.detach(move || {
+            let ns: Vec<&str> = names.iter().map(String::as_str).collect();
+            ck.verify_tensors(&ns, release)
+        })
+        .map_err(CkError)?;
+        Ok(())
+    }
+
+    /// `ck.copy_into(pairs, *, release=False)`: copy each named tensor's stored bytes into
+    /// its destination, a writable C-contiguous 1-D `uint8` array of exactly the tensor's
+    /// byte length (a view of the destination tensor's memory); interpreter released. The
+    /// CRC is not checked here (`verify_tensors` first). Every name and length is checked
+    /// before any byte is written.
+    #[pyo3(signature = (pairs, *, release = false))]
+    fn copy_into(
+        &self,
+        py: Python<'_>,
+        pairs: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
+        release: bool,
+    ) -> PyResult<()> {
+        let ck = self.open_parts()?.0.clone();
+        let mut names = Vec::with_capacity(pairs.len());
+        let mut arrays = Vec::with_capacity(pairs.len());
+        for (n, a) in pairs {
+            let info = ck.info(&n).map_err(CkError)?;
+            let len = a.len()?;
+            if len as u64 != info.nbytes() {
+                return Err(invalid_arg(format!(
+                    "copy_into: tensor {n:?} is {} bytes, its destination {} bytes",
+                    info.nbytes(),
+                    len
+                )));
+            }
+            names.push(n);
+            arrays.push(a);
+        }
+        let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(arrays.len());
+        for (n, a) in names.iter().zip(arrays.iter_mut()) {
+            dsts.push(a.as_slice_mut().map_err(|_| {
+                invalid_arg(format!(
+                    "copy_into: the destination of {n:?} is not contiguous"
+                ))
+            })?);
+        }
+        py.detach(move || {
+            names
+                .iter()
+                .zip(dsts)
+                .try_for_each(|(n, d)| ck.copy_tensor_into(n, d, release))
+        })
+        .map_err(CkError)?;
+        Ok(())
     }
 
     /// Drop this object's hold on the mapping. Arrays already handed out stay valid (each

@@ -164,7 +164,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// bytes; [`Error::Conversion`] for a conversion that cannot be done (a non-float state
     /// asked as F32, an FP32 state with infinities asked as F16-scaled).
     pub fn load_optimizer(&self, layout: &StateLayout) -> Result<OptimizerState> {
-        self.load_optimizer_impl(layout, None)
+        self.load_optimizer_impl(layout, None, None)
     }
 
     /// [`Checkpoint::load_optimizer`], taking destination buffers from `pool` where it
@@ -179,13 +179,15 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         layout: &StateLayout,
         pool: &BufferPool,
     ) -> Result<OptimizerState> {
-        self.load_optimizer_impl(layout, Some(pool))
+        self.load_optimizer_impl(layout, Some(pool), None)
     }
 
-    fn load_optimizer_impl(
+    /// `release(t)` is called once tensor `t` of the checkpoint has been read.
+    pub(crate) fn load_optimizer_impl(
         &self,
         layout: &StateLayout,
         pool: Option<&BufferPool>,
+        release: Option<&(dyn Fn(&TensorInfo) + Sync)>,
     ) -> Result<OptimizerState> {
         let sec = self
             .manifest()
@@ -244,10 +246,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 });
             }
         }
-        let values: Vec<StateValue> = jobs
-            .par_iter()
-            .map(|j| self.run_job(j, pool))
-            .collect::<Result<_>>()?;
+        let values = self.run_jobs(&jobs, pool, release)?;
 
         let keys = jobs.iter().map(|j| (j.param, j.state));
         Ok(assemble(sec, keys, values, |n| {
@@ -391,6 +390,54 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         Ok(assemble(sec, keys, values, |n| {
             regions.get(n).map_or(Vec::new(), |r| r.shape.clone())
         }))
+    }
+
+    /// Run `jobs`, the results in `jobs` order, with read-ahead of their source bytes
+    /// (see [`crate::checkpoint::with_readahead`]): in file order one tensor after the
+    /// other (each parallel inside), or all tensors in parallel, per the read strategy.
+    fn run_jobs(
+        &self,
+        jobs: &[Job<'_>],
+        pool: Option<&BufferPool>,
+        release: Option<&(dyn Fn(&TensorInfo) + Sync)>,
+    ) -> Result<Vec<StateValue>> {
+        let run = |j: &Job<'_>| {
+            let v = self.run_job(j, pool)?;
+            if let Some(r) = release {
+                match &j.source {
+                    Source::Plain(t) => r(t),
+                    Source::Scaled { q, scale } => {
+                        r(q);
+                        r(scale);
+                    }
+                }
+            }
+            Ok(v)
+        };
+        let first = |j: &Job<'_>| match &j.source {
+            Source::Plain(t) | Source::Scaled { q: t, .. } => (t.shard, t.offsets[0]),
+        };
+        let sources: Vec<&TensorInfo> = jobs
+            .iter()
+            .flat_map(|j| match &j.source {
+                Source::Plain(t) => [Some(*t), None],
+                Source::Scaled { q, scale } => [Some(*q), Some(*scale)],
+            })
+            .flatten()
+            .collect();
+        let ranges = self.ranges_in_file_order(&sources);
+        crate::checkpoint::with_readahead(&ranges, || {
+            if !crate::checkpoint::in_order() {
+                return jobs.par_iter().map(run).collect::<Result<Vec<_>>>();
+            }
+            let mut order: Vec<usize> = (0..jobs.len()).collect();
+            order.sort_by_key(|&i| first(&jobs[i]));
+            let mut out: Vec<Option<StateValue>> = (0..jobs.len()).map(|_| None).collect();
+            for i in order {
+                out[i] = Some(run(&jobs[i])?);
+            }
+            Ok(out.into_iter().flatten().collect())
+        })
     }
 
     /// A view of `t` whose CRC32 was just checked.

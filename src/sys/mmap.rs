@@ -65,7 +65,6 @@ impl Map {
     /// the file. Used by streaming loads to bound memory. Out-of-range requests are clipped.
     pub fn release(&self, offset: usize, len: usize) {
         let Some(m) = &self.map else { return };
-        const PAGE: usize = 4096;
         let start = offset.min(m.len()) / PAGE * PAGE;
         let end = offset.saturating_add(len).min(m.len());
         if end <= start {
@@ -89,4 +88,72 @@ impl AsRef<[u8]> for Map {
             None => &[],
         }
     }
+}
+
+const PAGE: usize = 4096;
+
+/// The page-aligned range `[start, start + len)` covering every byte of `bytes`, or `None`
+/// for an empty slice.
+fn page_range(bytes: &[u8]) -> Option<(usize, usize)> {
+    if bytes.is_empty() {
+        return None;
+    }
+    let addr = bytes.as_ptr() as usize;
+    let start = addr / PAGE * PAGE;
+    let end = addr
+        .checked_add(bytes.len())?
+        .checked_next_multiple_of(PAGE)?;
+    Some((start, end - start))
+}
+
+/// Ask the kernel to start reading the pages behind `bytes` now (`madvise(MADV_WILLNEED)`),
+/// without waiting for them: a read-ahead hint for memory-mapped shard bytes that a loader
+/// will touch soon. For anonymous memory it is harmless. Failures are ignored (a hint).
+pub(crate) fn will_need(bytes: &[u8]) {
+    #[cfg(target_os = "linux")]
+    if let Some((start, len)) = page_range(bytes) {
+        // SAFETY: the range covers only pages holding bytes of `bytes`, which are mapped
+        // (the slice is live). MADV_WILLNEED changes no memory contents and no mapping: it
+        // only schedules reads into the page cache. Errors come back as the result.
+        let _ = unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_WILLNEED) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = bytes;
+}
+
+/// How many of the pages behind `bytes` are in memory (`mincore`): for a file map, the
+/// pages in the page cache, faulted in by this process or not. `None` where it cannot be
+/// asked (other systems, or the call failed).
+pub(crate) fn resident_pages(bytes: &[u8]) -> Option<(usize, usize)> {
+    #[cfg(target_os = "linux")]
+    {
+        let Some((start, len)) = page_range(bytes) else {
+            return Some((0, 0));
+        };
+        let pages = len / PAGE;
+        let mut v = vec![0u8; pages];
+        // SAFETY: the range covers only pages holding bytes of the live slice `bytes`, and
+        // `v` has one writable byte per page of it, which is what mincore writes.
+        let rc = unsafe { libc::mincore(start as *mut libc::c_void, len, v.as_mut_ptr()) };
+        if rc != 0 {
+            return None;
+        }
+        Some((v.iter().filter(|&&b| b & 1 != 0).count(), pages))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = bytes;
+        None
+    }
+}
+
+/// Whether the first and the last page behind `bytes` are in memory: a cheap sample
+/// (two one-page `mincore` calls) that tells a hot range from a cold one.
+pub(crate) fn looks_resident(bytes: &[u8]) -> bool {
+    if bytes.is_empty() {
+        return true;
+    }
+    let first = &bytes[..1];
+    let last = &bytes[bytes.len() - 1..];
+    matches!(resident_pages(first), Some((1, 1))) && matches!(resident_pages(last), Some((1, 1)))
 }

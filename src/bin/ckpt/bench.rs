@@ -1,7 +1,6 @@
 //! `ckpt bench`: save, open, verify and load throughput on a synthetic FP32 checkpoint,
 //! each beside a baseline measured in the same run.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -12,6 +11,8 @@ use half::{bf16, f16};
 use serde_json::json;
 
 use crate::util::{gibps, human, parse_size};
+
+mod cold;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -30,6 +31,14 @@ pub struct Args {
     /// Print one JSON object (keys documented in the README).
     #[arg(long)]
     json: bool,
+    /// Also load from a cold page cache (the shard files evicted before each run), beside
+    /// a raw cold read of the same files.
+    #[arg(long)]
+    cold: bool,
+    /// With --cold: compare every read strategy (page faults only; a read-ahead thread;
+    /// the read-ahead thread with tensors converted in file order), not only the default.
+    #[arg(long)]
+    strategies: bool,
 }
 
 fn best<T>(reps: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
@@ -55,32 +64,34 @@ pub fn run(a: Args) -> Result<ExitCode> {
     };
     let ckdir = dir.join("bench-ckpt");
 
-    // Save, beside a raw sequential write + fsync of the same bytes. The two alternate, so
-    // that both see the same state of a shared disk; the best of each is kept. Like the
-    // save, which replaces the previous checkpoint, the raw write replaces its file.
-    let raw_path = dir.join("bench-raw.bin");
-    let io = |op: &'static str| {
-        let p = raw_path.clone();
-        move |e| ckptstore::Error::Io {
-            op,
-            path: p,
-            source: e,
-        }
-    };
-    let raw_write = || -> Result<()> {
-        let _ = std::fs::remove_file(&raw_path);
-        let mut f = std::fs::File::create(&raw_path).map_err(io("create"))?;
-        for d in &data {
-            f.write_all(bytemuck::cast_slice(d)).map_err(io("write"))?;
-        }
-        f.sync_all().map_err(io("fsync"))
-    };
-    let (mut save_s, mut raw_s) = (f64::MAX, f64::MAX);
+    // Save, beside raw writes + fsync of the same bytes, three ways (one file; shard-sized
+    // files written by two threads; the same through O_DIRECT); the best way is the
+    // baseline. They alternate, so that all see the same state of a shared disk; the best
+    // of each is kept. Like the save, which replaces the previous checkpoint, each raw
+    // write replaces its files.
+    let ways = [
+        cold::RawWrite::OneFile,
+        cold::RawWrite::Parallel,
+        cold::RawWrite::Direct,
+    ];
+    let rawdir = dir.join("bench-raw");
+    std::fs::create_dir_all(&rawdir).map_err(|e| ckptstore::Error::Io {
+        op: "create dir",
+        path: rawdir.clone(),
+        source: e,
+    })?;
+    let mut save_s = f64::MAX;
+    let mut raw_each = [f64::MAX; 3];
     for _ in 0..a.reps.max(1) {
         save_s = save_s.min(best(1, || opt.save(&ckdir, &[], &opts))?);
-        raw_s = raw_s.min(best(1, raw_write)?);
+        for (w, r) in ways.iter().zip(raw_each.iter_mut()) {
+            *r = r.min(best(1, || {
+                cold::raw_write(&rawdir, &data, opts.max_shard_size, *w)
+            })?);
+        }
     }
-    let _ = std::fs::remove_file(&raw_path);
+    let raw_s = raw_each.iter().copied().fold(f64::MAX, f64::min);
+    let _ = std::fs::remove_dir_all(&rawdir);
 
     let open_s = best(a.reps.max(5), || Checkpoint::open(&ckdir))?;
     let ck = Checkpoint::open(&ckdir)?;
@@ -192,6 +203,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
             g(memcpy_fresh_s),
         ),
     ];
+    drop(ck);
+    let cold = if a.cold {
+        Some(cold::run(&ckdir, bytes, a.reps, a.strategies)?)
+    } else {
+        None
+    };
     if a.json {
         let mut o = serde_json::Map::new();
         o.insert("bytes".into(), json!(bytes));
@@ -202,6 +219,28 @@ pub fn run(a: Args) -> Result<ExitCode> {
             o.insert(format!("{name}_gibps"), json!(v));
             o.insert(format!("{base}_gibps"), json!(b));
             o.insert(format!("{name}_ratio"), json!(v / b));
+        }
+        for (w, r) in ways.iter().zip(raw_each) {
+            o.insert(format!("{}_gibps", w.name()), json!(g(r)));
+        }
+        if let Some(c) = &cold {
+            o.insert("raw_read_cold_gibps".into(), json!(c.raw_gibps));
+            for (n, v) in &c.raw_by_readers {
+                o.insert(format!("raw_read_cold_{n}_readers_gibps"), json!(v));
+            }
+            o.insert(
+                "cold_cached_pages_after_evict".into(),
+                json!([c.cached_after_evict.0, c.cached_after_evict.1]),
+            );
+            for (t, st, v) in &c.loads {
+                let key = if *st == "default" {
+                    format!("load_{t}_cold")
+                } else {
+                    format!("load_{t}_cold_{st}")
+                };
+                o.insert(format!("{key}_gibps"), json!(v));
+                o.insert(format!("{key}_ratio"), json!(v / c.raw_gibps));
+            }
         }
         println!("{}", serde_json::Value::Object(o));
         return Ok(ExitCode::SUCCESS);
@@ -220,5 +259,30 @@ pub fn run(a: Args) -> Result<ExitCode> {
         println!("{name:<22} {v:>9.2}   {base:<30} {b:>9.2}   {:>6.2}", v / b);
     }
     println!("{:<22} {:>9.2}", "open (ms)", open_s * 1e3);
+    for (w, r) in ways.iter().zip(raw_each) {
+        println!(
+            "  save baseline candidate {:<22} {:>9.2} GiB/s",
+            w.name(),
+            g(r)
+        );
+    }
+    if let Some(c) = &cold {
+        println!(
+            "cold page cache (shard files evicted before each run; {} of {} pages cached after eviction)",
+            c.cached_after_evict.0, c.cached_after_evict.1
+        );
+        for (n, v) in &c.raw_by_readers {
+            println!("  raw cold pread, {n} reader(s), 8 MiB blocks: {v:.2} GiB/s");
+        }
+        for (t, st, v) in &c.loads {
+            println!(
+                "{:<40} {v:>9.2}   {:<30} {:>9.2}   {:>6.2}",
+                format!("load_{t}_cold ({st})"),
+                "raw_read_cold (best readers)",
+                c.raw_gibps,
+                v / c.raw_gibps
+            );
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,160 @@
+//! Issue 16: the cold-read helpers and the restore paths that release mapped pages.
+//! Behaviour only (bytes, errors); speed is measured by `ckpt bench --cold`, never here.
+
+use ckptstore::checkpoint::{
+    cached_pages, drop_page_cache, read_strategy, set_read_strategy, ReadStrategy,
+};
+use ckptstore::optim::{synthetic_state, ScaleShape, StateLayout, Target};
+use ckptstore::{Checkpoint, Error, SaveOptions};
+
+fn saved(dir: &std::path::Path) {
+    let (opt, _) = synthetic_state(6, 40_000).unwrap();
+    let opts = SaveOptions {
+        max_shard_size: 400_000,
+        ..Default::default()
+    };
+    opt.save(dir, &[], &opts).unwrap();
+}
+
+fn layouts() -> Vec<StateLayout> {
+    vec![
+        StateLayout::default(),
+        StateLayout::default().state("exp_avg", Target::F16Scaled(ScaleShape::One)),
+        StateLayout::default().state("exp_avg", Target::BF16),
+        StateLayout::with_default(Target::F32),
+    ]
+}
+
+#[test]
+fn every_read_strategy_and_releasing_load_give_identical_state() {
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    assert!(ck.shards().len() > 1, "the test wants several shards");
+    let default = read_strategy();
+    for layout in layouts() {
+        let want = ck.load_optimizer(&layout).unwrap();
+        for s in [
+            ReadStrategy::Faults,
+            ReadStrategy::WillNeed,
+            ReadStrategy::WillNeedInOrder,
+        ] {
+            set_read_strategy(s);
+            // From a new map each time, after dropping the files from the page cache (a
+            // no-op where the system keeps them, e.g. tmpfs: the bytes are the same).
+            for p in ck.shard_paths() {
+                drop_page_cache(&p).unwrap();
+            }
+            let fresh = Checkpoint::open(dir.path()).unwrap();
+            assert_eq!(fresh.load_optimizer(&layout).unwrap(), want, "{s:?}");
+            assert_eq!(
+                fresh.load_optimizer_releasing(&layout).unwrap(),
+                want,
+                "{s:?}"
+            );
+            // Released pages are mapped again by the next load.
+            assert_eq!(
+                fresh.load_optimizer_releasing(&layout).unwrap(),
+                want,
+                "{s:?}"
+            );
+        }
+    }
+    set_read_strategy(default);
+}
+
+#[test]
+fn cache_helpers_report_pages_and_name_missing_files() {
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    for p in ck.shard_paths() {
+        let len = std::fs::metadata(&p).unwrap().len() as usize;
+        drop_page_cache(&p).unwrap();
+        if let Some((cached, total)) = cached_pages(&p).unwrap() {
+            assert_eq!(total, len.div_ceil(4096));
+            assert!(cached <= total);
+        }
+    }
+    let missing = dir.path().join("no-such-shard.safetensors");
+    match drop_page_cache(&missing) {
+        Err(Error::Io { path, .. }) => assert_eq!(path, missing),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(cached_pages(&missing), Err(Error::Io { .. })));
+}
+
+#[test]
+fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    ck.verify_tensors(&refs, true).unwrap();
+    ck.verify_tensors(&refs, false).unwrap();
+    assert!(matches!(
+        ck.verify_tensors(&["nope"], true),
+        Err(Error::TensorNotFound { .. })
+    ));
+    // Copies are exact, also after the pages were released.
+    for t in ck.tensors() {
+        let want = ck.tensor(&t.name).unwrap().bytes().to_vec();
+        let mut got = vec![0xAAu8; want.len()];
+        ck.copy_tensor_into(&t.name, &mut got, true).unwrap();
+        assert_eq!(got, want, "{}", t.name);
+        let mut short = vec![0u8; want.len() - 1];
+        assert!(matches!(
+            ck.copy_tensor_into(&t.name, &mut short, false),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(
+            short.iter().all(|&b| b == 0),
+            "nothing written on a length error"
+        );
+    }
+    drop(ck);
+
+    // Damage one byte of the third tensor in file order, and one of the fifth: the error
+    // names the first damaged tensor in `names` order.
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let mut order: Vec<_> = ck.tensors().to_vec();
+    order.sort_by_key(|t| (t.shard, t.offsets[0]));
+    let files = ck.shard_paths();
+    drop(ck);
+    for t in [&order[2], &order[4]] {
+        let p = &files[t.shard];
+        let mut b = std::fs::read(p).unwrap();
+        b[(t.offsets[0] + 7) as usize] ^= 0x10;
+        std::fs::write(p, &b).unwrap();
+    }
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    for (names, want) in [
+        (
+            vec![
+                order[0].name.as_str(),
+                order[4].name.as_str(),
+                order[2].name.as_str(),
+            ],
+            &order[4],
+        ),
+        (
+            vec![order[2].name.as_str(), order[4].name.as_str()],
+            &order[2],
+        ),
+    ] {
+        match ck.verify_tensors(&names, true) {
+            Err(Error::ChecksumMismatch { what, shard, .. }) => {
+                assert_eq!(what, format!("tensor {:?}", want.name));
+                assert_eq!(shard, want.shard);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    ck.verify_tensors(&[order[0].name.as_str(), order[1].name.as_str()], true)
+        .unwrap();
+    assert!(matches!(
+        ck.load_optimizer_releasing(&StateLayout::default()),
+        Err(Error::ChecksumMismatch { .. })
+    ));
+}
