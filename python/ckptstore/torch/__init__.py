@@ -36,7 +36,7 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import numpy as np
 
@@ -197,25 +197,16 @@ def _param_names(model: Any, optimizer: Any) -> list[str]:
     return names
 
 
-def save(
-    path: "str | os.PathLike[str]",
-    model: Any = None,
-    optimizer: Any = None,
-    *,
-    extra: Optional[Mapping[str, Any]] = None,
-    max_shard_size: Optional[int] = None,
-) -> dict:
-    """Save ``model`` (its ``state_dict()``), ``optimizer`` (its ``state_dict()``, with
-    parameters named by their model names) and ``extra`` as one checkpoint in the directory
-    ``path``, atomically and durably replacing any checkpoint there.
-
-    ``extra`` maps string keys to tensors or arrays (stored as tensors) or JSON values
-    (numbers, strings, lists, dicts; tuples and non-finite floats are kept); :func:`load`
-    returns it. Returns the commit info of :func:`ckptstore.save`.
-
-    CPU tensors are written from their own memory, without a copy; keep them unchanged
-    until ``save`` returns (it releases the GIL while writing).
-    """
+def _build_items(
+    model: Any,
+    optimizer: Any,
+    extra: Optional[Mapping[str, Any]],
+    prepare: Callable[[str, Any], tuple[str, str, np.ndarray]],
+) -> tuple[list[tuple[str, str, np.ndarray]], str, Any]:
+    """What :func:`save` stores for ``model``, ``optimizer`` and ``extra``: the native
+    save's items, its metadata JSON and its optimizer parts. ``prepare(name, tensor)``
+    turns each tensor into ``(name, wire dtype, array)``: over the live tensor for
+    :func:`save`, over a snapshot buffer for the manager's background saves."""
     torch = _torch()
     entries: list[tuple[str, str, np.ndarray]] = []
     meta: dict[str, Any] = {"version": _META_VERSION, "model": [], "extra": {}, "extra_tensors": []}
@@ -226,7 +217,7 @@ def save(
                     f"model state {name!r} is a {type(t).__name__}, not a tensor: "
                     "ckptstore.torch stores tensors (put other values in extra=)"
                 )
-            entries.append(_to_numpy(name, t))
+            entries.append(prepare(name, t))
             meta["model"].append(name)
     optim = None
     if optimizer is not None:
@@ -256,17 +247,40 @@ def save(
             "param_shapes": {n: tuple(p.shape) for n, p in zip(names, params)},
             "state": state,
         }
-        optim = _optimizer_parts(opt, prepare=_to_numpy)
+        optim = _optimizer_parts(opt, prepare=prepare)
         meta["optimizer"] = {"class": type(optimizer).__name__, "values": values}
     for k, v in (extra or {}).items():
         if not isinstance(k, str):
             raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
         if isinstance(v, (torch.Tensor, np.ndarray)):
-            entries.append(_to_numpy(EXTRA_PREFIX + k, v))
+            entries.append(prepare(EXTRA_PREFIX + k, v))
             meta["extra_tensors"].append(k)
         else:
             meta["extra"][k] = _encode(v, f"extra {k!r}")
     metadata = json.dumps({META_KEY: meta}, allow_nan=False)
+    return entries, metadata, optim
+
+
+def save(
+    path: "str | os.PathLike[str]",
+    model: Any = None,
+    optimizer: Any = None,
+    *,
+    extra: Optional[Mapping[str, Any]] = None,
+    max_shard_size: Optional[int] = None,
+) -> dict:
+    """Save ``model`` (its ``state_dict()``), ``optimizer`` (its ``state_dict()``, with
+    parameters named by their model names) and ``extra`` as one checkpoint in the directory
+    ``path``, atomically and durably replacing any checkpoint there.
+
+    ``extra`` maps string keys to tensors or arrays (stored as tensors) or JSON values
+    (numbers, strings, lists, dicts; tuples and non-finite floats are kept); :func:`load`
+    returns it. Returns the commit info of :func:`ckptstore.save`.
+
+    CPU tensors are written from their own memory, without a copy; keep them unchanged
+    until ``save`` returns (it releases the GIL while writing).
+    """
+    entries, metadata, optim = _build_items(model, optimizer, extra, _to_numpy)
     return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, optim)
 
 

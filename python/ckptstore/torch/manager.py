@@ -28,7 +28,6 @@ Saves commit in the order they were made.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections import deque
@@ -37,7 +36,6 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .. import CheckpointManager as _StepStore
-from .. import _optimizer_parts
 from ..errors import CheckpointNotFoundError, InvalidArgumentError, InvalidTensorError
 
 __all__ = ["CheckpointManager", "SaveHandle"]
@@ -60,69 +58,9 @@ def _build(
     extra: Optional[Mapping[str, Any]],
     prepare: Callable[[str, Any], Tuple[str, str, np.ndarray]],
 ) -> Tuple[List[Tuple[str, str, np.ndarray]], str, Any]:
-    """The items of the native save for ``model``, ``optimizer`` and ``extra``, in the form
-    and with the metadata of :func:`ckptstore.torch.save` (so that
-    :func:`ckptstore.torch.load` restores them). ``prepare(name, tensor)`` turns each
-    tensor into ``(name, wire dtype, array)``: over the live tensor for a blocking save,
-    over a snapshot buffer for a background one."""
-    ct = _pkg()
-    torch = ct._torch()
-    entries: List[Tuple[str, str, np.ndarray]] = []
-    meta: Dict[str, Any] = {
-        "version": ct._META_VERSION,
-        "model": [],
-        "extra": {},
-        "extra_tensors": [],
-    }
-    if model is not None:
-        for name, t in model.state_dict().items():
-            if not isinstance(t, torch.Tensor):
-                raise InvalidTensorError(
-                    f"model state {name!r} is a {type(t).__name__}, not a tensor: "
-                    "ckptstore.torch stores tensors (put other values in extra=)"
-                )
-            entries.append(prepare(name, t))
-            meta["model"].append(name)
-    optim = None
-    if optimizer is not None:
-        sd = optimizer.state_dict()
-        names = ct._param_names(model, optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        groups = []
-        for gi, g in enumerate(sd["param_groups"]):
-            hyper = {
-                k: ct._encode(v, f"param group {gi}, {k!r}")
-                for k, v in g.items()
-                if k not in ("params", "param_names")
-            }
-            hyper["params"] = [names[i] for i in g["params"]]
-            groups.append(hyper)
-        state: Dict[str, Dict[str, Any]] = {}
-        values: Dict[str, Dict[str, Any]] = {}
-        for i, st in sd["state"].items():
-            n = names[i]
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    state.setdefault(n, {})[k] = v
-                elif v is not None:
-                    values.setdefault(n, {})[k] = ct._encode(v, f"parameter {n!r}, state {k!r}")
-        opt = {
-            "param_groups": groups,
-            "param_shapes": {n: tuple(p.shape) for n, p in zip(names, params)},
-            "state": state,
-        }
-        optim = _optimizer_parts(opt, prepare=prepare)
-        meta["optimizer"] = {"class": type(optimizer).__name__, "values": values}
-    for k, v in (extra or {}).items():
-        if not isinstance(k, str):
-            raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
-        if isinstance(v, (torch.Tensor, np.ndarray)):
-            entries.append(prepare(ct.EXTRA_PREFIX + k, v))
-            meta["extra_tensors"].append(k)
-        else:
-            meta["extra"][k] = ct._encode(v, f"extra {k!r}")
-    metadata = json.dumps({ct.META_KEY: meta}, allow_nan=False)
-    return entries, metadata, optim
+    """What :func:`ckptstore.torch.save` stores (so that :func:`ckptstore.torch.load`
+    restores it), with ``prepare`` over the live tensors or over snapshot buffers."""
+    return _pkg()._build_items(model, optimizer, extra, prepare)
 
 
 class _Snapshot:
