@@ -16,6 +16,7 @@ mod checkpoint;
 mod dtypes;
 mod errors;
 mod parts;
+mod remote;
 mod save;
 
 use pyo3::prelude::*;

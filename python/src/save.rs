@@ -110,7 +110,7 @@ pub(crate) fn save<'py>(
         .map(entry_ref)
         .collect::<PyResult<Vec<_>>>()?;
     let info = match &optimizer {
-        None => py.detach(|| ckptstore::save(&path, &refs, &opts)),
+        None => py.detach(|| crate::remote::save(&path, &refs, &opts)),
         Some((groups, states)) => {
             let mut state: BTreeMap<String, BTreeMap<String, StateValueRef<'_>>> = BTreeMap::new();
             for (param, sname, values, scale) in states {
@@ -136,7 +136,7 @@ pub(crate) fn save<'py>(
                 groups: parse_groups(groups)?.into(),
                 state,
             };
-            py.detach(|| opt.save(&path, &refs, &opts))
+            py.detach(|| crate::remote::save_optimizer(&path, &opt, &refs, &opts))
         }
     }
     .map_err(CkError)?;
