@@ -51,7 +51,11 @@ fn main() -> ckptstore::Result<()> {
     let n = 16;
     let per = bytes / n / 4;
     let data: Vec<Vec<f32>> = (0..n)
-        .map(|i| (0..per).map(|j| ((i * per + j) % 1009) as f32 * 0.5).collect())
+        .map(|i| {
+            (0..per)
+                .map(|j| ((i * per + j) % 1009) as f32 * 0.5)
+                .collect()
+        })
         .collect();
     let names: Vec<String> = (0..n).map(|i| format!("layer{i}.w")).collect();
     let tensors: Vec<TensorRef<'_>> = data
@@ -76,13 +80,17 @@ fn main() -> ckptstore::Result<()> {
             let up = store.put_multipart(&raw_key).await.expect("create upload");
             let mut w = WriteMultipart::new_with_chunk_size(up, cfg.part_size);
             for c in flat.chunks(8 << 20) {
-                w.wait_for_capacity(cfg.upload_concurrency).await.expect("part");
+                w.wait_for_capacity(cfg.upload_concurrency)
+                    .await
+                    .expect("part");
                 w.write(c);
             }
             w.finish().await.expect("complete");
         })
     });
-    let (save, _) = best(reps, || s3::save_with(&url, &tensors, &SaveOptions::default(), None, &cfg));
+    let (save, _) = best(reps, || {
+        s3::save_with(&url, &tensors, &SaveOptions::default(), None, &cfg)
+    });
 
     // Raw parallel ranged GETs of the same bytes, same range size and concurrency.
     let size = flat.len() as u64;

@@ -3,20 +3,23 @@
 //! s3:// URLs, damaged and foreign objects refused with the key named, bad credentials and
 //! missing buckets, and a server killed in the middle of an upload.
 
-mod common;
+#[path = "common/s3server.rs"]
+mod s3server;
 
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 
-use common::s3server::S3Server;
 use ckptstore::format::manifest::MANIFEST_FILE;
 use ckptstore::manager::Retention;
-use ckptstore::optim::{OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor};
+use ckptstore::optim::{
+    OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
+};
 use ckptstore::store::s3::{self, Remote, RemoteCheckpoint, S3Config};
 use ckptstore::store::s3_manager::RemoteManager;
 use ckptstore::store::{Location, RemoteUrl};
 use ckptstore::{Checkpoint, DType, Error, SaveOptions, TensorRef};
+use s3server::S3Server;
 
 const BUCKET: &str = "ckpt";
 
@@ -62,7 +65,10 @@ impl Fixture {
             // 12 MiB: three multipart parts of 5 MiB.
             big: data(3 << 20, seed),
             w: data(1000, seed + 1),
-            b: data(64, seed + 2).iter().map(|&v| half::bf16::from_f32(v)).collect(),
+            b: data(64, seed + 2)
+                .iter()
+                .map(|&v| half::bf16::from_f32(v))
+                .collect(),
             step: [i64::from(seed)],
         }
     }
@@ -87,10 +93,22 @@ fn opts() -> SaveOptions {
 }
 
 fn assert_same<B: AsRef<[u8]> + Sync>(ck: &Checkpoint<B>, f: &Fixture) {
-    assert_eq!(ck.tensor("big").unwrap().as_slice::<f32>().unwrap(), &f.big[..]);
-    assert_eq!(ck.tensor("layer.w").unwrap().as_slice::<f32>().unwrap(), &f.w[..]);
-    assert_eq!(ck.tensor("layer.b").unwrap().bytes(), bytemuck::cast_slice::<_, u8>(&f.b));
-    assert_eq!(ck.tensor("step").unwrap().as_slice::<i64>().unwrap(), &f.step[..]);
+    assert_eq!(
+        ck.tensor("big").unwrap().as_slice::<f32>().unwrap(),
+        &f.big[..]
+    );
+    assert_eq!(
+        ck.tensor("layer.w").unwrap().as_slice::<f32>().unwrap(),
+        &f.w[..]
+    );
+    assert_eq!(
+        ck.tensor("layer.b").unwrap().bytes(),
+        bytemuck::cast_slice::<_, u8>(&f.b)
+    );
+    assert_eq!(
+        ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        &f.step[..]
+    );
 }
 
 #[test]
@@ -115,7 +133,10 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
 
     // The lazy reader fetches single tensors and streams all of them, CRC-checked.
     let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
-    assert_eq!(rc.read_tensor("big").unwrap().as_slice::<f32>().unwrap(), &f.big[..]);
+    assert_eq!(
+        rc.read_tensor("big").unwrap().as_slice::<f32>().unwrap(),
+        &f.big[..]
+    );
     let mut seen = Vec::new();
     rc.stream_tensors(16 << 20, |t, x| {
         assert_eq!(x.bytes(), ck.tensor(&t.name).unwrap().bytes());
@@ -125,7 +146,10 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
     .unwrap();
     seen.sort();
     assert_eq!(seen, ["big", "layer.b", "layer.w", "step"]);
-    assert!(matches!(rc.stream_tensors(1 << 20, |_, _| Ok(())), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        rc.stream_tensors(1 << 20, |_, _| Ok(())),
+        Err(Error::InvalidArgument(_))
+    ));
 
     // A second save replaces the first; the first's shard objects are deleted.
     let g = Fixture::new(8);
@@ -133,7 +157,7 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
     let ck2 = s3::open_with(&u, &cfg).unwrap();
     assert_same(&ck2, &g);
     let r = Remote::new(&u, &cfg).unwrap();
-    let (objects, _) = r.list().unwrap();
+    let objects = r.list().unwrap().objects;
     let mut names: Vec<&str> = objects.iter().map(|(n, _)| n.as_str()).collect();
     names.sort();
     let mut want: Vec<&str> = ck2.shards().iter().map(|s| s.file.as_str()).collect();
@@ -151,9 +175,18 @@ fn adam_state() -> (OptimizerState, Vec<f32>) {
     opt.state.insert(
         "w".into(),
         [
-            ("step".to_string(), StateValue::Plain(Tensor::scalar_f32(10.0))),
-            ("exp_avg".to_string(), StateValue::Plain(Tensor::from_slice(&[16, 16], &data(256, 4)).unwrap())),
-            ("exp_avg_sq".to_string(), StateValue::Plain(Tensor::from_slice(&[16, 16], &data(256, 5)).unwrap())),
+            (
+                "step".to_string(),
+                StateValue::Plain(Tensor::scalar_f32(10.0)),
+            ),
+            (
+                "exp_avg".to_string(),
+                StateValue::Plain(Tensor::from_slice(&[16, 16], &data(256, 4)).unwrap()),
+            ),
+            (
+                "exp_avg_sq".to_string(),
+                StateValue::Plain(Tensor::from_slice(&[16, 16], &data(256, 5)).unwrap()),
+            ),
         ]
         .into(),
     );
@@ -167,12 +200,22 @@ fn optimizer_loads_and_conversions_match_local_and_manager_retention() {
     let (opt, w) = adam_state();
     let model = [TensorRef::from_slice("w", &[16, 16], &w)];
     let local = tempfile::tempdir().unwrap();
-    opt.save(local.path(), &model, &SaveOptions::default()).unwrap();
+    opt.save(local.path(), &model, &SaveOptions::default())
+        .unwrap();
     let lck = Checkpoint::open(local.path()).unwrap();
 
-    let mgr = RemoteManager::new(&url("mgr"), &cfg, Retention { keep_last: 2, keep_every: Some(100) }).unwrap();
+    let mgr = RemoteManager::new(
+        &url("mgr"),
+        &cfg,
+        Retention {
+            keep_last: 2,
+            keep_every: Some(100),
+        },
+    )
+    .unwrap();
     for step in [100u64, 150, 200, 250] {
-        mgr.save_optimizer(step, &opt, &model, &SaveOptions::default()).unwrap();
+        mgr.save_optimizer(step, &opt, &model, &SaveOptions::default())
+            .unwrap();
     }
     // Retention: the newest two, and multiples of 100.
     assert_eq!(mgr.steps().unwrap(), [100, 200, 250]);
@@ -192,14 +235,18 @@ fn optimizer_loads_and_conversions_match_local_and_manager_retention() {
     let r = Remote::new(&url("mgr/step-00000200"), &cfg).unwrap();
     r.put_small("notes.txt", b"mine".to_vec()).unwrap();
     let r300 = Remote::new(&url("mgr/step-00000300"), &cfg).unwrap();
-    r300.put_small("shard-0123456789abcdef0123456789abcdef-00000.safetensors", vec![0; 16]).unwrap();
+    r300.put_small(
+        "shard-0123456789abcdef0123456789abcdef-00000.safetensors",
+        vec![0; 16],
+    )
+    .unwrap();
     let mgr1 = RemoteManager::new(&url("mgr"), &cfg, Retention::keep_last(1)).unwrap();
     let rep = mgr1.gc().unwrap();
     assert_eq!(rep.deleted, [100, 200]);
     assert_eq!(rep.interrupted_removed, 1);
     assert_eq!(mgr1.steps().unwrap(), [250]);
     assert_eq!(r.get_small("notes.txt", 100).unwrap().unwrap(), b"mine");
-    assert!(r300.list().unwrap().0.is_empty());
+    assert!(r300.list().unwrap().objects.is_empty());
 }
 
 /// Save two checkpoints under different prefixes for the damage tests.
@@ -231,11 +278,14 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let original = ra.get_small(&shard, 1 << 30).unwrap().unwrap();
 
     // Truncated.
-    ra.put_small(&shard, original[..original.len() - 100].to_vec()).unwrap();
+    ra.put_small(&shard, original[..original.len() - 100].to_vec())
+        .unwrap();
     let (e, s) = err_text(s3::open_with(&a, &cfg));
     assert!(matches!(e, Error::ShardMismatch { .. }), "{s}");
     assert!(s.contains(&key), "{s}");
-    let e = RemoteCheckpoint::open(&a, &cfg).and_then(|r| r.read_tensor("big")).unwrap_err();
+    let e = RemoteCheckpoint::open(&a, &cfg)
+        .and_then(|r| r.read_tensor("big"))
+        .unwrap_err();
     assert!(e.to_string().contains(&key), "{e}");
 
     // Longer than recorded (an object whose size lies).
@@ -253,22 +303,38 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     ra.put_small(&shard, flipped).unwrap();
     let bad = s3::open_with(&a, &cfg).unwrap();
     let e = bad.verify().unwrap_err();
-    assert!(matches!(e, Error::ChecksumMismatch { .. }) && e.to_string().contains("\"big\""), "{e}");
-    let e = RemoteCheckpoint::open(&a, &cfg).unwrap().read_tensor("big").unwrap_err();
-    assert!(e.to_string().contains(&key) && e.to_string().contains("big"), "{e}");
+    assert!(
+        matches!(e, Error::ChecksumMismatch { .. }) && e.to_string().contains("\"big\""),
+        "{e}"
+    );
+    let e = RemoteCheckpoint::open(&a, &cfg)
+        .unwrap()
+        .read_tensor("big")
+        .unwrap_err();
+    assert!(
+        e.to_string().contains(&key) && e.to_string().contains("big"),
+        "{e}"
+    );
 
     // Header replaced (another checkpoint's shard under this name): header CRC refused.
     let rb = Remote::new(&b, &cfg).unwrap();
     let ckb = s3::open_with(&b, &cfg).unwrap();
     let other = &ckb.manifest().unwrap().shards[ckb.info("big").unwrap().shard].file;
-    ra.put_small(&shard, rb.get_small(other, 1 << 30).unwrap().unwrap()).unwrap();
+    ra.put_small(&shard, rb.get_small(other, 1 << 30).unwrap().unwrap())
+        .unwrap();
     let (e, s) = err_text(s3::open_with(&a, &cfg));
-    assert!(matches!(e, Error::ChecksumMismatch { .. }) && s.contains(&key), "{s}");
+    assert!(
+        matches!(e, Error::ChecksumMismatch { .. }) && s.contains(&key),
+        "{s}"
+    );
 
     // Missing.
     ra.delete(&shard).unwrap();
     let (e, s) = err_text(s3::open_with(&a, &cfg));
-    assert!(matches!(e, Error::ShardMismatch { .. }) && s.contains(&key) && s.contains("missing"), "{s}");
+    assert!(
+        matches!(e, Error::ShardMismatch { .. }) && s.contains(&key) && s.contains("missing"),
+        "{s}"
+    );
     ra.put_small(&shard, original).unwrap();
     assert_same(&s3::open_with(&a, &cfg).unwrap(), &Fixture::new(1));
 
@@ -276,7 +342,10 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let mb = rb.get_small(MANIFEST_FILE, 1 << 30).unwrap().unwrap();
     ra.put_small(MANIFEST_FILE, mb).unwrap();
     let (e, s) = err_text(s3::open_with(&a, &cfg));
-    assert!(matches!(e, Error::ShardMismatch { .. }) && s.contains("s3://ckpt/dmg/a/shard-"), "{s}");
+    assert!(
+        matches!(e, Error::ShardMismatch { .. }) && s.contains("s3://ckpt/dmg/a/shard-"),
+        "{s}"
+    );
 
     // A damaged manifest.
     let mut mbad = ra.get_small(MANIFEST_FILE, 1 << 30).unwrap().unwrap();
@@ -300,15 +369,30 @@ fn wrong_credentials_and_missing_bucket_are_one_clear_error() {
         ..cfg.clone()
     };
     let e = s3::open_with(&a, &wrong).unwrap_err();
-    assert!(matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"), "{e}");
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"),
+        "{e}"
+    );
     let e = s3::save_with(&url("x"), &f.tensors(), &opts(), None, &wrong).unwrap_err();
-    assert!(matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"), "{e}");
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"),
+        "{e}"
+    );
 
-    let nob = RemoteUrl { bucket: "no-such-bucket".into(), ..url("p") };
+    let nob = RemoteUrl {
+        bucket: "no-such-bucket".into(),
+        ..url("p")
+    };
     let e = s3::open_with(&nob, &cfg).unwrap_err();
-    assert!(matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"), "{e}");
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"),
+        "{e}"
+    );
     let e = s3::save_with(&nob, &f.tensors(), &opts(), None, &cfg).unwrap_err();
-    assert!(matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"), "{e}");
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -353,7 +437,7 @@ fn server_killed_mid_upload_then_restarted() {
     // Only the committed checkpoint's objects remain.
     let r = Remote::new(&u, &cfg).unwrap();
     assert!(s3::gc_prefix(&r).unwrap().is_empty());
-    assert_eq!(r.list().unwrap().0.len(), ck.shards().len() + 1);
+    assert_eq!(r.list().unwrap().objects.len(), ck.shards().len() + 1);
 }
 
 // ---- the CLI --------------------------------------------------------------------------
@@ -382,7 +466,12 @@ fn ok(o: &Output) -> String {
 fn urls_are_never_local_paths() {
     let cwd = tempfile::tempdir().unwrap();
     let w = vec![1.0f32; 16];
-    ckptstore::save(cwd.path().join("src"), &[TensorRef::from_slice("w", &[4, 4], &w)], &SaveOptions::default()).unwrap();
+    ckptstore::save(
+        cwd.path().join("src"),
+        &[TensorRef::from_slice("w", &[4, 4], &w)],
+        &SaveOptions::default(),
+    )
+    .unwrap();
     for args in [
         &["pack", "src", "--out", "gs://b/p"][..],
         &["inspect", "gs://b/p"],
@@ -396,7 +485,10 @@ fn urls_are_never_local_paths() {
         let o = ckpt(cwd.path(), &[], args);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-        assert!(err.contains("cannot use") && err.contains("is not supported"), "{args:?}: {err}");
+        assert!(
+            err.contains("cannot use") && err.contains("is not supported"),
+            "{args:?}: {err}"
+        );
     }
     let mut names: Vec<String> = std::fs::read_dir(cwd.path())
         .unwrap()
@@ -405,9 +497,17 @@ fn urls_are_never_local_paths() {
     names.sort();
     assert_eq!(names, ["src"], "a URL was taken as a local path");
     // The library refuses them too.
-    let e = ckptstore::store::save("gs://b/p", &[TensorRef::from_slice("w", &[4, 4], &w)], &SaveOptions::default()).unwrap_err();
+    let e = ckptstore::store::save(
+        "gs://b/p",
+        &[TensorRef::from_slice("w", &[4, 4], &w)],
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(e, Error::UnsupportedUrl { .. }));
-    assert!(matches!(ckptstore::store::open("gs://b/p"), Err(Error::UnsupportedUrl { .. })));
+    assert!(matches!(
+        ckptstore::store::open("gs://b/p"),
+        Err(Error::UnsupportedUrl { .. })
+    ));
 }
 
 #[test]
@@ -419,24 +519,72 @@ fn cli_on_s3_urls() {
     ckptstore::save(cwd.path().join("src"), &f.tensors(), &opts()).unwrap();
 
     // pack --out s3:// writes to the server, not to a local `s3:` directory.
-    ok(&ckpt(cwd.path(), &env, &["pack", "src", "--out", "s3://ckpt/cli/a"]));
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["pack", "src", "--out", "s3://ckpt/cli/a"],
+    ));
     assert!(!cwd.path().join("s3:").exists());
-    let js: serde_json::Value = serde_json::from_str(&ok(&ckpt(cwd.path(), &env, &["inspect", "s3://ckpt/cli/a", "--json"]))).unwrap();
+    let js: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["inspect", "s3://ckpt/cli/a", "--json"],
+    )))
+    .unwrap();
     assert_eq!(js["total_tensors"], 4);
     assert_eq!(js["kind"], "ckptstore");
-    let v: serde_json::Value = serde_json::from_str(&ok(&ckpt(cwd.path(), &env, &["verify", "s3://ckpt/cli/a", "--json"]))).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["verify", "s3://ckpt/cli/a", "--json"],
+    )))
+    .unwrap();
     assert_eq!(v["ok"], true);
     assert_eq!(v["tensors"], 4);
     ok(&ckpt(cwd.path(), &env, &["diff", "src", "s3://ckpt/cli/a"]));
 
     // convert s3 -> s3, and back to local; consolidate s3 -> s3.
-    ok(&ckpt(cwd.path(), &env, &["convert", "s3://ckpt/cli/a", "--out", "s3://ckpt/cli/bf16", "--dtype", "bf16"]));
-    ok(&ckpt(cwd.path(), &env, &["convert", "s3://ckpt/cli/bf16", "--out", "bf16", "--dtype", "bf16"]));
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "convert",
+            "s3://ckpt/cli/a",
+            "--out",
+            "s3://ckpt/cli/bf16",
+            "--dtype",
+            "bf16",
+        ],
+    ));
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "convert",
+            "s3://ckpt/cli/bf16",
+            "--out",
+            "bf16",
+            "--dtype",
+            "bf16",
+        ],
+    ));
     let c = Checkpoint::open(cwd.path().join("bf16")).unwrap();
     assert_eq!(c.info("big").unwrap().dtype, DType::BF16);
-    ok(&ckpt(cwd.path(), &env, &["consolidate", "s3://ckpt/cli/a", "--out", "s3://ckpt/cli/cons"]));
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "consolidate",
+            "s3://ckpt/cli/a",
+            "--out",
+            "s3://ckpt/cli/cons",
+        ],
+    ));
     let r = Remote::new(&url("cli/cons"), &srv.config()).unwrap();
-    assert!(r.get_small("model.safetensors.index.json", 1 << 20).unwrap().is_some());
+    assert!(r
+        .get_small("model.safetensors.index.json", 1 << 20)
+        .unwrap()
+        .is_some());
     assert_same(&s3::open_with(&url("cli/cons"), &srv.config()).unwrap(), &f);
 
     // A damaged object: verify exits 1 naming the key.
@@ -450,17 +598,30 @@ fn cli_on_s3_urls() {
     let o = ckpt(cwd.path(), &env, &["verify", "s3://ckpt/cli/a"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains(&format!("s3://ckpt/cli/a/{shard}")) && err.contains("layer.w"), "{err}");
+    assert!(
+        err.contains(&format!("s3://ckpt/cli/a/{shard}")) && err.contains("layer.w"),
+        "{err}"
+    );
 
     // ls / gc on a manager root on S3.
     let mgr = RemoteManager::new(&url("cli/run"), &srv.config(), Retention::keep_last(5)).unwrap();
     for step in [10u64, 20, 30] {
         mgr.save(step, &f.tensors(), &opts()).unwrap();
     }
-    let ls: serde_json::Value = serde_json::from_str(&ok(&ckpt(cwd.path(), &env, &["ls", "s3://ckpt/cli/run", "--json"]))).unwrap();
+    let ls: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["ls", "s3://ckpt/cli/run", "--json"],
+    )))
+    .unwrap();
     assert_eq!(ls["latest"], 30);
     assert_eq!(ls["steps"].as_array().unwrap().len(), 3);
-    let gc: serde_json::Value = serde_json::from_str(&ok(&ckpt(cwd.path(), &env, &["gc", "s3://ckpt/cli/run", "--keep", "1", "--json"]))).unwrap();
+    let gc: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["gc", "s3://ckpt/cli/run", "--keep", "1", "--json"],
+    )))
+    .unwrap();
     assert_eq!(gc["deleted"], serde_json::json!([10, 20]));
     assert_eq!(mgr.steps().unwrap(), [30]);
 

@@ -297,8 +297,10 @@ pub fn put_file(location: &Location, name: &str, bytes: &[u8]) -> Result<()> {
             let tmp = dir.join(format!("{}{name}", crate::write::TEMP_PREFIX));
             let target = dir.join(name);
             let r = (|| {
-                let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-                f.write_all(bytes).map_err(|e| Error::io("write", &tmp, e))?;
+                let mut f =
+                    std::fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+                f.write_all(bytes)
+                    .map_err(|e| Error::io("write", &tmp, e))?;
                 f.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
                 drop(f);
                 std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &target, e))?;

@@ -206,7 +206,8 @@ fn explain(text: String, bucket: &str) -> String {
 /// `object_store` error of `op` on the object `url`, for people.
 fn remote_err(op: &'static str, url: &RemoteUrl, e: &object_store::Error) -> Error {
     let text = match e {
-        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => {
             format!("access denied: {e}")
         }
         _ => e.to_string(),
@@ -275,7 +276,7 @@ impl Remote {
     ///
     /// # Errors
     /// [`Error::Remote`].
-    pub fn list(&self) -> Result<(Vec<(String, u64)>, Vec<String>)> {
+    pub fn list(&self) -> Result<Listing> {
         let p = self.prefix_path();
         let r = self
             .block_on(self.store.list_with_delimiter(p.as_ref()))
@@ -290,7 +291,7 @@ impl Remote {
             .iter()
             .filter_map(|p| Some(p.filename()?.to_string()))
             .collect();
-        Ok((objects, prefixes))
+        Ok(Listing { objects, prefixes })
     }
 
     /// GET one whole object, refusing one over `cap` bytes. `Ok(None)` if it does not exist.
@@ -309,7 +310,10 @@ impl Remote {
             if r.meta.size > cap {
                 return Err(Error::manifest(
                     url.to_string(),
-                    format!("the object is {} bytes, over the {cap}-byte cap", r.meta.size),
+                    format!(
+                        "the object is {} bytes, over the {cap}-byte cap",
+                        r.meta.size
+                    ),
                 ));
             }
             let b = r.bytes().await.map_err(|e| remote_err("GET", &url, &e))?;
@@ -351,7 +355,9 @@ impl Remote {
             .get_small(MANIFEST_FILE, MAX_MANIFEST_SIZE)?
             .ok_or_else(|| Error::NotFound {
                 path: PathBuf::from(self.url.to_string()),
-                reason: format!("no {MANIFEST_FILE} object under the prefix (nothing committed there)"),
+                reason: format!(
+                    "no {MANIFEST_FILE} object under the prefix (nothing committed there)"
+                ),
             })?;
         let (m, _) = decode_manifest(&bytes, &self.url.child(MANIFEST_FILE).to_string())?;
         Ok((bytes, m))
@@ -455,6 +461,15 @@ impl Remote {
     }
 }
 
+/// What [`Remote::list`] found directly under a prefix.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// Object names (the last key segment) and sizes.
+    pub objects: Vec<(String, u64)>,
+    /// Sub-prefix names, without the trailing `/`.
+    pub prefixes: Vec<String>,
+}
+
 /// One ranged GET: where from, where to.
 struct RangeJob<'d> {
     name: &'d str,
@@ -531,9 +546,9 @@ pub fn open_remote(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
         .shards
         .iter()
         .map(|s| {
-            usize::try_from(s.size)
-                .map(|n| vec![0u8; n])
-                .map_err(|_| Error::InvalidArgument(format!("shard {} does not fit in memory", s.file)))
+            usize::try_from(s.size).map(|n| vec![0u8; n]).map_err(|_| {
+                Error::InvalidArgument(format!("shard {} does not fit in memory", s.file))
+            })
         })
         .collect::<Result<_>>()?;
     let mut jobs = Vec::new();
@@ -581,7 +596,10 @@ impl RemoteCheckpoint {
                 return Err(Error::ShardMismatch {
                     shard: i,
                     file: url.child(&s.file).to_string(),
-                    reason: format!("the header length prefix differs from the manifest's {}", s.header_size),
+                    reason: format!(
+                        "the header length prefix differs from the manifest's {}",
+                        s.header_size
+                    ),
                 });
             }
             if got != s.header_crc32 {
@@ -634,8 +652,14 @@ impl RemoteCheckpoint {
         let s = &self.manifest.shards[t.shard];
         let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
         let mut jobs = Vec::new();
-        self.remote
-            .jobs_for(&s.file, t.shard, s.size, t.offsets[0], out.bytes_mut(), &mut jobs);
+        self.remote.jobs_for(
+            &s.file,
+            t.shard,
+            s.size,
+            t.offsets[0],
+            out.bytes_mut(),
+            &mut jobs,
+        );
         self.remote
             .read_ranges(jobs)
             .map_err(|e| name_keys(e, &self.remote.url))?;
@@ -769,9 +793,8 @@ pub fn gc_prefix(r: &Remote) -> Result<Vec<String>> {
         Err(Error::NotFound { .. }) => Vec::new(),
         Err(e) => return Err(e),
     };
-    let (objects, _) = r.list()?;
     let mut deleted = Vec::new();
-    for (name, _) in objects {
+    for (name, _) in r.list()?.objects {
         if write::is_engine_file(&name) && !keep.contains(&name) {
             r.delete(&name)?;
             deleted.push(name);
@@ -893,7 +916,10 @@ impl Write for ObjectFile {
                     return Ok(buf.len());
                 }
                 FileState::Done => {
-                    return Err(io::Error::other(format!("{} is already complete", self.name)))
+                    return Err(io::Error::other(format!(
+                        "{} is already complete",
+                        self.name
+                    )))
                 }
             }
         }
@@ -977,7 +1003,7 @@ impl Fs for ObjectFs<'_> {
     fn list(&self, _dir: &Path) -> io::Result<Vec<String>> {
         self.r
             .list()
-            .map(|(objects, _)| objects.into_iter().map(|(n, _)| n).collect())
+            .map(|l| l.objects.into_iter().map(|(n, _)| n).collect())
             .map_err(io::Error::other)
     }
 
@@ -996,7 +1022,12 @@ impl Fs for ObjectFs<'_> {
             let b = if n == 0 {
                 Vec::new()
             } else {
-                self.r.store.get_range(&key, 0..n).await.map_err(to_io)?.to_vec()
+                self.r
+                    .store
+                    .get_range(&key, 0..n)
+                    .await
+                    .map_err(to_io)?
+                    .to_vec()
             };
             Ok((meta.size, b))
         })

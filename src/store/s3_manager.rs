@@ -71,14 +71,14 @@ impl RemoteManager {
     /// # Errors
     /// [`Error::Remote`].
     pub fn list(&self) -> Result<Vec<RemoteStep>> {
-        let (_, prefixes) = self.root.list()?;
+        let prefixes = self.root.list()?.prefixes;
         let mut out = Vec::new();
         for p in prefixes {
             let Some(step) = parse_step(&p) else {
                 continue;
             };
             let r = self.root.child(&p);
-            let (objects, _) = r.list()?;
+            let objects = r.list()?.objects;
             out.push(RemoteStep {
                 step,
                 committed: objects.iter().any(|(n, _)| n == MANIFEST_FILE),
@@ -116,7 +116,12 @@ impl RemoteManager {
     /// # Errors
     /// As [`s3::save_with`]; retention failures are not errors (they leave objects for the
     /// next `gc`).
-    pub fn save(&self, step: u64, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
+    pub fn save(
+        &self,
+        step: u64,
+        tensors: &[TensorRef<'_>],
+        opts: &SaveOptions,
+    ) -> Result<CommitInfo> {
         let info = s3::save_remote(&self.root.child(&step_name(step)), tensors, opts, None)?;
         let _ = self.gc();
         Ok(info)
@@ -135,8 +140,12 @@ impl RemoteManager {
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
         let (tensors, section) = state.as_borrowed().to_parts(model)?;
-        let info =
-            s3::save_remote(&self.root.child(&step_name(step)), &tensors, opts, Some(section))?;
+        let info = s3::save_remote(
+            &self.root.child(&step_name(step)),
+            &tensors,
+            opts,
+            Some(section),
+        )?;
         let _ = self.gc();
         Ok(info)
     }
@@ -171,7 +180,11 @@ impl RemoteManager {
     /// [`Error::Remote`].
     pub fn gc(&self) -> Result<GcReport> {
         let steps = self.list()?;
-        let committed: Vec<u64> = steps.iter().filter(|s| s.committed).map(|s| s.step).collect();
+        let committed: Vec<u64> = steps
+            .iter()
+            .filter(|s| s.committed)
+            .map(|s| s.step)
+            .collect();
         let keep_from = committed.len().saturating_sub(self.retention.keep_last);
         let mut report = GcReport::default();
         for s in &steps {
@@ -196,9 +209,8 @@ impl RemoteManager {
 
 /// Delete every engine object directly under `r` (not the manifest); their names.
 fn delete_engine_objects(r: &Remote) -> Result<Vec<String>> {
-    let (objects, _) = r.list()?;
     let mut deleted = Vec::new();
-    for (name, _) in objects {
+    for (name, _) in r.list()?.objects {
         if write::is_engine_file(&name) {
             r.delete(&name)?;
             deleted.push(name);

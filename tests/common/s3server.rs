@@ -87,7 +87,11 @@ impl S3Server {
                     panic!("s3s-fs exited at start: {st}");
                 }
             }
-            assert!(Instant::now() < deadline, "s3s-fs did not listen on port {} within 30 s", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "s3s-fs did not listen on port {} within 30 s",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }

@@ -92,9 +92,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     // The index names the committed shards: read them back from the manifest just written.
     let dst = ckptstore::store::open_location(&out)?;
     let m = dst.manifest().ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "{out} did not open as a ckptstore checkpoint"
-        ))
+        Error::InvalidArgument(format!("{out} did not open as a ckptstore checkpoint"))
     })?;
     let mut weight_map = BTreeMap::new();
     let mut total_size = 0u64;
