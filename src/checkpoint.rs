@@ -583,6 +583,15 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         }
     }
 
+    /// Rename the shards as errors and [`Checkpoint::shards`] show them (a checkpoint
+    /// downloaded from an object store names them by URL). The bytes are unchanged.
+    pub fn with_shard_names(mut self, mut f: impl FnMut(&str) -> String) -> Self {
+        for s in &mut self.shards {
+            s.file = f(&s.file);
+        }
+        self
+    }
+
     /// The directory (or file's directory) the checkpoint was opened from.
     pub fn root(&self) -> &Path {
         &self.root

@@ -125,10 +125,11 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
     let rep = ck.verify().unwrap();
     assert_eq!((rep.tensors, rep.checksummed), (4, true));
     assert_eq!(ck.metadata()["run"], "s3");
-    // Shard objects are named by the checkpoint id.
+    // Shard objects are named by the checkpoint id; the checkpoint names them by URL.
     let id = &ck.manifest().unwrap().checkpoint_id;
-    for s in ck.shards() {
-        assert!(s.file.contains(id.as_str()), "{}", s.file);
+    for (s, e) in ck.shards().iter().zip(&ck.manifest().unwrap().shards) {
+        assert!(e.file.contains(id.as_str()), "{}", e.file);
+        assert_eq!(s.file, u.child(&e.file).to_string());
     }
 
     // The lazy reader fetches single tensors and streams all of them, CRC-checked.
@@ -160,7 +161,8 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
     let objects = r.list().unwrap().objects;
     let mut names: Vec<&str> = objects.iter().map(|(n, _)| n.as_str()).collect();
     names.sort();
-    let mut want: Vec<&str> = ck2.shards().iter().map(|s| s.file.as_str()).collect();
+    let m2 = ck2.manifest().unwrap();
+    let mut want: Vec<&str> = m2.shards.iter().map(|s| s.file.as_str()).collect();
     want.push(MANIFEST_FILE);
     want.sort();
     assert_eq!(names, want);
@@ -589,7 +591,9 @@ fn cli_on_s3_urls() {
 
     // A damaged object: verify exits 1 naming the key.
     let ck = s3::open_with(&url("cli/a"), &srv.config()).unwrap();
-    let shard = ck.shards()[ck.info("layer.w").unwrap().shard].file.clone();
+    let shard = ck.manifest().unwrap().shards[ck.info("layer.w").unwrap().shard]
+        .file
+        .clone();
     let ra = Remote::new(&url("cli/a"), &srv.config()).unwrap();
     let mut bytes = ra.get_small(&shard, 1 << 30).unwrap().unwrap();
     let at = ck.info("layer.w").unwrap().offsets[0] as usize;

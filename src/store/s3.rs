@@ -114,7 +114,22 @@ impl S3Config {
     }
 
     fn build(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
-        let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+        install_tls_provider();
+        // The client options go first: `with_client_options` replaces them whole, including
+        // the `allow_http` that `from_env` read from AWS_ALLOW_HTTP.
+        let allow_http = self.allow_http.unwrap_or_else(|| {
+            std::env::var("AWS_ALLOW_HTTP").is_ok_and(|v| {
+                matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes")
+            })
+        });
+        let mut b = AmazonS3Builder::from_env()
+            .with_client_options(
+                ClientOptions::new()
+                    .with_timeout(self.request_timeout)
+                    .with_connect_timeout(Duration::from_secs(5))
+                    .with_allow_http(allow_http),
+            )
+            .with_bucket_name(bucket);
         if let Some(e) = &self.endpoint {
             b = b.with_endpoint(e);
         }
@@ -127,24 +142,15 @@ impl S3Config {
         if let Some(r) = &self.region {
             b = b.with_region(r);
         }
-        if let Some(h) = self.allow_http {
-            b = b.with_allow_http(h);
-        }
-        b = b
-            .with_retry(RetryConfig {
-                backoff: BackoffConfig {
-                    init_backoff: self.init_backoff,
-                    max_backoff: Duration::from_secs(15),
-                    base: 2.0,
-                },
-                max_retries: self.max_retries,
-                retry_timeout: self.retry_timeout,
-            })
-            .with_client_options(
-                ClientOptions::new()
-                    .with_timeout(self.request_timeout)
-                    .with_connect_timeout(Duration::from_secs(5)),
-            );
+        b = b.with_retry(RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: self.init_backoff,
+                max_backoff: Duration::from_secs(15),
+                base: 2.0,
+            },
+            max_retries: self.max_retries,
+            retry_timeout: self.retry_timeout,
+        });
         let store = b.build().map_err(|e| Error::Remote {
             op: "configure",
             url: format!("s3://{bucket}"),
@@ -152,6 +158,15 @@ impl S3Config {
         })?;
         Ok(Arc::new(store))
     }
+}
+
+/// TLS through rustls with the ring provider (the `reqwest` client `object_store` builds
+/// needs a process-wide provider; an application that installed one keeps its own).
+fn install_tls_provider() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
 }
 
 fn env_num(name: &str) -> Option<u64> {
@@ -162,8 +177,6 @@ fn env_num(name: &str) -> Option<u64> {
 fn runtime() -> Result<&'static tokio::runtime::Runtime> {
     static RT: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> = OnceLock::new();
     RT.get_or_init(|| {
-        // TLS through rustls with the ring provider (`object_store` leaves the choice to us).
-        let _ = rustls::crypto::ring::default_provider().install_default();
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(4)
             .thread_name("ckpt-s3")
@@ -345,20 +358,49 @@ impl Remote {
         }
     }
 
+    /// One listing request under the prefix: `Ok` if the bucket exists and the credentials
+    /// may list it; otherwise the error, in those words.
+    ///
+    /// # Errors
+    /// [`Error::Remote`].
+    pub fn probe(&self) -> Result<()> {
+        let p = self.prefix_path();
+        let first = self.block_on(async { self.store.list(p.as_ref()).next().await });
+        match first {
+            Some(Err(e @ object_store::Error::NotFound { .. })) => Err(Error::Remote {
+                op: "list",
+                url: format!("s3://{}", self.url.bucket),
+                reason: format!("the bucket {:?} does not exist ({e})", self.url.bucket),
+            }),
+            Some(Err(e)) => Err(remote_err("list", &self.url, &e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Why there is no manifest: a missing bucket (probed with a listing) or nothing
+    /// committed under the prefix.
+    fn not_found(&self) -> Error {
+        match self.probe() {
+            Err(e) => e,
+            Ok(()) => Error::NotFound {
+                path: PathBuf::from(self.url.to_string()),
+                reason: format!(
+                    "no {MANIFEST_FILE} object under the prefix (nothing committed there)"
+                ),
+            },
+        }
+    }
+
     /// The committed manifest under this prefix: its bytes and decoded form.
     ///
     /// # Errors
     /// [`Error::NotFound`] if there is none; [`Error::Remote`]; the manifest errors of
     /// [`Checkpoint::open`].
     pub fn manifest(&self) -> Result<(Vec<u8>, Manifest)> {
-        let bytes = self
-            .get_small(MANIFEST_FILE, MAX_MANIFEST_SIZE)?
-            .ok_or_else(|| Error::NotFound {
-                path: PathBuf::from(self.url.to_string()),
-                reason: format!(
-                    "no {MANIFEST_FILE} object under the prefix (nothing committed there)"
-                ),
-            })?;
+        let bytes = match self.get_small(MANIFEST_FILE, MAX_MANIFEST_SIZE)? {
+            Some(b) => b,
+            None => return Err(self.not_found()),
+        };
         let (m, _) = decode_manifest(&bytes, &self.url.child(MANIFEST_FILE).to_string())?;
         Ok((bytes, m))
     }
@@ -556,7 +598,9 @@ pub fn open_remote(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
         r.jobs_for(&s.file, i, s.size, 0, buf, &mut jobs);
     }
     r.read_ranges(jobs).map_err(|e| name_keys(e, &r.url))?;
-    Checkpoint::from_parts(&bytes, bufs).map_err(|e| name_keys(e, &r.url))
+    let ck = Checkpoint::from_parts(&bytes, bufs).map_err(|e| name_keys(e, &r.url))?;
+    // Later errors (verify, loads) name the objects by URL.
+    Ok(ck.with_shard_names(|f| r.url.child(f).to_string()))
 }
 
 /// A checkpoint on an object store read lazily: the manifest and every shard header were
@@ -757,6 +801,9 @@ pub fn save_remote(
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
+    // One listing first: a missing bucket or bad credentials fail here, in those words,
+    // before anything is uploaded (some servers create buckets on PUT).
+    r.probe()?;
     let fs = ObjectFs::new(r);
     let dir = PathBuf::from(r.url.to_string());
     // The writer reports failures of the object-store Fs as I/O errors on "paths" that are
@@ -771,11 +818,17 @@ pub fn save_remote(
                 },
                 None => url,
             };
-            Error::Remote {
-                op,
-                url,
-                reason: explain(source.to_string(), &r.url.bucket),
-            }
+            // A write can only miss an object's *bucket*.
+            let no_bucket = source
+                .get_ref()
+                .and_then(|e| e.downcast_ref::<object_store::Error>())
+                .is_some_and(|e| matches!(e, object_store::Error::NotFound { .. }));
+            let reason = if no_bucket {
+                format!("the bucket {:?} does not exist ({source})", r.url.bucket)
+            } else {
+                explain(source.to_string(), &r.url.bucket)
+            };
+            Error::Remote { op, url, reason }
         }
         other => other,
     })
