@@ -35,7 +35,7 @@ def _s3s_fs() -> str:
 
 
 @pytest.fixture(scope="module")
-def s3(monkeypatch_module=None):
+def s3():
     data = tempfile.mkdtemp()
     os.mkdir(os.path.join(data, "bkt"))
     with socket.socket() as s:
