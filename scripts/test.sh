@@ -21,6 +21,17 @@ step "Python packages: tests/python/requirements.txt (torch is large: minutes on
 step "bindings: building python/ with maturin (release)"
 .venv/bin/python -m pip install -q --disable-pip-version-check ./python
 
+# The S3 server the object-storage tests start on loopback (tests/s3.rs,
+# tests/python/test_s3.py): installed once into ~/.cargo/bin, skipped when the pinned version
+# is already there (0.15 and later need a newer rustc). The tests fail without it.
+if cargo install --list | grep -q '^s3s-fs v0.14.1:'; then
+  step "s3s-fs 0.14.1: already installed"
+else
+  step "s3s-fs 0.14.1: cargo install (about 2 minutes)"
+  cargo install s3s-fs@0.14.1 --locked --features binary
+fi
+export PATH="$HOME/.cargo/bin:$PATH"
+
 step "Rust build: ckpt (release)"
 cargo build --release --bin ckpt
 step "Rust tests: cargo test --release"

@@ -560,6 +560,39 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         })
     }
 
+    /// The same checkpoint over another storage type: `f` converts each shard's bytes (for
+    /// example into [`crate::store::Storage`], an enum over local maps and downloaded
+    /// buffers). `f` must keep the bytes themselves unchanged.
+    pub fn map_storage<C: AsRef<[u8]>>(self, f: impl FnMut(B) -> C) -> Checkpoint<C> {
+        let mut f = f;
+        Checkpoint {
+            root: self.root,
+            kind: self.kind,
+            shards: self
+                .shards
+                .into_iter()
+                .map(|s| Shard {
+                    file: s.file,
+                    bytes: f(s.bytes),
+                })
+                .collect(),
+            foreign: self.foreign,
+            by_name: self.by_name,
+            metadata: self.metadata,
+            manifest: self.manifest,
+            globals: self.globals,
+        }
+    }
+
+    /// Rename the shards as errors and [`Checkpoint::shards`] show them (a checkpoint
+    /// downloaded from an object store names them by URL). The bytes are unchanged.
+    pub fn with_shard_names(mut self, mut f: impl FnMut(&str) -> String) -> Self {
+        for s in &mut self.shards {
+            s.file = f(&s.file);
+        }
+        self
+    }
+
     /// The directory (or file's directory) the checkpoint was opened from.
     pub fn root(&self) -> &Path {
         &self.root

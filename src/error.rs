@@ -210,6 +210,28 @@ pub enum Error {
     /// An argument given to the API is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// A checkpoint location is a URL this build cannot use (an unknown scheme, `s3://`
+    /// without the `s3` feature, or a malformed URL). URLs are never taken as local paths.
+    #[error("cannot use {url}: {reason}")]
+    UnsupportedUrl {
+        /// The location as given.
+        url: String,
+        /// Why not, and what is supported.
+        reason: String,
+    },
+
+    /// A request to an object store failed after its retries (server unreachable, access
+    /// denied, missing bucket, ...).
+    #[error("{op} {url}: {reason}")]
+    Remote {
+        /// What was being done ("GET", "PUT", "list", ...).
+        op: &'static str,
+        /// The object or prefix URL (`s3://bucket/key`).
+        url: String,
+        /// What the store said.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -10,6 +10,7 @@ Dependencies run one way: each module uses only those listed before it.
 4. [`write`](mod@write) and [`checkpoint`]: whole checkpoints, written (single- and multi-rank) and read.
 5. [`optim`]: optimizer state on top of checkpoints.
 6. [`manager`]: steps of a training run.
+7. [`store`]: where checkpoints live: local paths or object-store URLs (`s3://`, feature `s3`).
 "]
 #![warn(missing_docs)]
 
@@ -44,6 +45,9 @@ pub mod checkpoint;
 pub mod optim;
 
 pub mod manager;
+
+// Locations: local paths and object-store URLs.
+pub mod store;
 
 pub use checkpoint::{Checkpoint, Kind, Region, Shard, TensorInfo, VerifyReport};
 pub use crc::crc32_parallel;

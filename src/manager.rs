@@ -256,11 +256,11 @@ impl Snapshot {
     }
 }
 
-fn step_name(step: u64) -> String {
+pub(crate) fn step_name(step: u64) -> String {
     format!("{STEP_PREFIX}{step:08}")
 }
 
-fn parse_step(name: &str) -> Option<u64> {
+pub(crate) fn parse_step(name: &str) -> Option<u64> {
     let digits = name.strip_prefix(STEP_PREFIX)?;
     if digits.len() < 8 || !digits.bytes().all(|c| c.is_ascii_digit()) {
         return None;

@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use ckptstore::optim::{ScaleShape, StateLayout, StateValue, Target, Tensor};
-use ckptstore::{Checkpoint, Error, Kind};
+use ckptstore::{Error, Kind};
+
+/// A checkpoint open from a path (memory-mapped) or an `s3://` URL (downloaded).
+type Checkpoint = ckptstore::Checkpoint<ckptstore::store::Storage>;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -168,7 +171,8 @@ impl PyCheckpoint {
         } else {
             (descr(py, v.dtype())?, v.shape().to_vec())
         };
-        // SAFETY: the view's bytes lie in a read-only memory map owned by the `Checkpoint`
+        // SAFETY: the view's bytes lie in a read-only memory map (or, for a checkpoint
+        // downloaded from an object store, a buffer nothing writes) owned by the `Checkpoint`
         // behind `base`'s Arc, which the array holds as its base; the array is read-only
         // (`writable == false`), and the mapped files are never modified in place (the
         // engine's contract, see `ckptstore::Map`).
@@ -190,7 +194,7 @@ impl PyCheckpoint {
     /// Open the checkpoint at `path` (see `ckptstore.open`).
     #[new]
     fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        let ck = Arc::new(py.detach(|| Checkpoint::open(&path)).map_err(CkError)?);
+        let ck = Arc::new(py.detach(|| crate::remote::open(&path)).map_err(CkError)?);
         let base = Py::new(py, MappedCheckpoint { ck: ck.clone() })?;
         Ok(PyCheckpoint {
             inner: Some((ck, base)),

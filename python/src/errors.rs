@@ -128,6 +128,10 @@ fn classify(e: &Error) -> (&'static str, Vec<(&'static str, Py<PyAny>)>) {
                 ]),
             ),
             Error::InvalidArgument(_) => ("InvalidArgumentError", vec![]),
+            // A URL this build cannot use is a bad argument; a failed object-store request is
+            // an I/O error on the object's URL.
+            Error::UnsupportedUrl { .. } => ("InvalidArgumentError", vec![]),
+            Error::Remote { url, .. } => ("CheckpointIOError", attrs(vec![("filename", s(url))])),
             _ => ("CheckpointError", vec![]),
         }
     })

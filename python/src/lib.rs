@@ -18,6 +18,7 @@ mod errors;
 mod manager;
 mod parts;
 mod region;
+mod remote;
 mod save;
 
 use pyo3::prelude::*;

@@ -110,10 +110,10 @@ pub(crate) fn save<'py>(
         .map(entry_ref)
         .collect::<PyResult<Vec<_>>>()?;
     let info = match &optimizer {
-        None => py.detach(|| ckptstore::save(&path, &refs, &opts)),
+        None => py.detach(|| crate::remote::save(&path, &refs, &opts)),
         Some((groups, states)) => {
             let opt = optimizer_ref(groups, states)?;
-            py.detach(|| opt.save(&path, &refs, &opts))
+            py.detach(|| crate::remote::save_optimizer(&path, &opt, &refs, &opts))
         }
     }
     .map_err(CkError)?;

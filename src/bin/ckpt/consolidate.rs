@@ -3,14 +3,11 @@
 //! (format-spec/global.md §Consolidate).
 
 use std::collections::{BTreeMap, HashSet};
-use std::fs::File;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use ckptstore::checkpoint::HF_INDEX_FILE;
-use ckptstore::write::TEMP_PREFIX;
-use ckptstore::{save_with_section, Checkpoint, Error, Result, SaveOptions, Tensor, TensorRef};
+use ckptstore::{Error, Result, SaveOptions, Tensor, TensorRef};
 
 use crate::util::{human, parse_size};
 
@@ -27,7 +24,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let ck = Checkpoint::open(&a.src)?;
+    let out = crate::util::location(&a.out)?;
+    let ck = crate::util::open(&a.src)?;
     ck.check_optimizer_section()?;
     let optimizer = ck.manifest().and_then(|m| m.optimizer.clone());
     // Tensors the optimizer section references: optimizer state, not model weights.
@@ -88,17 +86,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
         progress: None,
         ..Default::default()
     };
-    let info = save_with_section(&a.out, &tensors, &opts, optimizer)?;
+    let info = ckptstore::store::save_location(&out, &tensors, &opts, optimizer)?;
     drop(tensors);
     drop(assembled);
 
     // The index names the committed shards: read them back from the manifest just written.
-    let dst = Checkpoint::open(&a.out)?;
+    let dst = ckptstore::store::open_location(&out)?;
     let m = dst.manifest().ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "{} did not open as a ckptstore checkpoint",
-            a.out.display()
-        ))
+        Error::InvalidArgument(format!("{out} did not open as a ckptstore checkpoint"))
     })?;
     let mut weight_map = BTreeMap::new();
     let mut total_size = 0u64;
@@ -121,7 +116,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let mut bytes = serde_json::to_vec_pretty(&index)
         .map_err(|e| Error::InvalidArgument(format!("cannot encode {HF_INDEX_FILE}: {e}")))?;
     bytes.push(b'\n');
-    write_durably(&a.out, HF_INDEX_FILE, &bytes)?;
+    ckptstore::store::put_file(&out, HF_INDEX_FILE, &bytes)?;
     println!(
         "consolidated {} global tensor(s) and {} whole tensor(s) into {} tensors ({}) in {} shard(s) at {} (checkpoint {}); {} lists {} model tensor(s)",
         ck.globals().len(),
@@ -129,36 +124,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
         info.tensors,
         human(info.data_bytes),
         info.shards,
-        a.out.display(),
+        out,
         info.checkpoint_id,
         HF_INDEX_FILE,
         weight_map.len(),
     );
     Ok(ExitCode::SUCCESS)
-}
-
-/// Write `dir/name` durably: a temporary file (whose `.ckpt-tmp-` name the next save's
-/// cleanup removes if we die), fsync, rename over `name`, directory fsync.
-fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let path = path.to_path_buf();
-    move |source| Error::Io { op, path, source }
-}
-
-fn write_durably(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
-    let tmp = dir.join(format!("{TEMP_PREFIX}{name}"));
-    let target = dir.join(name);
-    let r = (|| {
-        let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
-        f.write_all(bytes).map_err(io("write", &tmp))?;
-        f.sync_all().map_err(io("fsync", &tmp))?;
-        drop(f);
-        std::fs::rename(&tmp, &target).map_err(io("rename", &target))?;
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io("fsync", dir))
-    })();
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
 }

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use ckptstore::format::manifest::Encoding;
 use ckptstore::optim::{ScaleShape, StateLayout, StateValue, Target, Tensor};
-use ckptstore::{Checkpoint, DType, Error, Result, SaveOptions, TensorRef};
+use ckptstore::{DType, Error, Result, SaveOptions, TensorRef};
 
 use crate::util::{human, parse_size};
 
@@ -30,9 +30,10 @@ impl Dtype {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Source: a ckptstore checkpoint, safetensors file or HF directory.
+    /// Source: a ckptstore checkpoint, safetensors file, HF directory or s3:// URL.
     src: PathBuf,
-    /// Destination checkpoint directory (a checkpoint there is replaced atomically).
+    /// Destination checkpoint directory or s3:// URL (a checkpoint there is replaced
+    /// atomically).
     #[arg(long)]
     out: PathBuf,
     /// Storage dtype for floating-point optimizer state shaped like its parameter and for
@@ -83,7 +84,8 @@ fn convert_model(t: &ckptstore::TensorView<'_>, to: DType) -> Result<Option<Tens
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let ck = Checkpoint::open(&a.src)?;
+    let out = crate::util::location(&a.out)?;
+    let ck = crate::util::open(&a.src)?;
     if ck.manifest().is_some() {
         ck.verify()?;
     }
@@ -185,8 +187,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
         ..Default::default()
     };
     let info = match &state {
-        Some(s) => s.save(&a.out, &model, &opts)?,
-        None => ckptstore::save(&a.out, &model, &opts)?,
+        Some(s) => ckptstore::store::save_optimizer(&out, &s.as_borrowed(), &model, &opts)?,
+        None => ckptstore::store::save_location(&out, &model, &opts, None)?,
     };
     if info.tensors == 0 && !ck.tensors().is_empty() {
         return Err(Error::InvalidArgument("nothing was written".into()));
@@ -196,7 +198,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         "wrote {} tensors ({}) into {} ({} shard(s), checkpoint {}); of the source's {}: {n_converted} converted to {}, {kept_total} kept as stored",
         info.tensors,
         human(info.data_bytes),
-        a.out.display(),
+        out,
         info.shards,
         info.checkpoint_id,
         ck.tensors().len(),

@@ -3,13 +3,15 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::{Checkpoint, Result};
+use ckptstore::Result;
+
+use crate::util::Ckpt;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// First checkpoint.
+    /// First checkpoint (path or s3:// URL).
     a: PathBuf,
-    /// Second checkpoint.
+    /// Second checkpoint (path or s3:// URL).
     b: PathBuf,
     /// Print one JSON object: {same, difference}.
     #[arg(long)]
@@ -17,7 +19,7 @@ pub struct Args {
 }
 
 /// The first difference between two checkpoints, in name order, or `None`.
-fn first_difference(a: &Checkpoint, b: &Checkpoint) -> Option<String> {
+fn first_difference(a: &Ckpt, b: &Ckpt) -> Option<String> {
     let mut an: Vec<&str> = a.tensors().iter().map(|t| t.name.as_str()).collect();
     let mut bn: Vec<&str> = b.tensors().iter().map(|t| t.name.as_str()).collect();
     an.sort_unstable();
@@ -67,8 +69,8 @@ fn first_difference(a: &Checkpoint, b: &Checkpoint) -> Option<String> {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let ca = Checkpoint::open(&a.a)?;
-    let cb = Checkpoint::open(&a.b)?;
+    let ca = crate::util::open(&a.a)?;
+    let cb = crate::util::open(&a.b)?;
     let d = first_difference(&ca, &cb);
     if a.json {
         println!(

@@ -3,14 +3,14 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::{Checkpoint, Kind, Result};
+use ckptstore::{Kind, Result};
 use serde_json::json;
 
 use crate::util::human;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory, .safetensors file, or HF sharded directory.
+    /// Checkpoint directory, .safetensors file, HF sharded directory, or s3://bucket/prefix.
     path: PathBuf,
     /// Print one JSON object: {path, kind, checkpoint_id, shards:[{file,size}],
     /// tensors:[{name,dtype,shape,bytes,shard,file,crc32}], total_tensors, total_bytes,
@@ -21,7 +21,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let ck = Checkpoint::open(&a.path)?;
+    let ck = crate::util::open(&a.path)?;
     let kind = match ck.kind() {
         Kind::Native => "ckptstore",
         Kind::Safetensors => "safetensors",

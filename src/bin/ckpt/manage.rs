@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use ckptstore::manager::{CheckpointManager, Retention};
+use ckptstore::store::Location;
 use ckptstore::Result;
 use serde_json::json;
 
@@ -11,7 +12,7 @@ use crate::util::human;
 
 #[derive(clap::Args)]
 pub struct LsArgs {
-    /// Manager root (holding step-NNNNNNNN/ directories).
+    /// Manager root (holding step-NNNNNNNN/ directories), or s3://bucket/root.
     root: PathBuf,
     /// Print one JSON object: {root, latest, steps:[{step, path, committed, bytes}]}.
     #[arg(long)]
@@ -20,7 +21,7 @@ pub struct LsArgs {
 
 #[derive(clap::Args)]
 pub struct GcArgs {
-    /// Manager root (holding step-NNNNNNNN/ directories).
+    /// Manager root (holding step-NNNNNNNN/ directories), or s3://bucket/root.
     root: PathBuf,
     /// Keep the newest N committed steps.
     #[arg(long)]
@@ -33,24 +34,73 @@ pub struct GcArgs {
     json: bool,
 }
 
-fn manager(root: &PathBuf, retention: Retention) -> Result<CheckpointManager> {
+fn manager(root: &std::path::Path, retention: Retention) -> Result<CheckpointManager> {
     if !root.is_dir() {
         return Err(ckptstore::Error::NotFound {
-            path: root.clone(),
+            path: root.to_path_buf(),
             reason: "not a directory; give the root that holds step-NNNNNNNN/ directories".into(),
         });
     }
     CheckpointManager::new(root, retention)
 }
 
+/// One step as `ls` prints it: (step, path or URL, committed, bytes).
+type Row = (u64, String, bool, u64);
+
+/// The steps under a local or remote root, and the latest committed one.
+fn list_steps(root: &std::path::Path) -> Result<(Vec<Row>, Option<u64>)> {
+    match crate::util::location(root)? {
+        Location::Local(p) => {
+            let mgr = manager(&p, Retention::default())?;
+            let rows = mgr
+                .list()?
+                .into_iter()
+                .map(|e| (e.step, e.path.display().to_string(), e.committed, e.bytes))
+                .collect();
+            Ok((rows, mgr.latest()?))
+        }
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => Err(no_s3(&u)),
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => {
+            let mgr = remote_manager(&u, Retention::default())?;
+            let steps = mgr.list()?;
+            let latest = steps.iter().filter(|s| s.committed).map(|s| s.step).max();
+            let rows = steps
+                .into_iter()
+                .map(|s| (s.step, s.url.to_string(), s.committed, s.bytes))
+                .collect();
+            Ok((rows, latest))
+        }
+    }
+}
+
+#[cfg(feature = "s3")]
+fn remote_manager(
+    u: &ckptstore::store::RemoteUrl,
+    retention: Retention,
+) -> Result<ckptstore::store::s3_manager::RemoteManager> {
+    ckptstore::store::s3_manager::RemoteManager::new(
+        u,
+        &ckptstore::store::s3::S3Config::from_env(),
+        retention,
+    )
+}
+
+#[cfg(not(feature = "s3"))]
+fn no_s3(u: &ckptstore::store::RemoteUrl) -> ckptstore::Error {
+    ckptstore::Error::UnsupportedUrl {
+        url: u.to_string(),
+        reason: "this build has no object-store support".into(),
+    }
+}
+
 pub fn ls(a: LsArgs) -> Result<ExitCode> {
-    let mgr = manager(&a.root, Retention::default())?;
-    let entries = mgr.list()?;
-    let latest = mgr.latest()?;
+    let (entries, latest) = list_steps(&a.root)?;
     if a.json {
         let steps: Vec<_> = entries
             .iter()
-            .map(|e| json!({"step": e.step, "path": e.path, "committed": e.committed, "bytes": e.bytes}))
+            .map(|(step, path, committed, bytes)| json!({"step": step, "path": path, "committed": committed, "bytes": bytes}))
             .collect();
         println!(
             "{}",
@@ -64,23 +114,18 @@ pub fn ls(a: LsArgs) -> Result<ExitCode> {
     if entries.is_empty() {
         println!("no steps under {}", a.root.display());
     }
-    for e in &entries {
-        let mark = if Some(e.step) == latest && e.committed {
+    for (step, path, committed, bytes) in &entries {
+        let mark = if Some(*step) == latest && *committed {
             "  <- latest"
         } else {
             ""
         };
-        let state = if e.committed {
+        let state = if *committed {
             "committed"
         } else {
             "UNCOMMITTED (interrupted save; gc removes it)"
         };
-        println!(
-            "{:>10}  {:>12}  {state}  {}{mark}",
-            e.step,
-            human(e.bytes),
-            e.path.display()
-        );
+        println!("{step:>10}  {:>12}  {state}  {path}{mark}", human(*bytes));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -91,14 +136,17 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
             "--keep must be at least 1".into(),
         ));
     }
-    let mgr = manager(
-        &a.root,
-        Retention {
-            keep_last: a.keep,
-            keep_every: a.every,
-        },
-    )?;
-    let r = mgr.gc()?;
+    let retention = Retention {
+        keep_last: a.keep,
+        keep_every: a.every,
+    };
+    let r = match crate::util::location(&a.root)? {
+        Location::Local(p) => manager(&p, retention)?.gc()?,
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => remote_manager(&u, retention)?.gc()?,
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => return Err(no_s3(&u)),
+    };
     if a.json {
         println!(
             "{}",

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::{save_with_section, Checkpoint, Error, Result, SaveOptions, TensorRef};
+use ckptstore::{Error, Result, SaveOptions, TensorRef};
 
 use crate::util::{callback, human, parse_size, progress};
 
@@ -13,7 +13,8 @@ pub struct Args {
     /// safetensors files, HF sharded directories or ckptstore checkpoints.
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
-    /// Output checkpoint directory (created if missing; a checkpoint there is replaced atomically).
+    /// Output checkpoint directory (created if missing; a checkpoint there is replaced
+    /// atomically) or s3://bucket/prefix.
     #[arg(long)]
     out: PathBuf,
     /// Most tensor bytes per shard (e.g. 2GiB, 512MiB).
@@ -22,10 +23,12 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
+    // A URL is never a local path: parse --out before reading anything.
+    let out = crate::util::location(&a.out)?;
     let cks = a
         .inputs
         .iter()
-        .map(Checkpoint::open)
+        .map(|p| crate::util::open(p))
         .collect::<Result<Vec<_>>>()?;
     for ck in &cks {
         ck.check_optimizer_section()?;
@@ -79,14 +82,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
         progress: Some(callback(&pb)),
         ..Default::default()
     };
-    let info = save_with_section(&a.out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
+    let info = ckptstore::store::save_location(&out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
     pb.finish_and_clear();
     println!(
         "packed {} tensors ({}) into {} shard(s) at {} (checkpoint {})",
         info.tensors,
         human(info.data_bytes),
         info.shards,
-        a.out.display(),
+        out,
         info.checkpoint_id
     );
     Ok(ExitCode::SUCCESS)

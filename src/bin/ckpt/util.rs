@@ -101,6 +101,19 @@ pub fn dir_or_temp(
     }
 }
 
+/// A checkpoint open from a path or URL (`s3://bucket/prefix`): a URL is never a path.
+pub type Ckpt = ckptstore::Checkpoint<ckptstore::store::Storage>;
+
+/// Parse a PATH argument as a location ([`ckptstore::store::Location::parse`]).
+pub fn location(p: &std::path::Path) -> ckptstore::Result<ckptstore::store::Location> {
+    ckptstore::store::Location::from_path(p)
+}
+
+/// Open a checkpoint at a path or URL.
+pub fn open(p: &std::path::Path) -> ckptstore::Result<Ckpt> {
+    ckptstore::store::open_location(&location(p)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,13 +3,13 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::{Checkpoint, Result};
+use ckptstore::Result;
 
 use crate::util::{callback, human, progress};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory, .safetensors file, or HF sharded directory.
+    /// Checkpoint directory, .safetensors file, HF sharded directory, or s3://bucket/prefix.
     path: PathBuf,
     /// Print one JSON object: {path, ok, checksummed, tensors, bytes, error}.
     #[arg(long)]
@@ -17,7 +17,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let res = Checkpoint::open(&a.path).and_then(|ck| {
+    let res = crate::util::open(&a.path).and_then(|ck| {
         let pb = progress(ck.data_bytes(), "verify");
         let cb = callback(&pb);
         let r = ck.verify_with_progress(&*cb);

@@ -1,0 +1,138 @@
+//! Save and load of a checkpoint on an S3 server, each beside a raw `object_store` baseline
+//! measured in the same run against the same server with the same part / range size and
+//! concurrency:
+//!
+//! * save (`store::s3::save_with`: multipart upload, CRCs on the way, manifest PUT last)
+//!   vs a raw multipart PUT of the same bytes (`WriteMultipart`);
+//! * open (`store::s3::open_with`: manifest GET, parallel ranged GETs into fresh buffers,
+//!   the open checks) and open + verify (every tensor CRC) vs raw parallel ranged GETs of the
+//!   same bytes (`get_range`, into the buffers `object_store` returns).
+//!
+//! The server comes from the environment (`AWS_ENDPOINT_URL`, ...); scripts/s3-bench.sh
+//! starts s3s-fs (and uses a Garage cluster where one runs) and calls this.
+//!
+//! ```sh
+//! cargo run --release --example s3_bench -- s3://bench/run [SIZE_MIB] [REPS]
+//! ```
+
+use std::time::Instant;
+
+use ckptstore::store::s3::{self, Remote, S3Config};
+use ckptstore::store::Location;
+use ckptstore::{SaveOptions, TensorRef};
+use futures::StreamExt;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStoreExt, WriteMultipart};
+
+fn best<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
+    let mut best = f64::INFINITY;
+    let mut last = None;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let r = f();
+        best = best.min(t.elapsed().as_secs_f64());
+        last = Some(r);
+    }
+    (best, last.expect("reps >= 1"))
+}
+
+fn main() -> ckptstore::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let url = match Location::parse(args.get(1).map_or("s3://bench/run", |s| s.as_str()))? {
+        Location::Remote(u) => u,
+        Location::Local(p) => panic!("give an s3:// URL, not {}", p.display()),
+    };
+    let mib: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1024);
+    let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
+    let cfg = S3Config::from_env();
+    let bytes = mib << 20;
+
+    // 16 F32 tensors, deterministic data; one shard (the default 4 GiB shard size).
+    let n = 16;
+    let per = bytes / n / 4;
+    let data: Vec<Vec<f32>> = (0..n)
+        .map(|i| {
+            (0..per)
+                .map(|j| ((i * per + j) % 1009) as f32 * 0.5)
+                .collect()
+        })
+        .collect();
+    let names: Vec<String> = (0..n).map(|i| format!("layer{i}.w")).collect();
+    let tensors: Vec<TensorRef<'_>> = data
+        .iter()
+        .zip(&names)
+        .map(|(d, name)| TensorRef::from_slice(name.as_str(), &[per as u64], d))
+        .collect();
+    let total = (n * per * 4) as f64;
+    let gib = |s: f64| total / s / f64::from(1u32 << 30);
+
+    let r = Remote::new(&url, &cfg)?;
+    let store = r.store().clone();
+    let raw_key = ObjPath::from(url.key("raw-baseline.bin"));
+    let flat: Vec<u8> = data
+        .iter()
+        .flat_map(|d| bytemuck::cast_slice::<f32, u8>(d).iter().copied())
+        .collect();
+
+    // Raw multipart PUT of the same bytes, same part size and concurrency, 8 MiB writes.
+    let (raw_put, ()) = best(reps, || {
+        r.block_on(async {
+            let up = store.put_multipart(&raw_key).await.expect("create upload");
+            let mut w = WriteMultipart::new_with_chunk_size(up, cfg.part_size);
+            for c in flat.chunks(8 << 20) {
+                w.wait_for_capacity(cfg.upload_concurrency)
+                    .await
+                    .expect("part");
+                w.write(c);
+            }
+            w.finish().await.expect("complete");
+        })
+    });
+    let (save, _) = best(reps, || {
+        s3::save_with(&url, &tensors, &SaveOptions::default(), None, &cfg)
+    });
+
+    // Raw parallel ranged GETs of the same bytes, same range size and concurrency.
+    let size = flat.len() as u64;
+    let step = cfg.range_size as u64;
+    let (raw_get, got) = best(reps, || {
+        r.block_on(async {
+            let ranges: Vec<_> = (0..size.div_ceil(step))
+                .map(|i| i * step..((i + 1) * step).min(size))
+                .collect();
+            futures::stream::iter(ranges)
+                .map(|rg| {
+                    let store = store.clone();
+                    let key = raw_key.clone();
+                    async move { store.get_range(&key, rg).await.expect("get").len() }
+                })
+                .buffer_unordered(cfg.download_concurrency)
+                .fold(0usize, |a, n| async move { a + n })
+                .await
+        })
+    });
+    assert_eq!(got as u64, size);
+    let (open, ck) = best(reps, || s3::open_with(&url, &cfg).expect("open"));
+    let (open_verify, _) = best(reps, || {
+        let ck = s3::open_with(&url, &cfg).expect("open");
+        ck.verify().expect("verify")
+    });
+    assert_eq!(ck.data_bytes(), size);
+    let _ = r.delete("raw-baseline.bin");
+
+    println!(
+        "{{\"url\": \"{url}\", \"bytes\": {size}, \"reps\": {reps}, \
+         \"raw_multipart_put_gibps\": {:.3}, \"save_gibps\": {:.3}, \"save_ratio\": {:.3}, \
+         \"raw_ranged_get_gibps\": {:.3}, \"open_gibps\": {:.3}, \"open_ratio\": {:.3}, \
+         \"open_verify_gibps\": {:.3}, \"open_verify_ratio\": {:.3}}}",
+        gib(raw_put),
+        gib(save),
+        raw_put / save,
+        gib(raw_get),
+        gib(open),
+        raw_get / open,
+        gib(open_verify),
+        raw_get / open_verify,
+    );
+    Ok(())
+}

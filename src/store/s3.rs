@@ -1,0 +1,1088 @@
+//! Checkpoints on S3-compatible object stores (cargo feature `s3`), through the Apache
+//! Arrow [`object_store`] crate and a small internal tokio runtime.
+//!
+//! The layout is the local one with objects for files (format-spec/s3.md): under
+//! `s3://bucket/prefix/`, shard objects named uniquely per checkpoint id
+//! (`shard-<id>-<i>.safetensors`), then `ckpt-manifest.json`, PUT last: the commit.
+//!
+//! **Save** runs the engine's own commit protocol (`write::save_with_fs`) over an object
+//! store [`Fs`]: each shard streams into a multipart upload (parts uploaded concurrently
+//! while the writer computes every tensor's CRC32 from the same bytes), and the manifest is
+//! one PUT after every shard upload has completed. An error or a dropped save aborts its
+//! multipart uploads and deletes the shard objects it completed; a killed process leaves
+//! shard objects no manifest names, which the next save's cleanup or `ckpt gc` deletes.
+//! Nothing relies on conditional PUT: one writer per prefix (format-spec/s3.md §Writers).
+//!
+//! **Open** GETs the manifest once, then downloads every shard with parallel ranged GETs
+//! into fresh buffers and runs every check [`Checkpoint::open`] runs (object sizes, header
+//! lengths, header CRCs), so all readers of [`Checkpoint`] work unchanged. CRCs of tensors
+//! are checked where the local path checks them (loads, `verify`). [`stream_tensors`] and
+//! [`RemoteCheckpoint`] read only the byte ranges of the tensors asked for.
+//!
+//! Configuration is the usual environment ([`S3Config::from_env`]): `AWS_ENDPOINT_URL`,
+//! `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ALLOW_HTTP`, plus
+//! `CKPT_S3_MAX_RETRIES` and `CKPT_S3_RETRY_TIMEOUT_S` for the retry policy (transient
+//! errors: connection failures, 5xx, throttling, retried with exponential backoff).
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as ObjPath;
+use object_store::{
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload,
+    RetryConfig, WriteMultipart,
+};
+
+use super::RemoteUrl;
+use crate::checkpoint::{decode_manifest, Checkpoint, TensorInfo};
+use crate::error::{Error, Result};
+use crate::format::manifest::{Manifest, OptimizerSection, MANIFEST_FILE};
+use crate::format::MAX_MANIFEST_SIZE;
+use crate::write::fs::Fs;
+use crate::write::{self, CommitInfo, SaveOptions, TensorRef, TEMP_PREFIX};
+
+/// How to reach the object store and how hard to try.
+#[derive(Debug, Clone)]
+pub struct S3Config {
+    /// Endpoint URL (`http://127.0.0.1:9000`); `None`: `AWS_ENDPOINT_URL` or AWS itself.
+    pub endpoint: Option<String>,
+    /// Access key id; `None`: `AWS_ACCESS_KEY_ID`.
+    pub access_key_id: Option<String>,
+    /// Secret access key; `None`: `AWS_SECRET_ACCESS_KEY`.
+    pub secret_access_key: Option<String>,
+    /// Region; `None`: `AWS_REGION` (else `us-east-1`).
+    pub region: Option<String>,
+    /// Allow plain HTTP endpoints; `None`: `AWS_ALLOW_HTTP`.
+    pub allow_http: Option<bool>,
+    /// Retries of a failed request (transient errors only; 0 disables retries).
+    pub max_retries: usize,
+    /// No retry starts later than this after the first attempt.
+    pub retry_timeout: Duration,
+    /// The first backoff between retries (doubling up to 15 s).
+    pub init_backoff: Duration,
+    /// Timeout of one request.
+    pub request_timeout: Duration,
+    /// Size of a multipart upload part; a shard smaller than this is one PUT.
+    pub part_size: usize,
+    /// Parts of one shard uploaded at once.
+    pub upload_concurrency: usize,
+    /// Size of one ranged GET when downloading.
+    pub range_size: usize,
+    /// Ranged GETs in flight at once.
+    pub download_concurrency: usize,
+}
+
+impl Default for S3Config {
+    fn default() -> Self {
+        S3Config {
+            endpoint: None,
+            access_key_id: None,
+            secret_access_key: None,
+            region: None,
+            allow_http: None,
+            max_retries: 10,
+            retry_timeout: Duration::from_secs(180),
+            init_backoff: Duration::from_millis(100),
+            request_timeout: Duration::from_secs(120),
+            part_size: 16 << 20,
+            upload_concurrency: 8,
+            range_size: 8 << 20,
+            download_concurrency: 16,
+        }
+    }
+}
+
+impl S3Config {
+    /// The defaults, with the retry policy from `CKPT_S3_MAX_RETRIES` and
+    /// `CKPT_S3_RETRY_TIMEOUT_S` where set; endpoint and credentials are read from the
+    /// `AWS_*` variables when the store is built.
+    pub fn from_env() -> Self {
+        let mut c = S3Config::default();
+        if let Some(n) = env_num("CKPT_S3_MAX_RETRIES") {
+            c.max_retries = n as usize;
+        }
+        if let Some(s) = env_num("CKPT_S3_RETRY_TIMEOUT_S") {
+            c.retry_timeout = Duration::from_secs(s);
+        }
+        c
+    }
+
+    fn build(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+        install_tls_provider();
+        // The client options go first: `with_client_options` replaces them whole, including
+        // the `allow_http` that `from_env` read from AWS_ALLOW_HTTP.
+        let allow_http = self.allow_http.unwrap_or_else(|| {
+            std::env::var("AWS_ALLOW_HTTP").is_ok_and(|v| {
+                matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1" | "yes")
+            })
+        });
+        let mut b = AmazonS3Builder::from_env()
+            .with_client_options(
+                ClientOptions::new()
+                    .with_timeout(self.request_timeout)
+                    .with_connect_timeout(Duration::from_secs(5))
+                    .with_allow_http(allow_http),
+            )
+            .with_bucket_name(bucket);
+        if let Some(e) = &self.endpoint {
+            b = b.with_endpoint(e);
+        }
+        if let Some(k) = &self.access_key_id {
+            b = b.with_access_key_id(k);
+        }
+        if let Some(s) = &self.secret_access_key {
+            b = b.with_secret_access_key(s);
+        }
+        if let Some(r) = &self.region {
+            b = b.with_region(r);
+        }
+        b = b.with_retry(RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: self.init_backoff,
+                max_backoff: Duration::from_secs(15),
+                base: 2.0,
+            },
+            max_retries: self.max_retries,
+            retry_timeout: self.retry_timeout,
+        });
+        let store = b.build().map_err(|e| Error::Remote {
+            op: "configure",
+            url: format!("s3://{bucket}"),
+            reason: e.to_string(),
+        })?;
+        Ok(Arc::new(store))
+    }
+}
+
+/// TLS through rustls with the ring provider (the `reqwest` client `object_store` builds
+/// needs a process-wide provider; an application that installed one keeps its own).
+fn install_tls_provider() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+fn env_num(name: &str) -> Option<u64> {
+    std::env::var(name).ok()?.trim().parse().ok()
+}
+
+/// The internal runtime: a few worker threads drive the HTTP connections; callers block.
+fn runtime() -> Result<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .thread_name("ckpt-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| Error::Remote {
+        op: "start the I/O runtime",
+        url: String::new(),
+        reason: e.clone(),
+    })
+}
+
+/// A store, a prefix and the policy: what every operation needs.
+#[derive(Debug, Clone)]
+pub struct Remote {
+    store: Arc<dyn ObjectStore>,
+    url: RemoteUrl,
+    cfg: S3Config,
+    rt: &'static tokio::runtime::Runtime,
+}
+
+/// What a store's error text means, for people.
+fn explain(text: String, bucket: &str) -> String {
+    if text.contains("NoSuchBucket") {
+        format!("the bucket {bucket:?} does not exist ({text})")
+    } else if text.contains("InvalidAccessKeyId")
+        || text.contains("SignatureDoesNotMatch")
+        || text.contains("AccessDenied")
+        || text.contains("403 Forbidden")
+    {
+        format!("access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ({text})")
+    } else {
+        text
+    }
+}
+
+/// `object_store` error of `op` on the object `url`, for people.
+fn remote_err(op: &'static str, url: &RemoteUrl, e: &object_store::Error) -> Error {
+    let text = match e {
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => {
+            format!("access denied: {e}")
+        }
+        _ => e.to_string(),
+    };
+    Error::Remote {
+        op,
+        url: url.to_string(),
+        reason: explain(text, &url.bucket),
+    }
+}
+
+fn is_not_found(e: &object_store::Error) -> bool {
+    matches!(e, object_store::Error::NotFound { .. }) && !e.to_string().contains("NoSuchBucket")
+}
+
+impl Remote {
+    /// Connect to the store of `url` (no request is made yet).
+    ///
+    /// # Errors
+    /// [`Error::Remote`] if the configuration is invalid.
+    pub fn new(url: &RemoteUrl, cfg: &S3Config) -> Result<Remote> {
+        Ok(Remote {
+            store: cfg.build(&url.bucket)?,
+            url: url.clone(),
+            cfg: cfg.clone(),
+            rt: runtime()?,
+        })
+    }
+
+    /// The underlying `object_store` handle (for benchmarks and tools).
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    /// The URL of this prefix.
+    pub fn url(&self) -> &RemoteUrl {
+        &self.url
+    }
+
+    /// The same store under `prefix/name`.
+    pub fn child(&self, name: &str) -> Remote {
+        Remote {
+            url: self.url.child(name),
+            ..self.clone()
+        }
+    }
+
+    fn path(&self, name: &str) -> ObjPath {
+        ObjPath::from(self.url.key(name))
+    }
+
+    fn prefix_path(&self) -> Option<ObjPath> {
+        (!self.url.prefix.is_empty()).then(|| ObjPath::from(self.url.prefix.as_str()))
+    }
+
+    /// Run a future on the internal runtime, blocking this thread.
+    ///
+    /// # Panics
+    /// If called from inside a tokio runtime's worker (the runtime refuses nested blocking).
+    pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    /// The names of the objects directly under this prefix (not under deeper prefixes) and
+    /// the names of the sub-prefixes, each without the trailing `/`.
+    ///
+    /// # Errors
+    /// [`Error::Remote`].
+    pub fn list(&self) -> Result<Listing> {
+        let p = self.prefix_path();
+        let r = self
+            .block_on(self.store.list_with_delimiter(p.as_ref()))
+            .map_err(|e| remote_err("list", &self.url, &e))?;
+        let objects = r
+            .objects
+            .iter()
+            .filter_map(|o| Some((o.location.filename()?.to_string(), o.size)))
+            .collect();
+        let prefixes = r
+            .common_prefixes
+            .iter()
+            .filter_map(|p| Some(p.filename()?.to_string()))
+            .collect();
+        Ok(Listing { objects, prefixes })
+    }
+
+    /// GET one whole object, refusing one over `cap` bytes. `Ok(None)` if it does not exist.
+    ///
+    /// # Errors
+    /// [`Error::Remote`]; [`Error::InvalidManifest`] if it is over the cap.
+    pub fn get_small(&self, name: &str, cap: u64) -> Result<Option<Vec<u8>>> {
+        let url = self.url.child(name);
+        let path = self.path(name);
+        self.block_on(async {
+            let r = match self.store.get(&path).await {
+                Ok(r) => r,
+                Err(e) if is_not_found(&e) => return Ok(None),
+                Err(e) => return Err(remote_err("GET", &url, &e)),
+            };
+            if r.meta.size > cap {
+                return Err(Error::manifest(
+                    url.to_string(),
+                    format!(
+                        "the object is {} bytes, over the {cap}-byte cap",
+                        r.meta.size
+                    ),
+                ));
+            }
+            let b = r.bytes().await.map_err(|e| remote_err("GET", &url, &e))?;
+            Ok(Some(b.to_vec()))
+        })
+    }
+
+    /// PUT one small object in one request.
+    ///
+    /// # Errors
+    /// [`Error::Remote`].
+    pub fn put_small(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
+        let path = self.path(name);
+        self.block_on(self.store.put(&path, PutPayload::from(bytes)))
+            .map(|_| ())
+            .map_err(|e| remote_err("PUT", &self.url.child(name), &e))
+    }
+
+    /// Delete one object (a missing one is not an error).
+    ///
+    /// # Errors
+    /// [`Error::Remote`].
+    pub fn delete(&self, name: &str) -> Result<()> {
+        let path = self.path(name);
+        match self.block_on(self.store.delete(&path)) {
+            Ok(()) => Ok(()),
+            Err(e) if is_not_found(&e) => Ok(()),
+            Err(e) => Err(remote_err("DELETE", &self.url.child(name), &e)),
+        }
+    }
+
+    /// One listing request under the prefix: `Ok` if the bucket exists and the credentials
+    /// may list it; otherwise the error, in those words.
+    ///
+    /// # Errors
+    /// [`Error::Remote`].
+    pub fn probe(&self) -> Result<()> {
+        let p = self.prefix_path();
+        let first = self.block_on(async { self.store.list(p.as_ref()).next().await });
+        match first {
+            Some(Err(e @ object_store::Error::NotFound { .. })) => Err(Error::Remote {
+                op: "list",
+                url: format!("s3://{}", self.url.bucket),
+                reason: format!("the bucket {:?} does not exist ({e})", self.url.bucket),
+            }),
+            Some(Err(e)) => Err(remote_err("list", &self.url, &e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Why there is no manifest: a missing bucket (probed with a listing) or nothing
+    /// committed under the prefix.
+    fn not_found(&self) -> Error {
+        match self.probe() {
+            Err(e) => e,
+            Ok(()) => Error::NotFound {
+                path: PathBuf::from(self.url.to_string()),
+                reason: format!(
+                    "no {MANIFEST_FILE} object under the prefix (nothing committed there)"
+                ),
+            },
+        }
+    }
+
+    /// The committed manifest under this prefix: its bytes and decoded form.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] if there is none; [`Error::Remote`]; the manifest errors of
+    /// [`Checkpoint::open`].
+    pub fn manifest(&self) -> Result<(Vec<u8>, Manifest)> {
+        let bytes = match self.get_small(MANIFEST_FILE, MAX_MANIFEST_SIZE)? {
+            Some(b) => b,
+            None => return Err(self.not_found()),
+        };
+        let (m, _) = decode_manifest(&bytes, &self.url.child(MANIFEST_FILE).to_string())?;
+        Ok((bytes, m))
+    }
+
+    /// Read `ranges` (object name, byte range, destination of exactly the range's length)
+    /// with up to `download_concurrency` ranged GETs in flight, each checked against the
+    /// object size `sizes` expects. Errors name the key.
+    fn read_ranges(&self, jobs: Vec<RangeJob<'_>>) -> Result<()> {
+        let conc = self.cfg.download_concurrency.max(1);
+        self.block_on(async {
+            futures::stream::iter(jobs.into_iter().map(|j| self.read_range(j)))
+                .buffer_unordered(conc)
+                .try_for_each(|()| async { Ok(()) })
+                .await
+        })
+    }
+
+    async fn read_range(&self, j: RangeJob<'_>) -> Result<()> {
+        let url = self.url.child(j.name);
+        let path = self.path(j.name);
+        let mismatch = |reason: String| Error::ShardMismatch {
+            shard: j.shard,
+            file: url.to_string(),
+            reason,
+        };
+        let opts = GetOptions {
+            range: Some(GetRange::Bounded(j.range.clone())),
+            ..Default::default()
+        };
+        let r = match self.store.get_opts(&path, opts).await {
+            Ok(r) => r,
+            Err(e) if is_not_found(&e) => return Err(mismatch("the object is missing".into())),
+            Err(e) => {
+                // A range past the end of a short object: say so in the shard's terms.
+                let text = e.to_string();
+                if text.contains("416") || text.contains("InvalidRange") || text.contains("Range") {
+                    return Err(mismatch(format!(
+                        "the object is shorter than the {} bytes the manifest records (truncated or replaced): {text}",
+                        j.object_size
+                    )));
+                }
+                return Err(remote_err("GET", &url, &e));
+            }
+        };
+        if r.meta.size != j.object_size {
+            return Err(mismatch(format!(
+                "the object is {} bytes but the manifest records {} (truncated or replaced)",
+                r.meta.size, j.object_size
+            )));
+        }
+        if r.range != j.range {
+            return Err(mismatch(format!(
+                "asked for bytes {:?}, the server sent {:?}",
+                j.range, r.range
+            )));
+        }
+        let mut at = 0usize;
+        let mut body = r.into_stream();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| remote_err("GET", &url, &e))?;
+            let end = at
+                .checked_add(chunk.len())
+                .filter(|&e| e <= j.dst.len())
+                .ok_or_else(|| mismatch("the server sent more bytes than asked for".into()))?;
+            j.dst[at..end].copy_from_slice(&chunk);
+            at = end;
+        }
+        if at != j.dst.len() {
+            return Err(mismatch(format!(
+                "the server sent {at} of the {} bytes asked for",
+                j.dst.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Split `[start, start + dst.len())` of object `name` into range jobs.
+    fn jobs_for<'d>(
+        &self,
+        name: &'d str,
+        shard: usize,
+        object_size: u64,
+        start: u64,
+        dst: &'d mut [u8],
+        out: &mut Vec<RangeJob<'d>>,
+    ) {
+        let step = self.cfg.range_size.max(1 << 16);
+        let mut off = start;
+        for piece in dst.chunks_mut(step) {
+            let end = off + piece.len() as u64;
+            out.push(RangeJob {
+                name,
+                shard,
+                object_size,
+                range: off..end,
+                dst: piece,
+            });
+            off = end;
+        }
+    }
+}
+
+/// What [`Remote::list`] found directly under a prefix.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// Object names (the last key segment) and sizes.
+    pub objects: Vec<(String, u64)>,
+    /// Sub-prefix names, without the trailing `/`.
+    pub prefixes: Vec<String>,
+}
+
+/// One ranged GET: where from, where to.
+struct RangeJob<'d> {
+    name: &'d str,
+    shard: usize,
+    object_size: u64,
+    range: Range<u64>,
+    dst: &'d mut [u8],
+}
+
+/// Put the object URL in place of a bare shard file name in errors about shards.
+fn name_keys(e: Error, url: &RemoteUrl) -> Error {
+    match e {
+        Error::ShardMismatch {
+            shard,
+            file,
+            reason,
+        } if !file.contains("://") => Error::ShardMismatch {
+            shard,
+            file: url.child(&file).to_string(),
+            reason,
+        },
+        Error::ChecksumMismatch {
+            what,
+            shard,
+            file,
+            expected,
+            got,
+        } if !file.contains("://") => Error::ChecksumMismatch {
+            what,
+            shard,
+            file: url.child(&file).to_string(),
+            expected,
+            got,
+        },
+        Error::InvalidHeader { file, reason } if !file.contains("://") => Error::InvalidHeader {
+            file: url.child(&file).to_string(),
+            reason,
+        },
+        other => other,
+    }
+}
+
+/// Open the checkpoint under `url`, configured from the environment ([`open_with`]).
+///
+/// # Errors
+/// As [`open_with`].
+pub fn open(url: &RemoteUrl) -> Result<Checkpoint<Vec<u8>>> {
+    open_with(url, &S3Config::from_env())
+}
+
+/// Open the checkpoint under `url`: one GET of the manifest, then every shard downloaded
+/// with parallel ranged GETs into fresh buffers, then every check [`Checkpoint::open`]
+/// makes (object sizes, header lengths and CRCs). Tensor CRCs are checked by loads and by
+/// [`Checkpoint::verify`], as for local checkpoints.
+///
+/// # Errors
+/// [`Error::NotFound`] if no manifest is committed under `url`; [`Error::ShardMismatch`]
+/// naming the object URL for a missing, truncated or replaced shard object;
+/// [`Error::ChecksumMismatch`] for a header from another checkpoint or damaged bytes;
+/// [`Error::Remote`] naming the URL for a failed request (wrong credentials, missing
+/// bucket, server down after the retries).
+pub fn open_with(url: &RemoteUrl, cfg: &S3Config) -> Result<Checkpoint<Vec<u8>>> {
+    let r = Remote::new(url, cfg)?;
+    open_remote(&r)
+}
+
+/// [`open_with`] on a connected [`Remote`].
+///
+/// # Errors
+/// As [`open_with`].
+pub fn open_remote(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
+    let (bytes, m) = r.manifest()?;
+    let mut bufs: Vec<Vec<u8>> = m
+        .shards
+        .iter()
+        .map(|s| {
+            usize::try_from(s.size).map(|n| vec![0u8; n]).map_err(|_| {
+                Error::InvalidArgument(format!("shard {} does not fit in memory", s.file))
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut jobs = Vec::new();
+    for (i, (s, buf)) in m.shards.iter().zip(bufs.iter_mut()).enumerate() {
+        r.jobs_for(&s.file, i, s.size, 0, buf, &mut jobs);
+    }
+    r.read_ranges(jobs).map_err(|e| name_keys(e, &r.url))?;
+    let ck = Checkpoint::from_parts(&bytes, bufs).map_err(|e| name_keys(e, &r.url))?;
+    // Later errors (verify, loads) name the objects by URL.
+    Ok(ck.with_shard_names(|f| r.url.child(f).to_string()))
+}
+
+/// A checkpoint on an object store read lazily: the manifest and every shard header were
+/// fetched and checked at open; tensors are fetched by ranged GETs when asked for, CRC-
+/// checked, into fresh buffers. For checkpoints larger than memory and for reading a few
+/// tensors; [`open`] downloads everything.
+#[derive(Debug)]
+pub struct RemoteCheckpoint {
+    remote: Remote,
+    manifest: Manifest,
+    by_name: HashMap<String, usize>,
+}
+
+impl RemoteCheckpoint {
+    /// Open lazily: GET the manifest, then the header of every shard (a ranged GET each),
+    /// checked as [`Checkpoint::open`] checks them.
+    ///
+    /// # Errors
+    /// As [`open_with`].
+    pub fn open(url: &RemoteUrl, cfg: &S3Config) -> Result<RemoteCheckpoint> {
+        let remote = Remote::new(url, cfg)?;
+        let (_, manifest) = remote.manifest()?;
+        let mut heads: Vec<Vec<u8>> = manifest
+            .shards
+            .iter()
+            .map(|s| vec![0u8; (8 + s.header_size) as usize])
+            .collect();
+        let mut jobs = Vec::new();
+        for (i, (s, buf)) in manifest.shards.iter().zip(heads.iter_mut()).enumerate() {
+            remote.jobs_for(&s.file, i, s.size, 0, buf, &mut jobs);
+        }
+        remote.read_ranges(jobs).map_err(|e| name_keys(e, url))?;
+        for (i, (s, h)) in manifest.shards.iter().zip(&heads).enumerate() {
+            let got = crc32fast::hash(h.get(8..).unwrap_or(&[]));
+            let prefix = h.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok());
+            if prefix.map(u64::from_le_bytes) != Some(s.header_size) {
+                return Err(Error::ShardMismatch {
+                    shard: i,
+                    file: url.child(&s.file).to_string(),
+                    reason: format!(
+                        "the header length prefix differs from the manifest's {}",
+                        s.header_size
+                    ),
+                });
+            }
+            if got != s.header_crc32 {
+                return Err(Error::ChecksumMismatch {
+                    what: "shard header".into(),
+                    shard: i,
+                    file: url.child(&s.file).to_string(),
+                    expected: s.header_crc32,
+                    got,
+                });
+            }
+        }
+        let by_name = manifest
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(RemoteCheckpoint {
+            remote,
+            manifest,
+            by_name,
+        })
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Every tensor, in manifest order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.manifest.tensors
+    }
+
+    /// One tensor, fetched with parallel ranged GETs into a fresh buffer, CRC-checked.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::ChecksumMismatch`]; the errors of [`open_with`].
+    pub fn read_tensor(&self, name: &str) -> Result<crate::tensor::Tensor> {
+        let t = self
+            .by_name
+            .get(name)
+            .and_then(|&i| self.manifest.tensors.get(i))
+            .ok_or_else(|| Error::TensorNotFound { name: name.into() })?;
+        self.fetch(t)
+    }
+
+    fn fetch(&self, t: &TensorInfo) -> Result<crate::tensor::Tensor> {
+        let s = &self.manifest.shards[t.shard];
+        let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
+        let mut jobs = Vec::new();
+        self.remote.jobs_for(
+            &s.file,
+            t.shard,
+            s.size,
+            t.offsets[0],
+            out.bytes_mut(),
+            &mut jobs,
+        );
+        self.remote
+            .read_ranges(jobs)
+            .map_err(|e| name_keys(e, &self.remote.url))?;
+        let got = crate::crc32_parallel(out.bytes());
+        match t.crc32 {
+            Some(expected) if expected != got => Err(Error::ChecksumMismatch {
+                what: format!("tensor {:?}", t.name),
+                shard: t.shard,
+                file: self.remote.url.child(&s.file).to_string(),
+                expected,
+                got,
+            }),
+            _ => Ok(out),
+        }
+    }
+
+    /// Stream every tensor, in file order, into a fresh CRC-checked buffer handed to `f`:
+    /// memory stays within about one tensor plus what `f` keeps.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if one tensor is larger than `budget`; the errors of
+    /// [`RemoteCheckpoint::read_tensor`]; any error `f` returns (which stops the stream).
+    pub fn stream_tensors(
+        &self,
+        budget: u64,
+        mut f: impl FnMut(&TensorInfo, crate::tensor::Tensor) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(t) = self.tensors().iter().find(|t| t.nbytes() > budget) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {:?} is {} bytes, over the budget of {budget} bytes",
+                t.name,
+                t.nbytes()
+            )));
+        }
+        let mut order: Vec<&TensorInfo> = self.tensors().iter().collect();
+        order.sort_by_key(|t| (t.shard, t.offsets[0]));
+        for t in order {
+            let x = self.fetch(t)?;
+            f(t, x)?;
+        }
+        Ok(())
+    }
+}
+
+/// Save tensors as one committed checkpoint under `url`, configured from the environment.
+///
+/// # Errors
+/// As [`save_with`].
+pub fn save(url: &RemoteUrl, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
+    save_with(url, tensors, opts, None, &S3Config::from_env())
+}
+
+/// [`save`] with an optimizer section.
+///
+/// # Errors
+/// As [`save_with`].
+pub fn save_with_section(
+    url: &RemoteUrl,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+) -> Result<CommitInfo> {
+    save_with(url, tensors, opts, optimizer, &S3Config::from_env())
+}
+
+/// Save tensors as one committed checkpoint under `url` with the engine's commit protocol
+/// (format-spec/s3.md §Save): shards streamed as multipart uploads, CRCs computed on the
+/// way, the manifest PUT last. Afterwards the objects of earlier checkpoints under the
+/// prefix are deleted.
+///
+/// # Errors
+/// The input errors of [`crate::save`]; [`Error::Io`] naming the object URL when an upload
+/// fails (its cause says why: server down after retries, access denied, missing bucket).
+/// After an error no new manifest is committed, this save's multipart uploads are aborted
+/// and its completed shard objects deleted (best effort: a server that went away keeps
+/// them until the next save or `ckpt gc`).
+pub fn save_with(
+    url: &RemoteUrl,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+    cfg: &S3Config,
+) -> Result<CommitInfo> {
+    let r = Remote::new(url, cfg)?;
+    save_remote(&r, tensors, opts, optimizer)
+}
+
+/// [`save_with`] on a connected [`Remote`].
+///
+/// # Errors
+/// As [`save_with`].
+pub fn save_remote(
+    r: &Remote,
+    tensors: &[TensorRef<'_>],
+    opts: &SaveOptions,
+    optimizer: Option<OptimizerSection>,
+) -> Result<CommitInfo> {
+    // One listing first: a missing bucket or bad credentials fail here, in those words,
+    // before anything is uploaded (some servers create buckets on PUT).
+    r.probe()?;
+    let fs = ObjectFs::new(r);
+    let dir = PathBuf::from(r.url.to_string());
+    // The writer reports failures of the object-store Fs as I/O errors on "paths" that are
+    // object URLs: say them in the store's terms, naming the final key.
+    write::save_impl(&fs, &dir, tensors, opts, optimizer).map_err(|e| match e {
+        Error::Io { op, path, source } => {
+            let url = path.display().to_string();
+            let url = match url.rsplit_once('/') {
+                Some((dir, name)) => match streamed_target(name) {
+                    Some(target) => format!("{dir}/{target}"),
+                    None => url,
+                },
+                None => url,
+            };
+            // A write can only miss an object's *bucket*.
+            let no_bucket = source
+                .get_ref()
+                .and_then(|e| e.downcast_ref::<object_store::Error>())
+                .is_some_and(|e| matches!(e, object_store::Error::NotFound { .. }));
+            let reason = if no_bucket {
+                format!("the bucket {:?} does not exist ({source})", r.url.bucket)
+            } else {
+                explain(source.to_string(), &r.url.bucket)
+            };
+            Error::Remote { op, url, reason }
+        }
+        other => other,
+    })
+}
+
+/// Delete, under `url`, every engine object no committed manifest names (shards of
+/// interrupted or superseded saves, temporary objects); never the manifest or objects the
+/// engine did not write. Returns the names deleted.
+///
+/// # Errors
+/// [`Error::Remote`].
+pub fn gc_prefix(r: &Remote) -> Result<Vec<String>> {
+    let keep: Vec<String> = match r.manifest() {
+        Ok((_, m)) => m.shards.iter().map(|s| s.file.clone()).collect(),
+        Err(Error::NotFound { .. }) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    let mut deleted = Vec::new();
+    for (name, _) in r.list()?.objects {
+        if write::is_engine_file(&name) && !keep.contains(&name) {
+            r.delete(&name)?;
+            deleted.push(name);
+        }
+    }
+    Ok(deleted)
+}
+
+/// The object-store [`Fs`]: the engine's commit protocol with objects for files.
+///
+/// * A shard's temporary file (`.ckpt-tmp-shard-...`) streams straight into the shard's
+///   final key: the name is unique to the checkpoint id and no manifest names it yet, so
+///   nobody reads it before the commit. `sync` completes the upload; the rename is a no-op.
+/// * Other files (the manifest, part descriptors) are buffered; the rename PUTs them to
+///   their final key in one request, which for the manifest is the commit.
+/// * `sync_dir` is a no-op: a completed PUT is durable on the server.
+struct ObjectFs<'r> {
+    r: &'r Remote,
+    /// Buffered small files, synced and waiting for their rename, by temporary name.
+    pending: Mutex<HashMap<String, Vec<u8>>>,
+}
+
+impl<'r> ObjectFs<'r> {
+    fn new(r: &'r Remote) -> Self {
+        ObjectFs {
+            r,
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn file_name(path: &Path) -> io::Result<String> {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_string)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no object name"))
+}
+
+/// The final name a streamed temporary shard goes to, if `name` is one.
+fn streamed_target(name: &str) -> Option<&str> {
+    name.strip_prefix(TEMP_PREFIX)
+        .filter(|n| n.starts_with("shard-") && n.ends_with(".safetensors"))
+}
+
+fn to_io(e: object_store::Error) -> io::Error {
+    io::Error::other(e)
+}
+
+/// A file being written to the object store.
+struct ObjectFile {
+    name: String,
+    key: ObjPath,
+    store: Arc<dyn ObjectStore>,
+    rt: &'static tokio::runtime::Runtime,
+    part_size: usize,
+    concurrency: usize,
+    streamed: bool,
+    state: FileState,
+}
+
+enum FileState {
+    Buffer(Vec<u8>),
+    Multipart(WriteMultipart),
+    Done,
+}
+
+impl ObjectFile {
+    fn finish(&mut self) -> io::Result<Option<Vec<u8>>> {
+        match std::mem::replace(&mut self.state, FileState::Done) {
+            FileState::Buffer(b) if !self.streamed => Ok(Some(b)),
+            FileState::Buffer(b) => {
+                self.rt
+                    .block_on(self.store.put(&self.key, PutPayload::from(b)))
+                    .map_err(to_io)?;
+                Ok(None)
+            }
+            FileState::Multipart(w) => {
+                // `finish` aborts the upload itself if a part or the completion fails.
+                self.rt.block_on(w.finish()).map_err(to_io)?;
+                Ok(None)
+            }
+            FileState::Done => Ok(None),
+        }
+    }
+}
+
+impl Write for ObjectFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        loop {
+            match &mut self.state {
+                FileState::Buffer(b) => {
+                    if !self.streamed || b.len() + buf.len() <= self.part_size {
+                        b.extend_from_slice(buf);
+                        return Ok(buf.len());
+                    }
+                    // Over one part: switch to a multipart upload.
+                    let first = std::mem::take(b);
+                    let up = self
+                        .rt
+                        .block_on(self.store.put_multipart(&self.key))
+                        .map_err(to_io)?;
+                    let mut w = WriteMultipart::new_with_chunk_size(up, self.part_size);
+                    {
+                        let _g = self.rt.enter();
+                        w.put(first.into());
+                    }
+                    self.state = FileState::Multipart(w);
+                }
+                FileState::Multipart(w) => {
+                    self.rt
+                        .block_on(w.wait_for_capacity(self.concurrency))
+                        .map_err(to_io)?;
+                    let _g = self.rt.enter();
+                    w.write(buf);
+                    return Ok(buf.len());
+                }
+                FileState::Done => {
+                    return Err(io::Error::other(format!(
+                        "{} is already complete",
+                        self.name
+                    )))
+                }
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for ObjectFile {
+    fn drop(&mut self) {
+        // An upload never completed: abort it so the server frees its parts.
+        if let FileState::Multipart(w) = std::mem::replace(&mut self.state, FileState::Done) {
+            let _ = self.rt.block_on(w.abort());
+        }
+    }
+}
+
+impl Fs for ObjectFs<'_> {
+    type File = ObjectFile;
+
+    fn create(&self, path: &Path) -> io::Result<ObjectFile> {
+        let name = file_name(path)?;
+        let (key, streamed) = match streamed_target(&name) {
+            Some(target) => (self.r.path(target), true),
+            None => (self.r.path(&name), false),
+        };
+        Ok(ObjectFile {
+            name,
+            key,
+            store: Arc::clone(&self.r.store),
+            rt: self.r.rt,
+            part_size: self.r.cfg.part_size.max(5 << 20),
+            concurrency: self.r.cfg.upload_concurrency.max(1),
+            streamed,
+            state: FileState::Buffer(Vec::new()),
+        })
+    }
+
+    fn sync(&self, file: &mut ObjectFile, _path: &Path) -> io::Result<()> {
+        if let Some(bytes) = file.finish()? {
+            self.pending().insert(file.name.clone(), bytes);
+        }
+        Ok(())
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let (from, to) = (file_name(from)?, file_name(to)?);
+        let buffered = self.pending().remove(&from);
+        if let Some(bytes) = buffered {
+            return self
+                .r
+                .block_on(self.r.store.put(&self.r.path(&to), PutPayload::from(bytes)))
+                .map(|_| ())
+                .map_err(to_io);
+        }
+        if streamed_target(&from) == Some(to.as_str()) {
+            return Ok(()); // already at its final key
+        }
+        self.r
+            .block_on(self.r.store.rename(&self.r.path(&from), &self.r.path(&to)))
+            .map_err(to_io)
+    }
+
+    fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        let name = file_name(path)?;
+        self.pending().remove(&name);
+        let key = self.r.path(streamed_target(&name).unwrap_or(&name));
+        match self.r.block_on(self.r.store.delete(&key)) {
+            Ok(()) => Ok(()),
+            Err(e) if is_not_found(&e) => Ok(()),
+            Err(e) => Err(to_io(e)),
+        }
+    }
+
+    fn list(&self, _dir: &Path) -> io::Result<Vec<String>> {
+        self.r
+            .list()
+            .map(|l| l.objects.into_iter().map(|(n, _)| n).collect())
+            .map_err(io::Error::other)
+    }
+
+    fn read_prefix(&self, path: &Path, max: u64) -> io::Result<(u64, Vec<u8>)> {
+        let name = file_name(path)?;
+        let key = self.r.path(&name);
+        self.r.block_on(async {
+            let meta = self.r.store.head(&key).await.map_err(|e| {
+                if is_not_found(&e) {
+                    io::Error::new(io::ErrorKind::NotFound, e)
+                } else {
+                    to_io(e)
+                }
+            })?;
+            let n = max.min(meta.size);
+            let b = if n == 0 {
+                Vec::new()
+            } else {
+                self.r
+                    .store
+                    .get_range(&key, 0..n)
+                    .await
+                    .map_err(to_io)?
+                    .to_vec()
+            };
+            Ok((meta.size, b))
+        })
+    }
+}

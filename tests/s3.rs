@@ -1,0 +1,640 @@
+//! Checkpoints on a real S3 server (s3s-fs on loopback, started per test; see
+//! tests/common/s3server.rs): round trips bit for bit, loads with conversions, the CLI on
+//! s3:// URLs, damaged and foreign objects refused with the key named, bad credentials and
+//! missing buckets, and a server killed in the middle of an upload.
+
+#[path = "common/s3server.rs"]
+mod s3server;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::sync::{Arc, Mutex};
+
+use ckptstore::format::manifest::MANIFEST_FILE;
+use ckptstore::manager::Retention;
+use ckptstore::optim::{
+    OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
+};
+use ckptstore::store::s3::{self, Remote, RemoteCheckpoint, S3Config};
+use ckptstore::store::s3_manager::RemoteManager;
+use ckptstore::store::{Location, RemoteUrl};
+use ckptstore::{Checkpoint, DType, Error, SaveOptions, TensorRef};
+use s3server::S3Server;
+
+const BUCKET: &str = "ckpt";
+
+fn url(prefix: &str) -> RemoteUrl {
+    match Location::parse(&format!("s3://{BUCKET}/{prefix}")).unwrap() {
+        Location::Remote(u) => u,
+        Location::Local(_) => unreachable!(),
+    }
+}
+
+/// Deterministic pseudo-random f32s (no two runs differ).
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x as f32 / u32::MAX as f32) - 0.5
+        })
+        .collect()
+}
+
+/// A small multipart-sized config: 5 MiB parts (the S3 minimum), small ranged GETs.
+fn small_parts(srv: &S3Server) -> S3Config {
+    S3Config {
+        part_size: 5 << 20,
+        range_size: 1 << 20,
+        ..srv.config()
+    }
+}
+
+struct Fixture {
+    big: Vec<f32>,
+    w: Vec<f32>,
+    b: Vec<half::bf16>,
+    step: [i64; 1],
+}
+
+impl Fixture {
+    fn new(seed: u32) -> Fixture {
+        Fixture {
+            // 12 MiB: three multipart parts of 5 MiB.
+            big: data(3 << 20, seed),
+            w: data(1000, seed + 1),
+            b: data(64, seed + 2)
+                .iter()
+                .map(|&v| half::bf16::from_f32(v))
+                .collect(),
+            step: [i64::from(seed)],
+        }
+    }
+
+    fn tensors(&self) -> Vec<TensorRef<'_>> {
+        vec![
+            TensorRef::from_slice("big", &[3 << 10, 1 << 10], &self.big),
+            TensorRef::from_slice("layer.w", &[10, 100], &self.w),
+            TensorRef::from_slice("layer.b", &[64], &self.b),
+            TensorRef::from_slice("step", &[], &self.step),
+        ]
+    }
+}
+
+fn opts() -> SaveOptions {
+    SaveOptions {
+        // The big tensor alone, the three small ones together: two shards.
+        max_shard_size: 1 << 20,
+        metadata: serde_json::json!({"run": "s3"}),
+        progress: None,
+    }
+}
+
+fn assert_same<B: AsRef<[u8]> + Sync>(ck: &Checkpoint<B>, f: &Fixture) {
+    assert_eq!(
+        ck.tensor("big").unwrap().as_slice::<f32>().unwrap(),
+        &f.big[..]
+    );
+    assert_eq!(
+        ck.tensor("layer.w").unwrap().as_slice::<f32>().unwrap(),
+        &f.w[..]
+    );
+    assert_eq!(
+        ck.tensor("layer.b").unwrap().bytes(),
+        bytemuck::cast_slice::<_, u8>(&f.b)
+    );
+    assert_eq!(
+        ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        &f.step[..]
+    );
+}
+
+#[test]
+fn round_trip_bit_for_bit_and_ranged_reads() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let f = Fixture::new(7);
+    let u = url("runs/one");
+    let info = s3::save_with(&u, &f.tensors(), &opts(), None, &cfg).unwrap();
+    assert_eq!((info.tensors, info.shards), (4, 2));
+
+    let ck = s3::open_with(&u, &cfg).unwrap();
+    assert_same(&ck, &f);
+    let rep = ck.verify().unwrap();
+    assert_eq!((rep.tensors, rep.checksummed), (4, true));
+    assert_eq!(ck.metadata()["run"], "s3");
+    // Shard objects are named by the checkpoint id; the checkpoint names them by URL.
+    let id = &ck.manifest().unwrap().checkpoint_id;
+    for (s, e) in ck.shards().iter().zip(&ck.manifest().unwrap().shards) {
+        assert!(e.file.contains(id.as_str()), "{}", e.file);
+        assert_eq!(s.file, u.child(&e.file).to_string());
+    }
+
+    // The lazy reader fetches single tensors and streams all of them, CRC-checked.
+    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    assert_eq!(
+        rc.read_tensor("big").unwrap().as_slice::<f32>().unwrap(),
+        &f.big[..]
+    );
+    let mut seen = Vec::new();
+    rc.stream_tensors(16 << 20, |t, x| {
+        assert_eq!(x.bytes(), ck.tensor(&t.name).unwrap().bytes());
+        seen.push(t.name.clone());
+        Ok(())
+    })
+    .unwrap();
+    seen.sort();
+    assert_eq!(seen, ["big", "layer.b", "layer.w", "step"]);
+    assert!(matches!(
+        rc.stream_tensors(1 << 20, |_, _| Ok(())),
+        Err(Error::InvalidArgument(_))
+    ));
+
+    // A second save replaces the first; the first's shard objects are deleted.
+    let g = Fixture::new(8);
+    s3::save_with(&u, &g.tensors(), &opts(), None, &cfg).unwrap();
+    let ck2 = s3::open_with(&u, &cfg).unwrap();
+    assert_same(&ck2, &g);
+    let r = Remote::new(&u, &cfg).unwrap();
+    let objects = r.list().unwrap().objects;
+    let mut names: Vec<&str> = objects.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort();
+    let m2 = ck2.manifest().unwrap();
+    let mut want: Vec<&str> = m2.shards.iter().map(|s| s.file.as_str()).collect();
+    want.push(MANIFEST_FILE);
+    want.sort();
+    assert_eq!(names, want);
+}
+
+fn adam_state() -> (OptimizerState, Vec<f32>) {
+    let w = data(256, 3);
+    let mut opt = OptimizerState::new(vec![ParamGroup {
+        params: vec![ParamSpec::new("w", &[16, 16])],
+        hyper: serde_json::json!({"lr": 1e-3}).as_object().unwrap().clone(),
+    }]);
+    opt.state.insert(
+        "w".into(),
+        [
+            (
+                "step".to_string(),
+                StateValue::Plain(Tensor::scalar_f32(10.0)),
+            ),
+            (
+                "exp_avg".to_string(),
+                StateValue::Plain(Tensor::from_slice(&[16, 16], &data(256, 4)).unwrap()),
+            ),
+            (
+                "exp_avg_sq".to_string(),
+                StateValue::Plain(Tensor::from_slice(&[16, 16], &data(256, 5)).unwrap()),
+            ),
+        ]
+        .into(),
+    );
+    (opt, w)
+}
+
+#[test]
+fn optimizer_loads_and_conversions_match_local_and_manager_retention() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = srv.config();
+    let (opt, w) = adam_state();
+    let model = [TensorRef::from_slice("w", &[16, 16], &w)];
+    let local = tempfile::tempdir().unwrap();
+    opt.save(local.path(), &model, &SaveOptions::default())
+        .unwrap();
+    let lck = Checkpoint::open(local.path()).unwrap();
+
+    let mgr = RemoteManager::new(
+        &url("mgr"),
+        &cfg,
+        Retention {
+            keep_last: 2,
+            keep_every: Some(100),
+        },
+    )
+    .unwrap();
+    for step in [100u64, 150, 200, 250] {
+        mgr.save_optimizer(step, &opt, &model, &SaveOptions::default())
+            .unwrap();
+    }
+    // Retention: the newest two, and multiples of 100.
+    assert_eq!(mgr.steps().unwrap(), [100, 200, 250]);
+    assert_eq!(mgr.latest().unwrap(), Some(250));
+    let (step, rck) = mgr.open_latest().unwrap().unwrap();
+    assert_eq!(step, 250);
+    for layout in [
+        StateLayout::default(),
+        StateLayout::with_default(Target::BF16),
+        StateLayout::default().state("exp_avg", Target::F16Scaled(ScaleShape::One)),
+    ] {
+        let a = lck.load_optimizer(&layout).unwrap();
+        let b = rck.load_optimizer(&layout).unwrap();
+        assert_eq!(format!("{:?}", a.state), format!("{:?}", b.state));
+    }
+    // An object the engine did not write survives gc; an uncommitted step's objects go.
+    let r = Remote::new(&url("mgr/step-00000200"), &cfg).unwrap();
+    r.put_small("notes.txt", b"mine".to_vec()).unwrap();
+    let r300 = Remote::new(&url("mgr/step-00000300"), &cfg).unwrap();
+    r300.put_small(
+        "shard-0123456789abcdef0123456789abcdef-00000.safetensors",
+        vec![0; 16],
+    )
+    .unwrap();
+    let mgr1 = RemoteManager::new(&url("mgr"), &cfg, Retention::keep_last(1)).unwrap();
+    let rep = mgr1.gc().unwrap();
+    assert_eq!(rep.deleted, [100, 200]);
+    assert_eq!(rep.interrupted_removed, 1);
+    assert_eq!(mgr1.steps().unwrap(), [250]);
+    assert_eq!(r.get_small("notes.txt", 100).unwrap().unwrap(), b"mine");
+    assert!(r300.list().unwrap().objects.is_empty());
+}
+
+/// Save two checkpoints under different prefixes for the damage tests.
+fn two_checkpoints(srv: &S3Server) -> (RemoteUrl, RemoteUrl, S3Config) {
+    let cfg = small_parts(srv);
+    let (a, b) = (url("dmg/a"), url("dmg/b"));
+    s3::save_with(&a, &Fixture::new(1).tensors(), &opts(), None, &cfg).unwrap();
+    s3::save_with(&b, &Fixture::new(2).tensors(), &opts(), None, &cfg).unwrap();
+    (a, b, cfg)
+}
+
+fn err_text(r: ckptstore::Result<Checkpoint<Vec<u8>>>) -> (Error, String) {
+    let e = r.expect_err("a damaged checkpoint opened");
+    let s = e.to_string();
+    (e, s)
+}
+
+#[test]
+fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
+    let srv = S3Server::start(BUCKET);
+    let (a, b, cfg) = two_checkpoints(&srv);
+    let ra = Remote::new(&a, &cfg).unwrap();
+    let ck = s3::open_with(&a, &cfg).unwrap();
+    let m = ck.manifest().unwrap().clone();
+    // The shard holding `big` (shard 0 or 1, whichever the plan made).
+    let big = ck.info("big").unwrap();
+    let shard = m.shards[big.shard].file.clone();
+    let key = a.child(&shard).to_string();
+    let original = ra.get_small(&shard, 1 << 30).unwrap().unwrap();
+
+    // Truncated.
+    ra.put_small(&shard, original[..original.len() - 100].to_vec())
+        .unwrap();
+    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    assert!(matches!(e, Error::ShardMismatch { .. }), "{s}");
+    assert!(s.contains(&key), "{s}");
+    let e = RemoteCheckpoint::open(&a, &cfg)
+        .and_then(|r| r.read_tensor("big"))
+        .unwrap_err();
+    assert!(e.to_string().contains(&key), "{e}");
+
+    // Longer than recorded (an object whose size lies).
+    let mut longer = original.clone();
+    longer.extend_from_slice(&[0; 64]);
+    ra.put_small(&shard, longer).unwrap();
+    let (_, s) = err_text(s3::open_with(&a, &cfg));
+    assert!(s.contains(&key) && s.contains("manifest records"), "{s}");
+
+    // Replaced, same size: one data byte flipped. Open is cheap; verify and the ranged read
+    // name the tensor and the key.
+    let mut flipped = original.clone();
+    let at = big.offsets[0] as usize + 12345;
+    flipped[at] ^= 0x40;
+    ra.put_small(&shard, flipped).unwrap();
+    let bad = s3::open_with(&a, &cfg).unwrap();
+    let e = bad.verify().unwrap_err();
+    assert!(
+        matches!(e, Error::ChecksumMismatch { .. }) && e.to_string().contains("\"big\""),
+        "{e}"
+    );
+    let e = RemoteCheckpoint::open(&a, &cfg)
+        .unwrap()
+        .read_tensor("big")
+        .unwrap_err();
+    assert!(
+        e.to_string().contains(&key) && e.to_string().contains("big"),
+        "{e}"
+    );
+
+    // Header replaced (another checkpoint's shard under this name): header CRC refused.
+    let rb = Remote::new(&b, &cfg).unwrap();
+    let ckb = s3::open_with(&b, &cfg).unwrap();
+    let other = &ckb.manifest().unwrap().shards[ckb.info("big").unwrap().shard].file;
+    ra.put_small(&shard, rb.get_small(other, 1 << 30).unwrap().unwrap())
+        .unwrap();
+    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    assert!(
+        matches!(e, Error::ChecksumMismatch { .. }) && s.contains(&key),
+        "{s}"
+    );
+
+    // Missing.
+    ra.delete(&shard).unwrap();
+    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    assert!(
+        matches!(e, Error::ShardMismatch { .. }) && s.contains(&key) && s.contains("missing"),
+        "{s}"
+    );
+    ra.put_small(&shard, original).unwrap();
+    assert_same(&s3::open_with(&a, &cfg).unwrap(), &Fixture::new(1));
+
+    // A manifest from another checkpoint: it names its own shards, which are not here.
+    let mb = rb.get_small(MANIFEST_FILE, 1 << 30).unwrap().unwrap();
+    ra.put_small(MANIFEST_FILE, mb).unwrap();
+    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    assert!(
+        matches!(e, Error::ShardMismatch { .. }) && s.contains("s3://ckpt/dmg/a/shard-"),
+        "{s}"
+    );
+
+    // A damaged manifest.
+    let mut mbad = ra.get_small(MANIFEST_FILE, 1 << 30).unwrap().unwrap();
+    mbad[20] ^= 1;
+    ra.put_small(MANIFEST_FILE, mbad).unwrap();
+    let (_, s) = err_text(s3::open_with(&a, &cfg));
+    assert!(s.contains("dmg/a/ckpt-manifest.json"), "{s}");
+
+    // Nothing committed under a prefix.
+    let (e, _) = err_text(s3::open_with(&url("dmg/none"), &cfg));
+    assert!(matches!(e, Error::NotFound { .. }));
+}
+
+#[test]
+fn wrong_credentials_and_missing_bucket_are_one_clear_error() {
+    let srv = S3Server::start(BUCKET);
+    let (a, _, cfg) = two_checkpoints(&srv);
+    let f = Fixture::new(3);
+    let wrong = S3Config {
+        secret_access_key: Some("not-the-secret".into()),
+        ..cfg.clone()
+    };
+    let e = s3::open_with(&a, &wrong).unwrap_err();
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"),
+        "{e}"
+    );
+    let e = s3::save_with(&url("x"), &f.tensors(), &opts(), None, &wrong).unwrap_err();
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"),
+        "{e}"
+    );
+
+    let nob = RemoteUrl {
+        bucket: "no-such-bucket".into(),
+        ..url("p")
+    };
+    let e = s3::open_with(&nob, &cfg).unwrap_err();
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"),
+        "{e}"
+    );
+    let e = s3::save_with(&nob, &f.tensors(), &opts(), None, &cfg).unwrap_err();
+    assert!(
+        matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"),
+        "{e}"
+    );
+}
+
+#[test]
+fn server_killed_mid_upload_then_restarted() {
+    let srv = Arc::new(Mutex::new(S3Server::start(BUCKET)));
+    let cfg = small_parts(&srv.lock().unwrap());
+    let u = url("crash");
+    let f1 = Fixture::new(11);
+    s3::save_with(&u, &f1.tensors(), &opts(), None, &cfg).unwrap();
+
+    // Kill the server once 8 MiB of the next save have gone into its uploads: the writer
+    // is then inside the multipart upload of the big shard (a deterministic point).
+    let f2 = Fixture::new(12);
+    let written = Arc::new(Mutex::new(0u64));
+    let killer = {
+        let srv = Arc::clone(&srv);
+        let written = Arc::clone(&written);
+        Arc::new(move |n: u64| {
+            let mut w = written.lock().unwrap();
+            let before = *w;
+            *w += n;
+            if before < (8 << 20) && *w >= (8 << 20) {
+                srv.lock().unwrap().kill();
+            }
+        })
+    };
+    let o = SaveOptions {
+        progress: Some(killer),
+        ..opts()
+    };
+    let e = s3::save_with(&u, &f2.tensors(), &o, None, &cfg).unwrap_err();
+    assert!(matches!(e, Error::Remote { .. }), "{e}");
+    assert!(*written.lock().unwrap() >= 8 << 20);
+
+    srv.lock().unwrap().restart();
+    // The previous checkpoint is intact; the next save succeeds and replaces it.
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+    s3::save_with(&u, &f2.tensors(), &opts(), None, &cfg).unwrap();
+    let ck = s3::open_with(&u, &cfg).unwrap();
+    assert_same(&ck, &f2);
+    ck.verify().unwrap();
+    // Only the committed checkpoint's objects remain.
+    let r = Remote::new(&u, &cfg).unwrap();
+    assert!(s3::gc_prefix(&r).unwrap().is_empty());
+    assert_eq!(r.list().unwrap().objects.len(), ck.shards().len() + 1);
+}
+
+// ---- the CLI --------------------------------------------------------------------------
+
+fn ckpt(dir: &Path, env: &[(&'static str, String)], args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .current_dir(dir)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn urls_are_never_local_paths() {
+    let cwd = tempfile::tempdir().unwrap();
+    let w = vec![1.0f32; 16];
+    ckptstore::save(
+        cwd.path().join("src"),
+        &[TensorRef::from_slice("w", &[4, 4], &w)],
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    for args in [
+        &["pack", "src", "--out", "gs://b/p"][..],
+        &["inspect", "gs://b/p"],
+        &["verify", "hdfs://b/p"],
+        &["ls", "azure://x"],
+        &["convert", "src", "--out", "gs://b/p", "--dtype", "bf16"],
+        &["consolidate", "src", "--out", "gs://b/p"],
+        &["diff", "src", "gs://b/p"],
+        &["gc", "gs://b/p", "--keep", "1"],
+    ] {
+        let o = ckpt(cwd.path(), &[], args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("cannot use") && err.contains("is not supported"),
+            "{args:?}: {err}"
+        );
+    }
+    let mut names: Vec<String> = std::fs::read_dir(cwd.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["src"], "a URL was taken as a local path");
+    // The library refuses them too.
+    let e = ckptstore::store::save(
+        "gs://b/p",
+        &[TensorRef::from_slice("w", &[4, 4], &w)],
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::UnsupportedUrl { .. }));
+    assert!(matches!(
+        ckptstore::store::open("gs://b/p"),
+        Err(Error::UnsupportedUrl { .. })
+    ));
+}
+
+#[test]
+fn cli_on_s3_urls() {
+    let srv = S3Server::start(BUCKET);
+    let env = srv.env();
+    let cwd = tempfile::tempdir().unwrap();
+    let f = Fixture::new(21);
+    ckptstore::save(cwd.path().join("src"), &f.tensors(), &opts()).unwrap();
+
+    // pack --out s3:// writes to the server, not to a local `s3:` directory.
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["pack", "src", "--out", "s3://ckpt/cli/a"],
+    ));
+    assert!(!cwd.path().join("s3:").exists());
+    let js: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["inspect", "s3://ckpt/cli/a", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(js["total_tensors"], 4);
+    assert_eq!(js["kind"], "ckptstore");
+    let v: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["verify", "s3://ckpt/cli/a", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["tensors"], 4);
+    ok(&ckpt(cwd.path(), &env, &["diff", "src", "s3://ckpt/cli/a"]));
+
+    // convert s3 -> s3, and back to local; consolidate s3 -> s3.
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "convert",
+            "s3://ckpt/cli/a",
+            "--out",
+            "s3://ckpt/cli/bf16",
+            "--dtype",
+            "bf16",
+        ],
+    ));
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "convert",
+            "s3://ckpt/cli/bf16",
+            "--out",
+            "bf16",
+            "--dtype",
+            "bf16",
+        ],
+    ));
+    let c = Checkpoint::open(cwd.path().join("bf16")).unwrap();
+    assert_eq!(c.info("big").unwrap().dtype, DType::BF16);
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "consolidate",
+            "s3://ckpt/cli/a",
+            "--out",
+            "s3://ckpt/cli/cons",
+        ],
+    ));
+    let r = Remote::new(&url("cli/cons"), &srv.config()).unwrap();
+    assert!(r
+        .get_small("model.safetensors.index.json", 1 << 20)
+        .unwrap()
+        .is_some());
+    assert_same(&s3::open_with(&url("cli/cons"), &srv.config()).unwrap(), &f);
+
+    // A damaged object: verify exits 1 naming the key.
+    let ck = s3::open_with(&url("cli/a"), &srv.config()).unwrap();
+    let shard = ck.manifest().unwrap().shards[ck.info("layer.w").unwrap().shard]
+        .file
+        .clone();
+    let ra = Remote::new(&url("cli/a"), &srv.config()).unwrap();
+    let mut bytes = ra.get_small(&shard, 1 << 30).unwrap().unwrap();
+    let at = ck.info("layer.w").unwrap().offsets[0] as usize;
+    bytes[at] ^= 1;
+    ra.put_small(&shard, bytes).unwrap();
+    let o = ckpt(cwd.path(), &env, &["verify", "s3://ckpt/cli/a"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("s3://ckpt/cli/a/{shard}")) && err.contains("layer.w"),
+        "{err}"
+    );
+
+    // ls / gc on a manager root on S3.
+    let mgr = RemoteManager::new(&url("cli/run"), &srv.config(), Retention::keep_last(5)).unwrap();
+    for step in [10u64, 20, 30] {
+        mgr.save(step, &f.tensors(), &opts()).unwrap();
+    }
+    let ls: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["ls", "s3://ckpt/cli/run", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(ls["latest"], 30);
+    assert_eq!(ls["steps"].as_array().unwrap().len(), 3);
+    let gc: serde_json::Value = serde_json::from_str(&ok(&ckpt(
+        cwd.path(),
+        &env,
+        &["gc", "s3://ckpt/cli/run", "--keep", "1", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(gc["deleted"], serde_json::json!([10, 20]));
+    assert_eq!(mgr.steps().unwrap(), [30]);
+
+    // Wrong credentials: exit 1, one line saying so.
+    let mut bad = env.clone();
+    bad.retain(|(k, _)| *k != "AWS_SECRET_ACCESS_KEY");
+    bad.push(("AWS_SECRET_ACCESS_KEY", "wrong".into()));
+    let o = ckpt(cwd.path(), &bad, &["inspect", "s3://ckpt/cli/a"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("access denied"), "{err}");
+}
