@@ -949,13 +949,13 @@ impl Checkpoint<Map> {
     }
 }
 
-impl Checkpoint<Map> {
+impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// Release the mapped pages of tensor `t` from this process (they stay in the page
-    /// cache; a later read maps them again).
+    /// cache; a later read maps them again). Nothing for storage the process owns.
     fn release_tensor(&self, t: &TensorInfo) {
         self.shards[t.shard]
             .bytes
-            .release(t.offsets[0] as usize, t.nbytes() as usize);
+            .release_pages(t.offsets[0] as usize, t.nbytes() as usize);
     }
 
     /// [`Checkpoint::load_optimizer`], releasing each source tensor's mapped pages from

@@ -88,7 +88,7 @@ fn opts() -> SaveOptions {
         // The big tensor alone, the three small ones together: two shards.
         max_shard_size: 1 << 20,
         metadata: serde_json::json!({"run": "s3"}),
-        progress: None,
+        ..Default::default()
     }
 }
 

@@ -12,12 +12,11 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use ckptstore::manager::{CheckpointManager, Retention, StepLease};
-use ckptstore::SaveOptions;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{invalid_arg, CkError};
-use crate::save::{commit_info, entry_ref, optimizer_ref, Entry, StateEntry};
+use crate::save::{commit_info, entry_refs, optimizer_ref, save_options, Entry, StateEntry};
 
 /// Steps of a training run under one root directory (`ROOT/step-<step>/`, each a normal
 /// checkpoint), with retention applied after every save and leases that keep garbage
@@ -130,18 +129,8 @@ impl PyCheckpointManager {
         max_shard_size: Option<u64>,
         optimizer: Option<(String, Vec<StateEntry<'py>>)>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let mut opts = SaveOptions::default();
-        if let Some(m) = metadata {
-            opts.metadata = serde_json::from_str(m)
-                .map_err(|e| invalid_arg(format!("metadata is not valid JSON: {e}")))?;
-        }
-        if let Some(s) = max_shard_size {
-            opts.max_shard_size = s;
-        }
-        let refs = tensors
-            .iter()
-            .map(entry_ref)
-            .collect::<PyResult<Vec<_>>>()?;
+        let opts = save_options(metadata, max_shard_size)?;
+        let refs = entry_refs(&tensors)?;
         let opt = match &optimizer {
             None => None,
             Some((groups, states)) => Some(optimizer_ref(groups, states)?),

@@ -87,6 +87,27 @@ fn parse_groups(json: &str) -> PyResult<Vec<ParamGroup>> {
 /// order with non-negative strides that are whole elements. `metadata` is the manifest's
 /// `metadata` object as JSON text. `optimizer` is `(groups JSON, states)` (see
 /// [`parse_groups`] and [`StateEntry`]); the library builds and checks its section.
+/// The writer's options from the bindings' `metadata` (JSON text) and `max_shard_size`.
+pub(crate) fn save_options(
+    metadata: Option<&str>,
+    max_shard_size: Option<u64>,
+) -> PyResult<SaveOptions> {
+    let mut opts = SaveOptions::default();
+    if let Some(m) = metadata {
+        opts.metadata = serde_json::from_str(m)
+            .map_err(|e| invalid_arg(format!("metadata is not valid JSON: {e}")))?;
+    }
+    if let Some(s) = max_shard_size {
+        opts.max_shard_size = s;
+    }
+    Ok(opts)
+}
+
+/// [`entry_ref`] of every entry.
+pub(crate) fn entry_refs<'a>(tensors: &'a [Entry<'_>]) -> PyResult<Vec<TensorRef<'a>>> {
+    tensors.iter().map(entry_ref).collect()
+}
+
 #[pyfunction]
 #[pyo3(signature = (path, tensors, metadata = None, max_shard_size = None, optimizer = None))]
 pub(crate) fn save<'py>(
@@ -97,18 +118,8 @@ pub(crate) fn save<'py>(
     max_shard_size: Option<u64>,
     optimizer: Option<(String, Vec<StateEntry<'py>>)>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let mut opts = SaveOptions::default();
-    if let Some(m) = metadata {
-        opts.metadata = serde_json::from_str(m)
-            .map_err(|e| invalid_arg(format!("metadata is not valid JSON: {e}")))?;
-    }
-    if let Some(s) = max_shard_size {
-        opts.max_shard_size = s;
-    }
-    let refs = tensors
-        .iter()
-        .map(entry_ref)
-        .collect::<PyResult<Vec<_>>>()?;
+    let opts = save_options(metadata, max_shard_size)?;
+    let refs = entry_refs(&tensors)?;
     let info = match &optimizer {
         None => py.detach(|| crate::remote::save(&path, &refs, &opts)),
         Some((groups, states)) => {

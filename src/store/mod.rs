@@ -34,6 +34,14 @@ pub enum Storage {
     Owned(Vec<u8>),
 }
 
+impl crate::mmap::ReleasePages for Storage {
+    fn release_pages(&self, offset: usize, len: usize) {
+        if let Storage::Mapped(m) = self {
+            m.release(offset, len);
+        }
+    }
+}
+
 impl AsRef<[u8]> for Storage {
     fn as_ref(&self) -> &[u8] {
         match self {

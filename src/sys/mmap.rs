@@ -59,6 +59,26 @@ impl Map {
     }
 }
 
+/// Shard storage whose pages a reader can release from the process once it has used them
+/// (restores that keep their resident memory near the size of what they build): mapped
+/// files drop their page-table entries, memory the process owns keeps its bytes.
+pub trait ReleasePages {
+    /// Release what backs `[offset, offset + len)` where that is possible; never changes
+    /// the bytes a later read sees.
+    fn release_pages(&self, offset: usize, len: usize);
+}
+
+impl ReleasePages for Map {
+    fn release_pages(&self, offset: usize, len: usize) {
+        self.release(offset, len);
+    }
+}
+
+impl ReleasePages for Vec<u8> {
+    /// Owned bytes stay: releasing them would lose data.
+    fn release_pages(&self, _offset: usize, _len: usize) {}
+}
+
 impl Map {
     /// Release the resident pages of `[offset, offset + len)` (rounded out to whole pages):
     /// they leave this process's resident set, and a later read faults them in again from

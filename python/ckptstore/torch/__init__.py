@@ -197,6 +197,21 @@ def _param_names(model: Any, optimizer: Any) -> list[str]:
     return names
 
 
+def _encode_groups(param_groups: list, names: list) -> list:
+    """The optimizer state dict's parameter groups as stored: hyperparameters as JSON
+    values, parameters by their names (``names[i]`` for index ``i``)."""
+    groups = []
+    for gi, g in enumerate(param_groups):
+        hyper = {
+            k: _encode(v, f"param group {gi}, {k!r}")
+            for k, v in g.items()
+            if k not in ("params", "param_names")
+        }
+        hyper["params"] = [names[i] for i in g["params"]]
+        groups.append(hyper)
+    return groups
+
+
 def _build_items(
     model: Any,
     optimizer: Any,
@@ -224,15 +239,7 @@ def _build_items(
         sd = optimizer.state_dict()
         names = _param_names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        groups = []
-        for gi, g in enumerate(sd["param_groups"]):
-            hyper = {
-                k: _encode(v, f"param group {gi}, {k!r}")
-                for k, v in g.items()
-                if k not in ("params", "param_names")
-            }
-            hyper["params"] = [names[i] for i in g["params"]]
-            groups.append(hyper)
+        groups = _encode_groups(sd["param_groups"], names)
         state: dict[str, dict[str, Any]] = {}
         values: dict[str, dict[str, Any]] = {}
         for i, st in sd["state"].items():

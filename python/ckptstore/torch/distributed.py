@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional
 
 from .. import open as _open
 from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
-from . import _decode, _encode, _param_names, _torch
+from . import _decode, _encode, _encode_groups, _param_names, _torch
 from .dcp import META_KEY as _DCP_KEY, Reader, Writer
 
 __all__ = ["save", "load", "META_KEY"]
@@ -85,15 +85,7 @@ def save(
         names = _param_names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         osd = optimizer.state_dict()
-        groups = []
-        for gi, g in enumerate(osd["param_groups"]):
-            hyper = {
-                k: _encode(v, f"param group {gi}, {k!r}")
-                for k, v in g.items()
-                if k not in ("params", "param_names")
-            }
-            hyper["params"] = [names[i] for i in g["params"]]
-            groups.append(hyper)
+        groups = _encode_groups(osd["param_groups"], names)
         state: dict[str, dict[str, Any]] = {}
         keys: dict[str, list[str]] = {}
         values: dict[str, dict[str, Any]] = {}
