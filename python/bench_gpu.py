@@ -3,6 +3,8 @@
 CUDA memory, in one process, with
 
 * ``ckptstore.torch.load(dir, model, optimizer)``;
+* the same with the pinned staging of CUDA tensors off (``ck unstaged``: ``copy_`` from
+  pageable memory, one tensor at a time), to show what the staging gains;
 * ``torch.load(file, map_location="cuda", weights_only=True)`` + ``load_state_dict``;
 * ``safetensors.torch.load_file(file, device="cuda")`` + ``load_state_dict`` (optimizer state
   flattened to tensors, parameter groups as JSON metadata; skipped if safetensors is absent);
@@ -197,6 +199,17 @@ def ck_load(path, model, opt, dev) -> None:
     ct.load(path, model, opt)
 
 
+def ck_load_unstaged(path, model, opt, dev) -> None:
+    """ckptstore.torch.load with the pinned staging off (every CUDA tensor by ``copy_``
+    from pageable memory, as before it existed): what the staging gains."""
+    saved = ct._STAGE_BYTES
+    ct._STAGE_BYTES = 0
+    try:
+        ct.load(path, model, opt)
+    finally:
+        ct._STAGE_BYTES = saved
+
+
 def h2d(nbytes: int, dev: torch.device, repeat: int) -> dict:
     """Best seconds of one pinned and one pageable host -> device copy of ``nbytes``."""
     out = {}
@@ -252,6 +265,9 @@ def main() -> None:
         ct.save(paths["ckptstore"], model, opt)
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, paths["torch.load"])
         ways = [("ckptstore", ck_load), ("torch.load", torch_load)]
+        if dev.type == "cuda" and hasattr(ct, "_STAGE_BYTES"):
+            paths["ck unstaged"] = paths["ckptstore"]
+            ways.append(("ck unstaged", ck_load_unstaged))
         if st is not None:
             paths["safetensors"] = os.path.join(base, "ckpt.safetensors")
             st_save(paths["safetensors"], model, opt)
