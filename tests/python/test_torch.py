@@ -325,3 +325,43 @@ def test_optimizer_without_model_and_fused_layout(tmp_path):
     want = opt.state[model.fc1.weight]["exp_avg"]
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3 * float(want.abs().max()))
+
+
+# ---- CUDA destinations: pinned staging (issue 16) -----------------------------------------
+
+
+def test_stage_batches_fit_keep_order_and_align():
+    from ckptstore.torch import _ALIGN, _batches
+
+    sizes = [100, 300, 1, 256, 1024, 5, 1024]
+    out = _batches(sizes, 1024)
+    assert [i for b in out for i, _ in b] == list(range(len(sizes)))  # every item, in order
+    for b in out:
+        assert b[0][1] == 0
+        for i, off in b:
+            assert off % _ALIGN == 0 and off + sizes[i] <= 1024
+        for (i, off), (_, nxt) in zip(b, b[1:]):
+            assert nxt >= off + sizes[i]  # no overlap
+    assert out == [[(0, 0), (1, 256), (2, 768)], [(3, 0)], [(4, 0)], [(5, 0)], [(6, 0)]]
+    with pytest.raises(ckptstore.InvalidArgumentError):
+        _batches([2048], 1024)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stage", [64 << 20, 4096], ids=["one-batch", "many-batches+fallback"])
+def test_cuda_restore_through_staging(tmp_path, monkeypatch, stage):
+    monkeypatch.setattr(ct, "_STAGE_BYTES", stage)
+    torch.manual_seed(7)
+    src = Net(torch.float32).cuda()
+    opt = make_optimizer("adam", src, 2)
+    train(src, opt, [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, K_STEPS)])
+    ct.save(tmp_path / "ck", src, opt)
+    dst = Net(torch.float32).cuda()
+    opt2 = make_optimizer("adam", dst, 2, lr_scale=3.0)
+    train(dst, opt2, [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, 1, seed=9)])
+    ct.load(tmp_path / "ck", dst, opt2)
+    assert_same(src, opt, dst, opt2)
+    for p in dst.parameters():
+        for k, v in opt2.state[p].items():
+            if k != "step":
+                assert v.device == p.device, k

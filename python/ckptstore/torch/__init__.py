@@ -318,7 +318,11 @@ def load(
     checkpoint has state for (others end with none). ``layout`` is passed to
     :meth:`Checkpoint.load_optimizer` (default: as stored); FP16-scaled states are handed
     to torch as float32. Model tensors are copied in with ``copy_`` under ``no_grad``,
-    straight from the mapped file (dtype casts as ``copy_`` does them).
+    straight from the mapped file (dtype casts as ``copy_`` does them). CUDA tensors (model
+    entries of the stored dtype, and the optimizer state of CUDA parameters except
+    ``step``, each up to 64 MiB) are filled through two reused pinned buffers, the
+    host-to-device copy of one overlapped with the filling of the other; larger ones go
+    through ``copy_``. ``load`` returns when every copy has finished.
     """
     torch = _torch()
     ck = _open(path)
@@ -382,28 +386,104 @@ def load(
         optimizer.load_state_dict(new_sd)
     if copies:
         direct = []
+        staged = []
         slow = []
         for n, t, info in copies:
             d = t.detach()
-            if (
-                d.device.type == "cpu"
-                and d.is_contiguous()
+            plain = (
+                d.is_contiguous()
                 and d.layout == torch.strided
                 and not (d.is_conj() or d.is_neg())
                 and _wire_of.get(d.dtype) == info["dtype"]
-            ):
+            )
+            if plain and d.device.type == "cpu":
                 # Straight into the tensor's memory: the stored bytes are its bytes.
                 direct.append((n, d.reshape(-1).view(torch.uint8).numpy()))
+            elif plain and d.device.type == "cuda" and info["nbytes"] <= _STAGE_BYTES:
+                # Through reused pinned buffers, copies overlapped with the next reads.
+                staged.append((info["nbytes"], d.reshape(-1).view(torch.uint8), n))
             else:
                 slow.append((n, t, info))
         with torch.no_grad():
             if direct:
                 ck.copy_into(direct, release=True)
+            if staged:
+                _stage_to_cuda(staged, lambda pairs: ck.copy_into(pairs, release=True))
             if slow:
                 raw = ck.read([n for n, _, _ in slow], verify=False, raw=True)
                 for n, t, info in slow:
                     t.copy_(_from_raw(raw[n], info["dtype"], tuple(info["shape"])))
     return extra
+
+
+# ---- CUDA destinations: pinned staging ----------------------------------------------------
+
+#: Size of each of the two pinned staging buffers; tensors larger than this are copied
+#: through pageable memory (``copy_``) instead.
+_STAGE_BYTES = 64 << 20
+_ALIGN = 256
+
+
+def _batches(sizes: "list[int]", cap: int) -> "list[list[tuple[int, int]]]":
+    """Greedy, order-keeping batches of ``(index, offset)``: each batch's items, at
+    ``_ALIGN``-aligned offsets, fit in ``cap`` bytes. Every size must be <= ``cap``."""
+    out: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    off = 0
+    for i, nb in enumerate(sizes):
+        if nb > cap:
+            raise InvalidArgumentError(f"internal: staged item of {nb} bytes > buffer {cap}")
+        if cur and off + nb > cap:
+            out.append(cur)
+            cur, off = [], 0
+        cur.append((i, off))
+        off += -(-nb // _ALIGN) * _ALIGN
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _stage_to_cuda(items: list, fill: Callable[[list], None]) -> None:
+    """Copy host bytes into CUDA tensors through two reused pinned buffers.
+
+    ``items``: ``(nbytes, flat uint8 CUDA tensor, key)``, every ``nbytes`` <= ``_STAGE_BYTES``.
+    ``fill(pairs)`` writes, for each ``(key, uint8 numpy view of pinned memory)``, the key's
+    bytes into the view (CRC-checked bytes: the caller has checked them). While the device
+    copies one buffer (``non_blocking`` on a side stream), the other is filled; a buffer is
+    refilled only after the event recorded behind its last copies has completed. Returns
+    when every copy has finished."""
+    torch = _torch()
+    devs = {it[1].device for it in items}
+    if len(devs) > 1:
+        for d in devs:
+            _stage_to_cuda([it for it in items if it[1].device == d], fill)
+        return
+    dev = items[0][1].device
+    batches = _batches([nb for nb, _, _ in items], _STAGE_BYTES)
+    need = max(sum(-(-items[i][0] // _ALIGN) * _ALIGN for i, _ in b) for b in batches)
+    cap = min(_STAGE_BYTES, need)
+    bufs = [
+        torch.empty(cap, dtype=torch.uint8, pin_memory=True)
+        for _ in range(min(2, len(batches)))
+    ]
+    done: list[Any] = [None] * len(bufs)
+    stream = torch.cuda.Stream(device=dev)
+    # The destinations may still be in use on the caller's stream.
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    for bi, batch in enumerate(batches):
+        k = bi % len(bufs)
+        if done[k] is not None:
+            done[k].synchronize()
+        buf = bufs[k]
+        views = [(i, buf[off : off + items[i][0]]) for i, off in batch]
+        fill([(items[i][2], v.numpy()) for i, v in views])
+        with torch.cuda.stream(stream):
+            for i, v in views:
+                items[i][1].copy_(v, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        done[k] = ev
+    stream.synchronize()
 
 
 def _build_state_dict(model: Any, optimizer: Any, st: dict, ometa: dict) -> dict:
@@ -419,6 +499,9 @@ def _build_state_dict(model: Any, optimizer: Any, st: dict, ometa: dict) -> dict
     values = ometa.get("values") or {}
     groups = []
     state: dict[int, dict[str, Any]] = {}
+    live_params = [p for g in live_groups for p in g["params"]]
+    dev_of = [p.device if p.device.type == "cuda" else None for p in live_params]
+    staged: list[tuple[Any, int, str]] = []
     pos = 0
     for gi, (lg, cg) in enumerate(zip(live_groups, ck_groups)):
         live_names = names[pos : pos + len(lg["params"])]
@@ -446,9 +529,27 @@ def _build_state_dict(model: Any, optimizer: Any, st: dict, ometa: dict) -> dict
             s: dict[str, Any] = {}
             for k, v in (st["state"].get(n) or {}).items():
                 s[k] = _from_array(v.to_float32() if isinstance(v, F16Scaled) else v)
+                if dev_of[i] is not None and k != "step" and 0 < s[k].nbytes <= _STAGE_BYTES:
+                    # load_state_dict moves every state but "step" to its parameter's
+                    # device: do it here through pinned staging (no live state changes).
+                    staged.append((s[k], i, k))
             for k, v in (values.get(n) or {}).items():
                 s[k] = _decode(v)
             if s:
                 state[i] = s
         pos += len(live_names)
+    if staged:
+        torch = _torch()
+        items = []
+        for host, i, k in staged:
+            dst = torch.empty(host.shape, dtype=host.dtype, device=dev_of[i])
+            items.append((host.nbytes, dst.reshape(-1).view(torch.uint8), (host, i, k, dst)))
+
+        def fill(pairs: list) -> None:
+            for (host, _, _, _), view in pairs:
+                np.copyto(view, host.reshape(-1).view(torch.uint8).numpy())
+
+        _stage_to_cuda(items, fill)
+        for _, _, (_, i, k, dst) in items:
+            state[i][k] = dst
     return {"state": state, "param_groups": groups}
