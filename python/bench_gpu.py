@@ -33,6 +33,7 @@ Usage (ratios > 1 mean ckptstore is faster; ``--json`` also writes every figure)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -61,50 +62,20 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def files_of(path: str) -> list:
-    if os.path.isfile(path):
-        return [path]
-    out = []
-    for root, _, fs in os.walk(path):
-        out += [os.path.join(root, f) for f in fs]
-    return sorted(out)
+def _bench_torch():
+    """python/bench_torch.py, loaded by path (this folder is off ``sys.path``): the file
+    helpers are shared, not copied."""
+    spec = importlib.util.spec_from_file_location("bench_torch", os.path.join(_here, "bench_torch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def fsync_all(path: str) -> None:
-    for p in files_of(path) + [path if os.path.isdir(path) else os.path.dirname(path)]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def evict(path: str) -> None:
-    for p in files_of(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def raw_read(path: str) -> int:
-    n = 0
-    buf = bytearray(8 << 20)
-    for p in files_of(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            off = 0
-            while True:
-                r = os.preadv(fd, [buf], off)
-                if r <= 0:
-                    break
-                off += r
-            n += off
-        finally:
-            os.close(fd)
-    return n
+_bt = _bench_torch()
+files_of = _bt.files_of
+fsync_all = _bt.fsync_path
+evict = _bt.evict
+raw_read = _bt.raw_read
 
 
 def build(layers: int, width: int, dev: torch.device):

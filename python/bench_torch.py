@@ -115,26 +115,18 @@ def touch(model, opt) -> None:
 
 
 def fsync_path(path: str) -> None:
-    paths = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)]
-    for p in paths:
+    """fsync every file under ``path`` (or the file) and its directory."""
+    for p in files_of(path) + [path if os.path.isdir(path) else os.path.dirname(path)]:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    d = path if os.path.isdir(path) else os.path.dirname(path)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def evict(path: str) -> None:
-    paths = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)]
-    for p in paths:
-        if not os.path.isfile(p):
-            continue
+    """Drop every file under ``path`` (or the file) from the page cache, after an fsync."""
+    for p in files_of(path):
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
