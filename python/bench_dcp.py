@@ -12,7 +12,12 @@ Each repetition saves with each writer in turn, then loads with each reader in t
 preallocated DTensors of the same placements, and checks the loaded bytes equal the saved
 ones; the time of an operation is rank 0's wall time between two barriers (so the slower
 rank counts). Medians over the repetitions; the page cache is left as the saves left it
-(warm), unless ``--drop-caches`` is given and permitted.
+(warm), unless ``--cold`` (every checkpoint's files fsynced and evicted with
+``posix_fadvise(DONTNEED)`` before each load; no root needed) or ``--drop-caches`` (root).
+
+The device's limit in the same run: ``raw`` is a plain read of ckptstore's checkpoint files
+(the two ranks each ``pread`` half of the files in 8 MiB blocks, evicted first under
+``--cold``); every load is also printed as a ratio to it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 LAYERS = 8
+
+
+def _bench_torch():
+    """python/bench_torch.py's file helpers (files_of, evict, raw_read), one copy of them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_torch", os.path.join(_here, "bench_torch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:
@@ -109,7 +124,21 @@ def worker(rank, world, port, args, q):
         ),
     }
     times = {m: {"save": [], "load": []} for m in methods}
+    times["raw"] = {"save": [], "load": []}
+    bt = _bench_torch()
     dropped = None
+
+    def make_cold():
+        dist.barrier()
+        if rank == 0:
+            if args.cold:
+                for m in methods:
+                    bt.evict(os.path.join(args.dir, m))
+            if args.drop_caches:
+                nonlocal dropped
+                dropped = drop_caches()
+        dist.barrier()
+
     for rep in range(args.reps):
         for m, (mk_w, _) in methods.items():
             path = os.path.join(args.dir, m)
@@ -126,11 +155,7 @@ def worker(rank, world, port, args, q):
                 k: (torch.empty_like(v) if hasattr(v, "to_local") else torch.empty_like(v))
                 for k, v in sd.items()
             }
-            if args.drop_caches:
-                dist.barrier()
-                if rank == 0:
-                    dropped = drop_caches()
-            dist.barrier()
+            make_cold()
             t0 = time.perf_counter()
             dcp.load(dst, storage_reader=mk_r(path))
             dist.barrier()
@@ -141,6 +166,14 @@ def worker(rank, world, port, args, q):
                 if not torch.equal(a, b):
                     raise AssertionError(f"{m}: {k} differs after load")
             del dst
+        # The device's limit: plain reads of the same bytes (ckptstore's files), half per rank.
+        mine = bt.files_of(os.path.join(args.dir, "ckptstore"))[rank::world]
+        make_cold()
+        t0 = time.perf_counter()
+        for f in mine:
+            bt.raw_read(f)
+        dist.barrier()
+        times["raw"]["load"].append(time.perf_counter() - t0)
     if rank == 0:
         q.put({"times": times, "bytes": int(tot.item()), "dropped": dropped})
     dist.destroy_process_group()
@@ -151,7 +184,8 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="total state size (GiB)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/bench-dcp")
-    ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="evict the files before each load")
+    ap.add_argument("--drop-caches", action="store_true", help="drop all caches (root)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON too")
     args = ap.parse_args()
     import multiprocessing as mp
@@ -180,17 +214,24 @@ def main() -> None:
         sys.exit("a rank failed")
     gib = res["bytes"] / (1 << 30)
     print(f"dcp.save / dcp.load, 2 ranks, {gib:.2f} GiB of model + Adam state, "
-          f"median of {args.reps}, page cache {'dropped' if res['dropped'] else 'warm'}")
-    med = {m: {op: statistics.median(v) for op, v in d.items()} for m, d in res["times"].items()}
+          f"median of {args.reps}, page cache "
+          f"{'evicted' if args.cold else 'dropped' if res['dropped'] else 'warm'}")
+    raw = statistics.median(res["times"]["raw"]["load"])
+    med = {
+        m: {op: statistics.median(v) for op, v in d.items()}
+        for m, d in res["times"].items()
+        if m != "raw"
+    }
+    print(f"  {'raw read':12s} {'':24s}  read {raw:7.2f} s ({gib / raw:5.2f} GiB/s)")
     for m, d in med.items():
         print(f"  {m:12s} save {d['save']:7.2f} s ({gib / d['save']:5.2f} GiB/s)   "
-              f"load {d['load']:7.2f} s ({gib / d['load']:5.2f} GiB/s)")
+              f"load {d['load']:7.2f} s ({gib / d['load']:5.2f} GiB/s, {raw / d['load']:.2f}x raw)")
     ours = med["ckptstore"]
     for m in ("FileSystem", "HuggingFace"):
         print(f"  ckptstore vs {m:11s}: save {med[m]['save'] / ours['save']:.2f}x   "
               f"load {med[m]['load'] / ours['load']:.2f}x")
     if args.json:
-        print(json.dumps({"gib": gib, "median": med, "all": res["times"]}))
+        print(json.dumps({"gib": gib, "median": med, "raw_read_s": raw, "all": res["times"]}))
 
 
 if __name__ == "__main__":
