@@ -390,9 +390,39 @@ fn touched(
 /// `[lo, hi)` (global indices), where the source is a row-major piece at
 /// `piece.offsets` of shape `piece.shape` and the destination a row-major region at
 /// `region.offsets` of shape `region.shape`; `es` bytes per element. Runs come in
-/// increasing source (and destination) order. `None` if an offset overflows or `f`
-/// returns `None`.
+/// increasing source (and destination) order; runs that are adjacent in both the source
+/// and the destination are merged (a box of whole rows is one run, one `memcpy`). `None`
+/// if an offset overflows or `f` returns `None`.
 fn for_each_run(
+    piece: &Region,
+    region: &Region,
+    lo: &[u64],
+    hi: &[u64],
+    es: usize,
+    mut f: impl FnMut(usize, usize, usize) -> Option<()>,
+) -> Option<()> {
+    let mut pending: Option<(usize, usize, usize)> = None;
+    each_row_run(piece, region, lo, hi, es, |so, dof, n| {
+        match &mut pending {
+            Some((ps, pd, pn)) if ps.checked_add(*pn)? == so && pd.checked_add(*pn)? == dof => {
+                *pn = pn.checked_add(n)?;
+            }
+            _ => {
+                if let Some((ps, pd, pn)) = pending.replace((so, dof, n)) {
+                    f(ps, pd, pn)?;
+                }
+            }
+        }
+        Some(())
+    })?;
+    match pending {
+        Some((ps, pd, pn)) => f(ps, pd, pn),
+        None => Some(()),
+    }
+}
+
+/// [`for_each_run`] before merging: one call per run along the last dimension.
+fn each_row_run(
     piece: &Region,
     region: &Region,
     lo: &[u64],
