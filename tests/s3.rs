@@ -908,3 +908,103 @@ fn location_functions_dispatch_multi_rank_saves() {
         Err(Error::UnsupportedUrl { .. })
     ));
 }
+
+#[test]
+fn remote_region_reads_fetch_only_the_touched_blocks() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("multi/regions");
+    let remote = Remote::new(&u, &cfg).unwrap();
+    let (w, v, step) = (global_w(), global_v(), [9i64]);
+    let id = new_checkpoint_id().unwrap();
+    for rank in 0..2 {
+        s3::write_part_remote(
+            &remote,
+            &id,
+            rank,
+            &rank_items(rank, &w, &v, &step),
+            &part_opts(),
+        )
+        .unwrap();
+    }
+    s3::commit_rendezvous_remote(
+        &remote,
+        &id,
+        2,
+        std::time::Duration::ZERO,
+        &Default::default(),
+    )
+    .unwrap();
+    // The downloaded checkpoint is the reference: the same region read from all the bytes.
+    let full = s3::open_with(&u, &cfg).unwrap();
+    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    assert_eq!(rc.bytes_fetched(), 0);
+
+    // Rows of "w" are 4 KiB, 64 to a 256 KiB block: rows [1000, 1100) x columns [10, 20)
+    // of rank 0's chunk touch blocks 15..=17; a box across both chunks; the whole "v"
+    // (no block CRCs: 24 bytes, chunks read whole); a column slab (every block).
+    let regions: [(&str, Vec<u64>, Vec<u64>); 5] = [
+        ("w", vec![1000, 10], vec![100, 10]),
+        ("w", vec![ROWS / 2 - 70, 500], vec![140, 3]),
+        ("w", vec![0, 341], vec![ROWS, 341]),
+        ("v", vec![1], vec![4]),
+        ("step", vec![], vec![]),
+    ];
+    for (name, off, shape) in &regions {
+        let before = rc.bytes_fetched();
+        let got = rc.read_region(name, off, shape).unwrap();
+        let want = full.read_region(name, off, shape).unwrap();
+        assert_eq!(got.bytes(), want.bytes(), "{name} {off:?} {shape:?}");
+        assert_eq!(got.shape(), &shape[..]);
+        assert_eq!(
+            rc.bytes_fetched() - before,
+            full.region_bytes_read(name, off, shape).unwrap(),
+            "{name} {off:?} {shape:?}"
+        );
+    }
+    assert_eq!(
+        full.region_bytes_read("w", &[1000, 10], &[100, 10])
+            .unwrap(),
+        3 << 18
+    );
+    assert!(matches!(
+        rc.read_region("w", &[ROWS, 0], &[1, 1]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        rc.read_region("nope", &[0], &[1]),
+        Err(Error::TensorNotFound { .. })
+    ));
+
+    // Damage one byte of block 12 of rank 0's chunk (rows [768, 832)).
+    let ck_m = full.manifest().unwrap();
+    let t = ck_m
+        .tensors
+        .iter()
+        .find(|t| t.name == "w@0,0~r0")
+        .unwrap()
+        .clone();
+    let shard = ck_m.shards[t.shard].file.clone();
+    let original = remote.get_small(&shard, 1 << 30).unwrap().unwrap();
+    let mut bad = original.clone();
+    bad[(t.offsets[0] + 12 * (256 << 10) + 123) as usize] ^= 0x40;
+    remote.put_small(&shard, bad).unwrap();
+    // Outside the region: the read succeeds, bit for bit.
+    let got = rc.read_region("w", &[1000, 10], &[100, 10]).unwrap();
+    assert_eq!(
+        got.as_slice::<f32>().unwrap(),
+        &w_box(&w, 1000, 100, 10, 10)[..]
+    );
+    // Inside it: refused, naming the tensor, the block and the object.
+    let e = rc.read_region("w", &[780, 0], &[2, COLS]).unwrap_err();
+    let s = e.to_string();
+    assert!(matches!(e, Error::ChecksumMismatch { .. }), "{s}");
+    assert!(
+        s.contains("w@0,0~r0")
+            && s.contains("block 12")
+            && s.contains(&u.child(&shard).to_string()),
+        "{s}"
+    );
+    remote.put_small(&shard, original).unwrap();
+    assert!(rc.read_region("w", &[780, 0], &[2, COLS]).is_ok());
+}

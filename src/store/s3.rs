@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use std::io::{self, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -613,6 +614,22 @@ pub struct RemoteCheckpoint {
     remote: Remote,
     manifest: Manifest,
     by_name: HashMap<String, usize>,
+    /// Global tensor name -> index into the manifest's `globals`.
+    globals: HashMap<String, usize>,
+    /// Tensor bytes fetched by reads so far (not the headers fetched at open).
+    fetched: AtomicU64,
+}
+
+impl crate::checkpoint::region::Catalog for RemoteCheckpoint {
+    fn global_entry(&self, name: &str) -> Option<&crate::format::global::GlobalEntry> {
+        self.manifest.globals.get(*self.globals.get(name)?)
+    }
+    fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
+        self.by_name
+            .get(name)
+            .and_then(|&i| self.manifest.tensors.get(i))
+            .ok_or_else(|| Error::TensorNotFound { name: name.into() })
+    }
 }
 
 impl RemoteCheckpoint {
@@ -663,10 +680,18 @@ impl RemoteCheckpoint {
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
+        let globals = manifest
+            .globals
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (g.name.clone(), i))
+            .collect();
         Ok(RemoteCheckpoint {
             remote,
             manifest,
             by_name,
+            globals,
+            fetched: AtomicU64::new(0),
         })
     }
 
@@ -693,9 +718,63 @@ impl RemoteCheckpoint {
         self.fetch(t)
     }
 
+    /// Read the box `[offsets, offsets + shape)` of `name` (a global tensor, or a whole
+    /// tensor) as [`Checkpoint::read_region`] does, fetching only the byte ranges
+    /// [`Checkpoint::region_byte_ranges`] names (the CRC blocks the region touches, or whole
+    /// chunks without block CRCs): adjacent blocks merged, split into ranged GETs of
+    /// `S3Config::range_size`, up to `download_concurrency` in flight. Every block (or
+    /// chunk) fetched is CRC-checked before its bytes are used; blocks the region does not
+    /// touch are neither fetched nor checked.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a region of the wrong rank
+    /// or out of bounds; [`Error::ChecksumMismatch`] naming the tensor, the block and the
+    /// object URL for damaged bytes; [`Error::ShardMismatch`] / [`Error::Remote`] naming
+    /// the object URL when a GET fails.
+    pub fn read_region(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+    ) -> Result<crate::tensor::Tensor> {
+        let file_of = |i: usize| {
+            self.manifest
+                .shards
+                .get(i)
+                .map_or_else(String::new, |s| self.remote.url.child(&s.file).to_string())
+        };
+        crate::checkpoint::region::read_region_fetching(
+            self,
+            name,
+            offsets,
+            shape,
+            file_of,
+            |ranges| {
+                let mut jobs = Vec::new();
+                for (shard, begin, dst) in ranges {
+                    let s = &self.manifest.shards[shard];
+                    self.fetched.fetch_add(dst.len() as u64, Ordering::Relaxed);
+                    self.remote
+                        .jobs_for(&s.file, shard, s.size, begin, dst, &mut jobs);
+                }
+                self.remote
+                    .read_ranges(jobs)
+                    .map_err(|e| name_keys(e, &self.remote.url))
+            },
+        )
+    }
+
+    /// The bytes of tensor data fetched by [`RemoteCheckpoint::read_tensor`],
+    /// [`RemoteCheckpoint::stream_tensors`] and [`RemoteCheckpoint::read_region`] so far
+    /// (the manifest and the headers fetched at open are not counted).
+    pub fn bytes_fetched(&self) -> u64 {
+        self.fetched.load(Ordering::Relaxed)
+    }
+
     fn fetch(&self, t: &TensorInfo) -> Result<crate::tensor::Tensor> {
         let s = &self.manifest.shards[t.shard];
         let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
+        self.fetched.fetch_add(t.nbytes(), Ordering::Relaxed);
         let mut jobs = Vec::new();
         self.remote.jobs_for(
             &s.file,
