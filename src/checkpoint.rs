@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
-mod region;
+pub(crate) mod region;
 pub use region::Region;
 
 use crate::crc::crc32_parallel;

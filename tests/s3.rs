@@ -18,7 +18,8 @@ use ckptstore::optim::{
 use ckptstore::store::s3::{self, Remote, RemoteCheckpoint, S3Config};
 use ckptstore::store::s3_manager::RemoteManager;
 use ckptstore::store::{Location, RemoteUrl};
-use ckptstore::{Checkpoint, DType, Error, SaveOptions, TensorRef};
+use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::{Checkpoint, CommitOptions, DType, Error, Part, PartItem, SaveOptions, TensorRef};
 use s3server::S3Server;
 
 const BUCKET: &str = "ckpt";
@@ -637,4 +638,373 @@ fn cli_on_s3_urls() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("access denied"), "{err}");
+}
+
+// ---- multi-rank checkpoints on S3 ------------------------------------------------------
+
+/// The global tensor "w" [ROWS, COLS] f32: 16 MiB, so each rank's half (8 MiB) is a
+/// multipart upload of two 5 MiB parts; plus the global "v" [6] i64 and a whole tensor.
+const ROWS: u64 = 4096;
+const COLS: u64 = 1024;
+
+fn global_w() -> Vec<f32> {
+    data((ROWS * COLS) as usize, 21)
+}
+
+fn global_v() -> Vec<i64> {
+    (0..6).map(|i| i * 1000 - 7).collect()
+}
+
+/// Rank `rank` of 2: rows `[rank * ROWS/2, ...)` of "w", elements `[rank * 3, +3)` of "v",
+/// and (rank 0 only) the whole tensor "step".
+fn rank_items<'a>(rank: u32, w: &'a [f32], v: &'a [i64], step: &'a [i64]) -> Vec<PartItem<'a>> {
+    let half = (ROWS / 2) as usize * COLS as usize;
+    let r = rank as usize;
+    let mut items = vec![
+        PartItem::Chunk {
+            tensor: TensorRef::from_slice("w", &[ROWS / 2, COLS], &w[r * half..][..half]),
+            global_shape: vec![ROWS, COLS],
+            offsets: vec![u64::from(rank) * (ROWS / 2), 0],
+        },
+        PartItem::Chunk {
+            tensor: TensorRef::from_slice("v", &[3], &v[r * 3..][..3]),
+            global_shape: vec![6],
+            offsets: vec![u64::from(rank) * 3],
+        },
+    ];
+    if rank == 0 {
+        items.push(PartItem::Whole(TensorRef::from_slice("step", &[], step)));
+    }
+    items
+}
+
+/// The rows `[r0, r0 + nr)` and columns `[c0, c0 + nc)` of "w", row-major.
+fn w_box(w: &[f32], r0: u64, nr: u64, c0: u64, nc: u64) -> Vec<f32> {
+    let mut out = Vec::new();
+    for r in r0..r0 + nr {
+        let row = (r * COLS) as usize;
+        out.extend_from_slice(&w[row + c0 as usize..row + (c0 + nc) as usize]);
+    }
+    out
+}
+
+fn part_opts() -> SaveOptions {
+    SaveOptions {
+        max_shard_size: 4 << 20,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("multi/run");
+    let (w, v, step) = (global_w(), global_v(), [42i64]);
+    // An earlier single-rank checkpoint under the prefix: replaced by the commit.
+    let f = Fixture::new(3);
+    s3::save_with(&u, &f.tensors(), &opts(), None, &cfg).unwrap();
+
+    let id = new_checkpoint_id().unwrap();
+    let remote = Remote::new(&u, &cfg).unwrap();
+    let parts: Vec<Part> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u32)
+            .map(|rank| {
+                let (w, v, step, id, cfg, u) = (&w, &v, &step, &id, &cfg, &u);
+                s.spawn(move || {
+                    // Each rank has its own connection.
+                    let r = Remote::new(u, cfg).unwrap();
+                    s3::write_part_remote(&r, id, rank, &rank_items(rank, w, v, step), &part_opts())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    assert_eq!(parts.len(), 2);
+    // A rank's part is written once.
+    let e = s3::write_part_remote(&remote, &id, 1, &rank_items(1, &w, &v, &step), &part_opts())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("already"),
+        "{e}"
+    );
+    // Before the commit the old checkpoint is still the committed one.
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f);
+
+    // The coordinator finds the part objects by listing, GETs and checks them, PUTs the
+    // manifest last.
+    let copts = CommitOptions {
+        metadata: serde_json::json!({"ranks": 2}),
+        ..Default::default()
+    };
+    let info =
+        s3::commit_rendezvous_remote(&remote, &id, 2, std::time::Duration::from_secs(5), &copts)
+            .unwrap();
+    assert_eq!(info.checkpoint_id, id);
+    assert_eq!(info.tensors, 5);
+
+    let ck = s3::open_with(&u, &cfg).unwrap();
+    ck.verify().unwrap();
+    assert_eq!(ck.metadata()["ranks"], 2);
+    assert_eq!(
+        ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        &w[..]
+    );
+    assert_eq!(
+        ck.read_global("v").unwrap().as_slice::<i64>().unwrap(),
+        &v[..]
+    );
+    assert_eq!(ck.tensor("step").unwrap().as_slice::<i64>().unwrap(), &[42]);
+    // A region across both ranks' chunks, bit for bit.
+    let (r0, nr, c0, nc) = (ROWS / 2 - 3, 7, 100, 50);
+    assert_eq!(
+        ck.read_region("w", &[r0, c0], &[nr, nc])
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &w_box(&w, r0, nr, c0, nc)[..]
+    );
+    // Resharded: three readers each take a column slab of every row.
+    let slabs = [(0, 341), (341, 341), (682, 342)];
+    for (c0, nc) in slabs {
+        let got = ck.read_region("w", &[0, c0], &[ROWS, nc]).unwrap();
+        assert_eq!(
+            got.as_slice::<f32>().unwrap(),
+            &w_box(&w, 0, ROWS, c0, nc)[..]
+        );
+    }
+    // Only the committed checkpoint's objects remain: no part objects, no old shards.
+    let mut names: Vec<String> = remote
+        .list()
+        .unwrap()
+        .objects
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    names.sort();
+    let mut want: Vec<String> = ck
+        .manifest()
+        .unwrap()
+        .shards
+        .iter()
+        .map(|s| s.file.clone())
+        .collect();
+    want.push(MANIFEST_FILE.into());
+    want.sort();
+    assert_eq!(names, want);
+    assert!(names.iter().all(|n| !n.starts_with("part-")));
+    assert!(s3::gc_prefix(&remote).unwrap().is_empty());
+}
+
+#[test]
+fn a_missing_rank_commits_nothing_and_gc_collects_the_leftovers() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("multi/missing");
+    let remote = Remote::new(&u, &cfg).unwrap();
+    let (w, v, step) = (global_w(), global_v(), [1i64]);
+    let id = new_checkpoint_id().unwrap();
+    let p0 = s3::write_part_remote(&remote, &id, 0, &rank_items(0, &w, &v, &step), &part_opts())
+        .unwrap();
+
+    // The rendezvous waits a bounded time, then names the missing rank and the prefix.
+    let copts = CommitOptions::default();
+    let e = s3::commit_rendezvous_remote(&remote, &id, 2, std::time::Duration::ZERO, &copts)
+        .unwrap_err();
+    match &e {
+        Error::MissingParts { missing, .. } => assert_eq!(missing, &[1]),
+        other => panic!("{other}"),
+    }
+    assert!(e.to_string().contains(&u.to_string()), "{e}");
+    let e = s3::commit_rendezvous_remote(
+        &remote,
+        &id,
+        2,
+        std::time::Duration::from_millis(200),
+        &copts,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&e, Error::MissingParts { missing, .. } if missing == &[1]),
+        "{e}"
+    );
+    // The commit with the parts in hand refuses too.
+    let ws = CommitOptions {
+        world_size: Some(2),
+        ..Default::default()
+    };
+    let e = s3::commit_remote(&remote, &id, std::slice::from_ref(&p0), &ws).unwrap_err();
+    assert!(
+        matches!(&e, Error::MissingParts { missing, .. } if missing == &[1]),
+        "{e}"
+    );
+    // No manifest was written.
+    assert_eq!(remote.get_small(MANIFEST_FILE, 1 << 20).unwrap(), None);
+    assert!(matches!(
+        s3::open_with(&u, &cfg),
+        Err(Error::NotFound { .. })
+    ));
+
+    // A part whose shard object is gone is refused with the object's key named.
+    let shard0 = p0.shards[0].file.clone();
+    let saved = remote.get_small(&shard0, 1 << 30).unwrap().unwrap();
+    remote.delete(&shard0).unwrap();
+    let one = CommitOptions::default();
+    let e = s3::commit_remote(&remote, &id, std::slice::from_ref(&p0), &one).unwrap_err();
+    assert!(
+        matches!(e, Error::ShardMismatch { .. })
+            && e.to_string().contains(&u.child(&shard0).to_string()),
+        "{e}"
+    );
+    assert_eq!(remote.get_small(MANIFEST_FILE, 1 << 20).unwrap(), None);
+    remote.put_small(&shard0, saved).unwrap();
+
+    // gc collects rank 0's shards and part object: nothing engine-written remains.
+    let mut deleted = s3::gc_prefix(&remote).unwrap();
+    deleted.sort();
+    let mut want: Vec<String> = p0.shards.iter().map(|s| s.file.clone()).collect();
+    want.push(p0.file_name());
+    want.sort();
+    assert_eq!(deleted, want);
+    assert!(remote.list().unwrap().objects.is_empty());
+}
+
+#[test]
+fn location_functions_dispatch_multi_rank_saves() {
+    // Local paths go to the local multi-rank writer (the s3:// side is the same code as
+    // above, configured from the environment).
+    let dir = tempfile::tempdir().unwrap();
+    let loc = dir.path().to_str().unwrap();
+    let (w, v, step) = (global_w(), global_v(), [5i64]);
+    let id = new_checkpoint_id().unwrap();
+    for rank in 0..2 {
+        ckptstore::store::write_part(
+            loc,
+            &id,
+            rank,
+            &rank_items(rank, &w, &v, &step),
+            &part_opts(),
+        )
+        .unwrap();
+    }
+    ckptstore::store::commit_rendezvous(
+        loc,
+        &id,
+        2,
+        std::time::Duration::from_secs(5),
+        &CommitOptions::default(),
+    )
+    .unwrap();
+    let ck = ckptstore::store::open(loc).unwrap();
+    assert_eq!(
+        ck.read_region("v", &[2], &[2])
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
+        &v[2..4]
+    );
+    assert!(matches!(
+        ckptstore::store::commit("gs://b/p", &id, &[], &CommitOptions::default()),
+        Err(Error::UnsupportedUrl { .. })
+    ));
+}
+
+#[test]
+fn remote_region_reads_fetch_only_the_touched_blocks() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("multi/regions");
+    let remote = Remote::new(&u, &cfg).unwrap();
+    let (w, v, step) = (global_w(), global_v(), [9i64]);
+    let id = new_checkpoint_id().unwrap();
+    for rank in 0..2 {
+        s3::write_part_remote(
+            &remote,
+            &id,
+            rank,
+            &rank_items(rank, &w, &v, &step),
+            &part_opts(),
+        )
+        .unwrap();
+    }
+    s3::commit_rendezvous_remote(
+        &remote,
+        &id,
+        2,
+        std::time::Duration::ZERO,
+        &Default::default(),
+    )
+    .unwrap();
+    // The downloaded checkpoint is the reference: the same region read from all the bytes.
+    let full = s3::open_with(&u, &cfg).unwrap();
+    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    assert_eq!(rc.bytes_fetched(), 0);
+
+    // Rows of "w" are 4 KiB, 64 to a 256 KiB block: rows [1000, 1100) x columns [10, 20)
+    // of rank 0's chunk touch blocks 15..=17; a box across both chunks; the whole "v"
+    // (no block CRCs: 24 bytes, chunks read whole); a column slab (every block).
+    let regions: [(&str, Vec<u64>, Vec<u64>); 5] = [
+        ("w", vec![1000, 10], vec![100, 10]),
+        ("w", vec![ROWS / 2 - 70, 500], vec![140, 3]),
+        ("w", vec![0, 341], vec![ROWS, 341]),
+        ("v", vec![1], vec![4]),
+        ("step", vec![], vec![]),
+    ];
+    for (name, off, shape) in &regions {
+        let before = rc.bytes_fetched();
+        let got = rc.read_region(name, off, shape).unwrap();
+        let want = full.read_region(name, off, shape).unwrap();
+        assert_eq!(got.bytes(), want.bytes(), "{name} {off:?} {shape:?}");
+        assert_eq!(got.shape(), &shape[..]);
+        assert_eq!(
+            rc.bytes_fetched() - before,
+            full.region_bytes_read(name, off, shape).unwrap(),
+            "{name} {off:?} {shape:?}"
+        );
+    }
+    assert_eq!(
+        full.region_bytes_read("w", &[1000, 10], &[100, 10])
+            .unwrap(),
+        3 << 18
+    );
+    assert!(matches!(
+        rc.read_region("w", &[ROWS, 0], &[1, 1]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        rc.read_region("nope", &[0], &[1]),
+        Err(Error::TensorNotFound { .. })
+    ));
+
+    // Damage one byte of block 12 of rank 0's chunk (rows [768, 832)).
+    let ck_m = full.manifest().unwrap();
+    let t = ck_m
+        .tensors
+        .iter()
+        .find(|t| t.name == "w@0,0~r0")
+        .unwrap()
+        .clone();
+    let shard = ck_m.shards[t.shard].file.clone();
+    let original = remote.get_small(&shard, 1 << 30).unwrap().unwrap();
+    let mut bad = original.clone();
+    bad[(t.offsets[0] + 12 * (256 << 10) + 123) as usize] ^= 0x40;
+    remote.put_small(&shard, bad).unwrap();
+    // Outside the region: the read succeeds, bit for bit.
+    let got = rc.read_region("w", &[1000, 10], &[100, 10]).unwrap();
+    assert_eq!(
+        got.as_slice::<f32>().unwrap(),
+        &w_box(&w, 1000, 100, 10, 10)[..]
+    );
+    // Inside it: refused, naming the tensor, the block and the object.
+    let e = rc.read_region("w", &[780, 0], &[2, COLS]).unwrap_err();
+    let s = e.to_string();
+    assert!(matches!(e, Error::ChecksumMismatch { .. }), "{s}");
+    assert!(
+        s.contains("w@0,0~r0")
+            && s.contains("block 12")
+            && s.contains(&u.child(&shard).to_string()),
+        "{s}"
+    );
+    remote.put_small(&shard, original).unwrap();
+    assert!(rc.read_region("w", &[780, 0], &[2, COLS]).is_ok());
 }

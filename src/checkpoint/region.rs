@@ -58,6 +58,81 @@ struct Source<'a> {
     pieces: Vec<(Region, &'a TensorInfo)>,
 }
 
+/// What planning a region read needs from a checkpoint: its tensors and globals by name
+/// (a [`Checkpoint`], or a remote checkpoint that holds only the manifest).
+pub(crate) trait Catalog {
+    /// The global tensor called `name`, if there is one.
+    fn global_entry(&self, name: &str) -> Option<&GlobalEntry>;
+    /// The stored tensor called `name`.
+    fn tensor_info(&self, name: &str) -> Result<&TensorInfo>;
+}
+
+impl<B: AsRef<[u8]> + Sync> Catalog for Checkpoint<B> {
+    fn global_entry(&self, name: &str) -> Option<&GlobalEntry> {
+        self.global(name)
+    }
+    fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
+        self.info(name)
+    }
+}
+
+fn source<'a, C: Catalog + ?Sized>(c: &'a C, name: &str) -> Result<Source<'a>> {
+    if let Some(g) = c.global_entry(name) {
+        let pieces = g
+            .chunks
+            .iter()
+            .map(|ch| {
+                // Validated at open (G4): every chunk's tensor exists.
+                let t = c.tensor_info(&ch.tensor)?;
+                Ok((Region::new(&ch.offsets, &ch.shape), t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(Source {
+            name: &g.name,
+            dtype: g.dtype,
+            shape: &g.global_shape,
+            pieces,
+        });
+    }
+    let t = c.tensor_info(name)?;
+    Ok(Source {
+        name: &t.name,
+        dtype: t.dtype,
+        shape: &t.shape,
+        pieces: vec![(Region::new(&vec![0; t.shape.len()], &t.shape), t)],
+    })
+}
+
+/// Check `region` against `src`'s shape; the stored pieces it intersects, with the
+/// intersections.
+fn plan_region<'s>(src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>> {
+    let bad = |why: String| {
+        Error::InvalidArgument(format!(
+            "tensor {:?} of shape {:?}: region offsets {:?}, shape {:?}: {why}",
+            src.name, src.shape, region.offsets, region.shape
+        ))
+    };
+    if region.offsets.len() != src.shape.len() || region.shape.len() != src.shape.len() {
+        return Err(bad(format!(
+            "offsets and shape must have the tensor's rank {}",
+            src.shape.len()
+        )));
+    }
+    for d in 0..src.shape.len() {
+        if region.offsets[d]
+            .checked_add(region.shape[d])
+            .is_none_or(|e| e > src.shape[d])
+        {
+            return Err(bad(format!("dimension {d} is out of bounds")));
+        }
+    }
+    Ok(src
+        .pieces
+        .iter()
+        .filter_map(|(r, t)| region.intersect(r).map(|(lo, hi)| (r, *t, lo, hi)))
+        .collect())
+}
+
 impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// The global tensors (format-spec/global.md), in manifest order; empty for checkpoints
     /// without any.
@@ -97,60 +172,11 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     }
 
     fn source(&self, name: &str) -> Result<Source<'_>> {
-        if let Some(g) = self.global(name) {
-            let pieces = g
-                .chunks
-                .iter()
-                .map(|c| {
-                    // Validated at open (G4): every chunk's tensor exists.
-                    let t = self.info(&c.tensor)?;
-                    Ok((Region::new(&c.offsets, &c.shape), t))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            return Ok(Source {
-                name: &g.name,
-                dtype: g.dtype,
-                shape: &g.global_shape,
-                pieces,
-            });
-        }
-        let t = self.info(name)?;
-        Ok(Source {
-            name: &t.name,
-            dtype: t.dtype,
-            shape: &t.shape,
-            pieces: vec![(Region::new(&vec![0; t.shape.len()], &t.shape), t)],
-        })
+        source(self, name)
     }
 
-    /// Check `region` against `src`'s shape; the stored pieces it intersects, with the
-    /// intersections.
     fn plan_region<'s>(&self, src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>> {
-        let bad = |why: String| {
-            Error::InvalidArgument(format!(
-                "tensor {:?} of shape {:?}: region offsets {:?}, shape {:?}: {why}",
-                src.name, src.shape, region.offsets, region.shape
-            ))
-        };
-        if region.offsets.len() != src.shape.len() || region.shape.len() != src.shape.len() {
-            return Err(bad(format!(
-                "offsets and shape must have the tensor's rank {}",
-                src.shape.len()
-            )));
-        }
-        for d in 0..src.shape.len() {
-            if region.offsets[d]
-                .checked_add(region.shape[d])
-                .is_none_or(|e| e > src.shape[d])
-            {
-                return Err(bad(format!("dimension {d} is out of bounds")));
-            }
-        }
-        Ok(src
-            .pieces
-            .iter()
-            .filter_map(|(r, t)| region.intersect(r).map(|(lo, hi)| (r, *t, lo, hi)))
-            .collect())
+        plan_region(src, region)
     }
 
     /// Read the box `[offsets, offsets + shape)` of `name` (a global tensor, or a whole
@@ -253,7 +279,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         let es = src.dtype.size();
         for (piece, t, lo, hi) in &plan {
             let v = self.view(t);
-            copy_box(v.bytes(), piece, out, &region, lo, hi, es).ok_or_else(|| bad_piece(t))?;
+            copy_box(v.bytes(), 0, piece, out, &region, lo, hi, es).ok_or_else(|| bad_piece(t))?;
         }
         Ok(())
     }
@@ -472,11 +498,13 @@ fn each_row_run(
     }
 }
 
-/// Copy the box `[lo, hi)` from `src` (the piece's bytes) into `dst` (the region's), as
-/// [`for_each_run`] lays them out. `None` if a range falls outside either buffer (never
-/// for validated pieces).
+/// Copy the box `[lo, hi)` from `src` (the piece's bytes from byte `base` on) into `dst`
+/// (the region's), as [`for_each_run`] lays them out. `None` if a range falls outside
+/// either buffer (never for validated pieces).
+#[allow(clippy::too_many_arguments)]
 fn copy_box(
     src: &[u8],
+    base: usize,
     piece: &Region,
     dst: &mut [u8],
     region: &Region,
@@ -485,8 +513,9 @@ fn copy_box(
     es: usize,
 ) -> Option<()> {
     for_each_run(piece, region, lo, hi, es, |so, dof, n| {
-        dst.get_mut(dof..dof.checked_add(n)?)?
-            .copy_from_slice(src.get(so..so.checked_add(n)?)?);
+        dst.get_mut(dof..dof.checked_add(n)?)?.copy_from_slice(
+            src.get(so.checked_sub(base)?..so.checked_sub(base)?.checked_add(n)?)?,
+        );
         Some(())
     })
 }
@@ -516,4 +545,133 @@ fn touched_blocks(
         Some(())
     })?;
     Some(out)
+}
+
+/// One planned piece of a fetched region read: a window `[base, base + buf.len())` of the
+/// stored tensor's bytes, the ranges of it to fetch, and the blocks to check (`None`: the
+/// whole tensor, which has no block CRCs).
+struct Window {
+    base: u64,
+    buf: Vec<u8>,
+    ranges: Vec<(u64, u64)>,
+    blocks: Option<Vec<u64>>,
+}
+
+/// A region read for a reader without the shard bytes at hand (a remote checkpoint): plan
+/// it from `c`, hand `fetch` exactly the byte ranges [`Checkpoint::region_byte_ranges`]
+/// names (as `(shard index, absolute begin, destination)`, adjacent blocks of one tensor
+/// merged), check the CRC32 of every block (or whole chunk) fetched, then assemble the
+/// region in a fresh tensor. `file_of` names a shard in errors.
+///
+/// # Errors
+/// As [`Checkpoint::read_region`]; any error of `fetch`.
+pub(crate) fn read_region_fetching<C: Catalog + ?Sized>(
+    c: &C,
+    name: &str,
+    offsets: &[u64],
+    shape: &[u64],
+    file_of: impl Fn(usize) -> String + Sync,
+    fetch: impl FnOnce(Vec<(usize, u64, &mut [u8])>) -> Result<()>,
+) -> Result<Tensor> {
+    let src = source(c, name)?;
+    let region = Region::new(offsets, shape);
+    let plan = plan_region(&src, &region)?;
+    let es = src.dtype.size();
+    let mut out = Tensor::zeros(src.dtype, shape)?;
+    let too_big = |t: &TensorInfo| {
+        Error::InvalidArgument(format!("tensor {:?} does not fit in memory", t.name))
+    };
+    let mut wins = Vec::with_capacity(plan.len());
+    for (piece, t, lo, hi) in &plan {
+        let w = match &t.blocks {
+            None => Window {
+                base: 0,
+                buf: vec![0; usize::try_from(t.nbytes()).map_err(|_| too_big(t))?],
+                ranges: vec![(0, t.nbytes())],
+                blocks: None,
+            },
+            Some(bl) => {
+                let blocks = touched(t, piece, &region, lo, hi, es, bl.size)?;
+                let mut ranges: Vec<(u64, u64)> = Vec::new();
+                for &i in &blocks {
+                    let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
+                    match ranges.last_mut() {
+                        Some(last) if last.1 == b => last.1 = e,
+                        _ => ranges.push((b, e)),
+                    }
+                }
+                let base = ranges.first().map_or(0, |r| r.0);
+                let end = ranges.last().map_or(0, |r| r.1);
+                let len = usize::try_from(end - base).map_err(|_| too_big(t))?;
+                Window {
+                    base,
+                    buf: vec![0; len],
+                    ranges,
+                    blocks: Some(blocks),
+                }
+            }
+        };
+        wins.push(w);
+    }
+    let mut jobs = Vec::new();
+    for (w, (_, t, _, _)) in wins.iter_mut().zip(&plan) {
+        let mut rest: &mut [u8] = &mut w.buf;
+        let mut at = w.base;
+        for &(b, e) in &w.ranges {
+            // Ranges are increasing, inside the window: these fit.
+            let (_, r) = std::mem::take(&mut rest).split_at_mut((b - at) as usize);
+            let (dst, r) = r.split_at_mut((e - b) as usize);
+            jobs.push((t.shard, t.offsets[0] + b, dst));
+            rest = r;
+            at = e;
+        }
+    }
+    fetch(jobs)?;
+    wins.par_iter()
+        .zip(plan.par_iter())
+        .try_for_each(|(w, (_, t, _, _))| {
+            let Some(blocks) = &w.blocks else {
+                let got = crate::crc::crc32_parallel(&w.buf);
+                return match t.crc32 {
+                    Some(expected) if expected != got => Err(Error::ChecksumMismatch {
+                        what: format!("tensor {:?}", t.name),
+                        shard: t.shard,
+                        file: file_of(t.shard),
+                        expected,
+                        got,
+                    }),
+                    _ => Ok(()),
+                };
+            };
+            let bs = t.blocks.as_ref().map_or(0, |bl| bl.size);
+            blocks.par_iter().try_for_each(|&i| {
+                let (b, e) = block_range(t, bs, i).ok_or_else(|| bad_piece(t))?;
+                let bytes = w
+                    .buf
+                    .get((b - w.base) as usize..(e - w.base) as usize)
+                    .ok_or_else(|| bad_piece(t))?;
+                let expected = t
+                    .blocks
+                    .as_ref()
+                    .and_then(|bl| bl.crc32.get(i as usize).copied())
+                    .ok_or_else(|| bad_piece(t))?;
+                let got = crc32fast::hash(bytes);
+                if got != expected {
+                    return Err(Error::ChecksumMismatch {
+                        what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
+                        shard: t.shard,
+                        file: file_of(t.shard),
+                        expected,
+                        got,
+                    });
+                }
+                Ok(())
+            })
+        })?;
+    let dst = out.bytes_mut();
+    for (w, (piece, t, lo, hi)) in wins.iter().zip(&plan) {
+        let base = usize::try_from(w.base).map_err(|_| too_big(t))?;
+        copy_box(&w.buf, base, piece, dst, &region, lo, hi, es).ok_or_else(|| bad_piece(t))?;
+    }
+    Ok(out)
 }

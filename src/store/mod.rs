@@ -17,6 +17,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::format::manifest::OptimizerSection;
 use crate::mmap::Map;
+use crate::write::parts::{CommitOptions, Part, PartItem};
 use crate::write::{CommitInfo, SaveOptions, TensorRef};
 
 #[cfg(feature = "s3")]
@@ -291,6 +292,134 @@ pub fn save_optimizer(
 ) -> Result<CommitInfo> {
     let (tensors, section) = state.to_parts(model)?;
     save_location(location, &tensors, opts, Some(section))
+}
+
+/// Write rank `rank`'s part of the multi-rank checkpoint `checkpoint_id` at a path or URL:
+/// [`crate::write::parts::write_part`] locally, [`s3::write_part`] on an object store.
+///
+/// # Errors
+/// [`Error::UnsupportedUrl`]; the errors of those functions.
+pub fn write_part(
+    location: &str,
+    checkpoint_id: &str,
+    rank: u32,
+    items: &[PartItem<'_>],
+    opts: &SaveOptions,
+) -> Result<Part> {
+    write_part_location(
+        &Location::parse(location)?,
+        checkpoint_id,
+        rank,
+        items,
+        opts,
+    )
+}
+
+/// [`write_part`] on a parsed location.
+///
+/// # Errors
+/// As [`write_part`].
+pub fn write_part_location(
+    location: &Location,
+    checkpoint_id: &str,
+    rank: u32,
+    items: &[PartItem<'_>],
+    opts: &SaveOptions,
+) -> Result<Part> {
+    match location {
+        Location::Local(p) => crate::write::parts::write_part(p, checkpoint_id, rank, items, opts),
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => s3::write_part(u, checkpoint_id, rank, items, opts),
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => Err(no_s3(u)),
+    }
+}
+
+/// Commit the parts of a multi-rank checkpoint at a path or URL (the manifest last):
+/// [`crate::write::parts::commit`] locally, [`s3::commit`] on an object store (one
+/// committer per prefix: format-spec/s3.md §Writers).
+///
+/// # Errors
+/// [`Error::UnsupportedUrl`]; the errors of those functions (nothing is committed).
+pub fn commit(
+    location: &str,
+    checkpoint_id: &str,
+    parts: &[Part],
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    commit_location(&Location::parse(location)?, checkpoint_id, parts, opts)
+}
+
+/// [`commit`] on a parsed location.
+///
+/// # Errors
+/// As [`commit`].
+pub fn commit_location(
+    location: &Location,
+    checkpoint_id: &str,
+    parts: &[Part],
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    match location {
+        Location::Local(p) => crate::write::parts::commit(p, checkpoint_id, parts, opts),
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => s3::commit(u, checkpoint_id, parts, opts),
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => Err(no_s3(u)),
+    }
+}
+
+/// Wait (at most `timeout`) for the parts of ranks `0..world_size` at a path or URL, then
+/// commit them: [`crate::write::parts::commit_rendezvous`] locally,
+/// [`s3::commit_rendezvous`] on an object store.
+///
+/// # Errors
+/// [`Error::UnsupportedUrl`]; [`Error::MissingParts`] naming the ranks still missing at the
+/// timeout; the errors of those functions (nothing is committed).
+pub fn commit_rendezvous(
+    location: &str,
+    checkpoint_id: &str,
+    world_size: u32,
+    timeout: std::time::Duration,
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    commit_rendezvous_location(
+        &Location::parse(location)?,
+        checkpoint_id,
+        world_size,
+        timeout,
+        opts,
+    )
+}
+
+/// [`commit_rendezvous`] on a parsed location.
+///
+/// # Errors
+/// As [`commit_rendezvous`].
+pub fn commit_rendezvous_location(
+    location: &Location,
+    checkpoint_id: &str,
+    world_size: u32,
+    timeout: std::time::Duration,
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    match location {
+        Location::Local(p) => {
+            crate::write::parts::commit_rendezvous(p, checkpoint_id, world_size, timeout, opts)
+        }
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => s3::commit_rendezvous(u, checkpoint_id, world_size, timeout, opts),
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => Err(no_s3(u)),
+    }
+}
+
+#[cfg(not(feature = "s3"))]
+fn no_s3(u: &RemoteUrl) -> Error {
+    Error::UnsupportedUrl {
+        url: u.to_string(),
+        reason: "this build of ckptstore has no object-store support".into(),
+    }
 }
 
 /// Write one small file `name` beside a checkpoint (an index, say) durably: a local

@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use std::io::{self, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -45,6 +46,7 @@ use crate::error::{Error, Result};
 use crate::format::manifest::{Manifest, OptimizerSection, MANIFEST_FILE};
 use crate::format::MAX_MANIFEST_SIZE;
 use crate::write::fs::Fs;
+use crate::write::parts::{self, CommitOptions, Part, PartItem};
 use crate::write::{self, CommitInfo, SaveOptions, TensorRef, TEMP_PREFIX};
 
 /// How to reach the object store and how hard to try.
@@ -612,6 +614,22 @@ pub struct RemoteCheckpoint {
     remote: Remote,
     manifest: Manifest,
     by_name: HashMap<String, usize>,
+    /// Global tensor name -> index into the manifest's `globals`.
+    globals: HashMap<String, usize>,
+    /// Tensor bytes fetched by reads so far (not the headers fetched at open).
+    fetched: AtomicU64,
+}
+
+impl crate::checkpoint::region::Catalog for RemoteCheckpoint {
+    fn global_entry(&self, name: &str) -> Option<&crate::format::global::GlobalEntry> {
+        self.manifest.globals.get(*self.globals.get(name)?)
+    }
+    fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
+        self.by_name
+            .get(name)
+            .and_then(|&i| self.manifest.tensors.get(i))
+            .ok_or_else(|| Error::TensorNotFound { name: name.into() })
+    }
 }
 
 impl RemoteCheckpoint {
@@ -662,10 +680,18 @@ impl RemoteCheckpoint {
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
+        let globals = manifest
+            .globals
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (g.name.clone(), i))
+            .collect();
         Ok(RemoteCheckpoint {
             remote,
             manifest,
             by_name,
+            globals,
+            fetched: AtomicU64::new(0),
         })
     }
 
@@ -692,9 +718,63 @@ impl RemoteCheckpoint {
         self.fetch(t)
     }
 
+    /// Read the box `[offsets, offsets + shape)` of `name` (a global tensor, or a whole
+    /// tensor) as [`Checkpoint::read_region`] does, fetching only the byte ranges
+    /// [`Checkpoint::region_byte_ranges`] names (the CRC blocks the region touches, or whole
+    /// chunks without block CRCs): adjacent blocks merged, split into ranged GETs of
+    /// `S3Config::range_size`, up to `download_concurrency` in flight. Every block (or
+    /// chunk) fetched is CRC-checked before its bytes are used; blocks the region does not
+    /// touch are neither fetched nor checked.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a region of the wrong rank
+    /// or out of bounds; [`Error::ChecksumMismatch`] naming the tensor, the block and the
+    /// object URL for damaged bytes; [`Error::ShardMismatch`] / [`Error::Remote`] naming
+    /// the object URL when a GET fails.
+    pub fn read_region(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+    ) -> Result<crate::tensor::Tensor> {
+        let file_of = |i: usize| {
+            self.manifest
+                .shards
+                .get(i)
+                .map_or_else(String::new, |s| self.remote.url.child(&s.file).to_string())
+        };
+        crate::checkpoint::region::read_region_fetching(
+            self,
+            name,
+            offsets,
+            shape,
+            file_of,
+            |ranges| {
+                let mut jobs = Vec::new();
+                for (shard, begin, dst) in ranges {
+                    let s = &self.manifest.shards[shard];
+                    self.fetched.fetch_add(dst.len() as u64, Ordering::Relaxed);
+                    self.remote
+                        .jobs_for(&s.file, shard, s.size, begin, dst, &mut jobs);
+                }
+                self.remote
+                    .read_ranges(jobs)
+                    .map_err(|e| name_keys(e, &self.remote.url))
+            },
+        )
+    }
+
+    /// The bytes of tensor data fetched by [`RemoteCheckpoint::read_tensor`],
+    /// [`RemoteCheckpoint::stream_tensors`] and [`RemoteCheckpoint::read_region`] so far
+    /// (the manifest and the headers fetched at open are not counted).
+    pub fn bytes_fetched(&self) -> u64 {
+        self.fetched.load(Ordering::Relaxed)
+    }
+
     fn fetch(&self, t: &TensorInfo) -> Result<crate::tensor::Tensor> {
         let s = &self.manifest.shards[t.shard];
         let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
+        self.fetched.fetch_add(t.nbytes(), Ordering::Relaxed);
         let mut jobs = Vec::new();
         self.remote.jobs_for(
             &s.file,
@@ -806,9 +886,14 @@ pub fn save_remote(
     r.probe()?;
     let fs = ObjectFs::new(r);
     let dir = PathBuf::from(r.url.to_string());
-    // The writer reports failures of the object-store Fs as I/O errors on "paths" that are
-    // object URLs: say them in the store's terms, naming the final key.
-    write::save_impl(&fs, &dir, tensors, opts, optimizer).map_err(|e| match e {
+    write::save_impl(&fs, &dir, tensors, opts, optimizer).map_err(|e| fs_err(r, e))
+}
+
+/// The writer reports failures of the object-store [`Fs`] as I/O errors on "paths" that
+/// are object URLs: say them in the store's terms, naming the final key; errors about
+/// shards name the object URL.
+fn fs_err(r: &Remote, e: Error) -> Error {
+    match e {
         Error::Io { op, path, source } => {
             let url = path.display().to_string();
             let url = match url.rsplit_once('/') {
@@ -830,8 +915,187 @@ pub fn save_remote(
             };
             Error::Remote { op, url, reason }
         }
-        other => other,
-    })
+        other => name_keys(other, &r.url),
+    }
+}
+
+// ---- multi-rank checkpoints (format-spec/s3.md §Multi-rank) ------------------------------
+
+/// Write rank `rank`'s part of the multi-rank checkpoint `checkpoint_id` under `url`
+/// (configured from the environment): [`write_part_remote`].
+///
+/// # Errors
+/// As [`write_part_remote`].
+pub fn write_part(
+    url: &RemoteUrl,
+    checkpoint_id: &str,
+    rank: u32,
+    items: &[PartItem<'_>],
+    opts: &SaveOptions,
+) -> Result<Part> {
+    let r = Remote::new(url, &S3Config::from_env())?;
+    write_part_remote(&r, checkpoint_id, rank, items, opts)
+}
+
+/// Write rank `rank`'s part of checkpoint `checkpoint_id` under the prefix of `r`
+/// (format-spec/global.md §Parts, format-spec/s3.md §Multi-rank): its shards
+/// `shard-<id>-r<rank>-<k>.safetensors` streamed as multipart uploads, then its part
+/// descriptor `part-<id>-r<rank>.json` in one PUT. Ranks run concurrently, each with its
+/// own connection; no manifest is written (the coordinator's [`commit_remote`] does that).
+///
+/// # Errors
+/// The input errors of [`crate::write::parts::write_part`]; [`Error::InvalidArgument`] if
+/// the part object of this rank and id already exists; [`Error::Remote`] naming the object
+/// URL when a request fails. After an error this call's multipart uploads are aborted and
+/// its completed objects deleted (best effort, as for [`save_with`]).
+pub fn write_part_remote(
+    r: &Remote,
+    checkpoint_id: &str,
+    rank: u32,
+    items: &[PartItem<'_>],
+    opts: &SaveOptions,
+) -> Result<Part> {
+    r.probe()?;
+    let name = write::part_file_name(checkpoint_id, rank);
+    let exists = r.block_on(r.store.head(&r.path(&name)));
+    match exists {
+        Ok(_) => {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} already wrote its part of checkpoint {checkpoint_id} ({})",
+                r.url.child(&name)
+            )))
+        }
+        Err(e) if is_not_found(&e) => {}
+        Err(e) => return Err(remote_err("HEAD", &r.url.child(&name), &e)),
+    }
+    let fs = ObjectFs::new(r);
+    let dir = PathBuf::from(r.url.to_string());
+    parts::write_part_with_fs(&fs, &dir, checkpoint_id, rank, items, opts).map_err(|e| fs_err(r, e))
+}
+
+/// Commit the parts of checkpoint `checkpoint_id` under `url` (configured from the
+/// environment): [`commit_remote`].
+///
+/// # Errors
+/// As [`commit_remote`].
+pub fn commit(
+    url: &RemoteUrl,
+    checkpoint_id: &str,
+    parts: &[Part],
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    let r = Remote::new(url, &S3Config::from_env())?;
+    commit_remote(&r, checkpoint_id, parts, opts)
+}
+
+/// Commit the parts of checkpoint `checkpoint_id` under the prefix of `r` with the local
+/// commit's rules (format-spec/global.md §The commit, C1-C6): check every part, read the
+/// header of every shard object it lists (a HEAD and one ranged GET each: size, header
+/// length, header CRC), merge, validate the merged manifest with the reader's rules, PUT
+/// it last, then delete the part objects of this id and the engine objects of other ids.
+///
+/// **One committer per prefix** (format-spec/s3.md §Writers): nothing locks the prefix; no
+/// other save or commit may run under it meanwhile, and every rank must have finished its
+/// [`write_part_remote`] (the parts given are their return values, or use
+/// [`commit_rendezvous_remote`], which waits for the part objects).
+///
+/// # Errors
+/// Nothing is committed after any error (the previous manifest stays): the errors of
+/// [`crate::write::parts::commit`], with [`Error::ShardMismatch`] naming the object URL of a
+/// missing or wrong shard and [`Error::MissingParts`] naming the prefix URL;
+/// [`Error::Remote`] naming the object URL when a request fails.
+pub fn commit_remote(
+    r: &Remote,
+    checkpoint_id: &str,
+    parts: &[Part],
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    r.probe()?;
+    let fs = ObjectFs::new(r);
+    let dir = PathBuf::from(r.url.to_string());
+    parts::commit_with_fs(&fs, &dir, checkpoint_id, parts, opts).map_err(|e| fs_err(r, e))
+}
+
+/// Wait for the part objects of ranks `0..world_size` under `url`, then commit them
+/// (configured from the environment): [`commit_rendezvous_remote`].
+///
+/// # Errors
+/// As [`commit_rendezvous_remote`].
+pub fn commit_rendezvous(
+    url: &RemoteUrl,
+    checkpoint_id: &str,
+    world_size: u32,
+    timeout: Duration,
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    let r = Remote::new(url, &S3Config::from_env())?;
+    commit_rendezvous_remote(&r, checkpoint_id, world_size, timeout, opts)
+}
+
+/// The coordinator's rendezvous on an object store: list the prefix until the part objects
+/// `part-<id>-r<rank>.json` of every rank `0..world_size` are there (polling; a zero
+/// `timeout` looks once), GET and decode each, then [`commit_remote`] them with
+/// `world_size`. A part object is PUT in one request after all its rank's shards
+/// completed, so a listed part names complete shard objects.
+///
+/// # Errors
+/// [`Error::MissingParts`] naming the prefix URL and the ranks whose part object is still
+/// missing at the timeout (nothing is committed); [`Error::InvalidPart`] naming the object
+/// URL of a descriptor that does not decode; otherwise as [`commit_remote`].
+pub fn commit_rendezvous_remote(
+    r: &Remote,
+    checkpoint_id: &str,
+    world_size: u32,
+    timeout: Duration,
+    opts: &CommitOptions,
+) -> Result<CommitInfo> {
+    if world_size == 0 {
+        return Err(Error::InvalidArgument("world_size must be positive".into()));
+    }
+    if !write::is_id(checkpoint_id) {
+        return Err(Error::InvalidArgument(format!(
+            "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits"
+        )));
+    }
+    let deadline = std::time::Instant::now().checked_add(timeout);
+    let names: Vec<String> = (0..world_size)
+        .map(|rank| write::part_file_name(checkpoint_id, rank))
+        .collect();
+    loop {
+        let listed: std::collections::HashSet<String> =
+            r.list()?.objects.into_iter().map(|(n, _)| n).collect();
+        let missing: Vec<u32> = (0..world_size)
+            .filter(|&rank| !listed.contains(&names[rank as usize]))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            return Err(Error::MissingParts {
+                dir: PathBuf::from(r.url.to_string()),
+                checkpoint_id: checkpoint_id.to_string(),
+                missing,
+            });
+        }
+        std::thread::sleep(parts::POLL.max(Duration::from_millis(50)));
+    }
+    let mut got = Vec::with_capacity(names.len());
+    for name in &names {
+        let url = r.url.child(name).to_string();
+        let bytes = r
+            .get_small(name, MAX_MANIFEST_SIZE)?
+            .ok_or_else(|| Error::InvalidPart {
+                part: url.clone(),
+                reason: "the object was listed but is gone (another writer under this prefix?)"
+                    .into(),
+            })?;
+        got.push(parts::decode_part(&bytes, &url)?);
+    }
+    let opts = CommitOptions {
+        world_size: Some(world_size),
+        ..opts.clone()
+    };
+    commit_remote(r, checkpoint_id, &got, &opts)
 }
 
 /// Delete, under `url`, every engine object no committed manifest names (shards of

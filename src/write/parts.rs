@@ -30,7 +30,7 @@ pub const PART_FORMAT: &str = "ckptstore-part";
 /// The part descriptor version this build writes and reads.
 pub const PART_VERSION: u64 = 1;
 /// How often [`commit_rendezvous`] looks for the part files.
-const POLL: Duration = Duration::from_millis(20);
+pub(crate) const POLL: Duration = Duration::from_millis(20);
 
 /// One tensor a rank contributes to a multi-rank checkpoint.
 #[derive(Debug, Clone)]
@@ -188,7 +188,8 @@ impl Part {
     }
 }
 
-fn decode_part(bytes: &[u8], what: &str) -> Result<Part> {
+/// [`Part::from_bytes`], naming the descriptor `what` in errors.
+pub(crate) fn decode_part(bytes: &[u8], what: &str) -> Result<Part> {
     let bad = |reason: String| Error::InvalidPart {
         part: what.to_string(),
         reason,
