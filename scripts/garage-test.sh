@@ -6,8 +6,9 @@
 #   manager layout and retention (ls, gc), one node killed during a save (the save commits or
 #   fails cleanly; the previous step still restores), restore with one node down, and a save
 #   after the node comes back.
-# Needs garage 2.5.0 (`cargo install garage@2.5.0 --locked`) and python3. Prints one line
-# per step; exits non-zero at the first failed check. .ci/run runs it.
+# Needs garage 2.5.0 (`cargo install garage@2.5.0 --locked`; GARAGE=path overrides) and
+# python3. Prints one line per step; exits non-zero at the first failed check. .ci/run runs
+# it. GARAGE_BENCH_MIB=1024 also runs the S3 benchmark (examples/s3_bench) on the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -147,8 +148,13 @@ via 3 ls s3://ckpt/run --json | python3 -c 'import json,sys; d=json.load(sys.std
   || fail "ls after gc"
 
 step "node 3 killed during a save of step 4"
+# Kill it once 8 MiB of the save's data have landed on node 1 (inside the save, unless the
+# save already finished: both outcomes are checked below).
+data_bytes() { du -sb "$W/n1/data" | cut -f1; }
+BEFORE="$(data_bytes)"
 via 1 pack "$W/src4.safetensors" --out s3://ckpt/run/step-00000004 --max-shard-size 16MiB >"$W/save4.log" 2>&1 &
 SAVE=$!
+while kill -0 "$SAVE" 2>/dev/null && [ $(($(data_bytes) - BEFORE)) -lt $((8 << 20)) ]; do sleep 0.05; done
 kill_node 3
 if wait $SAVE; then
   step "  the save committed (quorum 2 of 3): step 4 restores with node 3 down"
@@ -174,4 +180,10 @@ via 3 diff "$W/src5.safetensors" s3://ckpt/run/step-00000005 >/dev/null || fail 
 via 1 gc s3://ckpt/run --keep 1 >/dev/null
 via 2 ls s3://ckpt/run --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert [s["step"] for s in d["steps"]]==[5], d' \
   || fail "ls after the last gc"
+if [ "${GARAGE_BENCH_MIB:-0}" -gt 0 ]; then
+  step "benchmark: ${GARAGE_BENCH_MIB} MiB through node 1 (examples/s3_bench, ratios against raw object_store)"
+  cargo build --release --example s3_bench >/dev/null
+  AWS_ENDPOINT_URL="http://127.0.0.1:$(api_port 1)" \
+    target/release/examples/s3_bench s3://ckpt/bench "$GARAGE_BENCH_MIB" "${GARAGE_BENCH_REPS:-3}"
+fi
 step "all Garage checks passed"

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ckptstore::store::{self, Location};
 use ckptstore::write::parts::{self, CommitOptions, Part, PartItem};
 use ckptstore::SaveOptions;
 use numpy::PyUntypedArray;
@@ -58,7 +59,15 @@ pub(crate) fn write_part<'py>(
         });
     }
     let part = py
-        .detach(|| parts::write_part(&path, checkpoint_id, rank, &list, &opts))
+        .detach(|| {
+            store::write_part_location(
+                &Location::from_path(&path)?,
+                checkpoint_id,
+                rank,
+                &list,
+                &opts,
+            )
+        })
         .map_err(CkError)?;
     Ok(PyBytes::new(py, &part.to_bytes()))
 }
@@ -98,7 +107,9 @@ pub(crate) fn commit<'py>(
                 .map(|b| Part::from_bytes(b))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(CkError)?;
-            py.detach(|| parts::commit(&path, checkpoint_id, &decoded, &opts))
+            py.detach(|| {
+                store::commit_location(&Location::from_path(&path)?, checkpoint_id, &decoded, &opts)
+            })
         }
         None => {
             let ws = world_size.ok_or_else(|| {
@@ -107,7 +118,15 @@ pub(crate) fn commit<'py>(
             let t = timeout.unwrap_or(300.0);
             let t = Duration::try_from_secs_f64(t)
                 .map_err(|_| invalid_arg(format!("timeout {t} is not a duration in seconds")))?;
-            py.detach(|| parts::commit_rendezvous(&path, checkpoint_id, ws, t, &opts))
+            py.detach(|| {
+                store::commit_rendezvous_location(
+                    &Location::from_path(&path)?,
+                    checkpoint_id,
+                    ws,
+                    t,
+                    &opts,
+                )
+            })
         }
     }
     .map_err(CkError)?;

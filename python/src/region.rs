@@ -8,12 +8,20 @@
 //! Every block or chunk a read uses has its CRC32 checked before any of its bytes are
 //! copied (once per reader: the verified regions are remembered); the mapped files are
 //! only ever read.
+//!
+//! On an object store (`s3://bucket/prefix`) the checkpoint is opened lazily
+//! (`ckptstore::store::s3::RemoteCheckpoint`: the manifest and the shard headers) and
+//! `verify_regions` fetches each region with ranged GETs of only the CRC blocks it touches,
+//! checks them, and keeps the checked bytes until `read_into` copies them into the
+//! destination: every destination is written only after every region was checked, and
+//! from the very bytes that were checked.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use ckptstore::{Checkpoint, Error};
+use ckptstore::store::Location;
+use ckptstore::{Checkpoint, Error, Tensor};
 use numpy::PyReadwriteArray1;
 use pyo3::prelude::*;
 use rayon::prelude::*;
@@ -34,32 +42,56 @@ type Key = (String, Vec<u64>, Vec<u64>);
 /// (`ckptstore._ckptstore.RegionReader(path)`).
 #[pyclass(module = "ckptstore._ckptstore", frozen)]
 pub(crate) struct RegionReader {
-    ck: Arc<Checkpoint>,
+    src: Source,
     /// Regions whose CRCs (blocks or chunks) this reader has checked.
     verified: Mutex<HashSet<Key>>,
+    /// Remote checkpoints: the checked bytes of each verified region, until `read_into`
+    /// takes them.
+    fetched: Mutex<HashMap<Key, Tensor>>,
+}
+
+/// Where the checkpoint lies.
+enum Source {
+    /// A local directory, memory-mapped read-only.
+    Local(Arc<Checkpoint>),
+    /// An object store, read with ranged GETs.
+    Remote(Arc<ckptstore::store::s3::RemoteCheckpoint>),
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl RegionReader {
     fn is_verified(&self, k: &Key) -> bool {
-        self.verified
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(k)
+        lock(&self.verified).contains(k)
     }
 
-    /// Check every region not checked yet (in parallel) and remember them.
+    /// Check every region not checked yet (in parallel) and remember them (remote: with
+    /// their checked bytes).
     fn verify_keys(&self, keys: Vec<Key>) -> Result<(), Error> {
         let todo: Vec<Key> = {
-            let done = self.verified.lock().unwrap_or_else(|p| p.into_inner());
+            let done = lock(&self.verified);
             let mut seen = HashSet::new();
             keys.into_iter()
                 .filter(|k| !done.contains(k) && seen.insert(k.clone()))
                 .collect()
         };
-        todo.par_iter()
-            .try_for_each(|(n, o, s)| self.ck.verify_region(n, o, s))?;
-        let mut done = self.verified.lock().unwrap_or_else(|p| p.into_inner());
-        done.extend(todo);
+        match &self.src {
+            Source::Local(ck) => todo
+                .par_iter()
+                .try_for_each(|(n, o, s)| ck.verify_region(n, o, s))?,
+            Source::Remote(rc) => {
+                // Each read runs its own parallel ranged GETs; a few regions at a time.
+                let got = todo
+                    .par_iter()
+                    .with_max_len(1)
+                    .map(|k| rc.read_region(&k.0, &k.1, &k.2).map(|t| (k.clone(), t)))
+                    .collect::<Result<Vec<_>, Error>>()?;
+                lock(&self.fetched).extend(got);
+            }
+        }
+        lock(&self.verified).extend(todo);
         Ok(())
     }
 
@@ -73,49 +105,106 @@ impl RegionReader {
         out: &mut [u8],
     ) -> Result<(), Error> {
         let key = (name.to_string(), offsets.to_vec(), shape.to_vec());
-        if self.is_verified(&key) {
-            self.ck.copy_region_unchecked(name, offsets, shape, out)
-        } else {
-            self.ck.read_region_into(name, offsets, shape, out)
+        match &self.src {
+            Source::Local(ck) => {
+                if self.is_verified(&key) {
+                    ck.copy_region_unchecked(name, offsets, shape, out)
+                } else {
+                    ck.read_region_into(name, offsets, shape, out)
+                }
+            }
+            Source::Remote(rc) => {
+                let t = lock(&self.fetched).remove(&key);
+                let t = match t {
+                    Some(t) => t,
+                    None => rc.read_region(name, offsets, shape)?,
+                };
+                let b = t.bytes();
+                if b.len() != out.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "tensor {name:?}: a region of shape {shape:?} is {} bytes, the destination {}",
+                        b.len(),
+                        out.len()
+                    )));
+                }
+                out.copy_from_slice(b);
+                Ok(())
+            }
+        }
+    }
+
+    fn shape(&self, name: &str) -> Result<(ckptstore::DType, Vec<u64>), Error> {
+        match &self.src {
+            Source::Local(ck) => ck.shape_of(name).map(|(d, s)| (d, s.to_vec())),
+            Source::Remote(rc) => rc.shape_of(name).map(|(d, s)| (d, s.to_vec())),
         }
     }
 }
 
 #[pymethods]
 impl RegionReader {
-    /// Open the checkpoint at `path` (validated and mapped read-only, as `ckptstore.open`).
+    /// Open the checkpoint at `path` (validated and mapped read-only, as `ckptstore.open`),
+    /// or at an `s3://bucket/prefix` URL (the manifest and the shard headers fetched and
+    /// checked; tensor bytes fetched by the reads).
     #[new]
     fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        let ck = py.detach(|| Checkpoint::open(&path)).map_err(CkError)?;
+        let src = py
+            .detach(|| -> Result<Source, Error> {
+                match Location::from_path(&path)? {
+                    Location::Local(p) => Ok(Source::Local(Arc::new(Checkpoint::open(&p)?))),
+                    Location::Remote(u) => Ok(Source::Remote(Arc::new(
+                        ckptstore::store::s3::RemoteCheckpoint::open(
+                            &u,
+                            &ckptstore::store::s3::S3Config::from_env(),
+                        )?,
+                    ))),
+                }
+            })
+            .map_err(CkError)?;
         Ok(RegionReader {
-            ck: Arc::new(ck),
+            src,
             verified: Mutex::new(HashSet::new()),
+            fetched: Mutex::new(HashMap::new()),
         })
     }
 
     /// The manifest's user metadata as JSON text.
     fn metadata_json(&self) -> PyResult<String> {
-        serde_json::to_string(self.ck.metadata()).map_err(|e| invalid_arg(e.to_string()))
+        let m = match &self.src {
+            Source::Local(ck) => ck.metadata(),
+            Source::Remote(rc) => &rc.manifest().metadata,
+        };
+        serde_json::to_string(m).map_err(|e| invalid_arg(e.to_string()))
     }
 
     /// The checkpoint id (ckptstore checkpoints), `None` for foreign stores.
     #[getter]
     fn checkpoint_id(&self) -> Option<String> {
-        self.ck.manifest().map(|m| m.checkpoint_id.clone())
+        match &self.src {
+            Source::Local(ck) => ck.manifest().map(|m| m.checkpoint_id.clone()),
+            Source::Remote(rc) => Some(rc.manifest().checkpoint_id.clone()),
+        }
+    }
+
+    /// Whether the checkpoint is local (memory-mapped), so that `byte_ranges` name files.
+    #[getter]
+    fn is_local(&self) -> bool {
+        matches!(self.src, Source::Local(_))
     }
 
     /// `(wire dtype, shape)` of a global or whole tensor.
     fn shape_of(&self, name: &str) -> PyResult<(String, Vec<u64>)> {
-        let (d, s) = self.ck.shape_of(name).map_err(CkError)?;
-        Ok((d.name().to_string(), s.to_vec()))
+        let (d, s) = self.shape(name).map_err(CkError)?;
+        Ok((d.name().to_string(), s))
     }
 
     /// `(offsets, shape)` of every stored chunk of `name` (one at the origin for a whole tensor).
     fn chunks(&self, name: &str) -> PyResult<Vec<(Vec<u64>, Vec<u64>)>> {
-        Ok(self
-            .ck
-            .chunks(name)
-            .map_err(CkError)?
+        let c = match &self.src {
+            Source::Local(ck) => ck.chunks(name),
+            Source::Remote(rc) => rc.chunks(name),
+        };
+        Ok(c.map_err(CkError)?
             .into_iter()
             .map(|r| (r.offsets, r.shape))
             .collect())
@@ -138,13 +227,18 @@ impl RegionReader {
     /// bytes these boxes read lie (blocks or whole chunks; merged per file where they
     /// touch or overlap): the shard file's path and the byte range, for the caller to
     /// prefetch.
+    /// Remote checkpoints have no files to prefetch: the list is empty (their reads fetch
+    /// exactly these ranges).
     fn byte_ranges(
         &self,
         regions: Vec<(String, Vec<u64>, Vec<u64>)>,
     ) -> PyResult<Vec<(PathBuf, u64, u64)>> {
+        let Source::Local(ck) = &self.src else {
+            return Ok(Vec::new());
+        };
         let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
         for (n, o, s) in &regions {
-            ranges.extend(self.ck.region_byte_ranges(n, o, s).map_err(CkError)?);
+            ranges.extend(ck.region_byte_ranges(n, o, s).map_err(CkError)?);
         }
         ranges.sort_unstable();
         let mut merged: Vec<(usize, u64, u64)> = Vec::new();
@@ -154,10 +248,10 @@ impl RegionReader {
                 _ => merged.push((sh, b, e)),
             }
         }
-        let shards = self.ck.shards();
+        let shards = ck.shards();
         Ok(merged
             .into_iter()
-            .filter_map(|(sh, b, e)| shards.get(sh).map(|x| (self.ck.root().join(&x.file), b, e)))
+            .filter_map(|(sh, b, e)| shards.get(sh).map(|x| (ck.root().join(&x.file), b, e)))
             .collect())
     }
 

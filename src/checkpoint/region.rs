@@ -103,6 +103,23 @@ fn source<'a, C: Catalog + ?Sized>(c: &'a C, name: &str) -> Result<Source<'a>> {
     })
 }
 
+/// [`Checkpoint::shape_of`] on any catalog (a remote checkpoint's too).
+pub(crate) fn shape_of<'a, C: Catalog + ?Sized>(c: &'a C, name: &str) -> Result<(DType, &'a [u64])> {
+    match c.global_entry(name) {
+        Some(g) => Ok((g.dtype, &g.global_shape)),
+        None => c.tensor_info(name).map(|t| (t.dtype, t.shape.as_slice())),
+    }
+}
+
+/// [`Checkpoint::chunks`] on any catalog (a remote checkpoint's too).
+pub(crate) fn chunks<C: Catalog + ?Sized>(c: &C, name: &str) -> Result<Vec<Region>> {
+    Ok(source(c, name)?
+        .pieces
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect())
+}
+
 /// Check `region` against `src`'s shape; the stored pieces it intersects, with the
 /// intersections.
 fn plan_region<'s>(src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>> {
@@ -151,10 +168,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`] if neither holds that name.
     pub fn shape_of(&self, name: &str) -> Result<(DType, &[u64])> {
-        match self.global(name) {
-            Some(g) => Ok((g.dtype, &g.global_shape)),
-            None => self.info(name).map(|t| (t.dtype, t.shape.as_slice())),
-        }
+        shape_of(self, name)
     }
 
     /// The chunks of `name` as regions of its global index space, in manifest order: a
@@ -163,12 +177,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`].
     pub fn chunks(&self, name: &str) -> Result<Vec<Region>> {
-        Ok(self
-            .source(name)?
-            .pieces
-            .into_iter()
-            .map(|(r, _)| r)
-            .collect())
+        chunks(self, name)
     }
 
     fn source(&self, name: &str) -> Result<Source<'_>> {

@@ -705,6 +705,23 @@ impl RemoteCheckpoint {
         &self.manifest.tensors
     }
 
+    /// The dtype and (global) shape of `name`, as [`Checkpoint::shape_of`].
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] if no global or whole tensor holds that name.
+    pub fn shape_of(&self, name: &str) -> Result<(crate::DType, &[u64])> {
+        crate::checkpoint::region::shape_of(self, name)
+    }
+
+    /// The chunks of `name` as regions of its global index space, as
+    /// [`Checkpoint::chunks`].
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`].
+    pub fn chunks(&self, name: &str) -> Result<Vec<crate::Region>> {
+        crate::checkpoint::region::chunks(self, name)
+    }
+
     /// One tensor, fetched with parallel ranged GETs into a fresh buffer, CRC-checked.
     ///
     /// # Errors

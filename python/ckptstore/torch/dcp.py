@@ -162,7 +162,8 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        if "://" not in self.path:  # a local directory; object stores have no directories
+            os.makedirs(self.path, exist_ok=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -27,10 +27,11 @@ default), and hands them to torch as float32, like :func:`ckptstore.torch.load`.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Mapping, Optional
 
-from .. import open as _open
+from .. import _ckptstore
 from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
 from . import _decode, _encode, _encode_groups, _param_names, _torch
 from .dcp import META_KEY as _DCP_KEY, Reader, Writer
@@ -129,8 +130,9 @@ def _broadcast_meta(path: Any, process_group: Any) -> tuple[dict, str]:
     obj: list[Any] = [None]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0:
         try:
-            with _open(path) as ck:
-                obj[0] = (ck.metadata, ck.checkpoint_id, None)
+            # The manifest only (a remote checkpoint is not downloaded here).
+            rr = _ckptstore.RegionReader(os.fspath(path))
+            obj[0] = (json.loads(rr.metadata_json()), rr.checkpoint_id, None)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
             obj[0] = (None, None, f"{type(e).__name__}: {e}")
     if dist.is_available() and dist.is_initialized():
