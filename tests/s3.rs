@@ -431,16 +431,105 @@ fn server_killed_mid_upload_then_restarted() {
     assert!(*written.lock().unwrap() >= 8 << 20);
 
     srv.lock().unwrap().restart();
-    // The previous checkpoint is intact; the next save succeeds and replaces it.
+    // The previous checkpoint is intact.
     assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+    // The killed save left its multipart upload on the server (s3s-fs keeps an upload as
+    // `.upload-<id>.json` plus `.upload_id-<id>.part-<n>` files in its data directory)
+    // and the upload's journal object under the prefix.
+    let data = srv.lock().unwrap().data_dir().to_path_buf();
+    assert!(!uploads_on_server(&data).is_empty());
+    let r = Remote::new(&u, &cfg).unwrap();
+    let journals: Vec<String> = r
+        .list()
+        .unwrap()
+        .objects
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| n.starts_with(".ckpt-tmp-upload-"))
+        .collect();
+    assert_eq!(journals.len(), 1, "{journals:?}");
+    // gc aborts it and deletes its journal: no upload is left.
+    let deleted = s3::gc_prefix(&r).unwrap();
+    assert!(deleted.contains(&journals[0]), "{deleted:?}");
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+
+    // The next save succeeds and replaces it.
     s3::save_with(&u, &f2.tensors(), &opts(), None, &cfg).unwrap();
     let ck = s3::open_with(&u, &cfg).unwrap();
     assert_same(&ck, &f2);
     ck.verify().unwrap();
-    // Only the committed checkpoint's objects remain.
-    let r = Remote::new(&u, &cfg).unwrap();
+    // Only the committed checkpoint's objects remain; completed uploads left no journal.
     assert!(s3::gc_prefix(&r).unwrap().is_empty());
     assert_eq!(r.list().unwrap().objects.len(), ck.shards().len() + 1);
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+
+    // A killed save's upload is also aborted by the next save's start (it deletes the
+    // temporary objects of interrupted saves), and in a manager root by `ckpt gc`.
+    let kill_at_8mib = || {
+        let srv = Arc::clone(&srv);
+        let written = Arc::new(Mutex::new(0u64));
+        SaveOptions {
+            progress: Some(Arc::new(move |n: u64| {
+                let mut w = written.lock().unwrap();
+                let before = *w;
+                *w += n;
+                if before < (8 << 20) && *w >= (8 << 20) {
+                    srv.lock().unwrap().kill();
+                }
+            })),
+            ..opts()
+        }
+    };
+    s3::save_with(&u, &f1.tensors(), &kill_at_8mib(), None, &cfg).unwrap_err();
+    srv.lock().unwrap().restart();
+    assert!(!uploads_on_server(&data).is_empty());
+    s3::save_with(&u, &f1.tensors(), &opts(), None, &cfg).unwrap();
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+
+    let root = url("crashroot");
+    s3::save_with(
+        &root.child("step-00000001"),
+        &f1.tensors(),
+        &opts(),
+        None,
+        &cfg,
+    )
+    .unwrap();
+    let step2 = root.child("step-00000002");
+    s3::save_with(&step2, &f2.tensors(), &kill_at_8mib(), None, &cfg).unwrap_err();
+    srv.lock().unwrap().restart();
+    assert!(!uploads_on_server(&data).is_empty());
+    let env = srv.lock().unwrap().env();
+    let dir = tempfile::tempdir().unwrap();
+    ok(&ckpt(
+        dir.path(),
+        &env,
+        &["gc", &root.to_string(), "--keep", "1"],
+    ));
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+    assert!(Remote::new(&step2, &cfg)
+        .unwrap()
+        .list()
+        .unwrap()
+        .objects
+        .is_empty());
+    assert_same(
+        &s3::open_with(&root.child("step-00000001"), &cfg).unwrap(),
+        &f1,
+    );
+}
+
+/// The multipart uploads s3s-fs holds: its `.upload-<id>.json` files.
+fn uploads_on_server(data: &Path) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(data)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(".upload"))
+        .collect();
+    out.sort();
+    out
 }
 
 // ---- the CLI --------------------------------------------------------------------------
