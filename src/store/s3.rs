@@ -10,7 +10,13 @@
 //! while the writer computes every tensor's CRC32 from the same bytes), and the manifest is
 //! one PUT after every shard upload has completed. An error or a dropped save aborts its
 //! multipart uploads and deletes the shard objects it completed; a killed process leaves
-//! shard objects no manifest names, which the next save's cleanup or `ckpt gc` deletes.
+//! shard objects no manifest names and incomplete multipart uploads, which the next save's
+//! cleanup or `ckpt gc` deletes and aborts (each upload is journaled by an object naming
+//! its id: format-spec/s3.md §Uploads).
+//!
+//! **Multi-rank** checkpoints ([`write_part`], [`commit`], [`commit_rendezvous`]) run the
+//! local multi-rank protocol over the same [`Fs`]; [`RemoteCheckpoint::read_region`] reads
+//! regions of global tensors fetching only the CRC blocks they touch.
 //! Nothing relies on conditional PUT: one writer per prefix (format-spec/s3.md §Writers).
 //!
 //! **Open** GETs the manifest once, then downloads every shard with parallel ranged GETs
