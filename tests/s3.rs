@@ -3,6 +3,10 @@
 //! s3:// URLs, damaged and foreign objects refused with the key named, bad credentials and
 //! missing buckets, and a server killed in the middle of an upload.
 
+// The layout `ckpt _write-part` writes (only the expected bytes are used here).
+#[allow(dead_code)]
+#[path = "../src/bin/ckpt/part_layout.rs"]
+mod part_layout;
 #[path = "common/s3server.rs"]
 mod s3server;
 
@@ -1096,4 +1100,70 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
     );
     remote.put_small(&shard, original).unwrap();
     assert!(rc.read_region("w", &[780, 0], &[2, COLS]).is_ok());
+}
+
+#[test]
+fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
+    use part_layout::{box_bytes, global_bytes, globals, STEP};
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("multi/procs");
+    let world = 3u32;
+    let id = new_checkpoint_id().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let env = srv.env();
+    // Each rank is a process configured from the environment (store::write_part_location).
+    let children: Vec<std::process::Child> = (0..world)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_ckpt"))
+                .current_dir(dir.path())
+                .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+                .args(["_write-part", &u.to_string(), "--id", &id])
+                .args(["--rank", &rank.to_string(), "--world", &world.to_string()])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // The coordinator polls the prefix while the ranks upload.
+    let remote = Remote::new(&u, &cfg).unwrap();
+    let info = s3::commit_rendezvous_remote(
+        &remote,
+        &id,
+        world,
+        std::time::Duration::from_secs(120),
+        &CommitOptions::default(),
+    )
+    .unwrap();
+    for c in children {
+        assert!(c.wait_with_output().unwrap().status.success());
+    }
+    assert_eq!(info.checkpoint_id, id);
+    let ck = s3::open_with(&u, &cfg).unwrap();
+    ck.verify().unwrap();
+    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    for g in globals(world) {
+        let whole = global_bytes(&g);
+        assert_eq!(
+            ck.read_global(g.name).unwrap().bytes(),
+            &whole[..],
+            "{}",
+            g.name
+        );
+        // A sub-box, read lazily and from the downloaded checkpoint.
+        let offsets: Vec<u64> = g.shape.iter().map(|&n| n / 2).collect();
+        let shape: Vec<u64> = g.shape.iter().map(|&n| n - n / 2).collect();
+        let want = box_bytes(&whole, g.dtype.size(), &g.shape, &offsets, &shape);
+        assert_eq!(
+            ck.read_region(g.name, &offsets, &shape).unwrap().bytes(),
+            &want[..]
+        );
+        assert_eq!(
+            rc.read_region(g.name, &offsets, &shape).unwrap().bytes(),
+            &want[..]
+        );
+    }
+    assert_eq!(
+        ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        &[STEP]
+    );
 }
