@@ -3,6 +3,10 @@
 //! s3:// URLs, damaged and foreign objects refused with the key named, bad credentials and
 //! missing buckets, and a server killed in the middle of an upload.
 
+// The layout `ckpt _write-part` writes (only the expected bytes are used here).
+#[allow(dead_code)]
+#[path = "../src/bin/ckpt/part_layout.rs"]
+mod part_layout;
 #[path = "common/s3server.rs"]
 mod s3server;
 
@@ -431,16 +435,105 @@ fn server_killed_mid_upload_then_restarted() {
     assert!(*written.lock().unwrap() >= 8 << 20);
 
     srv.lock().unwrap().restart();
-    // The previous checkpoint is intact; the next save succeeds and replaces it.
+    // The previous checkpoint is intact.
     assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+    // The killed save left its multipart upload on the server (s3s-fs keeps an upload as
+    // `.upload-<id>.json` plus `.upload_id-<id>.part-<n>` files in its data directory)
+    // and the upload's journal object under the prefix.
+    let data = srv.lock().unwrap().data_dir().to_path_buf();
+    assert!(!uploads_on_server(&data).is_empty());
+    let r = Remote::new(&u, &cfg).unwrap();
+    let journals: Vec<String> = r
+        .list()
+        .unwrap()
+        .objects
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| n.starts_with(".ckpt-tmp-upload-"))
+        .collect();
+    assert_eq!(journals.len(), 1, "{journals:?}");
+    // gc aborts it and deletes its journal: no upload is left.
+    let deleted = s3::gc_prefix(&r).unwrap();
+    assert!(deleted.contains(&journals[0]), "{deleted:?}");
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+
+    // The next save succeeds and replaces it.
     s3::save_with(&u, &f2.tensors(), &opts(), None, &cfg).unwrap();
     let ck = s3::open_with(&u, &cfg).unwrap();
     assert_same(&ck, &f2);
     ck.verify().unwrap();
-    // Only the committed checkpoint's objects remain.
-    let r = Remote::new(&u, &cfg).unwrap();
+    // Only the committed checkpoint's objects remain; completed uploads left no journal.
     assert!(s3::gc_prefix(&r).unwrap().is_empty());
     assert_eq!(r.list().unwrap().objects.len(), ck.shards().len() + 1);
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+
+    // A killed save's upload is also aborted by the next save's start (it deletes the
+    // temporary objects of interrupted saves), and in a manager root by `ckpt gc`.
+    let kill_at_8mib = || {
+        let srv = Arc::clone(&srv);
+        let written = Arc::new(Mutex::new(0u64));
+        SaveOptions {
+            progress: Some(Arc::new(move |n: u64| {
+                let mut w = written.lock().unwrap();
+                let before = *w;
+                *w += n;
+                if before < (8 << 20) && *w >= (8 << 20) {
+                    srv.lock().unwrap().kill();
+                }
+            })),
+            ..opts()
+        }
+    };
+    s3::save_with(&u, &f1.tensors(), &kill_at_8mib(), None, &cfg).unwrap_err();
+    srv.lock().unwrap().restart();
+    assert!(!uploads_on_server(&data).is_empty());
+    s3::save_with(&u, &f1.tensors(), &opts(), None, &cfg).unwrap();
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+
+    let root = url("crashroot");
+    s3::save_with(
+        &root.child("step-00000001"),
+        &f1.tensors(),
+        &opts(),
+        None,
+        &cfg,
+    )
+    .unwrap();
+    let step2 = root.child("step-00000002");
+    s3::save_with(&step2, &f2.tensors(), &kill_at_8mib(), None, &cfg).unwrap_err();
+    srv.lock().unwrap().restart();
+    assert!(!uploads_on_server(&data).is_empty());
+    let env = srv.lock().unwrap().env();
+    let dir = tempfile::tempdir().unwrap();
+    ok(&ckpt(
+        dir.path(),
+        &env,
+        &["gc", &root.to_string(), "--keep", "1"],
+    ));
+    assert_eq!(uploads_on_server(&data), Vec::<String>::new());
+    assert!(Remote::new(&step2, &cfg)
+        .unwrap()
+        .list()
+        .unwrap()
+        .objects
+        .is_empty());
+    assert_same(
+        &s3::open_with(&root.child("step-00000001"), &cfg).unwrap(),
+        &f1,
+    );
+}
+
+/// The multipart uploads s3s-fs holds: its `.upload-<id>.json` files.
+fn uploads_on_server(data: &Path) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(data)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(".upload"))
+        .collect();
+    out.sort();
+    out
 }
 
 // ---- the CLI --------------------------------------------------------------------------
@@ -1007,4 +1100,70 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
     );
     remote.put_small(&shard, original).unwrap();
     assert!(rc.read_region("w", &[780, 0], &[2, COLS]).is_ok());
+}
+
+#[test]
+fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
+    use part_layout::{box_bytes, global_bytes, globals, STEP};
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("multi/procs");
+    let world = 3u32;
+    let id = new_checkpoint_id().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let env = srv.env();
+    // Each rank is a process configured from the environment (store::write_part_location).
+    let children: Vec<std::process::Child> = (0..world)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_ckpt"))
+                .current_dir(dir.path())
+                .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+                .args(["_write-part", &u.to_string(), "--id", &id])
+                .args(["--rank", &rank.to_string(), "--world", &world.to_string()])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // The coordinator polls the prefix while the ranks upload.
+    let remote = Remote::new(&u, &cfg).unwrap();
+    let info = s3::commit_rendezvous_remote(
+        &remote,
+        &id,
+        world,
+        std::time::Duration::from_secs(120),
+        &CommitOptions::default(),
+    )
+    .unwrap();
+    for c in children {
+        assert!(c.wait_with_output().unwrap().status.success());
+    }
+    assert_eq!(info.checkpoint_id, id);
+    let ck = s3::open_with(&u, &cfg).unwrap();
+    ck.verify().unwrap();
+    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    for g in globals(world) {
+        let whole = global_bytes(&g);
+        assert_eq!(
+            ck.read_global(g.name).unwrap().bytes(),
+            &whole[..],
+            "{}",
+            g.name
+        );
+        // A sub-box, read lazily and from the downloaded checkpoint.
+        let offsets: Vec<u64> = g.shape.iter().map(|&n| n / 2).collect();
+        let shape: Vec<u64> = g.shape.iter().map(|&n| n - n / 2).collect();
+        let want = box_bytes(&whole, g.dtype.size(), &g.shape, &offsets, &shape);
+        assert_eq!(
+            ck.read_region(g.name, &offsets, &shape).unwrap().bytes(),
+            &want[..]
+        );
+        assert_eq!(
+            rc.read_region(g.name, &offsets, &shape).unwrap().bytes(),
+            &want[..]
+        );
+    }
+    assert_eq!(
+        ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        &[STEP]
+    );
 }

@@ -10,7 +10,13 @@
 //! while the writer computes every tensor's CRC32 from the same bytes), and the manifest is
 //! one PUT after every shard upload has completed. An error or a dropped save aborts its
 //! multipart uploads and deletes the shard objects it completed; a killed process leaves
-//! shard objects no manifest names, which the next save's cleanup or `ckpt gc` deletes.
+//! shard objects no manifest names and incomplete multipart uploads, which the next save's
+//! cleanup or `ckpt gc` deletes and aborts (each upload is journaled by an object naming
+//! its id: format-spec/s3.md §Uploads).
+//!
+//! **Multi-rank** checkpoints ([`write_part`], [`commit`], [`commit_rendezvous`]) run the
+//! local multi-rank protocol over the same [`Fs`]; [`RemoteCheckpoint::read_region`] reads
+//! regions of global tensors fetching only the CRC blocks they touch.
 //! Nothing relies on conditional PUT: one writer per prefix (format-spec/s3.md §Writers).
 //!
 //! **Open** GETs the manifest once, then downloads every shard with parallel ranged GETs
@@ -33,11 +39,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use object_store::aws::AmazonS3Builder;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjPath;
 use object_store::{
-    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload,
-    RetryConfig, WriteMultipart,
+    BackoffConfig, ClientOptions, GetOptions, GetRange, MultipartId, ObjectStore, ObjectStoreExt,
+    PutPayload, RetryConfig,
 };
 
 use super::RemoteUrl;
@@ -115,7 +122,7 @@ impl S3Config {
         c
     }
 
-    fn build(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    fn build(&self, bucket: &str) -> Result<Arc<AmazonS3>> {
         install_tls_provider();
         // The client options go first: `with_client_options` replaces them whole, including
         // the `allow_http` that `from_env` read from AWS_ALLOW_HTTP.
@@ -198,6 +205,8 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime> {
 #[derive(Debug, Clone)]
 pub struct Remote {
     store: Arc<dyn ObjectStore>,
+    /// The same client, for the multipart calls that name upload ids.
+    mp: Arc<AmazonS3>,
     url: RemoteUrl,
     cfg: S3Config,
     rt: &'static tokio::runtime::Runtime,
@@ -244,8 +253,10 @@ impl Remote {
     /// # Errors
     /// [`Error::Remote`] if the configuration is invalid.
     pub fn new(url: &RemoteUrl, cfg: &S3Config) -> Result<Remote> {
+        let s3 = cfg.build(&url.bucket)?;
         Ok(Remote {
-            store: cfg.build(&url.bucket)?,
+            store: Arc::clone(&s3) as Arc<dyn ObjectStore>,
+            mp: s3,
             url: url.clone(),
             cfg: cfg.clone(),
             rt: runtime()?,
@@ -352,11 +363,39 @@ impl Remote {
     /// # Errors
     /// [`Error::Remote`].
     pub fn delete(&self, name: &str) -> Result<()> {
+        if is_upload_journal(name) {
+            self.abort_journaled(name)?;
+        }
         let path = self.path(name);
         match self.block_on(self.store.delete(&path)) {
             Ok(()) => Ok(()),
             Err(e) if is_not_found(&e) => Ok(()),
             Err(e) => Err(remote_err("DELETE", &self.url.child(name), &e)),
+        }
+    }
+
+    /// Abort the multipart upload an upload journal object `name` records (format-spec/s3.md
+    /// §Uploads). An upload the store no longer knows (completed or aborted) is not an
+    /// error; neither is a journal that is gone or unreadable (nothing to abort).
+    fn abort_journaled(&self, name: &str) -> Result<()> {
+        let Some(bytes) = self.get_small(name, 64 << 10)? else {
+            return Ok(());
+        };
+        let Ok(j) = serde_json::from_slice::<UploadJournal>(&bytes) else {
+            return Ok(());
+        };
+        let key = ObjPath::from(j.key.as_str());
+        match self.block_on(self.mp.abort_multipart(&key, &j.upload_id)) {
+            Ok(()) => Ok(()),
+            Err(e) if is_not_found(&e) || e.to_string().contains("NoSuchUpload") => Ok(()),
+            Err(e) => Err(Error::Remote {
+                op: "abort multipart upload",
+                url: format!(
+                    "s3://{}/{} (upload {})",
+                    self.url.bucket, j.key, j.upload_id
+                ),
+                reason: explain(e.to_string(), &self.url.bucket),
+            }),
         }
     }
 
@@ -503,6 +542,23 @@ impl Remote {
             off = end;
         }
     }
+}
+
+/// The name prefix of upload journal objects: `.ckpt-tmp-upload-<32 hex>`, one per
+/// multipart upload in progress (format-spec/s3.md §Uploads). A temporary-file name, so
+/// every engine cleanup (`gc`, a save's start, a commit's cleanup) deletes it, through
+/// [`Remote::delete`] / the object-store `Fs`, which abort the upload first.
+const UPLOAD_JOURNAL_PREFIX: &str = ".ckpt-tmp-upload-";
+
+fn is_upload_journal(name: &str) -> bool {
+    name.starts_with(UPLOAD_JOURNAL_PREFIX)
+}
+
+/// The body of an upload journal object: the upload's key and id.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct UploadJournal {
+    key: String,
+    upload_id: String,
 }
 
 /// What [`Remote::list`] found directly under a prefix.
@@ -1185,8 +1241,7 @@ fn to_io(e: object_store::Error) -> io::Error {
 struct ObjectFile {
     name: String,
     key: ObjPath,
-    store: Arc<dyn ObjectStore>,
-    rt: &'static tokio::runtime::Runtime,
+    r: Remote,
     part_size: usize,
     concurrency: usize,
     streamed: bool,
@@ -1195,27 +1250,134 @@ struct ObjectFile {
 
 enum FileState {
     Buffer(Vec<u8>),
-    Multipart(WriteMultipart),
+    Multipart(Upload),
     Done,
 }
 
+/// A multipart upload in progress, recorded by its journal object.
+struct Upload {
+    id: MultipartId,
+    /// The journal object's name (under the prefix).
+    journal: String,
+    /// The part being filled (up to `part_size` bytes).
+    buf: Vec<u8>,
+    /// Index of the next part.
+    next: usize,
+    /// Parts uploading, oldest first (their indexes follow `done`).
+    in_flight: std::collections::VecDeque<tokio::task::JoinHandle<object_store::Result<PartId>>>,
+    /// Parts uploaded, in index order.
+    done: Vec<PartId>,
+}
+
 impl ObjectFile {
+    /// Start the multipart upload: create it, then PUT its journal (format-spec/s3.md
+    /// §Uploads) so that an interrupted save's upload can be aborted later.
+    fn start_upload(&self) -> io::Result<Upload> {
+        let r = &self.r;
+        let id = r
+            .block_on(r.mp.create_multipart(&self.key))
+            .map_err(to_io)?;
+        let journal = format!("{UPLOAD_JOURNAL_PREFIX}{}", journal_suffix()?);
+        let body = serde_json::to_vec(&UploadJournal {
+            key: self.key.to_string(),
+            upload_id: id.clone(),
+        })
+        .map_err(io::Error::other)?;
+        if let Err(e) = r.block_on(r.store.put(&r.path(&journal), PutPayload::from(body))) {
+            let _ = r.block_on(r.mp.abort_multipart(&self.key, &id));
+            return Err(to_io(e));
+        }
+        Ok(Upload {
+            id,
+            journal,
+            buf: Vec::with_capacity(self.part_size),
+            next: 0,
+            in_flight: Default::default(),
+            done: Vec::new(),
+        })
+    }
+
+    /// Wait for the oldest part in flight.
+    fn wait_oldest(r: &Remote, up: &mut Upload) -> io::Result<()> {
+        if let Some(h) = up.in_flight.pop_front() {
+            let part = r.block_on(h).map_err(io::Error::other)?.map_err(to_io)?;
+            up.done.push(part);
+        }
+        Ok(())
+    }
+
+    /// Hand the filled part to the runtime, with at most `concurrency` parts in flight.
+    fn send_part(
+        r: &Remote,
+        key: &ObjPath,
+        part_size: usize,
+        concurrency: usize,
+        up: &mut Upload,
+    ) -> io::Result<()> {
+        while up.in_flight.len() >= concurrency {
+            Self::wait_oldest(r, up)?;
+        }
+        let data = std::mem::replace(&mut up.buf, Vec::with_capacity(part_size));
+        let (mp, key, id, idx) = (Arc::clone(&r.mp), key.clone(), up.id.clone(), up.next);
+        up.next += 1;
+        up.in_flight.push_back(
+            r.rt.spawn(async move { mp.put_part(&key, &id, idx, PutPayload::from(data)).await }),
+        );
+        Ok(())
+    }
+
     fn finish(&mut self) -> io::Result<Option<Vec<u8>>> {
         match std::mem::replace(&mut self.state, FileState::Done) {
             FileState::Buffer(b) if !self.streamed => Ok(Some(b)),
             FileState::Buffer(b) => {
-                self.rt
-                    .block_on(self.store.put(&self.key, PutPayload::from(b)))
+                self.r
+                    .block_on(self.r.store.put(&self.key, PutPayload::from(b)))
                     .map_err(to_io)?;
                 Ok(None)
             }
-            FileState::Multipart(w) => {
-                // `finish` aborts the upload itself if a part or the completion fails.
-                self.rt.block_on(w.finish()).map_err(to_io)?;
-                Ok(None)
+            FileState::Multipart(mut up) => {
+                let r = &self.r;
+                let res = (|| {
+                    if !up.buf.is_empty() || up.next == 0 {
+                        Self::send_part(r, &self.key, self.part_size, self.concurrency, &mut up)?;
+                    }
+                    while !up.in_flight.is_empty() {
+                        Self::wait_oldest(r, &mut up)?;
+                    }
+                    let parts = std::mem::take(&mut up.done);
+                    r.block_on(r.mp.complete_multipart(&self.key, &up.id, parts))
+                        .map_err(to_io)?;
+                    // The upload is complete: its journal goes (a journal left behind names
+                    // an upload the store no longer has, which `gc` takes as aborted).
+                    r.block_on(r.store.delete(&r.path(&up.journal)))
+                        .map_err(to_io)
+                })();
+                match res {
+                    Ok(()) => Ok(None),
+                    Err(e) => {
+                        abort_upload(r, &self.key, up);
+                        Err(e)
+                    }
+                }
             }
             FileState::Done => Ok(None),
         }
+    }
+}
+
+/// 32 random hex digits for a journal's name.
+fn journal_suffix() -> io::Result<String> {
+    write::random_id().map_err(io::Error::other)
+}
+
+/// Abort an upload (its parts in flight first), then delete its journal if the abort
+/// succeeded; best effort: what fails stays for `gc`.
+fn abort_upload(r: &Remote, key: &ObjPath, up: Upload) {
+    for h in &up.in_flight {
+        h.abort();
+    }
+    if r.block_on(r.mp.abort_multipart(key, &up.id)).is_ok() {
+        let _ = r.block_on(r.store.delete(&r.path(&up.journal)));
     }
 }
 
@@ -1230,23 +1392,28 @@ impl Write for ObjectFile {
                     }
                     // Over one part: switch to a multipart upload.
                     let first = std::mem::take(b);
-                    let up = self
-                        .rt
-                        .block_on(self.store.put_multipart(&self.key))
-                        .map_err(to_io)?;
-                    let mut w = WriteMultipart::new_with_chunk_size(up, self.part_size);
-                    {
-                        let _g = self.rt.enter();
-                        w.put(first.into());
-                    }
-                    self.state = FileState::Multipart(w);
+                    let mut up = self.start_upload()?;
+                    up.buf = first;
+                    up.buf.reserve(self.part_size.saturating_sub(up.buf.len()));
+                    self.state = FileState::Multipart(up);
                 }
-                FileState::Multipart(w) => {
-                    self.rt
-                        .block_on(w.wait_for_capacity(self.concurrency))
-                        .map_err(to_io)?;
-                    let _g = self.rt.enter();
-                    w.write(buf);
+                FileState::Multipart(up) => {
+                    let mut rest = buf;
+                    while !rest.is_empty() {
+                        let room = self.part_size.saturating_sub(up.buf.len());
+                        let n = room.min(rest.len());
+                        up.buf.extend_from_slice(&rest[..n]);
+                        rest = &rest[n..];
+                        if up.buf.len() >= self.part_size {
+                            Self::send_part(
+                                &self.r,
+                                &self.key,
+                                self.part_size,
+                                self.concurrency,
+                                up,
+                            )?;
+                        }
+                    }
                     return Ok(buf.len());
                 }
                 FileState::Done => {
@@ -1267,8 +1434,8 @@ impl Write for ObjectFile {
 impl Drop for ObjectFile {
     fn drop(&mut self) {
         // An upload never completed: abort it so the server frees its parts.
-        if let FileState::Multipart(w) = std::mem::replace(&mut self.state, FileState::Done) {
-            let _ = self.rt.block_on(w.abort());
+        if let FileState::Multipart(up) = std::mem::replace(&mut self.state, FileState::Done) {
+            abort_upload(&self.r, &self.key, up);
         }
     }
 }
@@ -1285,8 +1452,7 @@ impl Fs for ObjectFs<'_> {
         Ok(ObjectFile {
             name,
             key,
-            store: Arc::clone(&self.r.store),
-            rt: self.r.rt,
+            r: self.r.clone(),
             part_size: self.r.cfg.part_size.max(5 << 20),
             concurrency: self.r.cfg.upload_concurrency.max(1),
             streamed,
@@ -1326,6 +1492,10 @@ impl Fs for ObjectFs<'_> {
     fn remove(&self, path: &Path) -> io::Result<()> {
         let name = file_name(path)?;
         self.pending().remove(&name);
+        if is_upload_journal(&name) {
+            // An interrupted save's upload: abort it before its journal goes.
+            self.r.abort_journaled(&name).map_err(io::Error::other)?;
+        }
         let key = self.r.path(streamed_target(&name).unwrap_or(&name));
         match self.r.block_on(self.r.store.delete(&key)) {
             Ok(()) => Ok(()),

@@ -596,7 +596,7 @@ struct PlannedShard<'t, 'a> {
     entries: Vec<HeaderEntry>,
 }
 
-fn random_id() -> Result<String> {
+pub(crate) fn random_id() -> Result<String> {
     let mut b = [0u8; 16];
     getrandom::fill(&mut b)
         .map_err(|e| Error::io("getrandom", "", std::io::Error::other(e.to_string())))?;

@@ -1,17 +1,19 @@
 //! `ckpt _write-part` (hidden, for tests): write rank RANK's part of the synthetic layout
-//! of `part_layout` into DIR, as one process of a multi-rank save.
+//! of `part_layout` into DIR (a directory or an `s3://` URL), as one process of a
+//! multi-rank save.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::write::parts::{write_part, PartItem};
+use ckptstore::store::{write_part_location, Location};
+use ckptstore::write::parts::PartItem;
 use ckptstore::{Result, SaveOptions, TensorRef};
 
 use crate::part_layout::{box_bytes, global_bytes, globals, rank_chunks, STEP};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The checkpoint directory.
+    /// The checkpoint directory or `s3://` URL.
     dir: PathBuf,
     /// The checkpoint id (32 lowercase hex digits).
     #[arg(long)]
@@ -55,6 +57,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if a.rank == 0 {
         items.push(PartItem::Whole(TensorRef::from_slice("step", &[], &step)));
     }
-    write_part(&a.dir, &a.id, a.rank, &items, &SaveOptions::default())?;
+    let loc = Location::from_path(&a.dir)?;
+    write_part_location(&loc, &a.id, a.rank, &items, &SaveOptions::default())?;
     Ok(ExitCode::SUCCESS)
 }
