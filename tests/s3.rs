@@ -1167,3 +1167,36 @@ fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
         &[STEP]
     );
 }
+
+#[test]
+fn gc_takes_a_journal_of_a_completed_upload_as_done() {
+    // A writer that completed an upload and stopped before deleting its journal: the
+    // journal names an object that exists and an upload the server no longer has (s3s-fs
+    // answers that abort with an error other than NoSuchUpload). gc removes the journal
+    // and keeps the checkpoint.
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("journal");
+    let f = Fixture::new(21);
+    s3::save_with(&u, &f.tensors(), &opts(), None, &cfg).unwrap();
+    let r = Remote::new(&u, &cfg).unwrap();
+    let ck = s3::open_with(&u, &cfg).unwrap();
+    let shard_key = u.key(&ck.shards()[0].file);
+    let journal = ".ckpt-tmp-upload-0123456789abcdef0123456789abcdef";
+    let body = format!(r#"{{"key":"{shard_key}","upload_id":"no-such-upload"}}"#);
+    r.put_small(journal, body.into_bytes()).unwrap();
+    let removed = s3::gc_prefix(&r).unwrap();
+    assert_eq!(removed, vec![journal.to_string()]);
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f);
+
+    // A journal whose upload cannot be aborted and whose object does not exist stays, and
+    // gc fails naming the key and the upload.
+    let missing = u.key("shard-feedfacefeedfacefeedfacefeedface-0.safetensors");
+    let body = format!(r#"{{"key":"{missing}","upload_id":"no-such-upload"}}"#);
+    r.put_small(journal, body.into_bytes()).unwrap();
+    let e = s3::gc_prefix(&r).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Remote { .. }), "{msg}");
+    assert!(msg.contains(&missing) && msg.contains("no-such-upload"), "{msg}");
+    assert!(r.get_small(journal, 1 << 16).unwrap().is_some());
+}

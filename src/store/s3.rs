@@ -376,7 +376,8 @@ impl Remote {
 
     /// Abort the multipart upload an upload journal object `name` records (format-spec/s3.md
     /// §Uploads). An upload the store no longer knows (completed or aborted) is not an
-    /// error; neither is a journal that is gone or unreadable (nothing to abort).
+    /// error, nor is one whose object exists (it completed); neither is a journal that is
+    /// gone or unreadable (nothing to abort).
     fn abort_journaled(&self, name: &str) -> Result<()> {
         let Some(bytes) = self.get_small(name, 64 << 10)? else {
             return Ok(());
@@ -388,6 +389,11 @@ impl Remote {
         match self.block_on(self.mp.abort_multipart(&key, &j.upload_id)) {
             Ok(()) => Ok(()),
             Err(e) if is_not_found(&e) || e.to_string().contains("NoSuchUpload") => Ok(()),
+            // Some servers (s3s-fs) answer an abort of an upload they no longer have with
+            // another error. Object keys are unique per checkpoint id, so an existing object
+            // at the key means this upload completed (its writer stopped before deleting
+            // the journal): nothing to abort.
+            Err(_) if self.block_on(self.store.head(&key)).is_ok() => Ok(()),
             Err(e) => Err(Error::Remote {
                 op: "abort multipart upload",
                 url: format!(
