@@ -830,7 +830,8 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReadStrategy {
-    /// Page faults only (the kernel's fault read-ahead), tensors in parallel.
+    /// Page faults only (the kernel's fault read-ahead), tensors in parallel: the default,
+    /// the fastest of these in issue 16's measurements (BENCHMARKS.md).
     Faults,
     /// A read-ahead thread walks the tensors in file order, ahead of the converters,
     /// asking for windows that are not in memory (`MADV_WILLNEED`); tensors in parallel.
@@ -845,7 +846,7 @@ pub enum ReadStrategy {
     Stream,
 }
 
-static READ_STRATEGY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(3);
+static READ_STRATEGY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Select how loads read cold bytes (for benchmarks that compare the strategies; the
 /// default is the one measured fastest, see BENCHMARKS.md).
@@ -898,7 +899,11 @@ impl Gate<'_> {
     /// (returns at once for bytes outside them, or when no reader runs).
     pub(crate) fn wait_for(&self, bytes: &[u8]) {
         let Some(ranges) = self.ranges else { return };
-        let Some(last) = bytes.len().checked_sub(1).map(|n| bytes.as_ptr() as usize + n) else {
+        let Some(last) = bytes
+            .len()
+            .checked_sub(1)
+            .map(|n| bytes.as_ptr() as usize + n)
+        else {
             return;
         };
         let mut before = 0u64;

@@ -493,7 +493,9 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             }
         }
         out.into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(Error::InvalidArgument("a load job did not run".into()))))
+            .map(|r| {
+                r.unwrap_or_else(|| Err(Error::InvalidArgument("a load job did not run".into())))
+            })
             .collect()
     }
 

@@ -153,8 +153,7 @@ pub(crate) fn populate_read(bytes: &[u8]) {
         // readable (the slice is live). MADV_POPULATE_READ only faults those pages in, as
         // reading them would; it changes no contents and no mapping. Errors come back as
         // the result.
-        let _ =
-            unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
+        let _ = unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
     }
     #[cfg(not(target_os = "linux"))]
     let _ = bytes;

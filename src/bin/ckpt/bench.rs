@@ -36,7 +36,8 @@ pub struct Args {
     #[arg(long)]
     cold: bool,
     /// With --cold: compare every read strategy (page faults only; a read-ahead thread;
-    /// the read-ahead thread with tensors converted in file order), not only the default.
+    /// the read-ahead thread with tensors converted in file order; a streaming reader
+    /// with converters following it in file order), not only the default.
     #[arg(long)]
     strategies: bool,
 }
