@@ -38,6 +38,7 @@ fn every_read_strategy_and_releasing_load_give_identical_state() {
             ReadStrategy::Faults,
             ReadStrategy::WillNeed,
             ReadStrategy::WillNeedInOrder,
+            ReadStrategy::Stream,
         ] {
             set_read_strategy(s);
             // From a new map each time, after dropping the files from the page cache (a
@@ -58,6 +59,49 @@ fn every_read_strategy_and_releasing_load_give_identical_state() {
                 want,
                 "{s:?}"
             );
+        }
+    }
+    set_read_strategy(default);
+}
+
+#[test]
+fn every_read_strategy_reports_a_damaged_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    // Damage one byte of the last tensor in file order.
+    let t = ck
+        .tensors()
+        .iter()
+        .max_by_key(|t| (t.shard, t.offsets[0]))
+        .unwrap()
+        .clone();
+    let path = ck.shard_paths()[t.shard].clone();
+    drop(ck);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[t.offsets[0] as usize] ^= 0x40;
+    // A new file (the old one may still be mapped elsewhere): same name, new bytes.
+    std::fs::remove_file(&path).unwrap();
+    std::fs::write(&path, &bytes).unwrap();
+    let default = read_strategy();
+    for s in [
+        ReadStrategy::Faults,
+        ReadStrategy::WillNeed,
+        ReadStrategy::WillNeedInOrder,
+        ReadStrategy::Stream,
+    ] {
+        set_read_strategy(s);
+        for layout in layouts() {
+            let ck = Checkpoint::open(dir.path()).unwrap();
+            for p in ck.shard_paths() {
+                drop_page_cache(&p).unwrap();
+            }
+            match ck.load_optimizer(&layout) {
+                Err(Error::ChecksumMismatch { what, .. }) => {
+                    assert_eq!(what, format!("tensor {:?}", t.name), "{s:?}")
+                }
+                other => panic!("{s:?}: expected a checksum mismatch, got {other:?}"),
+            }
         }
     }
     set_read_strategy(default);

@@ -393,7 +393,8 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     }
 
     /// Run `jobs`, the results in `jobs` order, with read-ahead of their source bytes
-    /// (see [`crate::checkpoint::with_readahead`]): in file order one tensor after the
+    /// (see [`crate::checkpoint::with_readahead`]): behind a streaming reader (cold bytes,
+    /// [`crate::checkpoint::ReadStrategy::Stream`]), in file order one tensor after the
     /// other (each parallel inside), or all tensors in parallel, per the read strategy.
     fn run_jobs(
         &self,
@@ -426,18 +427,76 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .flatten()
             .collect();
         let ranges = self.ranges_in_file_order(&sources);
-        crate::checkpoint::with_readahead(&ranges, || {
+        crate::checkpoint::with_readahead(&ranges, true, |gate| {
+            let mut order: Vec<usize> = (0..jobs.len()).collect();
+            order.sort_by_key(|&i| first(&jobs[i]));
+            if gate.streaming() {
+                return self.run_streamed(jobs, &order, gate, &run);
+            }
             if !crate::checkpoint::in_order() {
                 return jobs.par_iter().map(run).collect::<Result<Vec<_>>>();
             }
-            let mut order: Vec<usize> = (0..jobs.len()).collect();
-            order.sort_by_key(|&i| first(&jobs[i]));
             let mut out: Vec<Option<StateValue>> = (0..jobs.len()).map(|_| None).collect();
             for i in order {
                 out[i] = Some(run(&jobs[i])?);
             }
             Ok(out.into_iter().flatten().collect())
         })
+    }
+
+    /// Run `jobs` behind a streaming reader ([`crate::checkpoint::ReadStrategy::Stream`]):
+    /// every rayon thread takes the next job in file order (`order`), waits until the
+    /// reader has read its sources, and runs it; so the converters follow the reader
+    /// together and never fault on a cold page. Results in `jobs` order; the first error
+    /// in file order stops the taking of further jobs.
+    fn run_streamed(
+        &self,
+        jobs: &[Job<'_>],
+        order: &[usize],
+        gate: &crate::checkpoint::Gate<'_>,
+        run: &(dyn Fn(&Job<'_>) -> Result<StateValue> + Sync),
+    ) -> Result<Vec<StateValue>> {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        let out: Vec<std::sync::Mutex<Option<Result<StateValue>>>> =
+            jobs.iter().map(|_| std::sync::Mutex::new(None)).collect();
+        rayon::broadcast(|_| {
+            while !failed.load(Ordering::Relaxed) {
+                let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    return;
+                };
+                match &jobs[i].source {
+                    Source::Plain(t) => gate.wait_for(self.view(t).bytes()),
+                    Source::Scaled { q, scale } => {
+                        gate.wait_for(self.view(q).bytes());
+                        gate.wait_for(self.view(scale).bytes());
+                    }
+                }
+                let r = run(&jobs[i]);
+                if r.is_err() {
+                    failed.store(true, Ordering::Relaxed);
+                }
+                *out[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            }
+        });
+        let mut out: Vec<Option<Result<StateValue>>> = out
+            .into_iter()
+            .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        // The first error in file order, else every result (then every job ran).
+        for &i in order {
+            if matches!(out[i], Some(Err(_))) {
+                if let Some(Err(e)) = out[i].take() {
+                    return Err(e);
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| Err(Error::InvalidArgument("a load job did not run".into())))
+            })
+            .collect()
     }
 
     /// A view of `t` whose CRC32 was just checked.

@@ -141,6 +141,24 @@ pub(crate) fn will_need(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// Read the pages behind `bytes` into memory and map them now, waiting for the reads
+/// (`madvise(MADV_POPULATE_READ)`, Linux 5.14+): a reader thread that walks a map in order
+/// this way gives the device one sequential stream of large reads (the kernel's read-ahead
+/// window), and later reads of `bytes` take no page fault. Failures are ignored (older
+/// kernels, I/O errors: a later read of the bytes reports those itself).
+pub(crate) fn populate_read(bytes: &[u8]) {
+    #[cfg(target_os = "linux")]
+    if let Some((start, len)) = page_range(bytes) {
+        // SAFETY: the range covers only pages holding bytes of `bytes`, which are mapped
+        // readable (the slice is live). MADV_POPULATE_READ only faults those pages in, as
+        // reading them would; it changes no contents and no mapping. Errors come back as
+        // the result.
+        let _ = unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = bytes;
+}
+
 /// How many of the pages behind `bytes` are in memory (`mincore`): for a file map, the
 /// pages in the page cache, faulted in by this process or not. `None` where it cannot be
 /// asked (other systems, or the call failed).

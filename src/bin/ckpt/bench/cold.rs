@@ -153,6 +153,7 @@ pub fn run(ckdir: &Path, bytes: u64, reps: usize, strategies: bool) -> Result<Co
             ("faults", ReadStrategy::Faults),
             ("willneed", ReadStrategy::WillNeed),
             ("willneed_in_order", ReadStrategy::WillNeedInOrder),
+            ("stream", ReadStrategy::Stream),
         ]
     } else {
         vec![("default", default)]
