@@ -39,12 +39,12 @@ enum Job<'a, 'd> {
 }
 
 impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
-    /// In one parallel pass over the stored bytes: copy each tensor of `fills` into its
-    /// destination (exactly the tensor's byte length) with its CRC32 computed on the way
-    /// (per block, [`crc32_copy`]: every byte read once and written once), and check the
-    /// CRC32 of every tensor of `verify` without copying it. Rayon-parallel across tensors
-    /// and within large ones, with read-ahead of cold bytes in file order; with `release`,
-    /// each tensor's mapped pages leave the process once it is done (they stay in the page
+    /// In one pass over the stored bytes: copy each tensor of `fills` into its destination
+    /// (exactly the tensor's byte length) with its CRC32 computed on the way (per block:
+    /// every byte read once and written once), and check the CRC32 of every tensor of
+    /// `verify` without copying it. Tensors one after the other in file order, each
+    /// rayon-parallel over 4 MiB blocks, with read-ahead of cold bytes; with `release`,
+    /// each block's mapped pages leave the process once it is done (they stay in the page
     /// cache).
     ///
     /// Every name and every destination length is checked before any byte is read or
@@ -86,9 +86,16 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
             })
             .collect();
         let ranges = self.ranges_in_file_order(&infos);
+        // One tensor after the other in file order, each rayon-parallel over its blocks:
+        // one forward stream over the device that the read-ahead thread leads (tensors
+        // in parallel would read several places of the file at once).
+        let mut order: Vec<(usize, Job<'_, '_>)> = jobs.into_iter().enumerate().collect();
+        order.sort_by_key(|(_, j)| match j {
+            Job::Fill(t, _) | Job::Verify(t) => (t.shard, t.offsets[0]),
+        });
         let first_bad = with_readahead(&ranges, || {
-            jobs.into_par_iter()
-                .enumerate()
+            order
+                .into_iter()
                 .filter_map(|(i, job)| {
                     let (t, crc) = match job {
                         Job::Fill(t, dst) => (t, self.blocks(t, Some(dst), true, release)),
