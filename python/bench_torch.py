@@ -32,7 +32,8 @@ measurement**: the child imports torch, builds the model (``--layers`` x
 an Adam optimizer without state, gives every parameter a gradient, then times (a) the restore
 and (b) the restore plus one ``optimizer.step()`` ("first step": the lazily loaded ways pay
 their reads there), and reports its peak RSS (``resource.getrusage``) after the restore against
-its RSS before it. Ways: ckptstore.torch.load; torch.load (plain, and mmap=True) +
+its RSS before it. Ways: ckptstore.torch.load; ``ckptstore_prev`` (its restore before the single
+pass, see ``prev_load``); torch.load (plain, and mmap=True) +
 load_state_dict; safetensors.torch.load_file + load_state_dict; DCP (FileSystemReader,
 ``dcp.load`` + ``set_state_dict``); and a raw pread of the same files (baseline). ``cold``:
 the files are evicted from the page cache before each child (posix_fadvise DONTNEED, checked
@@ -245,6 +246,22 @@ def dcp_state(model, opt):
     return {"model": msd, "optim": osd}
 
 
+def prev_load(path, model, opt) -> None:
+    """The restore of ``ckptstore.torch.load`` before its single pass (kept to measure the
+    change in the same run): the model's CRCs checked (one pass), the optimizer state loaded
+    into engine-owned buffers in a second parallel phase and handed to torch through numpy,
+    then the model copied in place; CPU, default layout only."""
+    ck = ckptstore.open(path)
+    live = model.state_dict(keep_vars=True)
+    ck.verify_tensors(list(live), release=True)
+    st = ck.load_optimizer(None, release=True)
+    sd = ct._build_state_dict(model, opt, st, (ck.metadata.get(ct.META_KEY) or {}).get("optimizer") or {})
+    opt.load_state_dict(sd)
+    with torch.no_grad():
+        ck.copy_into([(n, t.detach().reshape(-1).view(torch.uint8).numpy()) for n, t in live.items()],
+                     release=True)
+
+
 def child(way: str, path: str, layers: int, width: int) -> None:
     def status_kib(key: str) -> int:
         # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over exec from the
@@ -268,6 +285,8 @@ def child(way: str, path: str, layers: int, width: int) -> None:
     t0 = time.perf_counter()
     if way == "ckptstore":
         ct.load(path, model, opt)
+    elif way == "ckptstore_prev":
+        prev_load(path, model, opt)
     elif way == "torch":
         sd = torch.load(path, weights_only=True)
         model.load_state_dict(sd["model"])
@@ -338,7 +357,8 @@ def restore_bench(args) -> None:
         fsync_path(p) if os.path.isfile(p) else [fsync_path(os.path.join(r, f)) for r, _, fs in os.walk(p) for f in fs]
     del model, opt
     gc.collect()
-    ways = [("raw", "ckptstore"), ("fresh_fill", "ckptstore"), ("ckptstore", "ckptstore"), ("torch", "torch"), ("torch_mmap", "torch"),
+    ways = [("raw", "ckptstore"), ("fresh_fill", "ckptstore"), ("ckptstore", "ckptstore"),
+            ("ckptstore_prev", "ckptstore"), ("torch", "torch"), ("torch_mmap", "torch"),
             ("safetensors", "safetensors"), ("dcp", "dcp")]
     if args.ways:
         keep = args.ways.split(",")

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
+mod fill;
 pub(crate) mod region;
 pub use region::Region;
 

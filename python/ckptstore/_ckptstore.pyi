@@ -173,6 +173,17 @@ class Checkpoint:
     ) -> dict[str, Any]:
         """The optimizer state in fresh writable arrays, converted to ``layout``:
         ``{"param_groups": [...], "param_shapes": {...}, "state": {param: {state: array | F16Scaled}}}``."""
+    def fill_and_verify(
+        self,
+        fills: Sequence[tuple[str, np.ndarray]],
+        verify: Sequence[str] = (),
+        *,
+        release: bool = False,
+    ) -> None:
+        """One parallel pass: copy each named tensor into its ``uint8`` destination with its
+        CRC32 checked on the way, and check the CRC32 of the ``verify`` tensors."""
+    def optimizer_plan(self) -> Optional[dict[str, Any]]:
+        """The optimizer section, checked, without reading any state (None without one)."""
     def close(self) -> None:
         """Release this object's hold on the mapping (arrays keep theirs)."""
     def __enter__(self) -> "Checkpoint": ...

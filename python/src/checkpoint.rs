@@ -492,8 +492,9 @@ impl PyCheckpoint {
     /// `ck.copy_into(pairs, *, release=False)`: copy each named tensor's stored bytes into
     /// its destination, a writable C-contiguous 1-D `uint8` array of exactly the tensor's
     /// byte length (a view of the destination tensor's memory); interpreter released. The
-    /// CRC is not checked here (`verify_tensors` first). Every name and length is checked
-    /// before any byte is written.
+    /// CRC is not checked here (`verify_tensors` or `fill_and_verify` first). Every name
+    /// and length is checked before any byte is written. Parallel across tensors and within
+    /// large ones; with `release=True` mapped pages leave the process block by block.
     #[pyo3(signature = (pairs, *, release = false))]
     fn copy_into(
         &self,
@@ -526,13 +527,107 @@ impl PyCheckpoint {
             })?);
         }
         py.detach(move || {
-            names
-                .iter()
-                .zip(dsts)
-                .try_for_each(|(n, d)| ck.copy_tensor_into(n, d, release))
+            let pairs: Vec<(&str, &mut [u8])> =
+                names.iter().map(String::as_str).zip(dsts).collect();
+            ck.copy_into_releasing(pairs, release)
         })
         .map_err(CkError)?;
         Ok(())
+    }
+
+    /// `ck.fill_and_verify(fills, verify=(), *, release=False)`: in one parallel pass
+    /// (interpreter released), copy each `(name, dst)` of `fills` into `dst` with its CRC32
+    /// computed on the way (every stored byte read once, written once), and check the CRC32
+    /// of every name in `verify` without copying it. `dst`: a writable C-contiguous 1-D
+    /// `uint8` array of exactly the tensor's byte length (a view of the memory that will
+    /// hold the tensor, e.g. a fresh `torch.empty`). Names and lengths are checked before
+    /// any byte is read. On `ChecksumError` the `fills` destinations hold unspecified bytes
+    /// (use fresh memory); memory that must not change on failure goes through `verify`
+    /// and `copy_into` afterwards. With `release=True` each tensor's mapped pages leave the
+    /// process once it is done.
+    #[pyo3(signature = (fills, verify = Vec::new(), *, release = false))]
+    fn fill_and_verify(
+        &self,
+        py: Python<'_>,
+        fills: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
+        verify: Vec<String>,
+        release: bool,
+    ) -> PyResult<()> {
+        let ck = self.open_parts()?.0.clone();
+        let (names, mut arrays): (Vec<String>, Vec<_>) = fills.into_iter().unzip();
+        let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(arrays.len());
+        for (n, a) in names.iter().zip(arrays.iter_mut()) {
+            dsts.push(a.as_slice_mut().map_err(|_| {
+                invalid_arg(format!(
+                    "fill_and_verify: the destination of {n:?} is not contiguous"
+                ))
+            })?);
+        }
+        py.detach(move || {
+            let fills: Vec<(&str, &mut [u8])> =
+                names.iter().map(String::as_str).zip(dsts).collect();
+            let vs: Vec<&str> = verify.iter().map(String::as_str).collect();
+            ck.fill_and_verify(fills, &vs, release)
+        })
+        .map_err(CkError)?;
+        Ok(())
+    }
+
+    /// `ck.optimizer_plan() -> dict | None`: the optimizer section, checked, without reading
+    /// any state: `{"param_groups": [{"params": [names], **hyper}], "param_shapes": {name:
+    /// shape}, "state": {name: {state: {"tensor": name, "encoding": "plain" |
+    /// "f16_scaled", "scale": name | None, "dtype": wire name | None, "shape": tuple |
+    /// None}}}}` (dtype and shape None for state stored as a global tensor). None when the
+    /// checkpoint holds no optimizer state. Raises `OptimizerStateError` for a broken
+    /// section.
+    fn optimizer_plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let ck = self.open_parts()?.0;
+        let Some(sec) = ck.manifest().and_then(|m| m.optimizer.as_ref()) else {
+            return Ok(None);
+        };
+        ck.check_optimizer_section().map_err(CkError)?;
+        let groups = PyList::empty(py);
+        for g in &sec.groups {
+            let gd = json_to_py(py, &g.hyper)?.cast_into::<PyDict>()?;
+            gd.set_item("params", &g.params)?;
+            groups.append(gd)?;
+        }
+        let shapes = PyDict::new(py);
+        let state = PyDict::new(py);
+        for p in &sec.params {
+            shapes.set_item(&p.name, PyTuple::new(py, &p.shape)?)?;
+            if p.state.is_empty() {
+                continue;
+            }
+            let sd = PyDict::new(py);
+            for s in &p.state {
+                let e = PyDict::new(py);
+                e.set_item("tensor", &s.tensor)?;
+                let enc = match s.encoding {
+                    ckptstore::format::manifest::Encoding::Plain => "plain",
+                    ckptstore::format::manifest::Encoding::F16Scaled => "f16_scaled",
+                };
+                e.set_item("encoding", enc)?;
+                e.set_item("scale", s.scale.as_deref())?;
+                match ck.info(&s.tensor) {
+                    Ok(t) => {
+                        e.set_item("dtype", t.dtype.name())?;
+                        e.set_item("shape", PyTuple::new(py, &t.shape)?)?;
+                    }
+                    Err(_) => {
+                        e.set_item("dtype", py.None())?;
+                        e.set_item("shape", py.None())?;
+                    }
+                }
+                sd.set_item(&s.name, e)?;
+            }
+            state.set_item(&p.name, sd)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("param_groups", groups)?;
+        out.set_item("param_shapes", shapes)?;
+        out.set_item("state", state)?;
+        Ok(Some(out))
     }
 
     /// Drop this object's hold on the mapping. Arrays already handed out stay valid (each

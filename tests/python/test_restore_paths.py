@@ -10,6 +10,7 @@ import torch
 
 import ckptstore
 import ckptstore.torch as ct
+import ckpt_helpers as h
 
 
 def _saved(tmp_path):
@@ -96,3 +97,118 @@ def test_torch_load_direct_and_fallback_copies_agree(tmp_path):
     for p in dst.parameters():
         p.grad = torch.ones_like(p)
     dopt.step()
+
+
+# ---- the single pass: fresh tensors filled with their CRC checked on the way ----------------
+
+
+def test_fill_and_verify_is_exact_and_checks_names_and_lengths_first(tmp_path):
+    p, arrays = _saved(tmp_path)
+    ck = ckptstore.open(p)
+    dst = {n: np.full(a.nbytes, 0xAB, dtype=np.uint8) for n, a in arrays.items()}
+    ck.fill_and_verify([("a", dst["a"]), ("c", dst["c"])], ["b"], release=True)
+    assert dst["a"].tobytes() == arrays["a"].tobytes()
+    assert dst["c"].tobytes() == arrays["c"].tobytes()
+    assert not (dst["b"] != 0xAB).any()  # verified only, never written
+    fresh = np.zeros(arrays["a"].nbytes, dtype=np.uint8)
+    short = np.zeros(arrays["c"].nbytes - 1, dtype=np.uint8)
+    with pytest.raises(ckptstore.InvalidArgumentError, match='tensor "c"'):
+        ck.fill_and_verify([("a", fresh), ("c", short)])
+    with pytest.raises(KeyError):
+        ck.fill_and_verify([("a", fresh)], ["nope"])
+    assert not fresh.any()  # nothing read or written before the names and lengths passed
+
+
+def test_fill_and_verify_names_the_damaged_tensor_in_either_list(tmp_path):
+    p, arrays = _saved(tmp_path)
+    m = h.read_manifest(p)
+    t = next(t for t in m["tensors"] if t["name"] == "b")
+    h.flip_byte(p / m["shards"][t["shard"]]["file"], t["offsets"][0] + 3, 0x40)
+    ck = ckptstore.open(p)
+    a = np.zeros(arrays["a"].nbytes, dtype=np.uint8)
+    ck.fill_and_verify([("a", a)], ["c"])
+    with pytest.raises(ckptstore.ChecksumError, match='"b"'):
+        ck.fill_and_verify([("a", a), ("b", np.zeros(arrays["b"].nbytes, dtype=np.uint8))])
+    with pytest.raises(ckptstore.ChecksumError, match='"b"'):
+        ck.fill_and_verify([("a", a)], ["c", "b"], release=True)
+
+
+def _trained_mixed(tmp_path, **opt_kw):
+    torch.manual_seed(1)
+    src = Mixed()
+    opt = torch.optim.Adam(src.parameters(), lr=0.1, **opt_kw)
+    for p in src.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    ct.save(tmp_path / "ck", src, opt, extra={"noise": torch.arange(5, dtype=torch.int16)})
+    return src, opt
+
+
+def test_optimizer_plan_describes_without_reading(tmp_path):
+    src, opt = _trained_mixed(tmp_path)
+    plan = ckptstore.open(tmp_path / "ck").optimizer_plan()
+    assert [g["params"] for g in plan["param_groups"]] == [["tr", "lin.weight", "lin.bias"]]
+    assert plan["param_groups"][0]["lr"] == 0.1
+    assert plan["param_shapes"]["tr"] == (5, 7)
+    e = plan["state"]["tr"]["exp_avg"]
+    assert e["encoding"] == "plain" and e["dtype"] == "F32" and e["shape"] == (5, 7)
+    assert e["tensor"] == "optim/tr/exp_avg" and e["scale"] is None
+    assert plan["state"]["tr"]["step"]["shape"] == ()
+    ckptstore.save(tmp_path / "plain", {"x": np.zeros(3, np.float32)})
+    assert ckptstore.open(tmp_path / "plain").optimizer_plan() is None
+
+
+def test_direct_restore_installs_the_filled_tensors_without_a_copy(tmp_path, monkeypatch):
+    src, opt = _trained_mixed(tmp_path)
+    dst = Mixed()
+    dopt = torch.optim.Adam(dst.parameters(), lr=0.5)
+    handed = {}
+    real = dopt.load_state_dict
+
+    def spy(sd):
+        handed.update(sd)
+        real(sd)
+
+    monkeypatch.setattr(dopt, "load_state_dict", spy)
+    extra = ct.load(tmp_path / "ck", dst, dopt)
+    assert torch.equal(extra["noise"], torch.arange(5, dtype=torch.int16))
+    params = list(dst.parameters())
+    for i, p in enumerate(params):
+        for k, v in dopt.state[p].items():
+            # The very tensor the engine filled: load_state_dict copied nothing.
+            assert v.data_ptr() == handed["state"][i][k].data_ptr(), k
+            assert torch.equal(v, opt.state[list(src.parameters())[i]][k]), k
+    assert dopt.param_groups[0]["lr"] == 0.1
+
+
+def test_other_dtypes_take_the_general_path(tmp_path):
+    """A float64 model restored from float32 state: load_state_dict casts the state (the
+    direct path would hand it float32), the model is cast by copy_."""
+    src, opt = _trained_mixed(tmp_path)
+    dst = Mixed().double()
+    dopt = torch.optim.Adam(dst.parameters(), lr=0.5)
+    ct.load(tmp_path / "ck", dst, dopt)
+    for p, q in zip(src.parameters(), dst.parameters()):
+        assert q.dtype == torch.float64 and torch.equal(p.double(), q)
+        for k, v in opt.state[p].items():
+            w = dopt.state[q][k]
+            assert torch.equal(v.to(w.dtype), w), k
+            if k != "step":
+                assert w.dtype == torch.float64
+
+
+def test_damaged_extra_tensor_changes_nothing(tmp_path):
+    src, opt = _trained_mixed(tmp_path)
+    p = tmp_path / "ck"
+    m = h.read_manifest(p)
+    t = next(t for t in m["tensors"] if t["name"] == "extra/noise")
+    h.flip_byte(p / m["shards"][t["shard"]]["file"], t["offsets"][0], 0x01)
+    torch.manual_seed(5)
+    dst = Mixed()
+    dopt = torch.optim.Adam(dst.parameters(), lr=0.5)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ckptstore.ChecksumError, match="extra/noise"):
+        ct.load(p, dst, dopt)
+    for k, v in dst.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert len(dopt.state) == 0 and dopt.param_groups[0]["lr"] == 0.5

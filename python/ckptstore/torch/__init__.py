@@ -25,9 +25,10 @@ What is stored (one atomic, durable checkpoint):
 Restoring is all or nothing: :func:`load` checks that the checkpoint fits (every model
 entry present with its shape, the same number of parameter groups naming the same
 parameters with the same shapes) and reads and CRC-checks every tensor it will use before
-it changes anything. It then replaces the optimizer state whole through
-``optimizer.load_state_dict`` (state the checkpoint does not name is gone) and copies the
-model tensors in place under ``torch.no_grad()``.
+it changes anything (the optimizer state straight into fresh ``torch.empty`` tensors, CRC
+checked on the way). It then replaces the optimizer state whole through
+``optimizer.load_state_dict`` (no copy; state the checkpoint does not name is gone) and
+copies the model tensors in place under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -315,10 +316,17 @@ def load(
 
     The optimizer then gets a complete fresh state dict through ``load_state_dict``:
     hyperparameters from the checkpoint, and state exactly for the parameters the
-    checkpoint has state for (others end with none). ``layout`` is passed to
-    :meth:`Checkpoint.load_optimizer` (default: as stored); FP16-scaled states are handed
-    to torch as float32. Model tensors are copied in with ``copy_`` under ``no_grad``,
-    straight from the mapped file (dtype casts as ``copy_`` does them). CUDA tensors (model
+    checkpoint has state for (others end with none). By default (``layout=None``) and for
+    CPU parameters whose state is stored plain in the dtype ``load_state_dict`` gives it,
+    each state tensor is a fresh ``torch.empty`` tensor that the engine fills in one pass
+    (read once from the mapped shard, CRC-checked on the way, written once), in the same
+    parallel pass that checks the model's CRCs; ``load_state_dict`` keeps those tensors
+    (no copy). Otherwise ``layout`` is passed to :meth:`Checkpoint.load_optimizer`
+    (default: as stored); FP16-scaled states are handed to torch as float32. Model tensors
+    are then written in place: contiguous CPU tensors of the stored dtype straight from the
+    mapped file into their memory (the second read of their bytes: checking them first is
+    what keeps the model unchanged on a damaged checkpoint), others with ``copy_`` under
+    ``no_grad`` (dtype casts as ``copy_`` does them). CUDA tensors (model
     entries of the stored dtype, and the optimizer state of CUDA parameters except
     ``step``, each up to 64 MiB) are filled through two reused pinned buffers, the
     host-to-device copy of one overlapped with the filling of the other; larger ones go
@@ -328,7 +336,7 @@ def load(
     ck = _open(path)
     meta = ck.metadata.get(META_KEY) or {}
 
-    # 1. The model: names, shapes, and every tensor's CRC.
+    # 1. The model: names and shapes (its bytes are CRC-checked in step 4, copied in step 5).
     copies = []
     if model is not None:
         live = model.state_dict(keep_vars=True)
@@ -346,7 +354,6 @@ def load(
                     f"cannot restore the model: the checkpoint holds {unexpected[0]!r}, which "
                     "the model does not have (strict=False to ignore)"
                 )
-        infos = {}
         for n, t in live.items():
             info = ck.info(n)
             if tuple(info["shape"]) != tuple(t.shape):
@@ -354,35 +361,45 @@ def load(
                     f"cannot restore the model: {n!r} has shape {tuple(info['shape'])} in the "
                     f"checkpoint, {tuple(t.shape)} in the model"
                 )
-            infos[n] = info
-        # One pass over the bytes for the checks (CRC, with read-ahead of cold pages); the
-        # mapped pages leave the process as it goes (they stay in the page cache, hot for the
-        # copy in step 4). Nothing is written before every check has passed.
-        ck.verify_tensors(list(live), release=True)
-        for n, t in live.items():
-            copies.append((n, t, infos[n]))
+            copies.append((n, t, info))
 
-    # 2. The optimizer: a complete new state dict, checked against the live optimizer.
+    # 2. The optimizer: a complete new state dict, checked against the live optimizer. On
+    # the direct path its tensors are fresh torch.empty tensors of their final dtype, filled
+    # in step 4; otherwise (a layout, CUDA parameters, scaled or chunked state, a dtype that
+    # load_state_dict would cast) the engine loads and converts them here.
     new_sd = None
+    fills: list[tuple[str, np.ndarray]] = []
     if optimizer is not None:
         if not ck.has_optimizer:
             raise IncompatibleStateError(
                 "cannot restore the optimizer: the checkpoint holds no optimizer state"
             )
-        st = ck.load_optimizer(layout, release=True)
-        new_sd = _build_state_dict(model, optimizer, st, meta.get("optimizer") or {})
+        plan = ck.optimizer_plan() if layout is None else None
+        ometa = meta.get("optimizer") or {}
+        if plan is not None and _direct_ok(model, optimizer, plan):
+            new_sd = _build_state_dict(model, optimizer, plan, ometa, fresh=fills)
+        else:
+            st = ck.load_optimizer(layout, release=True)
+            new_sd = _build_state_dict(model, optimizer, st, ometa)
 
-    # 3. Extra values (read and checked before anything changes, too).
+    # 3. Extra values: tensors into fresh torch.empty tensors, filled in step 4.
     extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
-    xnames = [EXTRA_PREFIX + k for k in meta.get("extra_tensors") or []]
-    if xnames:
-        xraw = ck.read(xnames, verify=True, raw=True)
-        for k, n in zip(meta["extra_tensors"], xnames):
-            info = ck.info(n)
-            extra[k] = _from_raw(xraw[n], info["dtype"], tuple(info["shape"])).clone()
+    for k in meta.get("extra_tensors") or []:
+        n = EXTRA_PREFIX + k
+        info = ck.info(n)
+        extra[k] = _empty_for(info)
+        fills.append((n, _bytes_of(extra[k])))
 
-    # 4. Apply: nothing above changed the model or the optimizer.
+    # 4. One pass over the bytes (parallel, interpreter released): the fresh tensors of
+    # steps 2 and 3 filled with their CRC computed on the way, and the CRC of every model
+    # tensor checked; mapped pages leave the process as it goes (they stay in the page
+    # cache, hot for the copy of step 5). Nothing live is written before all have passed.
+    ck.fill_and_verify(fills, [n for n, _, _ in copies], release=True)
+
+    # 5. Apply: nothing above changed the model or the optimizer.
     if new_sd is not None:
+        # The state tensors already have their parameter's dtype and device:
+        # load_state_dict keeps them as they are (no copy) and replaces the state whole.
         optimizer.load_state_dict(new_sd)
     if copies:
         direct = []
@@ -414,6 +431,49 @@ def load(
                 for n, t, info in slow:
                     t.copy_(_from_raw(raw[n], info["dtype"], tuple(info["shape"])))
     return extra
+
+
+def _empty_for(info: dict) -> Any:
+    """A fresh CPU tensor for the stored tensor ``info`` (its dtype and shape)."""
+    torch = _torch()
+    dt = _torch_of.get(info["dtype"])
+    if dt is None:
+        raise InvalidTensorError(f"dtype {info['dtype']} has no torch dtype here")
+    return torch.empty(tuple(info["shape"]), dtype=dt)
+
+
+def _bytes_of(t: Any) -> np.ndarray:
+    """A writable 1-D ``uint8`` numpy view of a contiguous CPU tensor's memory."""
+    torch = _torch()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _direct_ok(model: Any, optimizer: Any, plan: dict) -> bool:
+    """Whether every state of ``plan`` (:meth:`Checkpoint.optimizer_plan`) can be filled
+    straight into a fresh CPU tensor that ``load_state_dict`` keeps as it is: CPU
+    parameters, plain (not FP16-scaled, not chunked) state of a torch dtype, and floating
+    states of floating parameters stored in the parameter's dtype (``load_state_dict``
+    casts those to it otherwise)."""
+    _torch()
+    try:
+        names = _param_names(model, optimizer)
+    except InvalidArgumentError:
+        return False  # the general path raises it with its context
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_name = dict(zip(names, params))
+    for n, states in plan["state"].items():
+        p = by_name.get(n)
+        if p is None:
+            continue  # not in the live optimizer: the checks of _build_state_dict refuse it
+        if p.device.type != "cpu":
+            return False
+        for k, e in states.items():
+            dt = _torch_of.get(e["dtype"]) if e["dtype"] is not None else None
+            if e["encoding"] != "plain" or dt is None:
+                return False
+            if k != "step" and p.is_floating_point() and dt != p.dtype:
+                return False
+    return True
 
 
 # ---- CUDA destinations: pinned staging ----------------------------------------------------
@@ -486,7 +546,14 @@ def _stage_to_cuda(items: list, fill: Callable[[list], None]) -> None:
     stream.synchronize()
 
 
-def _build_state_dict(model: Any, optimizer: Any, st: dict, ometa: dict) -> dict:
+def _build_state_dict(
+    model: Any, optimizer: Any, st: dict, ometa: dict, fresh: Optional[list] = None
+) -> dict:
+    """The state dict for ``optimizer.load_state_dict`` from ``st``, checked against the
+    live optimizer. ``st`` is :meth:`Checkpoint.load_optimizer`'s result (state as arrays),
+    or, with ``fresh`` given, :meth:`Checkpoint.optimizer_plan`'s (state as descriptions):
+    then each state is a fresh ``torch.empty`` tensor and ``(tensor name, its bytes)`` is
+    appended to ``fresh`` for the caller to fill."""
     names = _param_names(model, optimizer)
     live_groups = optimizer.param_groups
     ck_groups = st["param_groups"]
@@ -528,6 +595,10 @@ def _build_state_dict(model: Any, optimizer: Any, st: dict, ometa: dict) -> dict
         for i, n in enumerate(live_names, start=pos):
             s: dict[str, Any] = {}
             for k, v in (st["state"].get(n) or {}).items():
+                if fresh is not None:
+                    s[k] = _empty_for(v)
+                    fresh.append((v["tensor"], _bytes_of(s[k])))
+                    continue
                 s[k] = _from_array(v.to_float32() if isinstance(v, F16Scaled) else v)
                 if dev_of[i] is not None and k != "step" and 0 < s[k].nbytes <= _STAGE_BYTES:
                     # load_state_dict moves every state but "step" to its parameter's

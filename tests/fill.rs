@@ -1,0 +1,148 @@
+//! Issue 16: `Checkpoint::fill_and_verify`, the single-pass restore into caller memory.
+//! Behaviour only (bytes, errors, order of checks); speed is measured by
+//! `python/bench_torch.py --restore`, never here.
+
+use ckptstore::optim::synthetic_state;
+use ckptstore::{Checkpoint, Error, SaveOptions};
+
+fn saved(dir: &std::path::Path) {
+    let (opt, _) = synthetic_state(6, 40_000).unwrap();
+    let opts = SaveOptions {
+        max_shard_size: 400_000,
+        ..Default::default()
+    };
+    opt.save(dir, &[], &opts).unwrap();
+}
+
+#[test]
+fn fills_are_exact_and_names_and_lengths_are_checked_before_any_write() {
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
+    let want: Vec<Vec<u8>> = names
+        .iter()
+        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .collect();
+    // Half filled, half only verified; released pages read back the same afterwards.
+    let mut bufs: Vec<Vec<u8>> = want.iter().map(|w| vec![0xAA; w.len()]).collect();
+    let half = names.len() / 2;
+    let fills: Vec<(&str, &mut [u8])> = names[..half]
+        .iter()
+        .map(String::as_str)
+        .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+        .collect();
+    let verify: Vec<&str> = names[half..].iter().map(String::as_str).collect();
+    ck.fill_and_verify(fills, &verify, true).unwrap();
+    for i in 0..half {
+        assert_eq!(bufs[i], want[i], "{}", names[i]);
+    }
+    for b in &bufs[half..] {
+        assert!(
+            b.iter().all(|&x| x == 0xAA),
+            "a verified tensor was written"
+        );
+    }
+    let again: Vec<Vec<u8>> = names
+        .iter()
+        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .collect();
+    assert_eq!(again, want);
+
+    // A short destination or an unknown name anywhere: nothing is written.
+    let mut a = vec![0u8; want[0].len()];
+    let mut short = vec![0u8; want[1].len() - 1];
+    match ck.fill_and_verify(
+        vec![(names[0].as_str(), &mut a), (names[1].as_str(), &mut short)],
+        &[],
+        false,
+    ) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains(&names[1]), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        ck.fill_and_verify(vec![(names[0].as_str(), &mut a)], &["nope"], false),
+        Err(Error::TensorNotFound { .. })
+    ));
+    assert!(a.iter().all(|&x| x == 0));
+}
+
+#[test]
+fn the_first_damaged_tensor_in_fills_then_verify_order_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let mut order: Vec<_> = ck.tensors().to_vec();
+    order.sort_by_key(|t| (t.shard, t.offsets[0]));
+    let files = ck.shard_paths();
+    drop(ck);
+    for t in [&order[1], &order[3]] {
+        let p = &files[t.shard];
+        let mut b = std::fs::read(p).unwrap();
+        b[(t.offsets[0] + 5) as usize] ^= 0x20;
+        std::fs::write(p, &b).unwrap();
+    }
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let mut b0 = vec![0u8; order[0].nbytes() as usize];
+    let mut b3 = vec![0u8; order[3].nbytes() as usize];
+    // A damaged fill comes before a damaged verify, whatever the file order.
+    match ck.fill_and_verify(
+        vec![
+            (order[0].name.as_str(), &mut b0),
+            (order[3].name.as_str(), &mut b3),
+        ],
+        &[order[1].name.as_str()],
+        true,
+    ) {
+        Err(Error::ChecksumMismatch { what, .. }) => assert!(what.contains(&order[3].name)),
+        other => panic!("{other:?}"),
+    }
+    match ck.fill_and_verify(
+        vec![(order[0].name.as_str(), &mut b0)],
+        &[order[2].name.as_str(), order[1].name.as_str()],
+        false,
+    ) {
+        Err(Error::ChecksumMismatch { what, .. }) => assert!(what.contains(&order[1].name)),
+        other => panic!("{other:?}"),
+    }
+    ck.fill_and_verify(
+        vec![(order[0].name.as_str(), &mut b0)],
+        &[order[2].name.as_str()],
+        false,
+    )
+    .unwrap();
+}
+
+#[test]
+fn tensors_of_many_blocks_fill_copy_and_verify_exactly() {
+    // 2.5M FP32 elements = 10 MB per state: several parallel blocks each, the last partial.
+    let dir = tempfile::tempdir().unwrap();
+    let (opt, _) = synthetic_state(2, 2_500_000).unwrap();
+    opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
+    let big: Vec<&str> = names
+        .iter()
+        .map(String::as_str)
+        .filter(|n| ck.info(n).unwrap().nbytes() > 8 << 20)
+        .collect();
+    assert!(big.len() >= 2, "{names:?}");
+    let want: Vec<Vec<u8>> = big
+        .iter()
+        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .collect();
+    for release in [false, true] {
+        let mut a = vec![0u8; want[0].len()];
+        ck.fill_and_verify(vec![(big[0], &mut a)], &big[1..], release)
+            .unwrap();
+        assert!(a == want[0]);
+        let mut b: Vec<Vec<u8>> = want.iter().map(|w| vec![0u8; w.len()]).collect();
+        let pairs: Vec<(&str, &mut [u8])> = big
+            .iter()
+            .copied()
+            .zip(b.iter_mut().map(Vec::as_mut_slice))
+            .collect();
+        ck.copy_into_releasing(pairs, release).unwrap();
+        assert!(b == want);
+    }
+}
