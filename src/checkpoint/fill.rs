@@ -93,7 +93,7 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
         order.sort_by_key(|(_, j)| match j {
             Job::Fill(t, _) | Job::Verify(t) => (t.shard, t.offsets[0]),
         });
-        let first_bad = with_readahead(&ranges, || {
+        let first_bad = with_readahead(&ranges, false, |_| {
             order
                 .into_iter()
                 .filter_map(|(i, job)| {
