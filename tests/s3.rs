@@ -1199,6 +1199,9 @@ fn gc_takes_a_journal_of_a_completed_upload_as_done() {
     let e = s3::gc_prefix(&r).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::Remote { .. }), "{msg}");
-    assert!(msg.contains(&missing) && msg.contains("no-such-upload"), "{msg}");
+    assert!(
+        msg.contains(&missing) && msg.contains("no-such-upload"),
+        "{msg}"
+    );
     assert!(r.get_small(journal, 1 << 16).unwrap().is_some());
 }

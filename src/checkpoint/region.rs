@@ -104,7 +104,10 @@ fn source<'a, C: Catalog + ?Sized>(c: &'a C, name: &str) -> Result<Source<'a>> {
 }
 
 /// [`Checkpoint::shape_of`] on any catalog (a remote checkpoint's too).
-pub(crate) fn shape_of<'a, C: Catalog + ?Sized>(c: &'a C, name: &str) -> Result<(DType, &'a [u64])> {
+pub(crate) fn shape_of<'a, C: Catalog + ?Sized>(
+    c: &'a C,
+    name: &str,
+) -> Result<(DType, &'a [u64])> {
     match c.global_entry(name) {
         Some(g) => Ok((g.dtype, &g.global_shape)),
         None => c.tensor_info(name).map(|t| (t.dtype, t.shape.as_slice())),
