@@ -127,7 +127,7 @@ EOF
 }
 for s in 1 2 3 4 5; do make_input "$W/src$s.safetensors" 48 "$s"; done
 
-step "save (pack) steps 1-3 through node 1, 16 MiB shards"
+step "save (pack) steps 1-3 through node 1, 16 MiB shards (8 tensors of 6 MiB: 4 shards)"
 for s in 1 2 3; do
   via 1 pack "$W/src$s.safetensors" --out "s3://ckpt/run/step-0000000$s" --max-shard-size 16MiB >/dev/null
 done
@@ -136,7 +136,7 @@ for n in 1 2 3; do
   via "$n" verify s3://ckpt/run/step-00000002 | grep -q '^ok' || fail "verify through node $n"
   via "$n" diff "$W/src2.safetensors" s3://ckpt/run/step-00000002 >/dev/null || fail "restore through node $n"
 done
-via 2 inspect s3://ckpt/run/step-00000001 --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["total_tensors"]==8 and len(d["shards"])==3, d' \
+via 2 inspect s3://ckpt/run/step-00000001 --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["total_tensors"]==8 and len(d["shards"])==4, d' \
   || fail "inspect"
 
 step "manager layout: ls and retention (gc --keep 2)"
@@ -175,6 +175,8 @@ done
 step "node 3 back: the next save succeeds; retention keeps 1"
 start_node 3
 until_ok 60 "$GARAGE" -c "$W/node3.toml" status
+# Serving again once it has rejoined its peers: a listing through it succeeds.
+until_ok 180 via 3 ls s3://ckpt/run
 via 1 pack "$W/src5.safetensors" --out s3://ckpt/run/step-00000005 --max-shard-size 16MiB >/dev/null
 via 3 diff "$W/src5.safetensors" s3://ckpt/run/step-00000005 >/dev/null || fail "restore step 5 through node 3"
 via 1 gc s3://ckpt/run --keep 1 >/dev/null
