@@ -65,16 +65,7 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
     ) -> Result<()> {
         let mut jobs: Vec<Job<'_, '_>> = Vec::with_capacity(fills.len() + verify.len());
         for (name, dst) in fills {
-            let t = self.info(name)?;
-            // The stored bytes themselves, not the shape's count: the copy needs equal lengths.
-            let len = self.view(t).bytes().len();
-            if len != dst.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor {name:?} is {len} bytes, its destination {} bytes",
-                    dst.len()
-                )));
-            }
-            jobs.push(Job::Fill(t, dst));
+            jobs.push(Job::Fill(self.destination_for(name, dst)?, dst));
         }
         for name in verify {
             jobs.push(Job::Verify(self.info(name)?));
@@ -122,15 +113,7 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
     pub fn copy_into_releasing(&self, pairs: Vec<(&str, &mut [u8])>, release: bool) -> Result<()> {
         let mut jobs = Vec::with_capacity(pairs.len());
         for (name, dst) in pairs {
-            let t = self.info(name)?;
-            let len = self.view(t).bytes().len();
-            if len != dst.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor {name:?} is {len} bytes, its destination {} bytes",
-                    dst.len()
-                )));
-            }
-            jobs.push((t, dst));
+            jobs.push((self.destination_for(name, dst)?, dst));
         }
         jobs.into_par_iter().for_each(|(t, dst)| {
             self.blocks(t, Some(dst), false, release);
@@ -182,5 +165,21 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
                 .reduce_with(reduce),
         };
         h.flatten().map_or(0, crc32fast::Hasher::finalize)
+    }
+}
+
+impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
+    /// The tensor `name`, checked to have exactly `dst.len()` stored bytes (the stored
+    /// bytes themselves, not the shape's count: a copy needs equal lengths).
+    fn destination_for(&self, name: &str, dst: &[u8]) -> Result<&TensorInfo> {
+        let t = self.info(name)?;
+        let len = self.view(t).bytes().len();
+        if len != dst.len() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {name:?} is {len} bytes, its destination {} bytes",
+                dst.len()
+            )));
+        }
+        Ok(t)
     }
 }
