@@ -4,17 +4,12 @@
 use ckptstore::checkpoint::{
     cached_pages, drop_page_cache, read_strategy, set_read_strategy, ReadStrategy,
 };
-use ckptstore::optim::{synthetic_state, ScaleShape, StateLayout, Target};
-use ckptstore::{Checkpoint, Error, SaveOptions};
+#[path = "common/sample.rs"]
+mod sample;
 
-fn saved(dir: &std::path::Path) {
-    let (opt, _) = synthetic_state(6, 40_000).unwrap();
-    let opts = SaveOptions {
-        max_shard_size: 400_000,
-        ..Default::default()
-    };
-    opt.save(dir, &[], &opts).unwrap();
-}
+use ckptstore::optim::{ScaleShape, StateLayout, Target};
+use ckptstore::{Checkpoint, Error};
+use sample::{damage_in_file_order, saved};
 
 fn layouts() -> Vec<StateLayout> {
     vec![
@@ -68,21 +63,9 @@ fn every_read_strategy_and_releasing_load_give_identical_state() {
 fn every_read_strategy_reports_a_damaged_tensor() {
     let dir = tempfile::tempdir().unwrap();
     saved(dir.path());
-    let ck = Checkpoint::open(dir.path()).unwrap();
     // Damage one byte of the last tensor in file order.
-    let t = ck
-        .tensors()
-        .iter()
-        .max_by_key(|t| (t.shard, t.offsets[0]))
-        .unwrap()
-        .clone();
-    let path = ck.shard_paths()[t.shard].clone();
-    drop(ck);
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[t.offsets[0] as usize] ^= 0x40;
-    // A new file (the old one may still be mapped elsewhere): same name, new bytes.
-    std::fs::remove_file(&path).unwrap();
-    std::fs::write(&path, &bytes).unwrap();
+    let n = Checkpoint::open(dir.path()).unwrap().tensors().len();
+    let t = damage_in_file_order(dir.path(), &[n - 1], 0, 0x40).swap_remove(n - 1);
     let default = read_strategy();
     for s in [
         ReadStrategy::Faults,
@@ -161,17 +144,7 @@ fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
 
     // Damage one byte of the third tensor in file order, and one of the fifth: the error
     // names the first damaged tensor in `names` order.
-    let ck = Checkpoint::open(dir.path()).unwrap();
-    let mut order: Vec<_> = ck.tensors().to_vec();
-    order.sort_by_key(|t| (t.shard, t.offsets[0]));
-    let files = ck.shard_paths();
-    drop(ck);
-    for t in [&order[2], &order[4]] {
-        let p = &files[t.shard];
-        let mut b = std::fs::read(p).unwrap();
-        b[(t.offsets[0] + 7) as usize] ^= 0x10;
-        std::fs::write(p, &b).unwrap();
-    }
+    let order = damage_in_file_order(dir.path(), &[2, 4], 7, 0x10);
     let ck = Checkpoint::open(dir.path()).unwrap();
     for (names, want) in [
         (

@@ -2,17 +2,12 @@
 //! Behaviour only (bytes, errors, order of checks); speed is measured by
 //! `python/bench_torch.py --restore`, never here.
 
+#[path = "common/sample.rs"]
+mod sample;
+
 use ckptstore::optim::synthetic_state;
 use ckptstore::{Checkpoint, Error, SaveOptions};
-
-fn saved(dir: &std::path::Path) {
-    let (opt, _) = synthetic_state(6, 40_000).unwrap();
-    let opts = SaveOptions {
-        max_shard_size: 400_000,
-        ..Default::default()
-    };
-    opt.save(dir, &[], &opts).unwrap();
-}
+use sample::{damage_in_file_order, saved};
 
 #[test]
 fn fills_are_exact_and_names_and_lengths_are_checked_before_any_write() {
@@ -71,17 +66,7 @@ fn fills_are_exact_and_names_and_lengths_are_checked_before_any_write() {
 fn the_first_damaged_tensor_in_fills_then_verify_order_is_named() {
     let dir = tempfile::tempdir().unwrap();
     saved(dir.path());
-    let ck = Checkpoint::open(dir.path()).unwrap();
-    let mut order: Vec<_> = ck.tensors().to_vec();
-    order.sort_by_key(|t| (t.shard, t.offsets[0]));
-    let files = ck.shard_paths();
-    drop(ck);
-    for t in [&order[1], &order[3]] {
-        let p = &files[t.shard];
-        let mut b = std::fs::read(p).unwrap();
-        b[(t.offsets[0] + 5) as usize] ^= 0x20;
-        std::fs::write(p, &b).unwrap();
-    }
+    let order = damage_in_file_order(dir.path(), &[1, 3], 5, 0x20);
     let ck = Checkpoint::open(dir.path()).unwrap();
     let mut b0 = vec![0u8; order[0].nbytes() as usize];
     let mut b3 = vec![0u8; order[3].nbytes() as usize];
