@@ -77,6 +77,11 @@ pub struct Checkpoint<B: AsRef<[u8]> = Map> {
     manifest: Option<Manifest>,
     /// Global tensor name -> index into the manifest's `globals`.
     globals: HashMap<String, usize>,
+    /// Every tensor's CRC32 (and absmax) was checked against the manifest while the
+    /// bytes were fetched into buffers this checkpoint owns and nobody can change (an
+    /// object-store download, [`Checkpoint::accept_unit_sums`]): checks that would read
+    /// them again are skipped.
+    data_verified: bool,
 }
 
 fn open_map(path: &Path) -> Result<Map> {
@@ -253,6 +258,94 @@ impl Checkpoint<Map> {
         }
         Ok(ck)
     }
+}
+
+/// The CRC32 of `bytes` and, if `with_abs`, the largest `|x|` bits of them read as
+/// little-endian FP32 (0 otherwise): one piece's sums for
+/// [`check_units`].
+pub(crate) fn unit_sum(bytes: &[u8], with_abs: bool) -> (u32, u32) {
+    let abs = if with_abs {
+        crate::convert::absbits_le_bytes(bytes)
+    } else {
+        0
+    };
+    (crc32fast::hash(bytes), abs)
+}
+
+/// Judge tensor `t` from the sums ([`unit_sum`]: CRC32 and absmax bits) of its
+/// consecutive `unit`-byte pieces, the last one shorter; errors name `file`. With block CRCs `unit` must
+/// be the block size: each block is checked, then the blocks' combination against the
+/// tensor's `crc32`; without, the pieces' CRCs are combined into the tensor's. `unit`
+/// must be a multiple of 4 where an absmax is recorded (pieces start on elements).
+pub(crate) fn check_units(
+    t: &TensorInfo,
+    file: &str,
+    unit: u64,
+    sums: &[(u32, u32)],
+) -> Result<()> {
+    let crcs: Vec<u32> = sums.iter().map(|s| s.0).collect();
+    let combined = if let Some(bl) = &t.blocks {
+        if bl.size != unit || bl.crc32.len() != sums.len() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {:?}: {} sums of {unit}-byte pieces for {} blocks of {}",
+                t.name,
+                sums.len(),
+                bl.crc32.len(),
+                bl.size
+            )));
+        }
+        for (i, (&got, &expected)) in crcs.iter().zip(&bl.crc32).enumerate() {
+            if got != expected {
+                return Err(Error::ChecksumMismatch {
+                    what: format!("tensor {:?}, block {i}", t.name),
+                    shard: t.shard,
+                    file: file.to_string(),
+                    expected,
+                    got,
+                });
+            }
+        }
+        // Counts were checked at open (M18), so this is `Some`.
+        crate::crc::combine_blocks(&bl.crc32, bl.size, t.nbytes())
+    } else {
+        crate::crc::combine_blocks(&crcs, unit, t.nbytes())
+    };
+    // `None` (a count that does not fit) fails the check.
+    check_crc_in(t, file, combined.unwrap_or(!t.crc32.unwrap_or(0)))?;
+    let Some(recorded) = t.absmax else {
+        return Ok(());
+    };
+    let bits = sums.iter().map(|s| s.1).max().unwrap_or(0);
+    check_absmax_in(t, file, recorded, crate::convert::absmax_from_bits(bits))
+}
+
+/// Check `got` against the CRC32 the manifest records for `t` (in `file`).
+pub(crate) fn check_crc_in(t: &TensorInfo, file: &str, got: u32) -> Result<()> {
+    match t.crc32 {
+        Some(expected) if expected != got => Err(Error::ChecksumMismatch {
+            what: format!("tensor {:?}", t.name),
+            shard: t.shard,
+            file: file.to_string(),
+            expected,
+            got,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Check `actual` (`None`: a non-finite element) against the absmax recorded for `t`.
+fn check_absmax_in(t: &TensorInfo, file: &str, recorded: f32, actual: Option<f32>) -> Result<()> {
+    let actual = actual.unwrap_or(f32::INFINITY);
+    if actual.to_bits() != recorded.to_bits() {
+        return Err(Error::AbsmaxMismatch {
+            tensor: t.name.clone(),
+            shard: t.shard,
+            file: file.to_string(),
+            recorded,
+            actual,
+        });
+    }
+    Ok(())
 }
 
 fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
@@ -457,6 +550,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 .map(|(i, g)| (g.name.clone(), i))
                 .collect(),
             manifest: Some(m),
+            data_verified: false,
         })
     }
 
@@ -558,6 +652,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             metadata: metadata.into(),
             manifest: None,
             globals: HashMap::new(),
+            data_verified: false,
         })
     }
 
@@ -582,6 +677,8 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             metadata: self.metadata,
             manifest: self.manifest,
             globals: self.globals,
+            // `f` keeps the bytes unchanged (its contract), so checks made still hold.
+            data_verified: self.data_verified,
         }
     }
 
@@ -592,6 +689,16 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             s.file = f(&s.file);
         }
         self
+    }
+
+    /// Whether every tensor's CRC32 (and recorded absmax) was already checked, in buffers
+    /// this checkpoint owns, while they were filled: a download from an object store sums
+    /// each piece as it lands ([`crate::store::s3::open_with`]). Then
+    /// [`Checkpoint::verify`] reads no tensor data and checked reads skip the CRC. `false`
+    /// for memory-mapped checkpoints (a file can change under a map, so every check reads
+    /// it) and for a download whose check failed (`verify` reports the damage).
+    pub fn data_verified(&self) -> bool {
+        self.data_verified
     }
 
     /// The directory (or file's directory) the checkpoint was opened from.
@@ -668,21 +775,14 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     pub fn tensor_verified(&self, name: &str) -> Result<TensorView<'_>> {
         let t = self.info(name)?;
         let v = self.view(t);
-        self.check_crc(t, crc32_parallel(v.bytes()))?;
+        if !self.data_verified {
+            self.check_crc(t, crc32_parallel(v.bytes()))?;
+        }
         Ok(v)
     }
 
     pub(crate) fn check_crc(&self, t: &TensorInfo, got: u32) -> Result<()> {
-        match t.crc32 {
-            Some(expected) if expected != got => Err(Error::ChecksumMismatch {
-                what: format!("tensor {:?}", t.name),
-                shard: t.shard,
-                file: self.shards[t.shard].file.clone(),
-                expected,
-                got,
-            }),
-            _ => Ok(()),
-        }
+        check_crc_in(t, &self.shards[t.shard].file, got)
     }
 
     /// Check everything `open` does not: parse every shard header and check it agrees
@@ -742,41 +842,18 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// block's CRC (and absmax bits), checks every block, and checks that the blocks
     /// combine to the tensor's `crc32`.
     fn check_tensor(&self, t: &TensorInfo) -> Result<()> {
+        if self.data_verified {
+            return Ok(());
+        }
         let v = self.view(t);
         if let Some(bl) = &t.blocks {
             let with_abs = t.absmax.is_some();
             let sums: Vec<(u32, u32)> = v
                 .bytes()
                 .par_chunks(usize::try_from(bl.size).unwrap_or(usize::MAX))
-                .map(|c| {
-                    let abs = if with_abs {
-                        crate::convert::absbits_le_bytes(c)
-                    } else {
-                        0
-                    };
-                    (crc32fast::hash(c), abs)
-                })
+                .map(|c| unit_sum(c, with_abs))
                 .collect();
-            for (i, ((got, _), &expected)) in sums.iter().zip(&bl.crc32).enumerate() {
-                if *got != expected {
-                    return Err(Error::ChecksumMismatch {
-                        what: format!("tensor {:?}, block {i}", t.name),
-                        shard: t.shard,
-                        file: self.shards[t.shard].file.clone(),
-                        expected,
-                        got: *got,
-                    });
-                }
-            }
-            let combined = crate::crc::combine_blocks(&bl.crc32, bl.size, t.nbytes());
-            // Counts were checked at open (M18), so `combined` is `Some`; `None` fails.
-            self.check_crc(t, combined.unwrap_or(!t.crc32.unwrap_or(0)))?;
-            let Some(recorded) = t.absmax else {
-                return Ok(());
-            };
-            let bits = sums.iter().map(|s| s.1).max().unwrap_or(0);
-            let actual = crate::convert::absmax_from_bits(bits);
-            return self.check_absmax(t, recorded, actual);
+            return check_units(t, &self.shards[t.shard].file, bl.size, &sums);
         }
         let Some(recorded) = t.absmax else {
             return self.check_crc(t, crc32_parallel(v.bytes()));
@@ -792,18 +869,26 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         self.check_absmax(t, recorded, actual)
     }
 
+    /// Take the sums of every tensor's pieces, computed while the bytes arrived in this
+    /// checkpoint's own buffers (`sums[i]` for `tensors()[i]`, in pieces of `units[i]`
+    /// bytes; [`check_units`]). If every tensor passes, mark the data verified, so that
+    /// [`Checkpoint::verify`] and checked reads do not read it again, and return `true`.
+    /// Otherwise change nothing: the checks run as usual and report the failure then.
+    /// Only for storage that owns its bytes: nothing can change them after this.
+    pub(crate) fn accept_unit_sums(&mut self, units: &[u64], sums: &[Vec<(u32, u32)>]) -> bool {
+        let ts = self.tensors();
+        let ok =
+            units.len() == ts.len()
+                && sums.len() == ts.len()
+                && ts.iter().zip(units).zip(sums).all(|((t, &unit), s)| {
+                    check_units(t, &self.shards[t.shard].file, unit, s).is_ok()
+                });
+        self.data_verified |= ok;
+        ok
+    }
+
     fn check_absmax(&self, t: &TensorInfo, recorded: f32, actual: Option<f32>) -> Result<()> {
-        let actual = actual.unwrap_or(f32::INFINITY);
-        if actual.to_bits() != recorded.to_bits() {
-            return Err(Error::AbsmaxMismatch {
-                tensor: t.name.clone(),
-                shard: t.shard,
-                file: self.shards[t.shard].file.clone(),
-                recorded,
-                actual,
-            });
-        }
-        Ok(())
+        check_absmax_in(t, &self.shards[t.shard].file, recorded, actual)
     }
 
     /// Check the optimizer section, if any, against the rules of format-spec/optimizer.md

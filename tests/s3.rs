@@ -127,6 +127,8 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
 
     let ck = s3::open_with(&u, &cfg).unwrap();
     assert_same(&ck, &f);
+    // Every CRC block was summed as it landed: verify reads nothing again.
+    assert!(ck.data_verified());
     let rep = ck.verify().unwrap();
     assert_eq!((rep.tensors, rep.checksummed), (4, true));
     assert_eq!(ck.metadata()["run"], "s3");
@@ -309,9 +311,13 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     flipped[at] ^= 0x40;
     ra.put_small(&shard, flipped).unwrap();
     let bad = s3::open_with(&a, &cfg).unwrap();
+    // The sums taken during the download failed, so nothing is taken as verified.
+    assert!(!bad.data_verified());
     let e = bad.verify().unwrap_err();
     assert!(
-        matches!(e, Error::ChecksumMismatch { .. }) && e.to_string().contains("\"big\""),
+        matches!(e, Error::ChecksumMismatch { .. })
+            && e.to_string().contains("\"big\", block")
+            && e.to_string().contains(&key),
         "{e}"
     );
     let e = RemoteCheckpoint::open(&a, &cfg)

@@ -452,20 +452,24 @@ impl Remote {
         Ok((bytes, m))
     }
 
-    /// Read `ranges` (object name, byte range, destination of exactly the range's length)
-    /// with up to `download_concurrency` ranged GETs in flight, each checked against the
-    /// object size `sizes` expects. Errors name the key.
-    fn read_ranges(&self, jobs: Vec<RangeJob<'_>>) -> Result<()> {
+    /// Run range `jobs` with up to `download_concurrency` ranged GETs in flight, each
+    /// checked against the object size the job expects. Returns the sums of every CRC
+    /// piece the jobs carry ([`Remote::checked_jobs_for`]), computed as the bytes land.
+    /// Errors name the key.
+    fn read_ranges(&self, jobs: Vec<RangeJob<'_>>) -> Result<Vec<PieceSum>> {
         let conc = self.cfg.download_concurrency.max(1);
         self.block_on(async {
             futures::stream::iter(jobs.into_iter().map(|j| self.read_range(j)))
                 .buffer_unordered(conc)
-                .try_for_each(|()| async { Ok(()) })
+                .try_fold(Vec::new(), |mut all, sums| async move {
+                    all.extend(sums);
+                    Ok(all)
+                })
                 .await
         })
     }
 
-    async fn read_range(&self, j: RangeJob<'_>) -> Result<()> {
+    async fn read_range(&self, j: RangeJob<'_>) -> Result<Vec<PieceSum>> {
         let url = self.url.child(j.name);
         let path = self.path(j.name);
         let mismatch = |reason: String| Error::ShardMismatch {
@@ -506,6 +510,10 @@ impl Remote {
         }
         let mut at = 0usize;
         let mut body = r.into_stream();
+        // Each CRC piece is summed as soon as its last byte lands, while it is still in
+        // cache and while the other GETs keep the network busy.
+        let mut sums = Vec::with_capacity(j.pieces.len());
+        let mut pieces = j.pieces.iter().peekable();
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(|e| remote_err("GET", &url, &e))?;
             let end = at
@@ -514,6 +522,9 @@ impl Remote {
                 .ok_or_else(|| mismatch("the server sent more bytes than asked for".into()))?;
             j.dst[at..end].copy_from_slice(&chunk);
             at = end;
+            while let Some(p) = pieces.next_if(|p| p.at.end <= at) {
+                sums.push(p.sum(j.dst));
+            }
         }
         if at != j.dst.len() {
             return Err(mismatch(format!(
@@ -521,7 +532,9 @@ impl Remote {
                 j.dst.len()
             )));
         }
-        Ok(())
+        // Pieces are within the destination (checked_jobs_for), so all were summed.
+        sums.extend(pieces.map(|p| p.sum(j.dst)));
+        Ok(sums)
     }
 
     /// Split `[start, start + dst.len())` of object `name` into range jobs.
@@ -544,10 +557,156 @@ impl Remote {
                 object_size,
                 range: off..end,
                 dst: piece,
+                pieces: Vec::new(),
             });
             off = end;
         }
     }
+
+    /// The piece size for CRC sums of tensors without block CRCs: the range size,
+    /// rounded down to a multiple of 64 KiB (so pieces start on elements).
+    fn piece_step(&self) -> u64 {
+        (self.cfg.range_size.max(1 << 16) & !0xFFFF) as u64
+    }
+
+    /// As [`Remote::jobs_for`] (object name, shard index, object size), for
+    /// `[start, start + dst.len())` of that object holding
+    /// `tensors` (index and entry, sorted by offset, each within the range), with every
+    /// tensor cut into CRC pieces ([`piece_unit`]: its blocks, or [`Remote::piece_step`]
+    /// pieces) and the jobs cut only between pieces, about `range_size` each: the GETs sum
+    /// each piece as it lands, and [`crate::checkpoint::check_units`] judges the sums.
+    ///
+    /// # Errors
+    /// Gives `dst` back, having pushed no job, if the tensors do not lie in order inside
+    /// the range or a tensor's blocks cannot be cut into pieces (the caller then fetches
+    /// plainly and checks afterwards, where the checks name what is wrong).
+    fn checked_jobs_for<'d>(
+        &self,
+        (name, shard, object_size): (&'d str, usize, u64),
+        start: u64,
+        dst: &'d mut [u8],
+        tensors: &[(usize, &TensorInfo)],
+        out: &mut Vec<RangeJob<'d>>,
+    ) -> std::result::Result<(), &'d mut [u8]> {
+        let step = self.piece_step();
+        let Some(end) = start.checked_add(dst.len() as u64) else {
+            return Err(dst);
+        };
+        // (start, end, tensor, unit, absmax) in object coordinates.
+        let mut pieces: Vec<(u64, u64, usize, usize, bool)> = Vec::new();
+        let mut prev = start;
+        for &(ti, t) in tensors {
+            let [a, b] = t.offsets;
+            let unit = piece_unit(t, step);
+            let abs = t.absmax.is_some();
+            if a < prev || b < a || b > end || unit == 0 || (abs && !unit.is_multiple_of(4)) {
+                return Err(dst);
+            }
+            let (mut p, mut k) = (a, 0usize);
+            while p < b {
+                let q = p.saturating_add(unit).min(b);
+                pieces.push((p, q, ti, k, abs));
+                (p, k) = (q, k + 1);
+            }
+            prev = b;
+        }
+        let mut cuts = Vec::new();
+        let mut from = start;
+        for &(_, q, ..) in &pieces {
+            if q - from >= step {
+                cuts.push(q);
+                from = q;
+            }
+        }
+        if from < end {
+            cuts.push(end);
+        }
+        let mut rest = dst;
+        let (mut from, mut next) = (start, 0usize);
+        for cut in cuts {
+            // `cut - from <= rest.len()`: cuts rise from `start` to at most `end`.
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut((cut - from) as usize);
+            let mut mine = Vec::new();
+            while let Some(&(p, q, tensor, unit, abs)) = pieces.get(next).filter(|x| x.1 <= cut) {
+                mine.push(Piece {
+                    tensor,
+                    unit,
+                    at: (p - from) as usize..(q - from) as usize,
+                    abs,
+                });
+                next += 1;
+            }
+            out.push(RangeJob {
+                name,
+                shard,
+                object_size,
+                range: from..cut,
+                dst: head,
+                pieces: mine,
+            });
+            (rest, from) = (tail, cut);
+        }
+        Ok(())
+    }
+}
+
+/// The CRC piece size of `t` for fetches summed on the way ([`Remote::checked_jobs_for`]):
+/// its block size if it records block CRCs, else `step`.
+fn piece_unit(t: &TensorInfo, step: u64) -> u64 {
+    t.blocks.as_ref().map_or(step, |b| b.size)
+}
+
+/// One CRC piece of a range job: piece `unit` of tensor `tensor` (an index the caller
+/// chose), at `at` in the job's destination; `abs`: also its absmax bits.
+struct Piece {
+    tensor: usize,
+    unit: usize,
+    at: Range<usize>,
+    abs: bool,
+}
+
+impl Piece {
+    fn sum(&self, dst: &[u8]) -> PieceSum {
+        let (crc, abs) =
+            crate::checkpoint::unit_sum(dst.get(self.at.clone()).unwrap_or(&[]), self.abs);
+        PieceSum {
+            tensor: self.tensor,
+            unit: self.unit,
+            crc,
+            abs,
+        }
+    }
+}
+
+/// The sums of one [`Piece`], computed as its bytes landed.
+struct PieceSum {
+    tensor: usize,
+    unit: usize,
+    crc: u32,
+    abs: u32,
+}
+
+/// Per tensor: its piece size, and the `(crc, absmax bits)` of each of its pieces.
+type UnitSums = (Vec<u64>, Vec<Vec<(u32, u32)>>);
+
+/// Gather piece sums into `(crc, absmax bits)` per tensor and piece, for `tensors` (index,
+/// entry) cut into [`piece_unit`] pieces. `None` if a piece is missing or unknown.
+fn gather_sums(tensors: &[&TensorInfo], step: u64, sums: Vec<PieceSum>) -> Option<UnitSums> {
+    let units: Vec<u64> = tensors.iter().map(|t| piece_unit(t, step)).collect();
+    let mut per: Vec<Vec<Option<(u32, u32)>>> = tensors
+        .iter()
+        .zip(&units)
+        .map(|(t, &u)| usize::try_from(t.nbytes().div_ceil(u.max(1))).map(|n| vec![None; n]))
+        .collect::<std::result::Result<_, _>>()
+        .ok()?;
+    for s in sums {
+        *per.get_mut(s.tensor)?.get_mut(s.unit)? = Some((s.crc, s.abs));
+    }
+    let per = per
+        .into_iter()
+        .map(|v| v.into_iter().collect::<Option<Vec<_>>>())
+        .collect::<Option<Vec<_>>>()?;
+    Some((units, per))
 }
 
 /// The name prefix of upload journal objects: `.ckpt-tmp-upload-<32 hex>`, one per
@@ -583,6 +742,8 @@ struct RangeJob<'d> {
     object_size: u64,
     range: Range<u64>,
     dst: &'d mut [u8],
+    /// CRC pieces to sum as the bytes land, in order (none for a plain fetch).
+    pieces: Vec<Piece>,
 }
 
 /// Put the object URL in place of a bare shard file name in errors about shards.
@@ -628,8 +789,14 @@ pub fn open(url: &RemoteUrl) -> Result<Checkpoint<Vec<u8>>> {
 
 /// Open the checkpoint under `url`: one GET of the manifest, then every shard downloaded
 /// with parallel ranged GETs into fresh buffers, then every check [`Checkpoint::open`]
-/// makes (object sizes, header lengths and CRCs). Tensor CRCs are checked by loads and by
-/// [`Checkpoint::verify`], as for local checkpoints.
+/// makes (object sizes, header lengths and CRCs).
+///
+/// The tensor CRCs are computed during the download: each range GET sums the CRC blocks
+/// it carries (and absmax bits) as their bytes land, overlapping the CRC pass with the
+/// network. If every tensor passes, [`Checkpoint::data_verified`] is `true` and
+/// [`Checkpoint::verify`] and checked loads do not read the bytes again. A tensor that
+/// fails does not fail the open (it makes the same checks a local open makes):
+/// `verify` and loads report it, naming the tensor, the block and the object URL.
 ///
 /// # Errors
 /// [`Error::NotFound`] if no manifest is committed under `url`; [`Error::ShardMismatch`]
@@ -657,14 +824,41 @@ pub fn open_remote(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
             })
         })
         .collect::<Result<_>>()?;
-    let mut jobs = Vec::new();
-    for (i, (s, buf)) in m.shards.iter().zip(bufs.iter_mut()).enumerate() {
-        r.jobs_for(&s.file, i, s.size, 0, buf, &mut jobs);
+    // Tensors by shard, in file order: every tensor is CRC-checked piece by piece as its
+    // bytes land (`Remote::checked_jobs_for`), so the CRC pass overlaps the download.
+    let mut by_shard: Vec<Vec<(usize, &TensorInfo)>> = vec![Vec::new(); m.shards.len()];
+    for (i, t) in m.tensors.iter().enumerate() {
+        if let Some(v) = by_shard.get_mut(t.shard) {
+            v.push((i, t));
+        }
     }
-    r.read_ranges(jobs).map_err(|e| name_keys(e, &r.url))?;
+    let mut summed = true;
+    let mut jobs = Vec::new();
+    for (i, ((s, buf), ts)) in m
+        .shards
+        .iter()
+        .zip(bufs.iter_mut())
+        .zip(&mut by_shard)
+        .enumerate()
+    {
+        ts.sort_by_key(|(_, t)| t.offsets[0]);
+        if let Err(buf) = r.checked_jobs_for((&s.file, i, s.size), 0, buf, ts, &mut jobs) {
+            summed = false;
+            r.jobs_for(&s.file, i, s.size, 0, buf, &mut jobs);
+        }
+    }
+    let sums = r.read_ranges(jobs).map_err(|e| name_keys(e, &r.url))?;
     let ck = Checkpoint::from_parts(&bytes, bufs).map_err(|e| name_keys(e, &r.url))?;
     // Later errors (verify, loads) name the objects by URL.
-    Ok(ck.with_shard_names(|f| r.url.child(f).to_string()))
+    let mut ck = ck.with_shard_names(|f| r.url.child(f).to_string());
+    let tensors: Vec<&TensorInfo> = m.tensors.iter().collect();
+    if let (true, Some((units, per))) = (summed, gather_sums(&tensors, r.piece_step(), sums)) {
+        // Every tensor passed: `verify` and checked loads need not read the bytes again.
+        // A failure changes nothing here: open still makes only the checks a local open
+        // makes, and `verify` or the load reports the damaged tensor as it would locally.
+        ck.accept_unit_sums(&units, &per);
+    }
+    Ok(ck)
 }
 
 /// A checkpoint on an object store read lazily: the manifest and every shard header were
@@ -838,6 +1032,7 @@ impl RemoteCheckpoint {
                 }
                 self.remote
                     .read_ranges(jobs)
+                    .map(|_| ())
                     .map_err(|e| name_keys(e, &self.remote.url))
             },
         )
@@ -852,31 +1047,36 @@ impl RemoteCheckpoint {
 
     fn fetch(&self, t: &TensorInfo) -> Result<crate::tensor::Tensor> {
         let s = &self.manifest.shards[t.shard];
+        let file = self.remote.url.child(&s.file).to_string();
         let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
         self.fetched.fetch_add(t.nbytes(), Ordering::Relaxed);
         let mut jobs = Vec::new();
-        self.remote.jobs_for(
-            &s.file,
-            t.shard,
-            s.size,
+        let step = self.remote.piece_step();
+        let summed = match self.remote.checked_jobs_for(
+            (&s.file, t.shard, s.size),
             t.offsets[0],
             out.bytes_mut(),
+            &[(0, t)],
             &mut jobs,
-        );
-        self.remote
+        ) {
+            Ok(()) => true,
+            Err(dst) => {
+                self.remote
+                    .jobs_for(&s.file, t.shard, s.size, t.offsets[0], dst, &mut jobs);
+                false
+            }
+        };
+        let sums = self
+            .remote
             .read_ranges(jobs)
             .map_err(|e| name_keys(e, &self.remote.url))?;
-        let got = crate::crc32_parallel(out.bytes());
-        match t.crc32 {
-            Some(expected) if expected != got => Err(Error::ChecksumMismatch {
-                what: format!("tensor {:?}", t.name),
-                shard: t.shard,
-                file: self.remote.url.child(&s.file).to_string(),
-                expected,
-                got,
-            }),
-            _ => Ok(out),
+        match gather_sums(&[t], step, sums) {
+            Some((units, per)) if summed => {
+                crate::checkpoint::check_units(t, &file, units[0], &per[0])?;
+            }
+            _ => crate::checkpoint::check_crc_in(t, &file, crate::crc32_parallel(out.bytes()))?,
         }
+        Ok(out)
     }
 
     /// Stream every tensor, in file order, into a fresh CRC-checked buffer handed to `f`:
@@ -1541,5 +1741,157 @@ impl Fs for ObjectFs<'_> {
             };
             Ok((meta.size, b))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::manifest::BlockCrcs;
+    use crate::DType;
+    use proptest::prelude::*;
+
+    /// A remote that is never contacted: only its download settings are used.
+    fn remote(range_size: usize) -> Remote {
+        let cfg = S3Config {
+            endpoint: Some("http://127.0.0.1:9".into()),
+            access_key_id: Some("k".into()),
+            secret_access_key: Some("s".into()),
+            region: Some("us-east-1".into()),
+            allow_http: Some(true),
+            range_size,
+            ..S3Config::default()
+        };
+        let url = match super::super::Location::parse("s3://b/p") {
+            Ok(super::super::Location::Remote(u)) => u,
+            other => panic!("{other:?}"),
+        };
+        Remote::new(&url, &cfg).unwrap()
+    }
+
+    /// F32 tensors of `lens[i]` elements after `gaps[i]` bytes, with true CRCs, blocks
+    /// of `block` bytes (0: none) and absmax where `abs[i]`.
+    fn layout(obj: &[u8], head: u64, lens: &[(u64, u64, bool)], block: u64) -> Vec<TensorInfo> {
+        let mut at = head;
+        let mut out = Vec::new();
+        for (i, &(gap, n, abs)) in lens.iter().enumerate() {
+            let a = at + gap;
+            let b = a + 4 * n;
+            let bytes = &obj[a as usize..b as usize];
+            out.push(TensorInfo {
+                name: format!("t{i}"),
+                shard: 0,
+                dtype: DType::F32,
+                shape: vec![n],
+                offsets: [a, b],
+                crc32: Some(crc32fast::hash(bytes)),
+                absmax: abs
+                    .then(|| crate::convert::absmax_f32_le_bytes(bytes))
+                    .flatten(),
+                blocks: (block > 0).then(|| BlockCrcs {
+                    size: block,
+                    crc32: bytes.chunks(block as usize).map(crc32fast::hash).collect(),
+                }),
+            });
+            at = b;
+        }
+        out
+    }
+
+    /// Plan jobs over `obj`, "download" them (copy, summing pieces as `read_range`
+    /// does), and judge every tensor from the sums.
+    fn judge(r: &Remote, obj: &[u8], ts: &[TensorInfo]) -> Vec<bool> {
+        let mut dst = vec![0u8; obj.len()];
+        let indexed: Vec<(usize, &TensorInfo)> = ts.iter().enumerate().collect();
+        let mut jobs = Vec::new();
+        assert!(r
+            .checked_jobs_for(("o", 0, obj.len() as u64), 0, &mut dst, &indexed, &mut jobs)
+            .is_ok());
+        let mut sums = Vec::new();
+        let mut next = 0u64;
+        for j in jobs {
+            // Jobs tile the object in order; pieces lie inside their job, in order.
+            assert_eq!(j.range.start, next);
+            next = j.range.end;
+            j.dst
+                .copy_from_slice(&obj[j.range.start as usize..j.range.end as usize]);
+            assert!(j.pieces.windows(2).all(|w| w[0].at.end <= w[1].at.start));
+            sums.extend(j.pieces.iter().map(|p| p.sum(j.dst)));
+        }
+        assert_eq!(next, obj.len() as u64);
+        assert_eq!(dst, obj);
+        let refs: Vec<&TensorInfo> = ts.iter().collect();
+        let (units, per) = gather_sums(&refs, r.piece_step(), sums).expect("every piece summed");
+        ts.iter()
+            .zip(&units)
+            .zip(&per)
+            .map(|((t, &u), s)| crate::checkpoint::check_units(t, "o", u, s).is_ok())
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// The pieces summed during a download judge every tensor exactly as a CRC pass
+        /// over the whole bytes would: all pass on true bytes, and a flipped byte fails
+        /// the tensor holding it and no other.
+        #[test]
+        fn pieces_summed_on_the_way_judge_like_a_whole_pass(
+            head in 8u64..5000,
+            lens in prop::collection::vec((0u64..40, 0u64..150_000, any::<bool>()), 0..6),
+            block in prop::sample::select(vec![0u64, 4096, 65536]),
+            range in prop::sample::select(vec![1usize, 65536, 100_000, 1 << 20]),
+            tail in 0u64..3000,
+            seed in any::<u64>(),
+            flip in any::<prop::sample::Index>(),
+        ) {
+            let total = head + lens.iter().map(|&(g, n, _)| g + 4 * n).sum::<u64>() + tail;
+            let mut x = seed | 1;
+            let mut obj: Vec<u8> = (0..total)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Keep floats finite (exponent below all-ones) so absmax is recorded.
+                    (x >> 24) as u8 & 0x7f
+                })
+                .collect();
+            let ts = layout(&obj, head, &lens, block);
+            let r = remote(range);
+            prop_assert!(judge(&r, &obj, &ts).iter().all(|&ok| ok));
+
+            // Damage one byte of one non-empty tensor (when there is one).
+            let full: Vec<&TensorInfo> = ts.iter().filter(|t| t.nbytes() > 0).collect();
+            if !full.is_empty() {
+                let t = full[flip.index(full.len())];
+                let at = t.offsets[0] + (seed % t.nbytes());
+                obj[at as usize] ^= 0x01;
+                let got = judge(&r, &obj, &ts);
+                for (u, ok) in ts.iter().zip(got) {
+                    prop_assert_eq!(ok, u.name != t.name, "tensor {}", u.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_layout_the_pieces_cannot_follow_gives_the_buffer_back() {
+        let r = remote(1 << 16);
+        let obj = vec![0u8; 1000];
+        let mut ts = layout(&obj, 8, &[(0, 100, false), (0, 100, false)], 0);
+        ts.swap(0, 1); // out of order
+        let indexed: Vec<(usize, &TensorInfo)> = ts.iter().enumerate().collect();
+        let mut dst = vec![0u8; obj.len()];
+        let mut jobs = Vec::new();
+        let back = r.checked_jobs_for(("o", 0, 1000), 0, &mut dst, &indexed, &mut jobs);
+        assert_eq!(back.map_err(|d| d.len()), Err(1000));
+        assert!(jobs.is_empty());
+        // Past the end of the range.
+        let ts = layout(&vec![0u8; 2000], 8, &[(0, 400, false)], 0);
+        let indexed: Vec<(usize, &TensorInfo)> = ts.iter().enumerate().collect();
+        let mut dst = vec![0u8; 1000];
+        let mut jobs = Vec::new();
+        let back = r.checked_jobs_for(("o", 0, 1000), 0, &mut dst, &indexed, &mut jobs);
+        assert!(back.is_err() && jobs.is_empty());
     }
 }
