@@ -131,3 +131,48 @@ fn tensors_of_many_blocks_fill_copy_and_verify_exactly() {
         assert!(b == want);
     }
 }
+
+#[test]
+fn ranges_of_large_tensors_copy_exactly_and_are_checked_before_any_write() {
+    // 10 MB states copied in uneven pieces (the way CUDA staging cuts a large tensor).
+    let dir = tempfile::tempdir().unwrap();
+    let (opt, _) = synthetic_state(2, 2_500_000).unwrap();
+    opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let t = ck
+        .tensors()
+        .iter()
+        .find(|t| t.nbytes() > 8 << 20)
+        .unwrap()
+        .clone();
+    let want = ck.tensor(&t.name).unwrap().bytes().to_vec();
+    let piece = (3 << 20) + 5;
+    let mut got = vec![0u8; want.len()];
+    let items: Vec<(&str, u64, &mut [u8])> = got
+        .chunks_mut(piece)
+        .enumerate()
+        .map(|(i, d)| (t.name.as_str(), (i * piece) as u64, d))
+        .collect();
+    ck.copy_ranges_into(items).unwrap();
+    assert!(got == want);
+
+    // One range past the end: refused, and the valid one beside it is not written.
+    let mut a = [0u8; 16];
+    let mut b = [0u8; 16];
+    let e = ck
+        .copy_ranges_into(vec![
+            (t.name.as_str(), 0, &mut a[..]),
+            (t.name.as_str(), want.len() as u64 - 8, &mut b[..]),
+        ])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(a.iter().all(|&x| x == 0));
+    let e = ck
+        .copy_ranges_into(vec![("no such tensor", 0, &mut a[..])])
+        .unwrap_err();
+    assert!(matches!(e, Error::TensorNotFound { .. }), "{e}");
+    let e = ck
+        .copy_ranges_into(vec![(t.name.as_str(), u64::MAX, &mut a[..])])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}

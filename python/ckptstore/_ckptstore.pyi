@@ -182,6 +182,9 @@ class Checkpoint:
     ) -> None:
         """One parallel pass: copy each named tensor into its ``uint8`` destination with its
         CRC32 checked on the way, and check the CRC32 of the ``verify`` tensors."""
+    def copy_ranges_into(self, items: Sequence[tuple[str, int, np.ndarray]]) -> None:
+        """For each ``(name, offset, dst)``, copy the tensor's stored bytes ``[offset,
+        offset + len(dst))`` into the ``uint8`` array ``dst`` (no CRC check: verify first)."""
     def optimizer_plan(self) -> Optional[dict[str, Any]]:
         """The optimizer section, checked, without reading any state (None without one)."""
     def close(self) -> None:

@@ -535,6 +535,48 @@ impl PyCheckpoint {
         Ok(())
     }
 
+    /// `ck.copy_ranges_into(items)`: for each `(name, offset, dst)`, copy the tensor's
+    /// stored bytes `[offset, offset + len(dst))` into `dst` (a writable C-contiguous 1-D
+    /// `uint8` array); interpreter released, parallel. No CRC check here (`verify_tensors`
+    /// or `fill_and_verify` first): for staging a large tensor in pieces. Every name and
+    /// range is checked before any byte is written; raises `InvalidArgumentError` for a
+    /// range outside its tensor.
+    fn copy_ranges_into(
+        &self,
+        py: Python<'_>,
+        items: Vec<(String, u64, numpy::PyReadwriteArray1<'_, u8>)>,
+    ) -> PyResult<()> {
+        let ck = self.open_parts()?.0.clone();
+        let mut names = Vec::with_capacity(items.len());
+        let mut offsets = Vec::with_capacity(items.len());
+        let mut arrays = Vec::with_capacity(items.len());
+        for (n, off, a) in items {
+            names.push(n);
+            offsets.push(off);
+            arrays.push(a);
+        }
+        let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(arrays.len());
+        for (n, a) in names.iter().zip(arrays.iter_mut()) {
+            dsts.push(a.as_slice_mut().map_err(|_| {
+                invalid_arg(format!(
+                    "copy_ranges_into: the destination of {n:?} is not contiguous"
+                ))
+            })?);
+        }
+        py.detach(move || {
+            let items: Vec<(&str, u64, &mut [u8])> = names
+                .iter()
+                .map(String::as_str)
+                .zip(offsets)
+                .zip(dsts)
+                .map(|((n, o), d)| (n, o, d))
+                .collect();
+            ck.copy_ranges_into(items)
+        })
+        .map_err(CkError)?;
+        Ok(())
+    }
+
     /// `ck.fill_and_verify(fills, verify=(), *, release=False)`: in one parallel pass
     /// (interpreter released), copy each `(name, dst)` of `fills` into `dst` with its CRC32
     /// computed on the way (every stored byte read once, written once), and check the CRC32

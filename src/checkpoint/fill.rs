@@ -171,6 +171,41 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
 impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
     /// The tensor `name`, checked to have exactly `dst.len()` stored bytes (the stored
     /// bytes themselves, not the shape's count: a copy needs equal lengths).
+    /// Copy stored bytes `[offset, offset + dst.len())` of each named tensor into its
+    /// `dst`, in parallel across items and in blocks within large ones. The CRC is not
+    /// checked here ([`Checkpoint::verify_tensors`] or [`Checkpoint::fill_and_verify`]
+    /// first): this stages a tensor larger than a staging buffer in pieces (the Python
+    /// bindings' pinned buffers for CUDA tensors). Every name and range is checked before
+    /// any byte is written.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a range outside its
+    /// tensor.
+    pub fn copy_ranges_into(&self, items: Vec<(&str, u64, &mut [u8])>) -> Result<()> {
+        let mut jobs = Vec::with_capacity(items.len());
+        for (name, offset, dst) in items {
+            let src = self.view(self.info(name)?).bytes();
+            let range = usize::try_from(offset)
+                .ok()
+                .and_then(|a| Some(a..a.checked_add(dst.len())?))
+                .and_then(|r| src.get(r))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "bytes {offset}..+{} are outside tensor {name:?} ({} bytes)",
+                        dst.len(),
+                        src.len()
+                    ))
+                })?;
+            jobs.push((range, dst));
+        }
+        jobs.into_par_iter().for_each(|(src, dst)| {
+            src.par_chunks(RELEASE_BLOCK)
+                .zip(dst.par_chunks_mut(RELEASE_BLOCK))
+                .for_each(|(s, d)| d.copy_from_slice(s));
+        });
+        Ok(())
+    }
+
     fn destination_for(&self, name: &str, dst: &[u8]) -> Result<&TensorInfo> {
         let t = self.info(name)?;
         let len = self.view(t).bytes().len();

@@ -43,6 +43,24 @@ def test_copy_into_is_exact_and_checks_lengths_first(tmp_path):
         ck.verify_tensors(["a", "nope"])
 
 
+def test_copy_ranges_into_copies_pieces_and_checks_ranges_first(tmp_path):
+    # The way CUDA staging cuts a tensor larger than a pinned buffer.
+    p, arrays = _saved(tmp_path)
+    ck = ckptstore.open(p)
+    want = arrays["a"].tobytes()
+    got = np.zeros(len(want), dtype=np.uint8)
+    step = 1000
+    ck.copy_ranges_into([("a", o, got[o : o + step]) for o in range(0, len(want), step)])
+    assert got.tobytes() == want
+    # A range past the end anywhere in the list: nothing is written.
+    a = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(ckptstore.InvalidArgumentError, match='tensor "a"'):
+        ck.copy_ranges_into([("b", 0, a), ("a", len(want) - 4, np.zeros(8, dtype=np.uint8))])
+    assert not a.any()
+    with pytest.raises(KeyError):
+        ck.copy_ranges_into([("nope", 0, a)])
+
+
 def test_verify_tensors_names_the_damaged_tensor(tmp_path):
     p, arrays = _saved(tmp_path)
     ck = ckptstore.open(p)

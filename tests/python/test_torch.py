@@ -359,9 +359,36 @@ def test_cuda_restore_through_staging(tmp_path, monkeypatch, stage):
     dst = Net(torch.float32).cuda()
     opt2 = make_optimizer("adam", dst, 2, lr_scale=3.0)
     train(dst, opt2, [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, 1, seed=9)])
+    direct = []
+    real_direct_ok = ct._direct_ok
+    monkeypatch.setattr(ct, "_direct_ok", lambda *a: direct.append(real_direct_ok(*a)) or direct[-1])
     ct.load(tmp_path / "ck", dst, opt2)
+    # CUDA state goes the single-pass way (fresh CUDA tensors filled through pinned staging).
+    assert direct == [True]
     assert_same(src, opt, dst, opt2)
     for p in dst.parameters():
         for k, v in opt2.state[p].items():
             if k != "step":
                 assert v.device == p.device, k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("target", ["optimizer", "model"])
+def test_cuda_corrupt_shard_changes_nothing(tmp_path, target):
+    torch.manual_seed(7)
+    src = Net(torch.float32).cuda()
+    opt = make_optimizer("adam", src, 2)
+    train(src, opt, [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, K_STEPS)])
+    ck = tmp_path / "ck"
+    ct.save(ck, src, opt)
+    m = h.read_manifest(ck)
+    name = "optim/fc2.weight/exp_avg_sq" if target == "optimizer" else "fc2.bias"
+    t = next(t for t in m["tensors"] if t["name"] == name)
+    h.flip_byte(ck / m["shards"][t["shard"]]["file"], t["offsets"][0] + 1, 0x04)
+    dst = Net(torch.float32).cuda()
+    opt2 = make_optimizer("adam", dst, 2, lr_scale=3.0)
+    train(dst, opt2, [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, 1, seed=9)])
+    snap = snapshot(dst, opt2)
+    with pytest.raises(ckptstore.ChecksumError, match=name.replace(".", r"\.")):
+        ct.load(ck, dst, opt2)
+    assert_unchanged(dst, opt2, snap)

@@ -317,20 +317,21 @@ def load(
     The optimizer then gets a complete fresh state dict through ``load_state_dict``:
     hyperparameters from the checkpoint, and state exactly for the parameters the
     checkpoint has state for (others end with none). By default (``layout=None``) and for
-    CPU parameters whose state is stored plain in the dtype ``load_state_dict`` gives it,
-    each state tensor is a fresh ``torch.empty`` tensor that the engine fills in one pass
-    (read once from the mapped shard, CRC-checked on the way, written once), in the same
-    parallel pass that checks the model's CRCs; ``load_state_dict`` keeps those tensors
-    (no copy). Otherwise ``layout`` is passed to :meth:`Checkpoint.load_optimizer`
+    CPU or CUDA parameters whose state is stored plain in the dtype ``load_state_dict``
+    gives it, each state tensor is a fresh ``torch.empty`` tensor on its parameter's device
+    that the engine fills in one pass (read once from the mapped shard, CRC-checked on the
+    way, written once; for CUDA, written once into a reused pinned buffer, then copied to
+    the device), in the same parallel pass that checks the model's CRCs;
+    ``load_state_dict`` keeps those tensors (no copy). Otherwise ``layout`` is passed to :meth:`Checkpoint.load_optimizer`
     (default: as stored); FP16-scaled states are handed to torch as float32. Model tensors
     are then written in place: contiguous CPU tensors of the stored dtype straight from the
     mapped file into their memory (the second read of their bytes: checking them first is
     what keeps the model unchanged on a damaged checkpoint), others with ``copy_`` under
     ``no_grad`` (dtype casts as ``copy_`` does them). CUDA tensors (model
     entries of the stored dtype, and the optimizer state of CUDA parameters except
-    ``step``, each up to 64 MiB) are filled through two reused pinned buffers, the
-    host-to-device copy of one overlapped with the filling of the other; larger ones go
-    through ``copy_``. ``load`` returns when every copy has finished.
+    ``step``) are filled through two reused 64 MiB pinned buffers, tensors larger than a
+    buffer in pieces, the host-to-device copy of one buffer overlapped with the filling of
+    the other. ``load`` returns when every copy has finished.
     """
     torch = _torch()
     ck = _open(path)
@@ -369,6 +370,8 @@ def load(
     # load_state_dict would cast) the engine loads and converts them here.
     new_sd = None
     fills: list[tuple[str, np.ndarray]] = []
+    # Fresh CUDA state tensors of the direct path: (nbytes, flat uint8 view, stored name).
+    cuda_fills: list[tuple[int, Any, str]] = []
     if optimizer is not None:
         if not ck.has_optimizer:
             raise IncompatibleStateError(
@@ -377,7 +380,9 @@ def load(
         plan = ck.optimizer_plan() if layout is None else None
         ometa = meta.get("optimizer") or {}
         if plan is not None and _direct_ok(model, optimizer, plan):
-            new_sd = _build_state_dict(model, optimizer, plan, ometa, fresh=fills)
+            new_sd = _build_state_dict(
+                model, optimizer, plan, ometa, fresh=fills, cuda_fresh=cuda_fills
+            )
         else:
             st = ck.load_optimizer(layout, release=True)
             new_sd = _build_state_dict(model, optimizer, st, ometa)
@@ -394,7 +399,21 @@ def load(
     # steps 2 and 3 filled with their CRC computed on the way, and the CRC of every model
     # tensor checked; mapped pages leave the process as it goes (they stay in the page
     # cache, hot for the copy of step 5). Nothing live is written before all have passed.
-    ck.fill_and_verify(fills, [n for n, _, _ in copies], release=True)
+    # Fresh CUDA state tensors larger than a staging buffer are staged in pieces (4b):
+    # their CRCs are checked in this pass.
+    big = [n for nb, _, n in cuda_fills if nb > _STAGE_BYTES]
+    ck.fill_and_verify(fills, [n for n, _, _ in copies] + big, release=True)
+    # 4b. Fresh CUDA state tensors (not live yet): filled through two reused pinned buffers
+    # by the same engine pass (read once from the map, CRC-checked on the way into the
+    # pinned buffer; larger ones, checked above, in pieces), each buffer's host-to-device
+    # copy overlapped with the next fill. A damaged tensor raises here, before anything
+    # live changes.
+    if cuda_fills:
+        _stage_to_cuda(
+            cuda_fills,
+            lambda pairs: ck.fill_and_verify(pairs, release=True),
+            ck.copy_ranges_into,
+        )
 
     # 5. Apply: nothing above changed the model or the optimizer.
     if new_sd is not None:
@@ -416,8 +435,9 @@ def load(
             if plain and d.device.type == "cpu":
                 # Straight into the tensor's memory: the stored bytes are its bytes.
                 direct.append((n, d.reshape(-1).view(torch.uint8).numpy()))
-            elif plain and d.device.type == "cuda" and info["nbytes"] <= _STAGE_BYTES:
-                # Through reused pinned buffers, copies overlapped with the next reads.
+            elif plain and d.device.type == "cuda" and info["nbytes"] > 0 and _STAGE_BYTES > 0:
+                # Through reused pinned buffers, copies overlapped with the next reads
+                # (tensors larger than a buffer in pieces).
                 staged.append((info["nbytes"], d.reshape(-1).view(torch.uint8), n))
             else:
                 slow.append((n, t, info))
@@ -425,7 +445,9 @@ def load(
             if direct:
                 ck.copy_into(direct, release=True)
             if staged:
-                _stage_to_cuda(staged, lambda pairs: ck.copy_into(pairs, release=True))
+                _stage_to_cuda(
+                    staged, lambda pairs: ck.copy_into(pairs, release=True), ck.copy_ranges_into
+                )
             if slow:
                 raw = ck.read([n for n, _, _ in slow], verify=False, raw=True)
                 for n, t, info in slow:
@@ -433,13 +455,22 @@ def load(
     return extra
 
 
-def _empty_for(info: dict) -> Any:
-    """A fresh CPU tensor for the stored tensor ``info`` (its dtype and shape)."""
+def _empty_for(info: dict, device: Any = None) -> Any:
+    """A fresh tensor for the stored tensor ``info`` (its dtype and shape), on ``device``
+    (default: the CPU)."""
     torch = _torch()
     dt = _torch_of.get(info["dtype"])
     if dt is None:
         raise InvalidTensorError(f"dtype {info['dtype']} has no torch dtype here")
-    return torch.empty(tuple(info["shape"]), dtype=dt)
+    return torch.empty(tuple(info["shape"]), dtype=dt, device=device)
+
+
+def _nbytes_of(info: dict) -> int:
+    """Bytes of the stored tensor ``info`` (its dtype and shape)."""
+    dt = _torch_of.get(info["dtype"])
+    if dt is None:
+        raise InvalidTensorError(f"dtype {info['dtype']} has no torch dtype here")
+    return int(np.prod(info["shape"], dtype=np.int64)) * dt.itemsize
 
 
 def _bytes_of(t: Any) -> np.ndarray:
@@ -450,10 +481,11 @@ def _bytes_of(t: Any) -> np.ndarray:
 
 def _direct_ok(model: Any, optimizer: Any, plan: dict) -> bool:
     """Whether every state of ``plan`` (:meth:`Checkpoint.optimizer_plan`) can be filled
-    straight into a fresh CPU tensor that ``load_state_dict`` keeps as it is: CPU
-    parameters, plain (not FP16-scaled, not chunked) state of a torch dtype, and floating
-    states of floating parameters stored in the parameter's dtype (``load_state_dict``
-    casts those to it otherwise)."""
+    straight into a fresh tensor on its parameter's device (CPU or CUDA; CUDA ones through
+    pinned staging) that ``load_state_dict`` keeps as it is: CPU or CUDA parameters, plain
+    (not FP16-scaled, not chunked) state of a torch dtype, and floating states of floating
+    parameters stored in the parameter's dtype (``load_state_dict`` casts those to it
+    otherwise)."""
     _torch()
     try:
         names = _param_names(model, optimizer)
@@ -465,7 +497,7 @@ def _direct_ok(model: Any, optimizer: Any, plan: dict) -> bool:
         p = by_name.get(n)
         if p is None:
             continue  # not in the live optimizer: the checks of _build_state_dict refuse it
-        if p.device.type != "cpu":
+        if p.device.type not in ("cpu", "cuda"):
             return False
         for k, e in states.items():
             dt = _torch_of.get(e["dtype"]) if e["dtype"] is not None else None
@@ -478,8 +510,9 @@ def _direct_ok(model: Any, optimizer: Any, plan: dict) -> bool:
 
 # ---- CUDA destinations: pinned staging ----------------------------------------------------
 
-#: Size of each of the two pinned staging buffers; tensors larger than this are copied
-#: through pageable memory (``copy_``) instead.
+#: Size of each of the two pinned staging buffers; larger tensors are staged in pieces of
+#: this size. 0 turns staging off (CUDA tensors are then written with ``copy_`` from
+#: pageable memory, and fresh CUDA state is moved by ``load_state_dict``).
 _STAGE_BYTES = 64 << 20
 _ALIGN = 256
 
@@ -503,24 +536,43 @@ def _batches(sizes: "list[int]", cap: int) -> "list[list[tuple[int, int]]]":
     return out
 
 
-def _stage_to_cuda(items: list, fill: Callable[[list], None]) -> None:
+def _stage_to_cuda(
+    items: list,
+    fill: Callable[[list], None],
+    fill_range: Optional[Callable[[list], None]] = None,
+) -> None:
     """Copy host bytes into CUDA tensors through two reused pinned buffers.
 
-    ``items``: ``(nbytes, flat uint8 CUDA tensor, key)``, every ``nbytes`` <= ``_STAGE_BYTES``.
-    ``fill(pairs)`` writes, for each ``(key, uint8 numpy view of pinned memory)``, the key's
-    bytes into the view (CRC-checked bytes: the caller has checked them). While the device
-    copies one buffer (``non_blocking`` on a side stream), the other is filled; a buffer is
-    refilled only after the event recorded behind its last copies has completed. Returns
-    when every copy has finished."""
+    ``items``: ``(nbytes, flat uint8 CUDA tensor, key)``. ``fill(pairs)`` writes, for each
+    ``(key, uint8 numpy view of pinned memory)``, the key's bytes into the view (checked
+    bytes: the caller checks them, before or on the way). An item larger than
+    ``_STAGE_BYTES`` goes in pieces of at most that size, written by
+    ``fill_range(triples)``, for each ``(key, byte offset, view)`` (required then). While
+    the device copies one buffer (``non_blocking`` on a side stream), the other is filled;
+    a buffer is refilled only after the event recorded behind its last copies has
+    completed. Returns when every copy has finished."""
     torch = _torch()
     devs = {it[1].device for it in items}
     if len(devs) > 1:
         for d in devs:
-            _stage_to_cuda([it for it in items if it[1].device == d], fill)
+            _stage_to_cuda([it for it in items if it[1].device == d], fill, fill_range)
         return
-    dev = items[0][1].device
-    batches = _batches([nb for nb, _, _ in items], _STAGE_BYTES)
-    need = max(sum(-(-items[i][0] // _ALIGN) * _ALIGN for i, _ in b) for b in batches)
+    # (nbytes, destination, key, byte offset or None for a whole item)
+    pieces: list[tuple[int, Any, Any, Optional[int]]] = []
+    for nb, dst, key in items:
+        if nb <= _STAGE_BYTES:
+            pieces.append((nb, dst, key, None))
+            continue
+        if fill_range is None:
+            raise InvalidArgumentError(f"{key!r}: {nb} bytes is over the staging buffer")
+        for off in range(0, nb, _STAGE_BYTES):
+            n = min(_STAGE_BYTES, nb - off)
+            pieces.append((n, dst[off : off + n], key, off))
+    if not pieces:
+        return
+    dev = pieces[0][1].device
+    batches = _batches([nb for nb, _, _, _ in pieces], _STAGE_BYTES)
+    need = max(sum(-(-pieces[i][0] // _ALIGN) * _ALIGN for i, _ in b) for b in batches)
     cap = min(_STAGE_BYTES, need)
     bufs = [
         torch.empty(cap, dtype=torch.uint8, pin_memory=True)
@@ -535,11 +587,16 @@ def _stage_to_cuda(items: list, fill: Callable[[list], None]) -> None:
         if done[k] is not None:
             done[k].synchronize()
         buf = bufs[k]
-        views = [(i, buf[off : off + items[i][0]]) for i, off in batch]
-        fill([(items[i][2], v.numpy()) for i, v in views])
+        views = [(i, buf[off : off + pieces[i][0]]) for i, off in batch]
+        whole = [(pieces[i][2], v.numpy()) for i, v in views if pieces[i][3] is None]
+        ranged = [(pieces[i][2], pieces[i][3], v.numpy()) for i, v in views if pieces[i][3] is not None]
+        if whole:
+            fill(whole)
+        if ranged:
+            fill_range(ranged)
         with torch.cuda.stream(stream):
             for i, v in views:
-                items[i][1].copy_(v, non_blocking=True)
+                pieces[i][1].copy_(v, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
         done[k] = ev
@@ -547,13 +604,21 @@ def _stage_to_cuda(items: list, fill: Callable[[list], None]) -> None:
 
 
 def _build_state_dict(
-    model: Any, optimizer: Any, st: dict, ometa: dict, fresh: Optional[list] = None
+    model: Any,
+    optimizer: Any,
+    st: dict,
+    ometa: dict,
+    fresh: Optional[list] = None,
+    cuda_fresh: Optional[list] = None,
 ) -> dict:
     """The state dict for ``optimizer.load_state_dict`` from ``st``, checked against the
     live optimizer. ``st`` is :meth:`Checkpoint.load_optimizer`'s result (state as arrays),
     or, with ``fresh`` given, :meth:`Checkpoint.optimizer_plan`'s (state as descriptions):
     then each state is a fresh ``torch.empty`` tensor and ``(tensor name, its bytes)`` is
-    appended to ``fresh`` for the caller to fill."""
+    appended to ``fresh`` for the caller to fill; states of CUDA parameters (but ``step``,
+    which ``load_state_dict`` keeps where it is) are created on the parameter's device
+    instead and appended to ``cuda_fresh`` as ``(nbytes, flat uint8 view, tensor name)``
+    for :func:`_stage_to_cuda`."""
     names = _param_names(model, optimizer)
     live_groups = optimizer.param_groups
     ck_groups = st["param_groups"]
@@ -596,8 +661,20 @@ def _build_state_dict(
             s: dict[str, Any] = {}
             for k, v in (st["state"].get(n) or {}).items():
                 if fresh is not None:
-                    s[k] = _empty_for(v)
-                    fresh.append((v["tensor"], _bytes_of(s[k])))
+                    dev = dev_of[i]
+                    nb = _nbytes_of(v)
+                    if (
+                        cuda_fresh is not None
+                        and dev is not None
+                        and k != "step"
+                        and nb > 0
+                        and _STAGE_BYTES > 0
+                    ):
+                        s[k] = _empty_for(v, dev)
+                        cuda_fresh.append((nb, s[k].reshape(-1).view(_torch().uint8), v["tensor"]))
+                    else:
+                        s[k] = _empty_for(v)
+                        fresh.append((v["tensor"], _bytes_of(s[k])))
                     continue
                 s[k] = _from_array(v.to_float32() if isinstance(v, F16Scaled) else v)
                 if dev_of[i] is not None and k != "step" and 0 < s[k].nbytes <= _STAGE_BYTES:
