@@ -98,13 +98,18 @@ fn the_first_damaged_tensor_in_fills_then_verify_order_is_named() {
     .unwrap();
 }
 
+/// Optimizer state of 2.5M FP32 elements (10 MB) per tensor, saved in `dir` and opened:
+/// several parallel blocks each, the last one partial.
+fn large_states(dir: &std::path::Path) -> Checkpoint {
+    let (opt, _) = synthetic_state(2, 2_500_000).unwrap();
+    opt.save(dir, &[], &SaveOptions::default()).unwrap();
+    Checkpoint::open(dir).unwrap()
+}
+
 #[test]
 fn tensors_of_many_blocks_fill_copy_and_verify_exactly() {
-    // 2.5M FP32 elements = 10 MB per state: several parallel blocks each, the last partial.
     let dir = tempfile::tempdir().unwrap();
-    let (opt, _) = synthetic_state(2, 2_500_000).unwrap();
-    opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
-    let ck = Checkpoint::open(dir.path()).unwrap();
+    let ck = large_states(dir.path());
     let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
     let big: Vec<&str> = names
         .iter()
@@ -136,9 +141,7 @@ fn tensors_of_many_blocks_fill_copy_and_verify_exactly() {
 fn ranges_of_large_tensors_copy_exactly_and_are_checked_before_any_write() {
     // 10 MB states copied in uneven pieces (the way CUDA staging cuts a large tensor).
     let dir = tempfile::tempdir().unwrap();
-    let (opt, _) = synthetic_state(2, 2_500_000).unwrap();
-    opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
-    let ck = Checkpoint::open(dir.path()).unwrap();
+    let ck = large_states(dir.path());
     let t = ck
         .tensors()
         .iter()

@@ -518,14 +518,7 @@ impl PyCheckpoint {
             names.push(n);
             arrays.push(a);
         }
-        let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(arrays.len());
-        for (n, a) in names.iter().zip(arrays.iter_mut()) {
-            dsts.push(a.as_slice_mut().map_err(|_| {
-                invalid_arg(format!(
-                    "copy_into: the destination of {n:?} is not contiguous"
-                ))
-            })?);
-        }
+        let dsts = writable_bytes("copy_into", &names, &mut arrays)?;
         py.detach(move || {
             let pairs: Vec<(&str, &mut [u8])> =
                 names.iter().map(String::as_str).zip(dsts).collect();
@@ -555,14 +548,7 @@ impl PyCheckpoint {
             offsets.push(off);
             arrays.push(a);
         }
-        let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(arrays.len());
-        for (n, a) in names.iter().zip(arrays.iter_mut()) {
-            dsts.push(a.as_slice_mut().map_err(|_| {
-                invalid_arg(format!(
-                    "copy_ranges_into: the destination of {n:?} is not contiguous"
-                ))
-            })?);
-        }
+        let dsts = writable_bytes("copy_ranges_into", &names, &mut arrays)?;
         py.detach(move || {
             let items: Vec<(&str, u64, &mut [u8])> = names
                 .iter()
@@ -597,14 +583,7 @@ impl PyCheckpoint {
     ) -> PyResult<()> {
         let ck = self.open_parts()?.0.clone();
         let (names, mut arrays): (Vec<String>, Vec<_>) = fills.into_iter().unzip();
-        let mut dsts: Vec<&mut [u8]> = Vec::with_capacity(arrays.len());
-        for (n, a) in names.iter().zip(arrays.iter_mut()) {
-            dsts.push(a.as_slice_mut().map_err(|_| {
-                invalid_arg(format!(
-                    "fill_and_verify: the destination of {n:?} is not contiguous"
-                ))
-            })?);
-        }
+        let dsts = writable_bytes("fill_and_verify", &names, &mut arrays)?;
         py.detach(move || {
             let fills: Vec<(&str, &mut [u8])> =
                 names.iter().map(String::as_str).zip(dsts).collect();
@@ -720,4 +699,22 @@ fn verify_many(ck: &Checkpoint, names: &[String]) -> Result<(), Error> {
         Some((_, e)) => Err(e),
         None => Ok(()),
     }
+}
+
+/// The writable bytes of each destination array (named by `names`, for errors), which must
+/// be C-contiguous: `InvalidArgumentError` naming `op` and the tensor otherwise.
+fn writable_bytes<'a>(
+    op: &str,
+    names: &[String],
+    arrays: &'a mut [numpy::PyReadwriteArray1<'_, u8>],
+) -> PyResult<Vec<&'a mut [u8]>> {
+    names
+        .iter()
+        .zip(arrays.iter_mut())
+        .map(|(n, a)| {
+            a.as_slice_mut().map_err(|_| {
+                invalid_arg(format!("{op}: the destination of {n:?} is not contiguous"))
+            })
+        })
+        .collect()
 }
