@@ -8,7 +8,9 @@
 //!   every CRC block summed as it lands, the open checks) and open + verify (the CRC-checked
 //!   load: `verify` after the open, which reads nothing again when `crc_fused` is true) vs raw
 //!   parallel ranged GETs of the same bytes (`get_range`, into the buffers `object_store`
-//!   returns), timed round-robin.
+//!   returns), timed round-robin; and, for context, beside the same GETs each copied into
+//!   one fresh buffer of the object's size (`raw_get_fresh`: the copy and the page faults of
+//!   fresh memory that any load into new memory pays).
 //!
 //! The server comes from the environment (`AWS_ENDPOINT_URL`, ...); scripts/s3-bench.sh
 //! starts s3s-fs (and uses a Garage cluster where one runs) and calls this.
@@ -113,17 +115,48 @@ fn main() -> ckptstore::Result<()> {
                 .await
         })
     };
-    // Loads are timed round-robin (raw, open, open + verify in each round, the order
-    // rotated from one round to the next), so that drift on a shared machine and the order
-    // touch all three alike; the best round of each is reported.
-    let mut t = [f64::INFINITY; 3];
+    // A second, informative baseline: the same GETs, each body copied into its place in one
+    // fresh buffer of the object's size (what any load into new memory pays on top of the
+    // GETs: the copy and the page faults of fresh memory). The clock stops before the free.
+    let raw_get_fresh_once = || {
+        let mut buf = vec![0u8; flat.len()];
+        r.block_on(async {
+            let jobs = buf.chunks_mut(cfg.range_size).enumerate().map(|(i, dst)| {
+                let store = store.clone();
+                let key = raw_key.clone();
+                let at = i as u64 * step;
+                async move {
+                    let b = store
+                        .get_range(&key, at..at + dst.len() as u64)
+                        .await
+                        .expect("get");
+                    dst.copy_from_slice(&b);
+                }
+            });
+            futures::stream::iter(jobs)
+                .buffer_unordered(cfg.download_concurrency)
+                .collect::<Vec<()>>()
+                .await;
+        });
+        buf
+    };
+    // Loads are timed round-robin (raw, raw into a fresh buffer, open, open + verify in each
+    // round, the order rotated from one round to the next), so that drift on a shared
+    // machine and the order touch all alike; the best round of each is reported.
+    let mut t = [f64::INFINITY; 4];
     let mut fused = true;
     for round in 0..reps {
-        for k in 0..3 {
-            let which = (round + k) % 3;
+        for k in 0..4 {
+            let which = (round + k) % 4;
             let t0 = Instant::now();
             match which {
                 0 => assert_eq!(raw_get_once() as u64, size),
+                3 => {
+                    let buf = raw_get_fresh_once();
+                    t[3] = t[3].min(t0.elapsed().as_secs_f64());
+                    assert!(buf == flat);
+                    continue;
+                }
                 1 => {
                     let ck = s3::open_with(&url, &cfg).expect("open");
                     t[1] = t[1].min(t0.elapsed().as_secs_f64());
@@ -142,14 +175,15 @@ fn main() -> ckptstore::Result<()> {
             t[which] = t[which].min(t0.elapsed().as_secs_f64());
         }
     }
-    let [raw_get, open, open_verify] = t;
+    let [raw_get, open, open_verify, raw_fresh] = t;
     let _ = r.delete("raw-baseline.bin");
 
     println!(
         "{{\"url\": \"{url}\", \"bytes\": {size}, \"reps\": {reps}, \
          \"raw_multipart_put_gibps\": {:.3}, \"save_gibps\": {:.3}, \"save_ratio\": {:.3}, \
          \"raw_ranged_get_gibps\": {:.3}, \"open_gibps\": {:.3}, \"open_ratio\": {:.3}, \
-         \"open_verify_gibps\": {:.3}, \"open_verify_ratio\": {:.3}, \"crc_fused\": {fused}}}",
+         \"open_verify_gibps\": {:.3}, \"open_verify_ratio\": {:.3}, \"crc_fused\": {fused}, \
+         \"raw_get_fresh_gibps\": {:.3}, \"open_verify_vs_raw_fresh_ratio\": {:.3}}}",
         gib(raw_put),
         gib(save),
         raw_put / save,
@@ -158,6 +192,8 @@ fn main() -> ckptstore::Result<()> {
         raw_get / open,
         gib(open_verify),
         raw_get / open_verify,
+        gib(raw_fresh),
+        raw_fresh / open_verify,
     );
     Ok(())
 }
