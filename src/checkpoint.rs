@@ -872,10 +872,12 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// Take the sums of every tensor's pieces, computed while the bytes arrived in this
     /// checkpoint's own buffers (`sums[i]` for `tensors()[i]`, in pieces of `units[i]`
     /// bytes; [`check_units`]). If every tensor passes, mark the data verified, so that
-    /// [`Checkpoint::verify`] and checked reads do not read it again, and return `true`.
+    /// [`Checkpoint::verify`] and checked reads do not read it again ([`data_verified`]).
     /// Otherwise change nothing: the checks run as usual and report the failure then.
     /// Only for storage that owns its bytes: nothing can change them after this.
-    pub(crate) fn accept_unit_sums(&mut self, units: &[u64], sums: &[Vec<(u32, u32)>]) -> bool {
+    ///
+    /// [`data_verified`]: Checkpoint::data_verified
+    pub(crate) fn accept_unit_sums(&mut self, units: &[u64], sums: &[Vec<(u32, u32)>]) {
         let ts = self.tensors();
         let ok =
             units.len() == ts.len()
@@ -884,7 +886,6 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                     check_units(t, &self.shards[t.shard].file, unit, s).is_ok()
                 });
         self.data_verified |= ok;
-        ok
     }
 
     fn check_absmax(&self, t: &TensorInfo, recorded: f32, actual: Option<f32>) -> Result<()> {

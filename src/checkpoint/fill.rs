@@ -169,8 +169,6 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
 }
 
 impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
-    /// The tensor `name`, checked to have exactly `dst.len()` stored bytes (the stored
-    /// bytes themselves, not the shape's count: a copy needs equal lengths).
     /// Copy stored bytes `[offset, offset + dst.len())` of each named tensor into its
     /// `dst`, in parallel across items and in blocks within large ones. The CRC is not
     /// checked here ([`Checkpoint::verify_tensors`] or [`Checkpoint::fill_and_verify`]
@@ -206,6 +204,8 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
         Ok(())
     }
 
+    /// The tensor `name`, checked to have exactly `dst.len()` stored bytes (the stored
+    /// bytes themselves, not the shape's count: a copy needs equal lengths).
     fn destination_for(&self, name: &str, dst: &[u8]) -> Result<&TensorInfo> {
         let t = self.info(name)?;
         let len = self.view(t).bytes().len();

@@ -650,6 +650,27 @@ impl Remote {
     }
 }
 
+impl Remote {
+    /// [`Remote::checked_jobs_for`], or, where the pieces cannot follow the layout, plain
+    /// [`Remote::jobs_for`] over the same range. Returns whether the jobs carry pieces.
+    fn summed_or_plain_jobs_for<'d>(
+        &self,
+        (name, shard, object_size): (&'d str, usize, u64),
+        start: u64,
+        dst: &'d mut [u8],
+        tensors: &[(usize, &TensorInfo)],
+        out: &mut Vec<RangeJob<'d>>,
+    ) -> bool {
+        match self.checked_jobs_for((name, shard, object_size), start, dst, tensors, out) {
+            Ok(()) => true,
+            Err(dst) => {
+                self.jobs_for(name, shard, object_size, start, dst, out);
+                false
+            }
+        }
+    }
+}
+
 /// The CRC piece size of `t` for fetches summed on the way ([`Remote::checked_jobs_for`]):
 /// its block size if it records block CRCs, else `step`.
 fn piece_unit(t: &TensorInfo, step: u64) -> u64 {
@@ -842,17 +863,17 @@ pub fn open_remote(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
         .enumerate()
     {
         ts.sort_by_key(|(_, t)| t.offsets[0]);
-        if let Err(buf) = r.checked_jobs_for((&s.file, i, s.size), 0, buf, ts, &mut jobs) {
-            summed = false;
-            r.jobs_for(&s.file, i, s.size, 0, buf, &mut jobs);
-        }
+        summed &= r.summed_or_plain_jobs_for((&s.file, i, s.size), 0, buf, ts, &mut jobs);
     }
     let sums = r.read_ranges(jobs).map_err(|e| name_keys(e, &r.url))?;
     let ck = Checkpoint::from_parts(&bytes, bufs).map_err(|e| name_keys(e, &r.url))?;
     // Later errors (verify, loads) name the objects by URL.
     let mut ck = ck.with_shard_names(|f| r.url.child(f).to_string());
     let tensors: Vec<&TensorInfo> = m.tensors.iter().collect();
-    if let (true, Some((units, per))) = (summed, gather_sums(&tensors, r.piece_step(), sums)) {
+    if let Some((units, per)) = summed
+        .then(|| gather_sums(&tensors, r.piece_step(), sums))
+        .flatten()
+    {
         // Every tensor passed: `verify` and checked loads need not read the bytes again.
         // A failure changes nothing here: open still makes only the checks a local open
         // makes, and `verify` or the load reports the damaged tensor as it would locally.
@@ -1052,29 +1073,20 @@ impl RemoteCheckpoint {
         self.fetched.fetch_add(t.nbytes(), Ordering::Relaxed);
         let mut jobs = Vec::new();
         let step = self.remote.piece_step();
-        let summed = match self.remote.checked_jobs_for(
+        let summed = self.remote.summed_or_plain_jobs_for(
             (&s.file, t.shard, s.size),
             t.offsets[0],
             out.bytes_mut(),
             &[(0, t)],
             &mut jobs,
-        ) {
-            Ok(()) => true,
-            Err(dst) => {
-                self.remote
-                    .jobs_for(&s.file, t.shard, s.size, t.offsets[0], dst, &mut jobs);
-                false
-            }
-        };
+        );
         let sums = self
             .remote
             .read_ranges(jobs)
             .map_err(|e| name_keys(e, &self.remote.url))?;
-        match gather_sums(&[t], step, sums) {
-            Some((units, per)) if summed => {
-                crate::checkpoint::check_units(t, &file, units[0], &per[0])?;
-            }
-            _ => crate::checkpoint::check_crc_in(t, &file, crate::crc32_parallel(out.bytes()))?,
+        match summed.then(|| gather_sums(&[t], step, sums)).flatten() {
+            Some((units, per)) => crate::checkpoint::check_units(t, &file, units[0], &per[0])?,
+            None => crate::checkpoint::check_crc_in(t, &file, crate::crc32_parallel(out.bytes()))?,
         }
         Ok(out)
     }

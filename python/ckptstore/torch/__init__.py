@@ -465,14 +465,6 @@ def _empty_for(info: dict, device: Any = None) -> Any:
     return torch.empty(tuple(info["shape"]), dtype=dt, device=device)
 
 
-def _nbytes_of(info: dict) -> int:
-    """Bytes of the stored tensor ``info`` (its dtype and shape)."""
-    dt = _torch_of.get(info["dtype"])
-    if dt is None:
-        raise InvalidTensorError(f"dtype {info['dtype']} has no torch dtype here")
-    return int(np.prod(info["shape"], dtype=np.int64)) * dt.itemsize
-
-
 def _bytes_of(t: Any) -> np.ndarray:
     """A writable 1-D ``uint8`` numpy view of a contiguous CPU tensor's memory."""
     torch = _torch()
@@ -662,16 +654,16 @@ def _build_state_dict(
             for k, v in (st["state"].get(n) or {}).items():
                 if fresh is not None:
                     dev = dev_of[i]
-                    nb = _nbytes_of(v)
                     if (
                         cuda_fresh is not None
                         and dev is not None
                         and k != "step"
-                        and nb > 0
+                        and math.prod(v["shape"]) > 0
                         and _STAGE_BYTES > 0
                     ):
                         s[k] = _empty_for(v, dev)
-                        cuda_fresh.append((nb, s[k].reshape(-1).view(_torch().uint8), v["tensor"]))
+                        flat = s[k].reshape(-1).view(_torch().uint8)
+                        cuda_fresh.append((flat.numel(), flat, v["tensor"]))
                     else:
                         s[k] = _empty_for(v)
                         fresh.append((v["tensor"], _bytes_of(s[k])))
