@@ -58,4 +58,6 @@ pub use sys::mmap::Map;
 pub use tensor::{BufferPool, PoolStats, Tensor};
 pub use view::{Element, TensorView};
 pub use write::parts::{CommitOptions, Part, PartChunk, PartItem};
-pub use write::{save, save_with_section, CommitInfo, SaveOptions, TensorRef};
+pub use write::{
+    save, save_with_section, wait_for_cleanup, Cleanup, CommitInfo, SaveOptions, TensorRef,
+};

@@ -40,6 +40,7 @@ names, with ``"*"`` for the default. Targets: ``"as_stored"``, ``"f32"``, ``"bf1
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -74,6 +75,7 @@ __all__ = [
     "F16Scaled",
     "Chunk",
     "new_checkpoint_id",
+    "wait_for_cleanup",
     "write_part",
     "commit",
     "CheckpointManager",
@@ -222,6 +224,7 @@ def save(
     metadata: Optional[Mapping[str, Any]] = None,
     max_shard_size: Optional[int] = None,
     optimizer: Optional[Mapping[str, Any]] = None,
+    cleanup: str = "inline",
 ) -> dict:
     """Save ``tensors`` (name -> numpy array) as a checkpoint in the directory ``path``,
     atomically replacing any checkpoint there.
@@ -241,8 +244,16 @@ def save(
     ``max_shard_size``: most bytes of tensor data per shard file (default 4 GiB).
     ``optimizer``: optimizer state in the dict form described in the module docs; its
     tensors are stored as ``optim/<param>/<state>``.
+    ``cleanup``: when the previous checkpoint's files are removed, once the new one is
+    committed. ``"inline"`` (default): before ``save`` returns. ``"background"``: on a
+    background thread that holds the directory's writer lock until it is done, so that
+    ``save`` returns at the commit point (removing a 1 GiB checkpoint's files took about
+    0.9 s on ext4 here); the next save into the directory waits for it, and
+    :func:`wait_for_cleanup` (also run at interpreter exit) waits for all. Local
+    directories only: S3 saves remove inline.
 
-    Returns ``{"checkpoint_id", "shards", "tensors", "data_bytes", "removed"}``. Raises
+    Returns ``{"checkpoint_id", "shards", "tensors", "data_bytes", "removed"}`` (with
+    ``"background"``, ``removed`` counts only leftovers removed before writing). Raises
     :class:`CheckpointError` subclasses (``InvalidTensorError``, ``InvalidArgumentError``,
     ``OptimizerStateError``, ``CheckpointIOError``) before anything is committed.
     """
@@ -253,7 +264,18 @@ def save(
     meta = _metadata_json(metadata)
     if max_shard_size is not None and max_shard_size <= 0:
         raise InvalidArgumentError("max_shard_size must be positive")
-    return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, opt)
+    return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, opt, cleanup)
+
+
+def wait_for_cleanup() -> int:
+    """Wait until every background cleanup this process started (``save(...,
+    cleanup="background")``, the default of :func:`ckptstore.torch.save`) has removed its
+    files; returns how many it removed. Registered with :mod:`atexit`, so a program that
+    ends right after a save leaves no previous checkpoint's files behind."""
+    return _ckptstore.wait_for_cleanup()
+
+
+atexit.register(wait_for_cleanup)
 
 
 def new_checkpoint_id() -> str:

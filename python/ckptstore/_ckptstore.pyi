@@ -27,10 +27,15 @@ def save(
             ],
         ]
     ] = None,
+    cleanup: str = "inline",
 ) -> dict[str, Any]:
     """Low-level save: ``(name, wire dtype, array)`` triples, metadata as JSON text, and
     optimizer state as ``(groups JSON, [(param, state, values, scale or None), ...])``;
-    the engine builds and checks the optimizer section. Use :func:`ckptstore.save`."""
+    the engine builds and checks the optimizer section. ``cleanup``: ``"inline"`` or
+    ``"background"``. Use :func:`ckptstore.save`."""
+
+def wait_for_cleanup() -> int:
+    """Wait for this process's background cleanups; the number of files they removed."""
 
 def new_checkpoint_id() -> str:
     """A fresh 32-hex-digit checkpoint id for a multi-rank save."""

@@ -29,6 +29,7 @@ use checkpoint::{MappedCheckpoint, OwnedBuffer, PyCheckpoint};
 #[pymodule]
 fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save::save, m)?)?;
+    m.add_function(wrap_pyfunction!(save::wait_for_cleanup, m)?)?;
     m.add_function(wrap_pyfunction!(parts::write_part, m)?)?;
     m.add_function(wrap_pyfunction!(parts::commit, m)?)?;
     m.add_function(wrap_pyfunction!(parts::new_checkpoint_id, m)?)?;

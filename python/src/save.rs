@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use ckptstore::optim::{OptimizerStateRef, ParamGroup, ParamSpec, StateValueRef};
-use ckptstore::{CommitInfo, SaveOptions, TensorRef};
+use ckptstore::{Cleanup, CommitInfo, SaveOptions, TensorRef};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -108,8 +108,19 @@ pub(crate) fn entry_refs<'a>(tensors: &'a [Entry<'_>]) -> PyResult<Vec<TensorRef
     tensors.iter().map(entry_ref).collect()
 }
 
+/// The cleanup mode from its Python name (`"inline"` or `"background"`).
+fn parse_cleanup(s: &str) -> PyResult<Cleanup> {
+    match s {
+        "inline" => Ok(Cleanup::Inline),
+        "background" => Ok(Cleanup::Background),
+        _ => Err(invalid_arg(format!(
+            "cleanup must be \"inline\" or \"background\", not {s:?}"
+        ))),
+    }
+}
+
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata = None, max_shard_size = None, optimizer = None))]
+#[pyo3(signature = (path, tensors, metadata = None, max_shard_size = None, optimizer = None, cleanup = "inline"))]
 pub(crate) fn save<'py>(
     py: Python<'py>,
     path: PathBuf,
@@ -117,8 +128,10 @@ pub(crate) fn save<'py>(
     metadata: Option<&str>,
     max_shard_size: Option<u64>,
     optimizer: Option<(String, Vec<StateEntry<'py>>)>,
+    cleanup: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = save_options(metadata, max_shard_size)?;
+    let mut opts = save_options(metadata, max_shard_size)?;
+    opts.cleanup = parse_cleanup(cleanup)?;
     let refs = entry_refs(&tensors)?;
     let info = match &optimizer {
         None => py.detach(|| crate::remote::save(&path, &refs, &opts)),
@@ -129,6 +142,13 @@ pub(crate) fn save<'py>(
     }
     .map_err(CkError)?;
     commit_info(py, info)
+}
+
+/// Wait for every background cleanup this process started (`ckptstore.wait_for_cleanup`);
+/// returns the number of files removed.
+#[pyfunction]
+pub(crate) fn wait_for_cleanup(py: Python<'_>) -> usize {
+    py.detach(ckptstore::wait_for_cleanup)
 }
 
 /// The optimizer state of a save over the arrays' memory (no copy): `groups` as JSON (see

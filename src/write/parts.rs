@@ -640,7 +640,7 @@ fn commit_impl<F: Fs>(
         );
     }
     // C6: steps 3-5 of a save.
-    let removed = commit_manifest(fs, dir, Created::new(fs), &bytes, &m)?;
+    let removed = commit_manifest(fs, dir, Created::new(fs), &bytes, &m)?.run(fs, dir);
     Ok(CommitInfo {
         checkpoint_id: checkpoint_id.to_string(),
         shards: m.shards.len(),

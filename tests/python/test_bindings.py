@@ -107,6 +107,25 @@ def test_sharding_and_replacement(tmp_path):
     assert not any(Path(p).exists() for p in ck.shard_files)
 
 
+def test_background_cleanup(tmp_path):
+    """``cleanup="background"``: the save returns committed, the previous checkpoint's files
+    go on a background thread; ``wait_for_cleanup`` waits for it and counts them."""
+    arrays = {f"t{i}": np.full((256,), i, np.float32) for i in range(8)}
+    ckptstore.save(tmp_path, arrays, max_shard_size=2048)
+    old = ckptstore.open(tmp_path).shard_files
+    new = {"t3": np.arange(16, dtype=np.float32)}
+    info = ckptstore.save(tmp_path, new, cleanup="background")
+    assert info["removed"] == 0
+    ck = ckptstore.open(tmp_path)  # committed before the cleanup
+    np.testing.assert_array_equal(ck["t3"], new["t3"])
+    assert ckptstore.wait_for_cleanup() == 4
+    assert not any(Path(p).exists() for p in old)
+    assert ckptstore.wait_for_cleanup() == 0
+    ckptstore.open(tmp_path).verify()
+    with pytest.raises(ckptstore.InvalidArgumentError, match="cleanup"):
+        ckptstore.save(tmp_path, new, cleanup="later")
+
+
 # ------------------------------------------------------------------------------------
 # Zero copy
 # ------------------------------------------------------------------------------------

@@ -137,6 +137,28 @@ def test_state_is_matched_by_name_not_position(tmp_path):
     assert_same(ref, ref_opt, new, new_opt)
 
 
+def test_save_in_a_training_loop_cleans_up_in_the_background(tmp_path):
+    """ct.save's default ``cleanup="background"``: each save returns committed, the next one
+    waits for the previous cleanup, and at the end only the last checkpoint's files remain."""
+    torch.manual_seed(0)
+    data = batches(torch.float32, 4)
+    model = Net(torch.float32)
+    opt = torch.optim.Adam(list(model.parameters()), lr=0.01)
+    seen = []
+    for x in data:
+        train(model, opt, [x])
+        info = ct.save(tmp_path, model, opt)
+        assert info["removed"] == 0
+        seen.append({Path(p) for p in ckptstore.open(tmp_path).shard_files})
+    ckptstore.wait_for_cleanup()
+    left = set(Path(tmp_path).glob("shard-*"))
+    assert left == seen[-1] and not any(left & s for s in seen[:-1])
+    new = Net(torch.float32)
+    new_opt = torch.optim.Adam(list(new.parameters()), lr=0.5)
+    ct.load(tmp_path, new, new_opt)
+    assert_same(model, opt, new, new_opt)
+
+
 def test_colossalai_scenario_restore_replaces(tmp_path):
     """ColossalAI (PR #6550) merged a checkpoint into the live state: parameters absent
     from the checkpoint kept stale momentum. Saved before the first step, the checkpoint

@@ -276,6 +276,7 @@ def save(
     *,
     extra: Optional[Mapping[str, Any]] = None,
     max_shard_size: Optional[int] = None,
+    cleanup: str = "background",
 ) -> dict:
     """Save ``model`` (its ``state_dict()``), ``optimizer`` (its ``state_dict()``, with
     parameters named by their model names) and ``extra`` as one checkpoint in the directory
@@ -287,9 +288,15 @@ def save(
 
     CPU tensors are written from their own memory, without a copy; keep them unchanged
     until ``save`` returns (it releases the GIL while writing).
+
+    ``cleanup`` (default ``"background"``, for training loops): ``save`` returns once the
+    new checkpoint is committed and durable, and the previous checkpoint's files are
+    removed on a background thread (the next save into ``path`` waits for it;
+    :func:`ckptstore.wait_for_cleanup` waits for all and runs at exit). ``"inline"``
+    removes them before returning. See :func:`ckptstore.save`.
     """
     entries, metadata, optim = _build_items(model, optimizer, extra, _to_numpy)
-    return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, optim)
+    return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, optim, cleanup)
 
 
 # ---- load --------------------------------------------------------------------------------
