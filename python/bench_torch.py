@@ -456,31 +456,31 @@ def save_compare(args) -> None:
         save_file(ts, stp)
         fsync_path(stp)
 
-    def clear():
-        shutil.rmtree(ckp, ignore_errors=True)
-        if os.path.exists(stp):
+    def clear(name):
+        # Only this way's own copy: the other tool's stays, for its "replace" way.
+        if "ckptstore" in name:
+            shutil.rmtree(ckp, ignore_errors=True)
+        elif os.path.exists(stp):
             os.remove(stp)
         os.sync()
 
+    # Every "replace" way finds the copy the way before it left (asserted below).
     ways = [("fresh ckptstore", True, ck("inline")), ("fresh safetensors", True, st),
             ("replace ckptstore inline", False, ck("inline")),
             ("replace ckptstore background", False, ck("background")),
             ("replace safetensors", False, st)]
-    # Each "replace" way needs a previous copy to replace.
-    ck("inline")()
-    st()
     best = {name: float("inf") for name, _, _ in ways}
     for _ in range(args.repeat):
         for name, fresh, run in ways:
             if fresh:
-                clear()
+                clear(name)
+            else:
+                assert os.path.exists(os.path.join(ckp, "ckpt-manifest.json") if "ckptstore" in name else stp), name
             t0 = time.perf_counter()
             run()
             best[name] = min(best[name], time.perf_counter() - t0)
             ckptstore.wait_for_cleanup()
             os.sync()
-            if fresh:  # leave a copy for the replace ways
-                ck("inline")() if "ckptstore" in name else st()
     gib = nbytes / 2**30
     for k, v in best.items():
         print(f"save {k:<30} {v:8.3f} s {gib / v:6.2f} GiB/s")
