@@ -16,6 +16,10 @@ else
 fi
 step "Python packages: tests/python/requirements.txt (torch is large: minutes on a fresh machine)"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+step "Python packages: tests/python/requirements-frameworks.txt (Lightning, Accelerate, DeepSpeed, TorchTitan)"
+# DeepSpeed is an sdist: build none of its CUDA ops (its CPU comm op is JIT-built at run time
+# with ninja, which the venv's bin/ provides; tests put it on PATH).
+DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/python/requirements-frameworks.txt
 # The Python bindings (python/): built from source by maturin, the PEP 517 backend pip
 # fetches from PyPI, into this workspace's target/ directory.
 step "bindings: building python/ with maturin (release)"
