@@ -1,0 +1,549 @@
+"""DeepSpeed's checkpoint engine on ckptstore (tested with DeepSpeed 0.19.8, ZeRO stages 0-2).
+
+::
+
+    import deepspeed
+    from ckptstore.integrations import deepspeed as ckds
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=ds_config, ...)
+    ckds.install(engine)                        # the one line
+    engine.save_checkpoint("run/ckpt")          # tag global_step<N>, then `latest`
+    engine.load_checkpoint("run/ckpt")          # the tag `latest` names
+
+DeepSpeed has no configuration key that selects a checkpoint engine class, so
+:func:`install` sets ``engine.checkpoint_engine`` after ``deepspeed.initialize`` (and wraps
+the engine's ``save_checkpoint`` / ``load_checkpoint``, see below).
+
+**Files.** DeepSpeed's save writes one object per file of a tag through
+``CheckpointEngine.save(state_dict, path)``: ``<tag>/mp_rank_00_model_states.pt`` (module
+weights, scheduler, step counters, client state, and under ZeRO-0 the optimizer) and under
+ZeRO 1-2 one ``<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank
+(the flat FP32 partition and the base optimizer's state). Here each such path is **one
+committed ckptstore checkpoint directory** of that name, holding the object as
+:func:`ckptstore.integrations._tree.save_tree` stores it (every tensor a CRC-checked tensor
+named by its path in the object, ``module/0.weight``,
+``optimizer_state_dict/base_optimizer_state/state/0/exp_avg``; the rest as JSON in the
+manifest). DeepSpeed's loader finds its files by name (``glob`` of
+``<tag>/mp_rank_*_model_states.pt``), so keeping its names keeps its loader unchanged, and
+``ckpt verify`` / ``ckpt inspect`` open each file's checkpoint at the path DeepSpeed names.
+One checkpoint per file (rather than one per tag) also lets every rank write its own files
+with no cross-rank commit.
+
+**Commit.** Nothing of a tag is visible, and ``latest`` does not move, until its commit:
+
+* ``create(info)`` opens the tag; the files are written (each a committed checkpoint) into
+  a hidden staging directory ``<save_dir>/.<tag>.ckptstore-staging`` (``makedirs`` and
+  ``save`` of paths under ``<save_dir>/<tag>`` are redirected there);
+* ``commit(info)`` waits for every rank (a barrier), then the global rank 0 makes the staged
+  tag visible in one ``rename(2)`` to ``<save_dir>/<tag>`` (an existing tag of the same name
+  is swapped atomically with ``renameat2(RENAME_EXCHANGE)`` on Linux, then removed), fsyncs
+  the directory, and only then writes ``latest`` (to a temporary file, fsynced, renamed over
+  ``latest``). DeepSpeed itself rewrites ``latest`` after ``commit`` returns with a plain
+  ``open(..., "w")``, which a kill can leave empty; :func:`install` makes the engine skip
+  that write (it passes ``save_latest=False`` and hands the real flag to this engine).
+
+A process killed anywhere before the rename leaves the previous tags and ``latest`` as they
+were (the staging directory is removed by the next save into the directory); killed after
+it, the new tag is complete and ``latest`` names either tag.
+
+**Load.** ``load(path, map_location)`` returns the object ``save`` was given: tensors as
+fresh CRC-checked tensors, equal bit for bit, dicts, lists, tuples, ``OrderedDict``,
+``torch.Size`` and the DeepSpeed values below with their types. DeepSpeed loads a tag's files
+one after the other and applies each as it comes (the module weights first, then the ZeRO
+partition), so a damaged optimizer file would fail after the model was already changed. The
+``load_checkpoint`` that :func:`install` wraps therefore first loads every file of the tag
+that this rank reads (a file of another data-parallel rank's ZeRO partition is skipped),
+each CRC-checked, before DeepSpeed's loader runs; DeepSpeed's loader then gets those objects
+from memory. A damaged tensor raises :class:`ckptstore.errors.ChecksumError` naming the file
+and the tensor, and the live model, optimizer, scheduler and step counters are unchanged.
+The cost: the model file's objects stay in memory while the ZeRO partition loads (DeepSpeed
+frees them first).
+
+**Non-tensor values.** JSON values are stored as JSON; tuples, ``OrderedDict``,
+``torch.Size``, ``torch.dtype``, non-string keys, non-finite floats and bytes in the tagged
+forms of ``_tree``. DeepSpeed's own values in its state dicts are stored structurally, without
+pickle, and rebuilt as the same types: ``ZeroStageEnum``, the ZeRO optimizer's
+``LossScaler`` / ``DynamicLossScaler`` (their attributes) and ``fragment_address``, and an
+``argparse.Namespace`` (its attributes) in the client state; only these classes are rebuilt,
+looked up in a fixed table, never imported by a name read from the checkpoint. Any other
+object (a custom class in ``client_state``) raises
+:class:`ckptstore.integrations._tree.PickleNotAllowedError` naming its path, before anything
+of the tag is written, unless the engine is made with ``allow_pickle=True``: then it is
+pickled, and loading it needs ``allow_pickle=True`` too. Unpickling runs code chosen by
+whoever wrote the checkpoint: opt in only for checkpoints you trust as much as the code you
+run. The same flag lets :meth:`CheckpointEngine.load` read a file DeepSpeed's default engine
+wrote (``torch.load(weights_only=False)``, the same trust).
+
+Not covered: ZeRO-3 and NVMe offload are untested (NVMe offload copies its swap files into
+the tag directory with ``shutil.copytree``, bypassing the engine); more than one process is
+implemented (a shared file system is assumed: every rank writes its files into the one staging
+directory, rank 0 publishes) but only one process is tested. The ``zero_to_fp32.py`` script
+DeepSpeed copies into ``save_dir`` reads ``torch.save`` files, not these.
+
+Test seam: ``CKPTSTORE_DEEPSPEED_KILL_AT=<point>`` makes the process SIGKILL itself at
+``save`` (after a file of a tag has been committed into the staging directory), ``publish``
+(in ``commit``, every file written, before the rename) or ``latest`` (after the rename,
+before ``latest`` is written). Unset, a point costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import dataclasses
+import errno
+import functools
+import os
+import re
+import shutil
+import signal
+from typing import Any, Dict, List, Optional
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointCommitInfo,
+)
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointEngine as _DSCheckpointEngine,
+)
+
+from ..errors import InvalidArgumentError
+from ._tree import PickleNotAllowedError, load_tree, save_tree
+
+__all__ = ["CheckpointEngine", "install", "KILL_ENV", "KILL_POINTS", "PickleNotAllowedError"]
+
+#: The test seam's environment variable and its points (module docstring).
+KILL_ENV = "CKPTSTORE_DEEPSPEED_KILL_AT"
+KILL_POINTS = ("save", "publish", "latest")
+
+_STAGING = ".ckptstore-staging"
+_OLD = ".ckptstore-old"
+_MARK = "$deepspeed"
+_ZERO_RANK = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")
+
+
+def _seam(point: str) -> None:
+    if os.environ.get(KILL_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- DeepSpeed's values, stored without pickle ------------------------------------------
+
+
+def _known_types() -> Dict[str, type]:
+    """The classes rebuilt on load, by a fixed name (never imported from the checkpoint)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return {
+        "ZeroStageEnum": ZeroStageEnum,
+        "LossScaler": LossScaler,
+        "DynamicLossScaler": DynamicLossScaler,
+        "fragment_address": fragment_address,
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _types() -> Dict[str, type]:
+    return _known_types()
+
+
+def _name_of(v: Any) -> Optional[str]:
+    for name, cls in _types().items():
+        if type(v) is cls:
+            return name
+    return None
+
+
+def _encode(v: Any) -> Any:
+    """``v`` with DeepSpeed's own objects replaced by marked dicts (tensors kept as they are,
+    so that ``save_tree`` stores an object met twice once)."""
+    if isinstance(v, (str, bytes, bool, int, float)) or v is None:
+        name = _name_of(v) if isinstance(v, int) else None
+        if name is not None:  # ZeroStageEnum is an int
+            return {_MARK: "enum", "class": name, "value": int(v)}
+        return v
+    if isinstance(v, dict):
+        items = {k: _encode(x) for k, x in v.items()}
+        if _MARK in v:  # a caller's dict with our key: escaped
+            return {_MARK: "dict", "items": [[k, x] for k, x in items.items()],
+                    "ordered": isinstance(v, collections.OrderedDict)}
+        return collections.OrderedDict(items) if isinstance(v, collections.OrderedDict) else items
+    if isinstance(v, list):
+        return [_encode(x) for x in v]
+    if type(v) is tuple:
+        return tuple(_encode(x) for x in v)
+    if isinstance(v, argparse.Namespace):
+        return {_MARK: "namespace", "vars": _encode(dict(vars(v)))}
+    name = _name_of(v)
+    if name is not None:
+        if dataclasses.is_dataclass(v):
+            fields = {f.name: _encode(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return {_MARK: "dataclass", "class": name, "fields": fields}
+        return {_MARK: "object", "class": name, "state": _encode(dict(vars(v)))}
+    return v  # tensors, torch.Size, sets, numpy, ... and what only pickle can store
+
+
+def _decode(v: Any, where: str) -> Any:
+    if isinstance(v, list):
+        return [_decode(x, where) for x in v]
+    if type(v) is tuple:
+        return tuple(_decode(x, where) for x in v)
+    if not isinstance(v, dict):
+        return v
+    if _MARK not in v:
+        items = {k: _decode(x, where) for k, x in v.items()}
+        return collections.OrderedDict(items) if isinstance(v, collections.OrderedDict) else items
+    kind = v[_MARK]
+    try:
+        if kind == "dict":
+            pairs = [(k, _decode(x, where)) for k, x in v["items"]]
+            return collections.OrderedDict(pairs) if v.get("ordered") else dict(pairs)
+        if kind == "namespace":
+            return argparse.Namespace(**_decode(v["vars"], where))
+        cls = _types()[v["class"]]
+        if kind == "enum":
+            return cls(v["value"])
+        if kind == "dataclass":
+            return cls(**_decode(v["fields"], where))
+        if kind == "object":
+            obj = cls.__new__(cls)
+            obj.__dict__.update(_decode(v["state"], where))
+            return obj
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"{where!r}: a stored DeepSpeed value is malformed: {v!r:.200} ({e})") from e
+    raise InvalidArgumentError(f"{where!r}: unknown stored DeepSpeed value kind {kind!r}")
+
+
+# ---- file-system helpers -----------------------------------------------------------------
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False
+    where the system or file system does not offer it."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def _publish(staging: str, tag_dir: str) -> None:
+    """Make ``staging`` visible as ``tag_dir`` in one step, replacing an existing one."""
+    parent = os.path.dirname(tag_dir)
+    try:
+        os.rename(staging, tag_dir)  # atomic; replaces a missing or empty directory
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+            raise
+        if _exchange(staging, tag_dir):  # staging now holds the previous tag
+            _fsync_dir(parent)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        # No atomic swap here: the tag is missing between these two renames.
+        old = _sibling(tag_dir, _OLD)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(tag_dir, old)
+        os.rename(staging, tag_dir)
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    _fsync_dir(parent)
+
+
+def _sibling(tag_dir: str, suffix: str) -> str:
+    return os.path.join(os.path.dirname(tag_dir), f".{os.path.basename(tag_dir)}{suffix}")
+
+
+def _write_latest(save_dir: str, tag: str) -> None:
+    path = os.path.join(save_dir, "latest")
+    tmp = os.path.join(save_dir, f".latest.ckptstore-tmp.{os.getpid()}")
+    with open(tmp, "w") as fd:
+        fd.write(tag)
+        fd.flush()
+        os.fsync(fd.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(save_dir)
+
+
+def _inside(path: str, root: str) -> Optional[str]:
+    """``path`` relative to ``root`` when it is ``root`` or below it, else None."""
+    rel = os.path.relpath(path, root)
+    if rel == os.curdir:
+        return ""
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return None
+    return rel
+
+
+def _dist() -> Any:
+    """``deepspeed.comm`` when it is initialised with more than one process, else None."""
+    from deepspeed import comm as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _global_rank() -> int:
+    from deepspeed import comm as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Pending:
+    tag: str
+    save_dir: str
+    tag_dir: str
+    staging: str
+    files: List[str]
+
+
+class CheckpointEngine(_DSCheckpointEngine):
+    """DeepSpeed's ``CheckpointEngine`` writing ckptstore checkpoints (module docstring).
+
+    Args:
+        config_params: DeepSpeed's config (unused; DeepSpeed's engines take it).
+        allow_pickle: store values only pickle can store, and load them (and files of
+            DeepSpeed's default engine). Trusts the checkpoint as much as code you run.
+        max_shard_size: bytes per shard file of each checkpoint (``None``: the engine's).
+    """
+
+    def __init__(self, config_params: Any = None, *, allow_pickle: bool = False,
+                 max_shard_size: Optional[int] = None) -> None:
+        super().__init__(config_params)
+        self.name = "ckptstore"
+        self.allow_pickle = allow_pickle
+        self.max_shard_size = max_shard_size
+        self._pending: Optional[_Pending] = None
+        #: Set by :func:`install`'s ``save_checkpoint`` wrapper: the caller's ``save_latest``,
+        #: which the engine is told is False (this engine writes ``latest`` atomically).
+        self._save_latest: Optional[bool] = None
+        #: Objects loaded ahead by :meth:`prefetch`, by absolute path; ``load`` takes them.
+        self._prefetched: Dict[str, Any] = {}
+
+    # -- save --------------------------------------------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        tag_dir = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
+        staging = _sibling(tag_dir, _STAGING)
+        if _global_rank() == 0:  # leftovers of a killed save
+            for leftover in (staging, _sibling(tag_dir, _OLD)):
+                if os.path.lexists(leftover):
+                    shutil.rmtree(leftover, ignore_errors=True)
+        dist = _dist()
+        if dist is not None:
+            dist.barrier()
+        self._pending = _Pending(str(info.tag), os.path.abspath(info.save_dir), tag_dir, staging, [])
+
+    def _target(self, path: str) -> "tuple[str, Optional[str]]":
+        p = self._pending
+        if p is not None:
+            rel = _inside(os.path.abspath(path), p.tag_dir)
+            if rel is not None:
+                return (os.path.join(p.staging, rel) if rel else p.staging), rel
+        return path, None
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        target, rel = self._target(path)
+        os.makedirs(target, exist_ok=exist_ok or rel is not None)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        target, rel = self._target(path)
+        obj = _encode(state_dict)
+        if rel is not None:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        save_tree(target, obj, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
+                  cleanup="inline")
+        if rel is not None:
+            assert self._pending is not None
+            self._pending.files.append(rel)
+            _seam("save")
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        p = self._pending
+        if p is None or p.tag != str(info.tag) or p.save_dir != os.path.abspath(info.save_dir):
+            raise InvalidArgumentError(
+                f"commit of tag {info.tag!r} in {info.save_dir!r} without its create "
+                f"(open: {None if p is None else (p.tag, p.save_dir)})")
+        self._pending = None
+        dist = _dist()
+        if dist is not None:
+            dist.barrier()  # every rank's files are committed into the staging directory
+        if _global_rank() == 0:
+            if os.path.isdir(p.staging):
+                _fsync_dir(p.staging)
+                _seam("publish")
+                _publish(p.staging, p.tag_dir)
+                _seam("latest")
+            if info.save_latest or self._save_latest:
+                _write_latest(p.save_dir, p.tag)
+        if dist is not None:
+            dist.barrier()
+        return True
+
+    # -- load --------------------------------------------------------------------------------
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        key = os.path.abspath(path)
+        if key in self._prefetched:
+            obj = self._prefetched.pop(key)
+            if map_location is not None and not callable(map_location):
+                obj = _move(obj, map_location)
+            return obj
+        return self._read(path, map_location)
+
+    def _read(self, path: str, map_location: Any) -> Any:
+        if os.path.isfile(path):
+            if not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{path!r} is a file (DeepSpeed's default engine writes torch.save pickles), "
+                    "not a ckptstore checkpoint; make the engine with allow_pickle=True to load "
+                    "it with torch.load(weights_only=False), only if you trust it as much as "
+                    "code you run")
+            import torch
+
+            return torch.load(path, map_location=map_location, weights_only=False)
+        obj = load_tree(path, allow_pickle=self.allow_pickle, map_location=map_location)
+        return _decode(obj, path)
+
+    def prefetch(self, tag_dir: str, *, dp_rank: Optional[int] = None,
+                 optimizer_states: bool = True) -> List[str]:
+        """Load every checkpoint file of ``tag_dir`` this rank reads (all CRCs checked)
+        and keep it for :meth:`load`; return their names. Skipped: another data-parallel
+        rank's ZeRO files (when ``dp_rank`` is given) and, unless ``optimizer_states``,
+        the ``*optim_states*`` files. Raises what :meth:`load` raises, keeping nothing."""
+        self._prefetched.clear()
+        if not os.path.isdir(tag_dir):
+            return []
+        loaded: Dict[str, Any] = {}
+        for name in sorted(os.listdir(tag_dir)):
+            path = os.path.join(tag_dir, name)
+            if not (name.endswith(".pt") or name.endswith(".bin")) or not os.path.isdir(path):
+                continue
+            if not optimizer_states and "optim_states" in name:
+                continue
+            m = _ZERO_RANK.search(name)
+            if dp_rank is not None and m is not None and int(m.group(1)) != dp_rank:
+                continue
+            loaded[os.path.abspath(path)] = self._read(path, lambda t, _dev: t)
+        self._prefetched = loaded
+        return sorted(os.path.basename(k) for k in loaded)
+
+    def release(self) -> None:
+        """Drop what :meth:`prefetch` kept and :meth:`load` did not take."""
+        self._prefetched.clear()
+
+
+def _move(obj: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        dev = device.get(str(obj.device), obj.device) if isinstance(device, dict) else device
+        return obj.to(dev)
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, _move(x, device)) for k, x in obj.items())
+    if isinstance(obj, dict):
+        return {k: _move(x, device) for k, x in obj.items()}
+    if isinstance(obj, list):
+        return [_move(x, device) for x in obj]
+    if type(obj) is tuple:
+        return tuple(_move(x, device) for x in obj)
+    return obj
+
+
+# ---- install -------------------------------------------------------------------------------
+
+
+def _latest_tag(engine: Any, load_dir: str) -> Optional[str]:
+    universal = bool(getattr(engine, "load_universal_checkpoint", lambda: False)())
+    path = os.path.join(load_dir, "latest_universal" if universal else "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fd:
+        return fd.read().strip()
+
+
+def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional[int] = None,
+            prefetch: bool = True) -> CheckpointEngine:
+    """Make ``engine`` (what ``deepspeed.initialize`` returned) checkpoint through
+    ckptstore; return the :class:`CheckpointEngine`.
+
+    Sets ``engine.checkpoint_engine`` and wraps, on this engine object only,
+    ``save_checkpoint`` (``latest`` is written by the checkpoint engine, atomically, at the
+    commit) and ``load_checkpoint`` (with ``prefetch``, every file of the tag this rank
+    reads is loaded and CRC-checked before DeepSpeed applies any of them). Installing
+    again replaces the checkpoint engine and keeps one wrapper.
+    """
+    ce = CheckpointEngine(getattr(engine, "_config", None), allow_pickle=allow_pickle,
+                          max_shard_size=max_shard_size)
+    engine.checkpoint_engine = ce
+    save_orig = getattr(engine, "_ckptstore_save_checkpoint", None) or engine.save_checkpoint
+    load_orig = getattr(engine, "_ckptstore_load_checkpoint", None) or engine.load_checkpoint
+    engine._ckptstore_save_checkpoint = save_orig
+    engine._ckptstore_load_checkpoint = load_orig
+
+    @functools.wraps(save_orig)
+    def save_checkpoint(save_dir: str, tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Any:
+        cur = engine.checkpoint_engine
+        if not isinstance(cur, CheckpointEngine):  # replaced since: DeepSpeed's own way
+            return save_orig(save_dir, tag=tag, client_state={} if client_state is None else client_state,
+                             save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
+        cur._save_latest = bool(save_latest)
+        try:
+            return save_orig(save_dir, tag=tag, client_state={} if client_state is None else client_state,
+                             save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            cur._save_latest = None
+
+    @functools.wraps(load_orig)
+    def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> Any:
+        cur = engine.checkpoint_engine
+        kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                      load_lr_scheduler_states=load_lr_scheduler_states,
+                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if not (prefetch and isinstance(cur, CheckpointEngine)):
+            return load_orig(load_dir, tag=tag, **kwargs)
+        resolved = _latest_tag(engine, load_dir) if tag is None else str(tag)
+        if resolved is None:  # DeepSpeed warns and returns (None, None)
+            return load_orig(load_dir, tag=tag, **kwargs)
+        dp_rank = None
+        group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
+        elastic = bool(getattr(engine, "zero_elastic_checkpoint", lambda: False)())
+        if group is not None and not elastic:
+            from deepspeed import comm as dist
+
+            dp_rank = dist.get_rank(group=group)
+        try:
+            cur.prefetch(os.path.join(load_dir, resolved), dp_rank=dp_rank,
+                         optimizer_states=load_optimizer_states and not load_module_only)
+            return load_orig(load_dir, tag=resolved, **kwargs)
+        finally:
+            cur.release()
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    return ce

@@ -1,0 +1,205 @@
+"""One DeepSpeed training process for tests/python/integrations/test_deepspeed.py.
+
+Single CPU process (DS_ACCELERATOR=cpu, gloo, RANK=0, WORLD_SIZE=1, a free loopback port
+given by the test), a small MLP built here, AdamW (torch_adam), WarmupLR, ZeRO stage given.
+The data of step ``i`` is drawn from a generator seeded with ``i`` (the engine's
+``global_steps``), so a resumed run sees the same batches as an uninterrupted one.
+
+Modes (``--mode``), each writing a ``torch.save`` report to ``--out``:
+
+* ``train_save``: train ``--steps`` steps (ZeRO-0: then drop the optimizer state of the
+  extra head), save through ckptstore (tag ``global_step<N>``), snapshot (``at_save``), train ``--more`` steps, snapshot (``final``: the uninterrupted run).
+* ``resume``: train 2 steps on other data through the extra head (so the live model and
+  optimizer hold state the checkpoint does not name; for ZeRO, whose base optimizer state is
+  one entry per flat partition, an injected extra state entry), then ``load_checkpoint`` (the tag ``latest`` names),
+  snapshot (``loaded``, with what the live optimizer holds), train ``--more``, snapshot
+  (``final``).
+* ``kill``: train, save tag A, snapshot (``at_save``, written out at once), train one more
+  step, arm the kill seam at ``--kill-at`` and save again: the process SIGKILLs itself.
+* ``load_only``: ``load_checkpoint`` each ``--dir`` in turn; snapshot each and its ``latest``.
+* ``corrupt``: train ``--steps`` on other data, snapshot (``before``), ``load_checkpoint``
+  each ``--dir`` (expected to fail), recording the exception and a snapshot after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+MODEL_IN, HIDDEN, OUT = 8, 16, 4
+
+
+def _env(port: int) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
+
+def build(stage: int):
+    import deepspeed
+    import torch
+
+    from ckptstore.integrations import deepspeed as ckds
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(MODEL_IN, HIDDEN)
+            self.b = torch.nn.Linear(HIDDEN, OUT)
+            self.extra = torch.nn.Linear(HIDDEN, OUT)  # used only by the resume's live steps
+            self.use_extra = False
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            y = self.b(h)
+            return y + self.extra(h) if self.use_extra else y
+
+    torch.manual_seed(0)
+    net = Net()
+    cfg = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000000,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    ckds.install(engine)
+    return engine, net
+
+
+def step(engine, seed_offset: int = 0) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed_offset + int(engine.global_steps))
+    x = torch.randn(4, MODEL_IN, generator=g)
+    y = torch.randn(4, OUT, generator=g)
+    loss = (engine(x) - y).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+
+
+def _flat(o, prefix, tensors, values) -> None:
+    import torch
+
+    if isinstance(o, torch.Tensor):
+        tensors[prefix] = o.detach().clone()
+    elif isinstance(o, dict):
+        for k, v in o.items():
+            _flat(v, f"{prefix}/{k}", tensors, values)
+    elif isinstance(o, (list, tuple)):
+        for i, v in enumerate(o):
+            _flat(v, f"{prefix}/{i}", tensors, values)
+    else:
+        values[prefix] = repr(o)
+
+
+def snapshot(engine) -> dict:
+    """Parameters, the optimizer's state dict (ZeRO: flat FP32 partition and base state),
+    the base optimizer's live state keys, the scheduler and the step counters."""
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    tensors: dict = {}
+    values: dict = {}
+    _flat(engine.optimizer.state_dict(), "optimizer", tensors, values)
+    _flat(engine.lr_scheduler.state_dict(), "lr_scheduler", tensors, values)
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps the torch one
+    ids = {id(p): n for n, p in engine.module.named_parameters()}
+    live = sorted(ids.get(id(p), f"<tensor numel={p.numel()}>") for p in base.state)
+    return {"params": params, "tensors": tensors, "values": values, "live_state_of": live,
+            "live_state_count": len(base.state), "global_steps": int(engine.global_steps),
+            "global_samples": int(engine.global_samples)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--stage", type=int, default=1)
+    ap.add_argument("--dir", action="append", default=[])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--more", type=int, default=3)
+    ap.add_argument("--kill-at", default="")
+    args = ap.parse_args()
+    _env(args.port)
+    import torch
+
+    from ckptstore.integrations import deepspeed as ckds
+
+    engine, net = build(args.stage)
+    report: dict = {}
+    if args.mode == "train_save":
+        for _ in range(args.steps):
+            step(engine)
+        if args.stage == 0:
+            # The checkpoint will name no optimizer state for the extra head (as for a
+            # parameter that never had a gradient); both runs then restart its state.
+            for p in net.extra.parameters():
+                engine.optimizer.state.pop(p, None)
+        engine.save_checkpoint(args.dir[0])
+        report["at_save"] = snapshot(engine)
+        for _ in range(args.more):
+            step(engine)
+        report["final"] = snapshot(engine)
+    elif args.mode == "resume":
+        net.use_extra = True
+        for _ in range(2):
+            step(engine, seed_offset=5000)
+        net.use_extra = False
+        if args.stage > 0:
+            # ZeRO: the base optimizer holds one flat partition per group, which every
+            # checkpoint names, so give the live state an entry the checkpoint lacks.
+            for st in engine.optimizer.optimizer.state.values():
+                st["ckptstore_stray"] = torch.ones(3)
+        report["before_load"] = snapshot(engine)
+        path, client = engine.load_checkpoint(args.dir[0])
+        report["load_path"] = path
+        report["client_state_keys"] = sorted(client)
+        report["loaded"] = snapshot(engine)
+        if args.stage > 0:
+            report["stray_present"] = any("ckptstore_stray" in st
+                                          for st in engine.optimizer.optimizer.state.values())
+        for _ in range(args.more):
+            step(engine)
+        report["final"] = snapshot(engine)
+    elif args.mode == "kill":
+        for _ in range(args.steps):
+            step(engine)
+        engine.save_checkpoint(args.dir[0])
+        report["at_save"] = snapshot(engine)
+        torch.save(report, args.out)
+        step(engine)
+        os.environ[ckds.KILL_ENV] = args.kill_at
+        engine.save_checkpoint(args.dir[0])
+        print("NOT KILLED", file=sys.stderr)
+        return 3
+    elif args.mode == "load_only":
+        report["loads"] = []
+        for d in args.dir:
+            path, _client = engine.load_checkpoint(d)
+            with open(os.path.join(d, "latest")) as fd:
+                latest = fd.read()
+            report["loads"].append({"dir": d, "path": path, "latest": latest, "state": snapshot(engine)})
+    elif args.mode == "corrupt":
+        for _ in range(args.steps):
+            step(engine, seed_offset=9000)
+        report["before"] = snapshot(engine)
+        report["attempts"] = []
+        for d in args.dir:
+            try:
+                engine.load_checkpoint(d)
+                err = None
+            except Exception as e:  # noqa: BLE001 - recorded for the test
+                err = {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+                       "name": getattr(e, "name", None), "trace": traceback.format_exc()}
+            report["attempts"].append({"dir": d, "error": err, "after": snapshot(engine)})
+    else:
+        print(f"unknown mode {args.mode}", file=sys.stderr)
+        return 2
+    torch.save(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
