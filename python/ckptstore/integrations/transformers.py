@@ -1,0 +1,731 @@
+"""ckptstore under the Hugging Face ``Trainer`` (transformers 5) and Accelerate.
+
+:class:`Trainer` is a drop-in subclass of :class:`transformers.Trainer`::
+
+    from ckptstore.integrations.transformers import Trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)   # as before
+    trainer.train()                                               # checkpoint-N: ckptstore
+    trainer.train(resume_from_checkpoint=True)                    # or a checkpoint-N path
+
+Every ``checkpoint-N`` it writes during training is **one committed ckptstore checkpoint**
+holding the model (``model.state_dict()`` under its names), the optimizer (parameters named
+by their model names, as :func:`ckptstore.torch.save` stores them), and, as a tree of JSON
+values and tensors (:mod:`ckptstore.integrations._tree`, key ``hf.trainer``): the learning
+rate scheduler's and the grad scaler's state dicts, the RNG states of every process
+(python ``random``, numpy, torch CPU and CUDA: tuples and arrays round-trip exactly), the
+text of ``trainer_state.json``, the model's config and the training arguments as JSON.
+``ckpt verify``, ``ckpt inspect`` and ``ckpt consolidate`` open it; nothing in it is
+pickled unless ``ckptstore_allow_pickle=True`` (below).
+
+Visibility: a checkpoint is written into a staging directory
+``<output_dir>/.ckptstore-staging-checkpoint-N-<pid>-<hex>`` (committed there by the
+engine), with ``trainer_state.json`` (the same bytes as the committed copy), ``config.json``
+and the processing class's files beside it; only then is the staging directory renamed to
+``checkpoint-N`` and the output directory fsynced. So nothing named ``checkpoint-N`` exists
+before its checkpoint is committed and durable, and the Trainer's own "latest" logic
+(``transformers.trainer_utils.get_last_checkpoint``, used by ``resume_from_checkpoint=True``
+and by the example scripts) can only pick committed checkpoints. A save killed half-way
+leaves a staging directory, which the next save into the output directory removes (if the
+process that made it is gone). Re-saving an existing ``checkpoint-N`` swaps the new one in
+with one ``renameat2(RENAME_EXCHANGE)`` where the kernel has it (else two renames: a crash
+between them leaves the older checkpoints, never a torn one).
+
+Resuming: ``_load_from_checkpoint`` checks that ``trainer_state.json`` holds exactly the
+committed text (else :class:`~ckptstore.errors.CorruptCheckpointError`) and defers the model:
+it is restored together with the optimizer in ``_load_optimizer_and_scheduler``, through
+:func:`ckptstore.torch.load`: names, shapes and every CRC32 are checked before the model or
+the optimizer changes, and the optimizer state is replaced whole (state the live optimizer
+holds for a parameter the checkpoint does not name is gone). Checkpoint directories that are
+not ckptstore checkpoints (the stock Trainer's) are loaded by the stock code.
+
+Rotation (``save_total_limit``): after a checkpoint is published, the oldest committed
+ckptstore ``checkpoint-N`` directories (by step) beyond the limit are removed; the one just
+written and ``state.best_model_checkpoint`` are never removed. A removed checkpoint is first
+renamed out of the ``checkpoint-N`` namespace and then deleted, so a crash during removal
+leaves no half-deleted ``checkpoint-N`` behind.
+
+``save_model`` (the final model) is the stock ``save_pretrained``: ``from_pretrained`` loads
+it. ``load_best_model_at_end`` reads the best checkpoint with :func:`ckptstore.torch.load`.
+
+Pickle: values that are neither JSON-like nor tensors (a custom scheduler holding an object,
+say) are refused at save with :class:`~ckptstore.integrations._tree.PickleNotAllowedError`
+naming their path, unless the Trainer is built with ``ckptstore_allow_pickle=True``; loading
+such a checkpoint needs that too. Unpickling runs code chosen by whoever wrote the
+checkpoint: opt in only for checkpoints you trust as much as the code you run.
+
+Not covered (these keep the stock checkpointing, with a warning): DeepSpeed, FSDP, XLA/TPU
+and SageMaker model parallelism. Under DDP the RNG states of every process are gathered to
+the saving process (``all_gather_object``) and stored in the one checkpoint; each process
+restores its own.
+
+Accelerate: :func:`save_state` / :func:`load_state` (and :class:`Accelerator`, whose
+``save_state`` / ``load_state`` call them) store what ``Accelerator.save_state`` stores for
+one process (the model, at most one optimizer, the schedulers, stateful dataloaders, the
+grad scaler, the RNG states, ``accelerator.step`` and the objects registered with
+``register_for_checkpointing``) as one committed ckptstore checkpoint. Accelerate's own
+hooks do not allow that: ``register_save_state_pre_hook(hook(models, weights, output_dir))``
+can take over the model weights only (it may empty ``weights``); the optimizer, scheduler,
+sampler, scaler and RNG states are then still written by ``save_accelerator_state`` with
+``torch.save`` (pickle, one file each, no commit point), custom objects with
+``save_custom_state`` (pickle), ``load_state`` reads them back with ``torch.load``, and under
+FSDP / DeepSpeed the weights list is empty (their state goes through
+``dist_cp.save(..., FileSystemWriter(...))`` and ``engine.save_checkpoint``, which no hook
+reaches). ``automatic_checkpoint_naming`` with ``total_limit`` deletes folders with
+``shutil.rmtree`` before the new save and ``load_state()`` picks the last folder by name
+without any commit check; :func:`save_state` here takes an explicit directory.
+
+Test seam: with ``CKPTSTORE_TEST_PAUSE`` (comma-separated point names) and
+``CKPTSTORE_TEST_PAUSE_DIR`` set, the Trainer stops at ``hf-before-publish`` (the checkpoint
+committed in its staging directory, the rename into ``checkpoint-N`` next) and
+``hf-after-publish`` (published, rotation next): it writes ``<dir>/<point>`` holding its
+process id and blocks, for a test to kill it. The engine's own points
+(``before-manifest-rename``, ...) use the same variables.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+from .. import _ckptstore, open as _open
+from .. import torch as _ct
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
+from ._tree import TREE_KEY, PickleNotAllowedError, _flatten, _prepare_any, load_tree
+
+__all__ = [
+    "Trainer",
+    "Accelerator",
+    "save_state",
+    "load_state",
+    "is_ckptstore_checkpoint",
+    "MARKER_KEY",
+    "TREE_ROOT",
+    "PickleNotAllowedError",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Metadata key marking a checkpoint written by this module: ``{"version", "kind", ...}``.
+MARKER_KEY = "ckptstore.transformers"
+#: Root key of the tree (scheduler, scaler, RNG, trainer state) in the checkpoint.
+TREE_ROOT = "hf.trainer"
+_VERSION = 1
+TRAINER_STATE_NAME = "trainer_state.json"
+_STAGING = ".ckptstore-staging-"
+_TRASH = ".ckptstore-trash-"
+_CKPT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
+_LEFTOVER_RE = re.compile(r"^\.ckptstore-(?:staging|trash)-.*-(\d+)-[0-9a-f]{12}$")
+
+# ---- test seam -----------------------------------------------------------------------------
+
+_PAUSE_ENV = "CKPTSTORE_TEST_PAUSE"
+_PAUSE_DIR_ENV = "CKPTSTORE_TEST_PAUSE_DIR"
+
+
+def _pause(point: str) -> None:
+    """Stop here for a test (module docs); inert unless both variables are set."""
+    points = os.environ.get(_PAUSE_ENV)
+    pdir = os.environ.get(_PAUSE_DIR_ENV)
+    if not points or not pdir or point not in [p.strip() for p in points.split(",")]:
+        return
+    try:
+        with open(os.path.join(pdir, point), "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as e:
+        logger.error("%s: cannot announce %s in %s: %s; not pausing", _PAUSE_ENV, point, pdir, e)
+        return
+    while True:
+        time.sleep(3600)
+
+
+# ---- one checkpoint: model + optimizer (ckptstore.torch) + a tree ---------------------------
+
+
+def save_checkpoint(
+    path: "str | os.PathLike[str]",
+    model: Any,
+    optimizer: Any,
+    tree: Dict[str, Any],
+    *,
+    kind: str,
+    allow_pickle: bool = False,
+    max_shard_size: Optional[int] = None,
+) -> dict:
+    """Save ``model`` and ``optimizer`` as :func:`ckptstore.torch.save` stores them, plus
+    ``tree`` (JSON values and tensors, :mod:`ckptstore.integrations._tree`) under
+    :data:`TREE_ROOT`, as one committed checkpoint in the directory ``path`` (atomically
+    replacing one there). Returns the commit info."""
+    entries, meta_json, optim = _ct._build_items(model, optimizer, None, _ct._to_numpy)
+    t_entries, t_meta = _flatten({TREE_ROOT: tree}, _prepare_any, allow_pickle)
+    taken = {e[0] for e in entries}
+    for name, _, _ in t_entries:
+        if name in taken:
+            raise InvalidArgumentError(
+                f"{os.fspath(path)!r}: model tensor {name!r} has the name of a trainer state tensor"
+            )
+    meta = json.loads(meta_json)
+    meta.update(json.loads(t_meta))
+    meta[MARKER_KEY] = {"version": _VERSION, "kind": kind}
+    return _ckptstore.save(
+        os.fspath(path), entries + t_entries, json.dumps(meta, allow_nan=False), max_shard_size, optim, "inline"
+    )
+
+
+def is_ckptstore_checkpoint(path: "str | os.PathLike[str]") -> bool:
+    """Whether ``path`` holds a committed checkpoint written by this module."""
+    if not os.path.isdir(path):
+        return False
+    try:
+        with _open(path) as ck:
+            return ck.kind == "ckptstore" and isinstance(ck.metadata.get(MARKER_KEY), dict)
+    except CheckpointError:
+        return False
+
+
+def _read_tree(path: "str | os.PathLike[str]", allow_pickle: bool) -> Dict[str, Any]:
+    """The tree of a checkpoint of this module: every tensor fresh and CRC-checked."""
+    with _open(path) as ck:
+        marker = ck.metadata.get(MARKER_KEY)
+        if not isinstance(marker, dict) or marker.get("version") != _VERSION:
+            raise InvalidArgumentError(
+                f"{os.fspath(path)!r}: not a checkpoint of ckptstore.integrations.transformers "
+                f"version {_VERSION} (metadata {MARKER_KEY!r}: {marker!r})"
+            )
+        if TREE_KEY not in ck.metadata:
+            raise CorruptCheckpointError(f"{os.fspath(path)!r}: the trainer state tree is missing")
+    tree = load_tree(path, allow_pickle=allow_pickle, map_location="cpu")
+    if not isinstance(tree, dict) or not isinstance(tree.get(TREE_ROOT), dict):
+        raise CorruptCheckpointError(f"{os.fspath(path)!r}: the trainer state tree has no {TREE_ROOT!r}")
+    return tree[TREE_ROOT]
+
+
+# ---- RNG states ----------------------------------------------------------------------------
+
+
+def _rng_state() -> Dict[str, Any]:
+    st: Dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.random.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: Dict[str, Any]) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.random.set_rng_state(st["cpu"])
+    cuda = st.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.random.set_rng_state_all(cuda)
+        else:
+            logger.warning(
+                "the checkpoint holds CUDA RNG states of %d devices, this process sees %d: "
+                "CUDA RNG states not restored",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
+
+
+# ---- filesystem helpers ----------------------------------------------------------------------
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_leftovers(run_dir: str) -> None:
+    """Remove staging and trash directories of processes that are gone."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return
+    for n in names:
+        m = _LEFTOVER_RE.match(n)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(run_dir, n), ignore_errors=True)
+
+
+def _side_name(name: str) -> str:
+    return f"{name}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Move ``path`` out of the ``checkpoint-N`` namespace, then delete it."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, _TRASH + _side_name(name))
+    os.rename(path, trash)
+    _fsync_path(parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _publish(staging: str, final: str) -> None:
+    """Make the committed ``staging`` directory ``final`` (replacing one there)."""
+    parent = os.path.dirname(final)
+    _fsync_path(staging)
+    if os.path.lexists(final):
+        if _exchange(staging, final):
+            _fsync_path(parent)
+            shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
+            return
+        old = os.path.join(parent, _TRASH + _side_name(os.path.basename(final)))
+        os.rename(final, old)
+        os.rename(staging, final)
+        _fsync_path(parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(staging, final)
+    _fsync_path(parent)
+
+
+def _committed_checkpoints(run_dir: str) -> List[tuple]:
+    """``(step, path)`` of the committed checkpoints of this module in ``run_dir``."""
+    out = []
+    for n in os.listdir(run_dir):
+        m = _CKPT_RE.match(n)
+        p = os.path.join(run_dir, n)
+        if m and os.path.isdir(p) and is_ckptstore_checkpoint(p):
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+# ---- the Trainer ---------------------------------------------------------------------------
+
+
+class Trainer(transformers.Trainer):
+    """:class:`transformers.Trainer` whose ``checkpoint-N`` directories are committed ckptstore
+    checkpoints (module docs). Extra keyword arguments:
+
+    * ``ckptstore_allow_pickle`` (default ``False``): store (and load) values that only
+      pickle can store; see the module docs for what that trusts;
+    * ``ckptstore_max_shard_size``: most tensor bytes per shard (default: the engine's).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        ckptstore_allow_pickle: bool = False,
+        ckptstore_max_shard_size: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.ckptstore_allow_pickle = bool(ckptstore_allow_pickle)
+        self.ckptstore_max_shard_size = ckptstore_max_shard_size
+        self._ckptstore_trees: Dict[str, Dict[str, Any]] = {}
+        self._ckptstore_pending_model: Optional[tuple] = None
+        self._ckptstore_warned = False
+
+    # -- which setups go through ckptstore
+
+    def _ckptstore_active(self) -> bool:
+        reason = None
+        if self.is_deepspeed_enabled:
+            reason = "DeepSpeed"
+        elif self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False):
+            reason = "FSDP"
+        elif transformers.utils.is_torch_xla_available():
+            reason = "XLA"
+        elif transformers.utils.is_sagemaker_mp_enabled():
+            reason = "SageMaker model parallelism"
+        if reason is None:
+            return True
+        if not self._ckptstore_warned:
+            logger.warning("ckptstore: %s checkpoints keep the stock Trainer checkpointing", reason)
+            self._ckptstore_warned = True
+        return False
+
+    def _ckptstore_tree(self, path: str) -> Dict[str, Any]:
+        key = os.path.abspath(path)
+        tree = self._ckptstore_trees.get(key)
+        if tree is None:
+            tree = _read_tree(path, self.ckptstore_allow_pickle)
+            self._ckptstore_trees[key] = tree
+        return tree
+
+    # -- saving
+
+    def _ckptstore_rng(self) -> List[Dict[str, Any]]:
+        """The RNG states of every process, in process order (gathered under DDP)."""
+        mine = _rng_state()
+        if self.args.world_size <= 1 or not torch.distributed.is_initialized():
+            return [mine]
+        gathered: List[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        return gathered
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if not self._ckptstore_active():
+            return super()._save_checkpoint(model, trial)
+        step = self.state.global_step
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, name)
+
+        if (
+            self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
+            and self.state.best_global_step
+        ):
+            if self.args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED:
+                torch.distributed.barrier()
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            # The checkpoint being written is the best one: it exists once published below.
+            if self.state.best_global_step == step or os.path.exists(best):
+                self.state.best_model_checkpoint = best
+
+        full = not self.args.save_only_model
+        rng = self._ckptstore_rng() if full else None
+        if self.args.should_save:
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, transformers.trainer_callback.ExportableState)]:
+                cb_name = cb.__class__.__name__
+                cb_state = cb.state()
+                if isinstance(self.state.stateful_callbacks[cb_name], list):
+                    self.state.stateful_callbacks[cb_name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[cb_name] = cb_state
+            state_text = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+            self._ckptstore_write(run_dir, name, final, state_text, rng, full)
+
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        if self.args.should_save:
+            _pause("hf-after-publish")
+            self._ckptstore_rotate(run_dir, final)
+
+    def _ckptstore_write(
+        self, run_dir: str, name: str, final: str, state_text: str, rng: Any, full: bool
+    ) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        _remove_leftovers(run_dir)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        config = getattr(model, "config", None)
+        config_text = config.to_json_string() if config is not None and hasattr(config, "to_json_string") else None
+        tree: Dict[str, Any] = {
+            "trainer_state": state_text,
+            "global_step": self.state.global_step,
+            "config": config_text,
+            "args": self.args.to_json_string(),
+            "world_size": self.args.world_size,
+        }
+        optimizer = None
+        if full:
+            optimizer = self.optimizer
+            sched = self.lr_scheduler
+            tree["scheduler"] = sched.state_dict() if sched is not None else None
+            scaler = getattr(self.accelerator, "scaler", None)
+            tree["scaler"] = scaler.state_dict() if scaler is not None else None
+            tree["rng"] = rng
+        staging = os.path.join(run_dir, _STAGING + _side_name(name))
+        os.mkdir(staging)
+        try:
+            save_checkpoint(
+                staging,
+                model,
+                optimizer,
+                tree,
+                kind="trainer-checkpoint",
+                allow_pickle=self.ckptstore_allow_pickle,
+                max_shard_size=self.ckptstore_max_shard_size,
+            )
+            _write_durable(os.path.join(staging, TRAINER_STATE_NAME), state_text.encode("utf-8"))
+            if config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(staging)
+                gen = getattr(model, "generation_config", None)
+                if gen is not None and getattr(model, "can_generate", lambda: False)():
+                    gen.save_pretrained(staging)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(staging)
+            for n in os.listdir(staging):
+                p = os.path.join(staging, n)
+                if os.path.isfile(p):
+                    _fsync_path(p)
+            _pause("hf-before-publish")
+            _publish(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        logger.info("ckptstore: committed %s", final)
+
+    def _ckptstore_rotate(self, run_dir: str, current: str) -> None:
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        cks = _committed_checkpoints(run_dir)
+        if len(cks) <= limit:
+            return
+        protected = {os.path.abspath(current)}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(os.path.abspath(self.state.best_model_checkpoint))
+        keep = max(limit, len(protected))
+        remaining = len(cks)
+        for _, p in cks:
+            if remaining <= keep:
+                break
+            if os.path.abspath(p) in protected:
+                continue
+            logger.info("ckptstore: removing %s (save_total_limit=%d)", p, limit)
+            _remove_checkpoint(p)
+            remaining -= 1
+
+    # -- resuming
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not self._ckptstore_active() or not is_ckptstore_checkpoint(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        tree = self._ckptstore_tree(resume_from_checkpoint)
+        state_file = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
+        try:
+            with open(state_file, "rb") as f:
+                on_disk = f.read()
+        except OSError as e:
+            raise CorruptCheckpointError(f"{state_file!r}: cannot read it: {e}") from e
+        if on_disk != str(tree.get("trainer_state", "")).encode("utf-8"):
+            raise CorruptCheckpointError(
+                f"{state_file!r} differs from the trainer state committed in the checkpoint "
+                f"{resume_from_checkpoint!r}"
+            )
+        # The model is restored with the optimizer (_load_optimizer_and_scheduler), all
+        # checked before either changes.
+        self._ckptstore_pending_model = (os.path.abspath(resume_from_checkpoint), model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        if not self._ckptstore_active() or not is_ckptstore_checkpoint(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        tree = self._ckptstore_tree(checkpoint)
+        pending = self._ckptstore_pending_model
+        model = pending[1] if pending is not None and pending[0] == os.path.abspath(checkpoint) else None
+        if model is None:
+            model = self.model
+        model = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        with _open(checkpoint) as ck:
+            has_opt = ck.has_optimizer
+        _ct.load(checkpoint, model, self.optimizer if has_opt else None)
+        self._ckptstore_pending_model = None
+        if has_opt and tree.get("scheduler") is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(tree["scheduler"])
+
+    def _load_scaler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        if not self._ckptstore_active() or not is_ckptstore_checkpoint(checkpoint):
+            return super()._load_scaler(checkpoint)
+        st = self._ckptstore_tree(checkpoint).get("scaler")
+        scaler = getattr(self.accelerator, "scaler", None)
+        if st is not None and scaler is not None:
+            scaler.load_state_dict(st)
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        if not self._ckptstore_active() or not is_ckptstore_checkpoint(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        rng = self._ckptstore_tree(checkpoint).get("rng")
+        if not rng:
+            logger.info("ckptstore: %s holds no RNG states; reproducibility is not guaranteed", checkpoint)
+            return
+        i = self.args.process_index
+        if len(rng) != self.args.world_size or i >= len(rng):
+            logger.info(
+                "ckptstore: %s holds the RNG states of %d process(es), this run has %d: not restored",
+                checkpoint,
+                len(rng),
+                self.args.world_size,
+            )
+            return
+        _set_rng_state(rng[i])
+        # The RNG is the last thing resumed: drop the cached tree.
+        self._ckptstore_trees.pop(os.path.abspath(checkpoint), None)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not self._ckptstore_active() or not is_ckptstore_checkpoint(best):
+            return super()._load_best_model()
+        logger.info("ckptstore: loading the best model from %s (score %s)", best, self.state.best_metric)
+        _ct.load(best, self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+
+
+# ---- Accelerate ------------------------------------------------------------------------------
+
+
+def _accelerate_parts(accelerator: Any) -> tuple:
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (
+        DistributedType.FSDP,
+        DistributedType.DEEPSPEED,
+        DistributedType.MEGATRON_LM,
+        DistributedType.XLA,
+    ):
+        raise InvalidArgumentError(
+            f"ckptstore save_state/load_state: {accelerator.distributed_type} is not supported "
+            "(use Accelerator.save_state)"
+        )
+    if accelerator.num_processes != 1:
+        raise InvalidArgumentError(
+            "ckptstore save_state/load_state: one process only (got "
+            f"{accelerator.num_processes}); use Accelerator.save_state"
+        )
+    if len(accelerator._models) != 1 or len(accelerator._optimizers) > 1:
+        raise InvalidArgumentError(
+            "ckptstore save_state/load_state: exactly one prepared model and at most one "
+            f"optimizer (got {len(accelerator._models)} and {len(accelerator._optimizers)})"
+        )
+    model = accelerator.unwrap_model(accelerator._models[0], keep_torch_compile=False)
+    opt = accelerator._optimizers[0] if accelerator._optimizers else None
+    return model, opt
+
+
+def save_state(
+    accelerator: Any,
+    output_dir: "str | os.PathLike[str]",
+    *,
+    allow_pickle: bool = False,
+    max_shard_size: Optional[int] = None,
+) -> str:
+    """What ``accelerator.save_state(output_dir)`` saves (one process: model, optimizer,
+    schedulers, stateful dataloaders, grad scaler, RNG states, ``accelerator.step``, objects
+    registered for checkpointing) as one committed ckptstore checkpoint in ``output_dir``,
+    atomically replacing one there. Returns ``output_dir``."""
+    model, opt = _accelerate_parts(accelerator)
+    tree: Dict[str, Any] = {
+        "step": accelerator.step,
+        "schedulers": [s.state_dict() for s in accelerator._schedulers],
+        "dataloaders": [
+            dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
+            for dl in accelerator._dataloaders
+        ],
+        "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+        "custom": [o.state_dict() for o in accelerator._custom_objects],
+        "rng": [_rng_state()],
+    }
+    os.makedirs(output_dir, exist_ok=True)
+    save_checkpoint(
+        output_dir, model, opt, tree, kind="accelerate-state", allow_pickle=allow_pickle, max_shard_size=max_shard_size
+    )
+    accelerator.project_configuration.iteration += 1
+    return os.fspath(output_dir)
+
+
+def load_state(
+    accelerator: Any, input_dir: "str | os.PathLike[str]", *, allow_pickle: bool = False
+) -> None:
+    """Restore what :func:`save_state` saved into the prepared objects of ``accelerator``.
+    Everything is read and checked (names, shapes, counts, every CRC32) before the model or
+    the optimizer changes; the optimizer state is replaced whole."""
+    model, opt = _accelerate_parts(accelerator)
+    tree = _read_tree(input_dir, allow_pickle)
+    where = os.fspath(input_dir)
+    for what, live in (
+        ("schedulers", accelerator._schedulers),
+        ("dataloaders", accelerator._dataloaders),
+        ("custom", accelerator._custom_objects),
+    ):
+        if len(tree.get(what) or []) != len(live):
+            raise InvalidArgumentError(
+                f"{where!r} holds {len(tree.get(what) or [])} {what}, the accelerator has {len(live)}"
+            )
+    with _open(input_dir) as ck:
+        if opt is not None and not ck.has_optimizer:
+            raise InvalidArgumentError(f"{where!r} holds no optimizer state")
+    _ct.load(input_dir, model, opt)
+    for s, st in zip(accelerator._schedulers, tree["schedulers"]):
+        s.load_state_dict(st)
+    for dl, st in zip(accelerator._dataloaders, tree["dataloaders"]):
+        if st is not None:
+            dl.load_state_dict(st)
+    if accelerator.scaler is not None and tree.get("scaler") is not None:
+        accelerator.scaler.load_state_dict(tree["scaler"])
+    for o, st in zip(accelerator._custom_objects, tree["custom"]):
+        o.load_state_dict(st)
+    accelerator.step = tree["step"]
+    _set_rng_state(tree["rng"][0])
+
+
+def _accelerator_class() -> Any:
+    import accelerate
+
+    class Accelerator(accelerate.Accelerator):
+        """:class:`accelerate.Accelerator` whose ``save_state`` / ``load_state`` are
+        :func:`save_state` / :func:`load_state` (an explicit directory is required; hooks
+        registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
+        are not called)."""
+
+        def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kw: Any) -> str:
+            if output_dir is None:
+                raise InvalidArgumentError("ckptstore Accelerator.save_state needs output_dir")
+            return save_state(self, output_dir, **kw)
+
+        def load_state(self, input_dir: Optional[str] = None, load_kwargs: Any = None, **kw: Any) -> None:
+            if input_dir is None:
+                raise InvalidArgumentError("ckptstore Accelerator.load_state needs input_dir")
+            load_state(self, input_dir, **kw)
+
+    return Accelerator
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Accelerator":
+        cls = _accelerator_class()
+        globals()["Accelerator"] = cls
+        return cls
+    raise AttributeError(name)

@@ -1,0 +1,400 @@
+"""ckptstore.integrations.transformers: the Hugging Face Trainer (and Accelerate) on ckptstore.
+
+A tiny LlamaForCausalLM (attention dropout on, so training consumes the torch RNG) trained on
+the CPU with seed, data_seed and no dataloader workers: the stock Trainer resumes it bit for
+bit (shared/reference/frameworks.md), so any difference here is ckptstore's.
+
+* resume in a new process from ``checkpoint-4`` (mid-epoch): parameters, AdamW state,
+  scheduler state and the python / numpy / torch RNG states equal an uninterrupted run's;
+* the ColossalAI merge scenario: optimizer state for a parameter the checkpoint does not
+  name is gone after the resume;
+* SIGKILL during a save (the engine's pause point between the shards and the manifest, and
+  this module's point between the commit and the publishing rename): no ``checkpoint-8``
+  appears, ``get_last_checkpoint`` picks ``checkpoint-4``, and resuming from it gives the
+  uninterrupted run's state;
+* one flipped byte: ``ChecksumError`` naming the tensor, model and optimizer unchanged;
+* ``ckpt verify`` / ``ckpt inspect`` open a checkpoint; ``ckpt consolidate`` of it loads
+  with ``from_pretrained``; the final ``save_model`` loads with ``from_pretrained``;
+* ``save_total_limit`` rotation with best-model keeping; Accelerate's save/load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.trainer_utils import get_last_checkpoint
+
+import ckptstore
+import ckptstore.integrations.transformers as hf
+from ckptstore.errors import ChecksumError, CorruptCheckpointError
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import transformers_train as tt  # noqa: E402
+
+SCRIPT = HERE / "transformers_train.py"
+EVENT_TIMEOUT = 120.0
+
+
+def assert_same(a: dict, b: dict, what: str = "") -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            assert_same(x, y, f"{what}{k}/")
+        elif torch.is_tensor(x):
+            assert x.dtype == y.dtype and x.shape == y.shape, f"{what}{k}"
+            assert torch.equal(x, y), f"{what}{k} differs"
+        else:
+            assert x == y, f"{what}{k}: {x!r} != {y!r}"
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """An uninterrupted run of 8 steps, checkpoints at 4 and 8, and its final state."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    trainer = tt.make_trainer(str(out), 8, 4)
+    trainer.train()
+    final = out / "final"
+    trainer.save_model(str(final))
+    return {"out": out, "dump": tt.dump(trainer), "final": final, "model": trainer.model}
+
+
+def copy_checkpoint(ref, tmp_path, step: int = 4) -> Path:
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(ref["out"] / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    return out
+
+
+def run_script(out: Path, resume: str, dump: Path, env=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(out), "8", "4", resume, str(dump)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def test_checkpoints_are_committed_ckptstore_checkpoints(ref):
+    out = ref["out"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint-4",
+        "checkpoint-8",
+    ]
+    assert not [p for p in out.iterdir() if p.name.startswith(".ckptstore-")], "leftovers"
+    ck4 = out / "checkpoint-4"
+    assert hf.is_ckptstore_checkpoint(ck4)
+    # No stock files: the weights, optimizer, scheduler and RNG are in the checkpoint.
+    for stock in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
+        assert not (ck4 / stock).exists(), stock
+    with ckptstore.open(ck4) as ck:
+        assert ck.kind == "ckptstore" and ck.has_optimizer
+        tree = ck.metadata["ckptstore.tree"]["tree"][hf.TREE_ROOT]
+        assert tree["trainer_state"] == (ck4 / "trainer_state.json").read_text()
+        assert json.loads(tree["trainer_state"])["global_step"] == 4
+        assert "hf.trainer/rng/0/cpu" in ck and ck.info("hf.trainer/rng/0/numpy/1")["dtype"] == "U32"
+        assert "optim/model.layers.0.mlp.up_proj.weight/exp_avg" in ck
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-8")
+
+
+def test_resume_in_a_new_process_is_bit_identical(ref, tmp_path):
+    out = copy_checkpoint(ref, tmp_path)
+    dump = tmp_path / "resumed.pt"
+    child = run_script(out, str(out / "checkpoint-4"), dump)
+    log = child.communicate(timeout=300)[0].decode(errors="replace")
+    assert child.returncode == 0, log
+    got = torch.load(dump, weights_only=True)
+    assert got["global_step"] == 8
+    assert_same(ref["dump"], got)
+    # The resumed run wrote its own checkpoint-8 the same way.
+    assert hf.is_ckptstore_checkpoint(out / "checkpoint-8")
+
+
+def test_rng_states_round_trip_exactly(tmp_path):
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    random.random(), np.random.standard_normal(), torch.rand(3)  # noqa: B018 - advance them
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
+    want = hf._rng_state()
+    model = torch.nn.Linear(2, 2)
+    hf.save_checkpoint(tmp_path / "c", model, None, {"rng": [want]}, kind="test")
+    got = hf._read_tree(tmp_path / "c", allow_pickle=False)["rng"][0]
+    assert type(got["python"]) is tuple and got["python"] == want["python"]
+    g, w = got["numpy"], want["numpy"]
+    assert type(g) is tuple and len(g) == len(w) == 5
+    assert g[0] == w[0] and g[2:] == w[2:] and type(g[4]) is float
+    assert g[1].dtype == w[1].dtype == np.uint32 and np.array_equal(g[1], w[1])
+    assert torch.equal(got["cpu"], want["cpu"]) and got["cpu"].dtype == torch.uint8
+
+
+def test_a_non_json_value_needs_the_pickle_opt_in(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(hf.PickleNotAllowedError, match=r"scheduler/fn.*builtins.function"):
+        hf.save_checkpoint(tmp_path / "c", model, None, {"scheduler": {"fn": lambda: 1}}, kind="test")
+    assert not (tmp_path / "c" / "ckpt-manifest.json").exists()
+    hf.save_checkpoint(tmp_path / "c", model, None, {"x": {1, 2}, "s": slice(1, 2)}, kind="test", allow_pickle=True)
+    with pytest.raises(hf.PickleNotAllowedError, match="allow_pickle"):
+        hf._read_tree(tmp_path / "c", allow_pickle=False)
+    assert hf._read_tree(tmp_path / "c", allow_pickle=True) == {"x": {1, 2}, "s": slice(1, 2)}
+
+
+def test_optimizer_state_the_checkpoint_does_not_name_is_gone(tmp_path):
+    """The ColossalAI scenario: the live optimizer holds state for a parameter (frozen,
+    so it has none in the checkpoint); after the resume that state is gone."""
+
+    def setup():
+        model = tt.make_model()
+        frozen = model.model.layers[1].mlp.down_proj.weight
+        frozen.requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the frozen one included
+        return model, frozen, opt
+
+    out = tmp_path / "run"
+    model, frozen, opt = setup()
+    tt.make_trainer(str(out), 2, 2, model=model, optimizers=(opt, None)).train()
+    assert frozen not in opt.state and len(opt.state) > 10
+    with ckptstore.open(out / "checkpoint-2") as ck:
+        assert "optim/model.layers.1.mlp.down_proj.weight/exp_avg" not in ck
+        saved_q = np.asarray(ck["optim/model.layers.0.self_attn.q_proj.weight/exp_avg"]).copy()
+
+    model, frozen, opt = setup()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    for p in (frozen, q):  # stale state a merging load would keep
+        opt.state[p] = {"step": torch.tensor(9.0), "exp_avg": torch.full_like(p, 7.0), "exp_avg_sq": torch.ones_like(p)}
+    seen = {}
+
+    class Look(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kw):
+            st = optimizer.optimizer.state if hasattr(optimizer, "optimizer") else optimizer.state
+            seen["frozen"] = frozen in st
+            seen["q"] = st[q]["exp_avg"].clone()
+
+    trainer = tt.make_trainer(str(out), 3, 2, model=model, optimizers=(opt, None))
+    trainer.add_callback(Look())
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert seen["frozen"] is False, "state of a parameter the checkpoint does not name survived"
+    assert torch.equal(seen["q"], torch.from_numpy(saved_q))
+    assert frozen not in opt.state  # still frozen: the step made none
+
+
+def wait_for(marker: Path, child: subprocess.Popen) -> None:
+    deadline = time.monotonic() + EVENT_TIMEOUT
+    while not marker.exists():
+        if child.poll() is not None:
+            pytest.fail(f"the child exited ({child.returncode}) before pausing: {child.stdout.read().decode()}")
+        assert time.monotonic() < deadline, f"the child did not reach {marker.name}"
+        time.sleep(0.05)  # polling for the announcement, not waiting for a state
+
+
+# The engine's point (shards durable, no manifest yet) and this module's (committed in the
+# staging directory, the rename to checkpoint-8 next).
+@pytest.mark.parametrize("point", ["before-manifest-rename", "hf-before-publish"])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_latest(ref, tmp_path, point):
+    out = copy_checkpoint(ref, tmp_path)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    env = dict(os.environ, CKPTSTORE_TEST_PAUSE=point, CKPTSTORE_TEST_PAUSE_DIR=str(pause))
+    child = run_script(out, "true", tmp_path / "never.pt", env=env)
+    try:
+        wait_for(pause / point, child)
+        assert int((pause / point).read_text()) == child.pid
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+    names = sorted(p.name for p in out.iterdir())
+    assert "checkpoint-8" not in names
+    leftovers = [n for n in names if n.startswith(".ckptstore-staging-checkpoint-8-")]
+    assert len(leftovers) == 1, names
+    assert (out / leftovers[0] / "ckpt-manifest.json").exists() == (point == "hf-before-publish")
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-4")
+
+    trainer = tt.make_trainer(str(out), 8, 4)
+    trainer.train(resume_from_checkpoint=True)
+    assert_same(ref["dump"], tt.dump(trainer))
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["checkpoint-4", "checkpoint-8"], "the dead save's staging directory stays"
+
+
+def tensor_offset(ckdir: Path, name: str) -> tuple:
+    """(shard path, absolute byte offset of the tensor's data) from the safetensors header."""
+    with ckptstore.open(ckdir) as ck:
+        shard = ckdir / ck.info(name)["file"]
+    with open(shard, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return shard, 8 + n + header[name]["data_offsets"][0]
+
+
+def capture(model, opt) -> dict:
+    return {
+        "params": {n: t.detach().clone() for n, t in model.state_dict().items()},
+        "optim": {
+            f"{i}/{k}": v.clone()
+            for i, (p, st) in enumerate(opt.state.items())
+            for k, v in st.items()
+        },
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
+
+
+@pytest.mark.parametrize(
+    "tensor", ["model.layers.0.mlp.up_proj.weight", "optim/model.layers.1.self_attn.q_proj.weight/exp_avg"]
+)
+def test_a_flipped_byte_fails_the_resume_and_changes_nothing(ref, tmp_path, tensor):
+    out = copy_checkpoint(ref, tmp_path)
+    shard, off = tensor_offset(out / "checkpoint-4", tensor)
+    data = bytearray(shard.read_bytes())
+    data[off + 5] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+    trainer = tt.make_trainer(str(out), 8, 4)
+    trainer.create_optimizer_and_scheduler(num_training_steps=8)  # train() keeps both
+    opt = trainer.optimizer
+    batch = tt.Tokens()[0]
+    trainer.model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    opt.step()  # live state that a partial load would overwrite
+    before = capture(trainer.model, opt)
+    assert before["optim"]
+    with pytest.raises(ChecksumError, match=re.escape(tensor)):
+        trainer.train(resume_from_checkpoint=True)
+    assert_same(before, capture(trainer.model, opt))
+
+
+def test_a_trainer_state_that_differs_from_the_committed_one_is_refused(ref, tmp_path):
+    out = copy_checkpoint(ref, tmp_path)
+    st = out / "checkpoint-4" / "trainer_state.json"
+    st.write_text(st.read_text().replace('"global_step": 4', '"global_step": 5'))
+    trainer = tt.make_trainer(str(out), 8, 4)
+    with pytest.raises(CorruptCheckpointError, match="trainer_state.json"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_cli_opens_it_and_consolidate_loads_with_from_pretrained(ref, tmp_path, ckpt):
+    ck4 = ref["out"] / "checkpoint-4"
+    ckpt("verify", ck4, expect=0)
+    info = json.loads(ckpt("inspect", ck4, "--json", expect=0).stdout)
+    names = {t["name"] for t in info["tensors"]}
+    assert "model.embed_tokens.weight" in names and "hf.trainer/rng/0/cpu" in names
+    assert info["metadata"][hf.MARKER_KEY]["kind"] == "trainer-checkpoint"
+
+    dst = tmp_path / "hf"
+    ckpt("consolidate", ck4, "--out", dst, expect=0)
+    shutil.copy(ck4 / "config.json", dst / "config.json")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(dst)
+    got = loaded.state_dict()
+    with ckptstore.open(ck4) as ck:
+        model_names = ck.metadata["ckptstore.torch"]["model"]
+        assert set(got) == set(model_names)
+        for n in model_names:
+            assert torch.equal(got[n], torch.from_numpy(np.asarray(ck[n]).copy())), n
+
+
+def test_final_save_model_loads_with_from_pretrained(ref):
+    loaded = transformers.LlamaForCausalLM.from_pretrained(ref["final"])
+    assert_same({n: t for n, t in ref["model"].state_dict().items()}, dict(loaded.state_dict()))
+
+
+def test_save_total_limit_keeps_the_latest_and_the_best(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint-0").mkdir()  # not a ckptstore checkpoint: rotation leaves it alone
+    (out / "checkpoint-0" / "model.safetensors").write_bytes(b"stock")
+    scores = iter([1.0, 5.0, 2.0, 3.0, 4.0, 0.0])
+    trainer = tt.make_trainer(
+        str(out),
+        6,
+        1,
+        save_total_limit=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+        eval_dataset=tt.Tokens(n=4),
+        compute_metrics=lambda p: {"score": next(scores)},
+    )
+    trainer.train()
+    names = sorted(p.name for p in out.iterdir() if not p.name.startswith("final"))
+    assert names == ["checkpoint-0", "checkpoint-2", "checkpoint-6"]
+    assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
+    # load_best_model_at_end restored the best checkpoint's model.
+    with ckptstore.open(out / "checkpoint-2") as ck:
+        for n, t in trainer.model.state_dict().items():
+            assert torch.equal(t, torch.from_numpy(np.asarray(ck[n]).copy())), n
+
+
+def test_accelerate_save_state_load_state(tmp_path):
+    import accelerate
+
+    def steps(acc, model, opt, sched, n):
+        ds = tt.Tokens(n=8)
+        for i in range(n):
+            b = ds[i % len(ds)]
+            loss = model(input_ids=b["input_ids"][None], labels=b["labels"][None]).loss
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 3
+
+        def state_dict(self):
+            return {"n": self.n, "t": torch.arange(4)}
+
+        def load_state_dict(self, st):
+            self.n = st["n"]
+
+    acc = hf.Accelerator(cpu=True)
+    model = tt.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    steps(acc, model, opt, sched, 2)
+    d = tmp_path / "state"
+    acc.save_state(str(d))
+    assert not (d / "optimizer.bin").exists() and hf.is_ckptstore_checkpoint(d)
+    counter.n = 10
+    steps(acc, model, opt, sched, 2)
+    want = capture(model, opt), sched.state_dict()["last_epoch"], torch.random.get_rng_state()
+
+    # Damage first: nothing changes.
+    shard, off = tensor_offset(d, "optim/lm_head.weight/exp_avg_sq")
+    data = bytearray(shard.read_bytes())
+    data[off] ^= 1
+    shard.write_bytes(bytes(data))
+    before = capture(model, opt)
+    with pytest.raises(ChecksumError, match=re.escape("optim/lm_head.weight/exp_avg_sq")):
+        acc.load_state(str(d))
+    assert_same(before, capture(model, opt))
+    data[off] ^= 1
+    shard.write_bytes(bytes(data))
+
+    acc.load_state(str(d))
+    assert counter.n == 3 and sched.state_dict()["last_epoch"] == 2
+    steps(acc, model, opt, sched, 2)
+    assert_same(want[0], capture(model, opt))
+    assert sched.state_dict()["last_epoch"] == want[1]
+    assert torch.equal(torch.random.get_rng_state(), want[2])
+    assert isinstance(acc, accelerate.Accelerator)
