@@ -196,7 +196,11 @@ class _Encoder:
         if isinstance(v, np.generic) and not isinstance(v, (np.void, np.object_)):
             return self.encode(v.item(), path)
         if self.allow_pickle:
-            return {"$pickle": base64.b64encode(pickle.dumps(v)).decode("ascii")}
+            try:
+                raw = pickle.dumps(v)
+            except Exception as e:  # noqa: BLE001 - pickle raises many kinds
+                raise InvalidArgumentError(f"state entry {path!r}: cannot pickle it: {e}") from e
+            return {"$pickle": base64.b64encode(raw).decode("ascii")}
         raise PickleNotAllowedError(
             f"state entry {path!r}: a value of type {type(v).__name__} is not JSON, bytes or "
             "a tensor; storing it needs pickle (allow_pickle=True in the checkpoint config)"
@@ -263,19 +267,6 @@ def _merge(a: Any, b: Any) -> Any:
             out[k] = _merge(a[k], y) if k in a else y
         return out
     return a
-
-
-def _tensor_refs(v: Any, out: set[str]) -> set[str]:
-    if isinstance(v, list):
-        for x in v:
-            _tensor_refs(x, out)
-    elif isinstance(v, dict):
-        if len(v) == 1 and "$t" in v:
-            out.add(v["$t"])
-        else:
-            for x in v.values():
-                _tensor_refs(x, out)
-    return out
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -669,7 +660,10 @@ class CheckpointManager(BaseCheckpointManager):
     def _load_path(self, path: str, *, model_only: bool) -> None:
         """Check names, read every tensor through the Reader (CRC-checked, ranks agreeing,
         before any destination is written), then apply each component's state."""
-        meta = ckptstore.open(path).metadata
+        try:
+            meta = json.loads(ckptstore._ckptstore.RegionReader(path).metadata_json())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: the manifest's metadata is not JSON: {e}") from e
         dcp_items = (meta.get(META_KEY) or {}).get("items") if isinstance(meta, dict) else None
         saved = meta.get(STATE_KEY) if isinstance(meta, dict) else None
         if not isinstance(dcp_items, dict) or not isinstance(saved, dict) or "states" not in saved:

@@ -16,7 +16,6 @@ the test's own making).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -229,7 +228,6 @@ def main() -> None:
     job.checkpointer.close()
     torch.save(snapshot(job), a.out)
     dist.destroy_process_group()
-    os._exit(0)
 
 
 if __name__ == "__main__":

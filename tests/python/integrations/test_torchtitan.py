@@ -1,0 +1,353 @@
+"""ckptstore.integrations.torchtitan.CheckpointManager driven the way TorchTitan 0.3's
+Trainer drives its checkpoint manager (tests/python/integrations/torchtitan_job.py: TorchTitan's
+OptimizersContainer, LRSchedulersContainer, ParallelAwareDataloader, a train state, a tiny
+model built in code). TorchTitan's Trainer itself is not run: it builds its model from a
+model registry, tokenizer and Hugging Face dataset, which this CPU suite does not download.
+
+Fresh processes: the script (world size 1) for resume and SIGKILL, dist_helpers' gloo jobs
+for FSDP2. The tests fail (never skip) when TorchTitan is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchtitan  # noqa: F401 - a missing framework fails the module, never skips it
+
+import ckptstore
+import dist_helpers as dh
+import torchtitan_job as tj
+from ckptstore.integrations.torchtitan import (
+    STATE_KEY,
+    CheckpointManager,
+    PickleNotAllowedError,
+    step_name,
+)
+
+JOB = str(Path(__file__).with_name("torchtitan_job.py"))
+STEPS = 10  # the schedule's length (warmup 2, cosine decay): lr is not 0 at step 6
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def run_job(folder, out, *, until, mode="disabled", keep=0, env=None, expect_rc=0, no_load=False):
+    cmd = [sys.executable, JOB, "--folder", str(folder), "--out", str(out), "--until", str(until),
+           "--steps", str(STEPS), "--mode", mode, "--keep", str(keep)]
+    if no_load:
+        cmd.append("--no-load")
+    e = dict(os.environ)
+    e.pop("CKPTSTORE_TORCHTITAN_KILL", None)
+    e.update(env or {})
+    r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=180)
+    assert r.returncode == expect_rc, f"rc {r.returncode}, expected {expect_rc}:\n{r.stderr[-3000:]}"
+    return torch.load(out, weights_only=False) if expect_rc == 0 else None
+
+
+def assert_same(got: dict, want: dict, what: str = "") -> None:
+    """Bit-identical: tensors by dtype, shape and bytes; everything else by ==."""
+    assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
+    for k in want:
+        a, b = got[k], want[k]
+        if isinstance(b, dict):
+            assert_same(a, b, f"{what}/{k}")
+        elif isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor), (what, k)
+            assert a.dtype == b.dtype and a.shape == b.shape, (what, k, a.dtype, b.dtype)
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (what, k)
+        else:
+            assert a == b, (what, k, a, b)
+
+
+def state_of(snap: dict) -> dict:
+    return {k: v for k, v in snap.items() if k != "loaded_step"}
+
+
+def flip_in(step_dir: Path, tensor: str) -> str:
+    """Flip one data byte of the stored chunk of ``tensor``; returns the chunk's name."""
+    ck = ckptstore.open(step_dir)
+    name = next(n for n in ck.keys() if n.split("@")[0] == tensor)
+    f = step_dir / ck.info(name)["file"]
+    ck.close()
+    raw = bytearray(f.read_bytes())
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    start, _ = json.loads(raw[8 : 8 + hlen])[name]["data_offsets"]
+    raw[8 + hlen + start] ^= 0x40
+    f.write_bytes(bytes(raw))
+    return name
+
+
+def committed(folder) -> list:
+    return ckptstore.CheckpointManager(folder).steps()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Steps 1-6 in one process (saves at 2, 4, 6 along the way)."""
+    d = tmp_path_factory.mktemp("full")
+    snap = run_job(d / "ck", d / "out.pt", until=6)
+    assert snap["loaded_step"] is None and snap["train_state"]["step"] == 6
+    return snap
+
+
+# ---- resume in a new process ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_resume_in_new_process_is_bit_identical(tmp_path, uninterrupted, mode):
+    """Steps 1-4 (saves at 2 and 4), then a new process resumes from the latest step and
+    trains 5-6: parameters, AdamW state, hyperparameters, the scheduler, the dataloader's
+    state and the train state equal the uninterrupted run's bit for bit."""
+    ck = tmp_path / "ck"
+    first = run_job(ck, tmp_path / "a.pt", until=4, mode=mode)
+    assert first["train_state"]["step"] == 4
+    assert committed(ck) == [2, 4]
+    resumed = run_job(ck, tmp_path / "b.pt", until=6, mode=mode)
+    assert resumed["loaded_step"] == 4
+    assert_same(state_of(resumed), state_of(uninterrupted))
+    assert resumed["lr"]["lrs"][0] > 0.0  # the schedule is mid-way, not at its end
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_save_holds_the_state_of_its_step(tmp_path, mode):
+    """Training goes on while the background save of step 2 runs (steps 3-4 change every
+    tensor): the checkpoint of step 2 restores the state at step 2."""
+    job = tj.build(str(tmp_path / "ck"), mode=mode, steps=STEPS)
+    tj.train(job, 2)
+    at_2 = tj.snapshot(job)
+    assert job.checkpointer.save_future is not None  # in flight
+    tj.train(job, 4, load=False)
+    job.checkpointer.close()
+    assert not torch.equal(job.model.l1.weight, at_2["params"]["l1.weight"])
+    other = tj.build(str(tmp_path / "ck"), mode=mode, steps=STEPS)
+    assert other.checkpointer.load(step=2)
+    assert_same(state_of(tj.snapshot(other)), state_of(at_2))
+
+
+# ---- SIGKILL during a save ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", ["write", "commit"])
+def test_sigkill_during_save_resumes_the_previous_step(tmp_path, uninterrupted, point):
+    """The process SIGKILLs itself inside the save of step 4 (``write``: before its part is
+    written; ``commit``: every part written, before the manifest). Step 2 stays the latest
+    committed step, the manager's own latest-step logic resumes it, and training to step 6
+    ends where the uninterrupted run did."""
+    ck = tmp_path / "ck"
+    run_job(ck, tmp_path / "a.pt", until=6, env={"CKPTSTORE_TORCHTITAN_KILL": f"{point}:4"},
+            expect_rc=-signal.SIGKILL)
+    assert committed(ck) == [2]
+    listed = {e["step"]: e["committed"] for e in ckptstore.CheckpointManager(ck).list()}
+    assert listed.get(2) is True and listed.get(4, False) is False
+    resumed = run_job(ck, tmp_path / "b.pt", until=6)
+    assert resumed["loaded_step"] == 2
+    assert_same(state_of(resumed), state_of(uninterrupted))
+    assert committed(ck) == [2, 4, 6]  # step 4 written again over the dead attempt
+
+
+# ---- the ColossalAI scenario -----------------------------------------------------------------
+
+
+def test_optimizer_state_the_checkpoint_does_not_name_is_gone(tmp_path):
+    """Step 2 is saved while ``late`` has no AdamW state (unused so far). Then ``late`` is
+    used and trained: the live optimizer holds state for it. Loading step 2 restores
+    exactly step 2's state: ``late``'s state is gone, not merged into the restored one."""
+    job = tj.build(str(tmp_path / "ck"), steps=STEPS)
+    tj.train(job, 2)
+    at_2 = tj.snapshot(job)
+    assert not any(k.startswith("state.late.") for k in at_2["optimizer"])
+    job.model.use_late = True
+    tj.train(job, 4, load=False)
+    opt = job.optimizers.optimizers[0]
+    assert job.model.late.weight in opt.state and "exp_avg" in opt.state[job.model.late.weight]
+    assert job.checkpointer.load(step=2)
+    assert job.model.late.weight not in opt.state
+    assert job.model.late.bias not in opt.state
+    assert_same(state_of(tj.snapshot(job)), state_of(at_2))
+
+
+# ---- a flipped byte ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("victim", ["l1.weight", "optimizer.state.out.weight.exp_avg_sq"])
+def test_flipped_byte_fails_naming_the_tensor_and_changes_nothing(tmp_path, ckpt, victim):
+    folder = tmp_path / "ck"
+    job = tj.build(str(folder), steps=STEPS)
+    tj.train(job, 4)
+    before = tj.snapshot(job)
+    chunk = flip_in(folder / step_name(2), victim)
+    with pytest.raises(ckptstore.ChecksumError, match=victim.replace(".", r"\.")) as e:
+        job.checkpointer.load(step=2)
+    assert str(folder / step_name(2)) in str(e.value) or chunk in str(e.value)
+    assert_same(state_of(tj.snapshot(job)), state_of(before))
+    r = ckpt("verify", folder / step_name(2), expect=1)
+    assert victim in r.stdout + r.stderr
+    assert job.checkpointer.load(step=4)  # the undamaged step still loads
+    assert_same(state_of(tj.snapshot(job)), state_of(before))
+
+
+# ---- ckpt verify / inspect, keep-latest-k ----------------------------------------------------
+
+
+def test_ckpt_tools_open_it_and_keep_latest_k(tmp_path, ckpt):
+    folder = tmp_path / "ck"
+    job = tj.build(str(folder), steps=STEPS, keep=2)
+    tj.train(job, 6)
+    assert committed(folder) == [4, 6]
+    assert sorted(n for n in os.listdir(folder) if "step-" in n) == [step_name(4), step_name(6)]
+    ckpt("verify", folder / step_name(6), expect=0)
+    out = ckpt("inspect", folder / step_name(6), expect=0).stdout
+    for name in ("l1.weight", "optimizer.state.l1.weight.exp_avg", "optimizer.state.emb.weight.step"):
+        assert name in out, name
+    ls = json.loads(ckpt("ls", folder, "--json", expect=0).stdout)
+    assert ls["latest"] == 6
+    # A reader's lease keeps its step through retention (the engine's manager).
+    with ckptstore.CheckpointManager(folder).lease(4):
+        tj.train(job, 8, load=False)
+        assert committed(folder) == [4, 6, 8]
+    tj.train(job, 9, load=False)
+    job.checkpointer.save(10)  # the interval's next save: retention after its commit
+    assert committed(folder) == [8, 10]
+    # The non-tensor state is JSON in the manifest: no pickle anywhere.
+    meta = ckptstore.open(folder / step_name(10)).metadata[STATE_KEY]
+    assert meta["step"] == 10 and meta["states"]["train_state"] == {"step": 9, "ntokens_seen": 9 * 4 * tj.SEQ}
+    assert meta["states"]["lr_scheduler"] == {"last_epoch": 9}
+    assert meta["states"]["optimizer"]["param_groups.l1.weight.betas"] == {"$tuple": [0.9, 0.95]}
+    assert set(meta["states"]["dataloader"]) == {"dp_rank_0", "world_size"}
+    assert not any(n.startswith("dcp.bytes/") for n in ckptstore.open(folder / step_name(10)).keys())
+
+
+def test_non_json_state_needs_allow_pickle(tmp_path):
+    """A state value that is neither JSON, bytes nor a tensor (a Fraction) is refused at
+    save naming its entry; with allow_pickle it is stored, and loading it needs the opt-in
+    again (nothing changes when it is refused)."""
+    from fractions import Fraction
+
+    class Holder(torch.distributed.checkpoint.stateful.Stateful):
+        def __init__(self):
+            self.value = {"odd": Fraction(1, 3), "n": 1}
+
+        def state_dict(self):
+            return dict(self.value)
+
+        def load_state_dict(self, sd):
+            self.value = dict(sd)
+
+    job = tj.build(str(tmp_path / "ck"), steps=STEPS)
+    job.checkpointer.states["extra"] = Holder()
+    tj.train(job, 1)
+    with pytest.raises(PickleNotAllowedError, match=r"'extra\.odd'.*Fraction"):
+        job.checkpointer.save(2)
+    assert committed(tmp_path / "ck") == []
+    job.checkpointer.allow_pickle = True
+    job.checkpointer.save(2)
+    h = Holder()
+    h.value = {}
+    other = tj.build(str(tmp_path / "ck"), steps=STEPS)
+    other.checkpointer.states["extra"] = h
+    with pytest.raises(PickleNotAllowedError, match="trust"):
+        other.checkpointer.load()
+    assert h.value == {}
+    other.checkpointer.allow_pickle = True
+    assert other.checkpointer.load()
+    assert h.value == {"odd": Fraction(1, 3), "n": 1}
+
+
+# ---- model-only export -> ckpt consolidate -> Hugging Face directory ------------------------------
+
+
+def test_model_only_export_consolidates_to_a_hugging_face_directory(tmp_path, ckpt):
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "ck"
+    job = tj.build(str(folder), steps=4, export_dtype="bfloat16")
+    tj.train(job, 4)  # step 4 is the last: a model-only export in bfloat16
+    export = folder / step_name(4)
+    names = ckptstore.open(export).keys()
+    assert not any(n.startswith("optimizer.") for n in names)
+    hf = tmp_path / "hf"
+    ckpt("consolidate", export, "--out", hf, expect=0)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    want = {k: v.detach().to(torch.bfloat16) for k, v in job.model.state_dict().items()}
+    assert set(index["weight_map"]) == set(want)
+    got = {}
+    for f in set(index["weight_map"].values()):
+        got.update(load_file(str(hf / f)))
+    assert_same(got, want)
+    # Resuming from an export is refused with a clear error (it has no training state).
+    other = tj.build(str(folder), steps=4)
+    with pytest.raises(ckptstore.CheckpointError, match="model-only export"):
+        other.checkpointer.load()
+    assert other.checkpointer.load(step=2)  # the full step before it resumes
+
+
+# ---- FSDP2: save on 2 ranks, resume on 1 ------------------------------------------------------
+
+
+def job_fsdp2_save(rank, world, folder):
+    job = tj.build(folder, rank=rank, world=world, fsdp=True, steps=STEPS)
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(job.model.l1.weight, DTensor)
+    tj.train(job, 2)
+    job.checkpointer.close()
+    return tj.snapshot(job)
+
+
+def job_resume_1(rank, world, folder):
+    job = tj.build(folder, rank=rank, world=world, steps=STEPS, exclude=["dataloader"])
+    assert job.checkpointer.load(step=-1)
+    return tj.snapshot(job)
+
+
+def test_fsdp2_save_on_2_resume_on_1(tmp_path):
+    folder = str(tmp_path / "ck")
+    saved = dh.results(2, job_fsdp2_save, folder)
+    assert committed(folder) == [2]
+    # Both ranks' dataloader states are in the checkpoint (merged by key).
+    dl = ckptstore.open(Path(folder) / step_name(2)).metadata[STATE_KEY]["states"]["dataloader"]
+    assert set(dl) == {"dp_rank_0", "dp_rank_1", "world_size"} and dl["world_size"] == 2
+    assert_same(state_of(saved[0])["params"], state_of(saved[1])["params"])  # gathered whole
+    (one,) = dh.results(1, job_resume_1, folder)
+    assert one["loaded_step"] == 2
+    for part in ("params", "optimizer", "lr", "train_state"):
+        assert_same(one[part], saved[0][part], part)
+
+
+# ---- s3:// ------------------------------------------------------------------------------------
+
+from test_s3 import s3  # noqa: E402,F401 - the s3s-fs server fixture (fails if not installed)
+
+
+def test_s3_folder_saves_resumes_and_keeps_latest_k(s3, tmp_path, ckpt_bin, monkeypatch):
+    monkeypatch.setenv("CKPT_BIN", str(ckpt_bin))
+    url = "s3://bkt/titan/run"
+    job = tj.build(url, steps=STEPS, keep=2)
+    tj.train(job, 6)
+    at_6 = tj.snapshot(job)
+    assert job.checkpointer.committed_steps() == [4, 6]
+    assert not os.path.exists("s3:")
+    on_server = sorted(os.listdir(os.path.join(s3, "bkt", "titan", "run")))
+    assert step_name(6) in on_server
+    other = tj.build(url, steps=STEPS, keep=2)
+    assert other.checkpointer.load()
+    assert other.checkpointer.loaded_step == 6
+    assert_same(state_of(tj.snapshot(other)), state_of(at_6))
+
+
+def test_trainer_config_selects_it():
+    from torchtitan.trainer import Trainer
+
+    cfg = Trainer.Config(checkpoint=CheckpointManager.Config(enable=True, async_mode="async"))
+    assert cfg.checkpoint._owner is CheckpointManager
+    with pytest.raises(ValueError, match="async_mode"):
+        CheckpointManager.Config(enable=True, async_mode="nope")  # type: ignore[arg-type]
