@@ -125,6 +125,26 @@ def test_resume_in_a_new_process_is_bit_identical(ref, tmp_path):
     assert hf.is_ckptstore_checkpoint(out / "checkpoint-8")
 
 
+class StopAfterSave(transformers.TrainerCallback):
+    def on_save(self, args, state, control, **kw):
+        control.should_training_stop = True
+
+
+def test_a_stock_checkpoint_resumes_through_the_stock_code(ref, tmp_path):
+    """A checkpoint-4 of the stock Trainer (no ckptstore) resumes with ours, and the run
+    ends where ours does uninterrupted: the same training either way."""
+    out = tmp_path / "run"
+    stock = tt.make_trainer(str(out), 8, 4, cls=transformers.Trainer)
+    stock.add_callback(StopAfterSave())
+    stock.train()
+    assert (out / "checkpoint-4" / "optimizer.pt").exists()
+    assert not hf.is_ckptstore_checkpoint(out / "checkpoint-4")
+    trainer = tt.make_trainer(str(out), 8, 4)
+    trainer.train(resume_from_checkpoint=True)
+    assert_same(ref["dump"], tt.dump(trainer))
+    assert hf.is_ckptstore_checkpoint(out / "checkpoint-8")
+
+
 def test_rng_states_round_trip_exactly(tmp_path):
     random.seed(3)
     np.random.seed(4)
