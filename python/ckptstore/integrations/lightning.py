@@ -1,0 +1,550 @@
+"""ckptstore for PyTorch Lightning 2.6 and Fabric: every checkpoint one committed ckptstore
+checkpoint.
+
+::
+
+    from ckptstore.integrations.lightning import CheckpointIO
+
+    trainer = lightning.Trainer(plugins=[CheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
+    trainer.fit(model, ckpt_path="last")                       # resumes as with torch.save
+    fabric = lightning.Fabric(plugins=[CheckpointIO(async_save=True)])
+
+:class:`CheckpointIO` is a ``lightning.fabric.plugins.io.CheckpointIO``. Each
+``save_checkpoint(checkpoint, path)`` writes Lightning's checkpoint dict as ONE ckptstore
+checkpoint, a directory at ``path`` (``epoch=3-step=40.ckpt/``, ``last.ckpt/``) or an
+``s3://`` URL, committed atomically: a save that dies half way leaves the checkpoint that
+was there before (``last.ckpt`` included), never a torn one. What is stored
+(:mod:`ckptstore.integrations._tree`): every tensor (model ``state_dict``, optimizer
+states, tensors in callback state) as a ckptstore tensor named by its path in the dict
+(``state_dict/layer.weight``, ``optimizer_states/0/state/3/exp_avg``), CRC-checked and
+visible to ``ckpt inspect`` / ``ckpt verify``; the rest as JSON in the manifest metadata.
+
+``load_checkpoint`` returns the dict as saved, bit for bit: tensors with their dtype,
+shape and device (``map_location`` as ``torch.load`` takes it: a device, a dict of device
+strings, or ``f(tensor, saved_device)``); ``None``, bools, ints (any size), floats (NaN and
+infinities kept), strings and bytes as they were. Round trips where JSON has no form:
+
+* **tuples come back as tuples** and lists as lists (Adam's ``betas`` stays a tuple);
+* **dicts with non-string keys keep their keys** (the optimizer ``state`` dict keyed by
+  parameter index ``0, 1, ...`` comes back with ``int`` keys, in the same order), and
+  ``OrderedDict`` (a model ``state_dict``) comes back as ``OrderedDict``;
+* ``torch.Size``, ``torch.dtype``, ``torch.device``, sets and numpy scalars are kept; other
+  dict subclasses (Lightning's ``AttributeDict`` of ``hyper_parameters``) come back as plain
+  dicts, list and tuple subclasses as lists and tuples;
+* a tensor object held twice (tied weights) is stored once and comes back as one object.
+
+Every tensor is read into fresh memory and its CRC32 checked before ``load_checkpoint``
+returns: a damaged checkpoint raises :class:`ckptstore.errors.ChecksumError` naming the
+tensor (and the checkpoint), and Lightning, which loads the dict first and applies it
+after, leaves the live model and optimizer untouched. Lightning applies optimizer state with
+``optimizer.load_state_dict``, which replaces the state whole: state the live optimizer
+holds for parameters the checkpoint does not name is gone after a resume (no merge).
+
+**Pickle.** Anything else (an arbitrary Python object a callback or ``save_hyperparameters``
+put in the checkpoint) is refused at save with
+:class:`ckptstore.integrations._tree.PickleNotAllowedError` naming its path in the dict,
+unless ``CheckpointIO(allow_pickle=True)``: then it is pickled into the metadata. Loading
+such a checkpoint needs ``allow_pickle=True`` as well (and is refused whenever Lightning
+asks for ``weights_only=True``): unpickling runs code chosen by whoever wrote the
+checkpoint, so opt in only for checkpoints you trust as much as the code you run. The CRCs
+detect damage, not malice. Without the opt-in nothing is ever unpickled.
+
+**Non-blocking saves.** ``CheckpointIO(async_save=True)``: ``save_checkpoint`` copies every
+tensor into snapshot buffers and returns; a background thread writes and commits, saves in
+the order they were made (:class:`ckptstore.integrations._tree.TreeSaver`). Unlike
+Lightning's ``AsyncCheckpointIO``, which clones every tensor on every save, the buffers are
+reused by the next save of the same structure, so host memory stays flat over any number
+of saves (``max_in_flight`` buffer sets at most, each as large as the tensors saved).
+``teardown()`` (Lightning calls it at the end of ``fit``) waits for the saves in flight,
+frees the buffers and raises the first error of a background save; a later save raises an
+earlier save's error too. ``load_checkpoint`` and ``remove_checkpoint`` of a path with a
+save in flight wait for that save first.
+
+**remove_checkpoint** (``ModelCheckpoint``'s top-k and ``last``) removes only a committed
+ckptstore checkpoint: a directory holding ``ckpt-manifest.json`` (its manifest is removed
+first, so an interruption leaves no half checkpoint that still opens), or an ``s3://``
+checkpoint that opens (removed with fsspec). A missing path is a no-op, as with
+``TorchCheckpointIO``; anything else (a ``torch.save`` file, a directory that is not a
+checkpoint) raises :class:`ckptstore.errors.InvalidArgumentError` and is left alone.
+
+**FSDP2 / ModelParallel.** Lightning's ``ModelParallelStrategy`` (FSDP2 / DTensor) and
+``FSDPStrategy`` save sharded checkpoints with ``torch.distributed.checkpoint.save`` directly
+and never call ``CheckpointIO``. :class:`ModelParallelStrategy` is a drop-in subclass whose
+``save_checkpoint`` / ``load_checkpoint`` route DCP through :class:`ckptstore.torch.dcp.Writer`
+and :class:`~ckptstore.torch.dcp.Reader`: one committed checkpoint for all ranks (model and
+optimizer shards plus the rest of Lightning's dict, which the stock strategy pickles into
+``meta.pt``, stored here as in :class:`CheckpointIO`), resumable on another world size, and
+a damaged checkpoint leaves every rank's model and optimizer unchanged. For the FSDP1
+``FSDPStrategy`` use :class:`ModelParallelStrategy` (FSDP2) or ``state_dict_type="full"``
+with :class:`CheckpointIO`; its sharded format is not routed (see python/README.md).
+
+Tested with lightning 2.6.6 and torch 2.15 (CPU, gloo).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import lightning.fabric.plugins.io as _lio
+import torch
+
+from .. import open as _open
+from ..errors import CheckpointError, InvalidArgumentError
+from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
+
+__all__ = [
+    "CheckpointIO",
+    "ModelParallelStrategy",
+    "PickleNotAllowedError",
+    "MANIFEST",
+    "DCP_TREE_KEY",
+]
+
+#: The manifest file of a committed ckptstore checkpoint directory.
+MANIFEST = "ckpt-manifest.json"
+#: Manifest metadata key under which :class:`ModelParallelStrategy` keeps the rest of
+#: Lightning's checkpoint dict (beside DCP's own metadata).
+DCP_TREE_KEY = "ckptstore.lightning"
+_DCP_TREE_VERSION = 1
+#: DCP state-dict key of the tensors of the rest of the dict.
+_DCP_EXTRA = "ckptstore.extra"
+
+
+def _location(path: Any) -> str:
+    """A location for the engine: an ``s3://`` URL as it is, a local path as a string."""
+    s = os.fspath(path)
+    if not isinstance(s, str):
+        raise InvalidArgumentError(f"checkpoint paths are strings, got {path!r}")
+    return s
+
+
+def _is_remote(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
+
+
+def _local(location: str) -> str:
+    return location[len("file://") :] if location.startswith("file://") else location
+
+
+class CheckpointIO(_lio.CheckpointIO):
+    """A Lightning ``CheckpointIO`` that stores each checkpoint as one committed ckptstore
+    checkpoint (see the module docs).
+
+    ``allow_pickle``: store (and load) values only pickle can hold; off by default.
+    ``async_save``: non-blocking saves with reused snapshot buffers; ``max_in_flight``
+    bounds the saves (and buffer sets) in flight. ``max_shard_size``: most bytes of tensor
+    data per shard file (default: the engine's). ``cleanup``: when a replaced checkpoint's
+    files go (``"inline"``, the default, or ``"background"``: see :func:`ckptstore.save`).
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        async_save: bool = False,
+        max_in_flight: int = 1,
+        max_shard_size: Optional[int] = None,
+        cleanup: str = "inline",
+    ) -> None:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        if max_shard_size is not None and max_shard_size <= 0:
+            raise InvalidArgumentError("max_shard_size must be positive")
+        if cleanup not in ("inline", "background"):
+            raise InvalidArgumentError(f"cleanup must be 'inline' or 'background', got {cleanup!r}")
+        self.allow_pickle = bool(allow_pickle)
+        self.async_save = bool(async_save)
+        self.max_in_flight = max_in_flight
+        self.max_shard_size = max_shard_size
+        self.cleanup = cleanup
+        self._saver: Optional[TreeSaver] = None
+        self._pending: Dict[str, Any] = {}  # location -> handle of its latest background save
+        self._lock = threading.Lock()
+        #: Saves made (a test and benchmark counter).
+        self.saves = 0
+
+    # ---- saving ------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        """Write ``checkpoint`` as one committed ckptstore checkpoint at ``path``,
+        atomically replacing a checkpoint there. Raises ``TypeError`` for
+        ``storage_options`` (as ``TorchCheckpointIO`` does), :class:`PickleNotAllowedError`
+        (nothing written) for a value only pickle can store without ``allow_pickle``, and
+        the engine's :class:`ckptstore.errors.CheckpointError` otherwise. With
+        ``async_save``: returns once the tensors are copied; an earlier background save's
+        error is raised here."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
+                f"{type(self).__name__}"
+            )
+        if not isinstance(checkpoint, dict):
+            raise InvalidArgumentError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
+        location = _location(path)
+        if not _is_remote(location):
+            parent = os.path.dirname(os.path.abspath(_local(location)))
+            os.makedirs(parent, exist_ok=True)
+        self.saves += 1
+        if not self.async_save:
+            save_tree(
+                location,
+                checkpoint,
+                allow_pickle=self.allow_pickle,
+                max_shard_size=self.max_shard_size,
+                cleanup=self.cleanup,
+            )
+            return
+        saver = self._ensure_saver()
+        handle = saver.save(location, checkpoint)
+        with self._lock:
+            self._pending = {k: h for k, h in self._pending.items() if not h.done()}
+            self._pending[location] = handle
+
+    def _ensure_saver(self) -> TreeSaver:
+        if self._saver is None:
+            self._saver = TreeSaver(
+                self.max_in_flight,
+                allow_pickle=self.allow_pickle,
+                max_shard_size=self.max_shard_size,
+                cleanup=self.cleanup,
+            )
+        return self._saver
+
+    def _wait_for(self, location: str) -> None:
+        """Wait for the background save to ``location``, if one is in flight (its error is
+        raised)."""
+        with self._lock:
+            h = self._pending.pop(location, None)
+        if h is not None:
+            h.wait()
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes held by idle snapshot buffers of the non-blocking saves."""
+        return 0 if self._saver is None else self._saver.snapshot_bytes
+
+    @property
+    def snapshot_allocations(self) -> int:
+        """Snapshot buffers allocated over the life of the idle buffer sets (one per stored
+        tensor after the first save; later saves of the same structure add none)."""
+        saver = self._saver
+        if saver is None:
+            return 0
+        with saver._lock:
+            return sum(s.allocations for s in saver._free)
+
+    # ---- loading -----------------------------------------------------------------------
+
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
+        """The checkpoint dict saved at ``path``, every tensor fresh and CRC-checked before
+        anything is returned. ``weights_only=True`` refuses pickled values even with
+        ``allow_pickle``. Raises ``FileNotFoundError`` (a
+        :class:`ckptstore.errors.CheckpointNotFoundError`) when nothing is there,
+        :class:`ckptstore.errors.ChecksumError` naming a damaged tensor, and
+        :class:`PickleNotAllowedError` for a pickled value without the opt-in."""
+        location = _location(path)
+        self._wait_for(location)
+        allow = self.allow_pickle and weights_only is not True
+        if not _is_remote(location) and os.path.isfile(_local(location)):
+            raise InvalidArgumentError(
+                f"{location!r} is a file, not a ckptstore checkpoint (a directory): a torch.save "
+                "checkpoint? Load it with Lightning's TorchCheckpointIO"
+            )
+        try:
+            return load_tree(location, allow_pickle=allow, map_location=map_location)
+        except CheckpointError as e:
+            _naming(e, location)
+            raise
+
+    # ---- removing ----------------------------------------------------------------------
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the committed ckptstore checkpoint at ``path`` (see the module docs); a
+        missing path is a no-op. Refuses (``InvalidArgumentError``) anything that is not a
+        committed ckptstore checkpoint."""
+        location = _location(path)
+        self._wait_for(location)
+        if _is_remote(location):
+            self._remove_remote(location)
+            return
+        d = Path(_local(location))
+        if not d.exists() and not d.is_symlink():
+            return
+        if d.is_symlink():
+            # ModelCheckpoint(save_last="link") points last.ckpt at a checkpoint: drop the link.
+            d.unlink()
+            return
+        manifest = d / MANIFEST
+        if not d.is_dir() or not manifest.is_file():
+            raise InvalidArgumentError(
+                f"refusing to remove {location!r}: it is not a committed ckptstore checkpoint "
+                f"(no {MANIFEST})"
+            )
+        # Uncommit first (the manifest is the commit point), then the files.
+        manifest.unlink()
+        _fsync_dir(d)
+        shutil.rmtree(d)
+
+    def _remove_remote(self, location: str) -> None:
+        try:
+            from lightning.fabric.utilities.cloud_io import get_filesystem
+        except ImportError as e:  # pragma: no cover - lightning always has it
+            raise InvalidArgumentError(f"cannot remove {location!r}: {e}") from e
+        fs = get_filesystem(location)
+        if not fs.exists(location):
+            return
+        try:
+            _open(location).close()
+        except CheckpointError as e:
+            raise InvalidArgumentError(
+                f"refusing to remove {location!r}: it is not a committed ckptstore checkpoint ({e})"
+            ) from e
+        manifest = location.rstrip("/") + "/" + MANIFEST
+        fs.rm(manifest)
+        fs.rm(location, recursive=True)
+
+    # ---- lifetime ----------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait for every background save in flight; raise the first error not yet
+        reported."""
+        if self._saver is not None:
+            self._saver.wait()
+        with self._lock:
+            self._pending.clear()
+
+    def teardown(self) -> None:
+        """Wait for the background saves in flight, free the snapshot buffers, and raise
+        the first error of a background save not yet reported."""
+        saver, self._saver = self._saver, None
+        with self._lock:
+            self._pending.clear()
+        if saver is not None:
+            saver.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(async_save={self.async_save}, allow_pickle={self.allow_pickle})"
+        )
+
+
+def _naming(e: CheckpointError, location: str) -> CheckpointError:
+    """``e`` with the checkpoint's location in its message (the engine's message names the
+    tensor and shard file, not always the checkpoint)."""
+    msg = getattr(e, "message", None)
+    if isinstance(msg, str) and location not in msg:
+        e.message = f"{location}: {msg}"
+        if e.args:
+            e.args = (e.message, *e.args[1:])
+    return e
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- ModelParallelStrategy (FSDP2 / DTensor) through ckptstore's DCP Writer / Reader -------
+
+from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+
+def _split_rest(rest: Dict[str, Any], allow_pickle: bool) -> tuple:
+    """The non-model, non-optimizer part of a Lightning checkpoint as a JSON skeleton and
+    its tensors ``{name: tensor}`` (numpy arrays as CPU tensors), described in the
+    skeleton."""
+    from ._tree import _Flattener
+
+    tensors: Dict[str, Any] = {}
+    described: Dict[str, Any] = {}
+
+    def prepare(name: str, v: Any) -> tuple:
+        import numpy as np
+
+        if isinstance(v, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(v))
+            kind = "ndarray"
+        else:
+            t = v.detach()
+            kind = "tensor"
+        tensors[name] = t
+        described[name] = {"kind": kind, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+        return (name,)
+
+    f = _Flattener(prepare, allow_pickle)
+    skeleton = f.walk(rest, "")
+    return {"version": _DCP_TREE_VERSION, "tree": skeleton, "tensors": described}, tensors
+
+
+def _ckptstore_error(e: BaseException, rank: int) -> Optional[CheckpointError]:
+    """The :class:`CheckpointError` inside DCP's ``CheckpointException`` (this rank's if it
+    has one, else another rank's), or ``None``."""
+    failures = getattr(e, "failures", None) or {}
+    order = sorted(failures, key=lambda r: (r != rank, r))
+    for r in order:
+        f = failures[r]
+        exc = f[0] if isinstance(f, tuple) else f
+        if isinstance(exc, CheckpointError):
+            return exc
+    return None
+
+
+def _has_pickle(v: Any) -> bool:
+    if isinstance(v, list):
+        return any(_has_pickle(x) for x in v)
+    if isinstance(v, dict):
+        if len(v) == 1 and "$pickle" in v:
+            return True
+        return any(_has_pickle(x) for x in v.values())
+    return False
+
+
+class ModelParallelStrategy(_ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel over DTensor) with its
+    distributed checkpoints stored by ckptstore through DCP (see the module docs).
+
+    Takes the arguments of ``lightning.pytorch.strategies.ModelParallelStrategy`` plus
+    ``allow_pickle`` and ``max_shard_size`` (per rank). ``save_distributed_checkpoint``
+    must stay ``True`` (for a full checkpoint on rank 0 use the stock strategy with
+    :class:`CheckpointIO`). Unless a ``CheckpointIO`` plugin is given, this strategy's
+    checkpoint IO is a :class:`CheckpointIO` (``ModelCheckpoint`` removes superseded
+    checkpoints through it).
+
+    ``save_checkpoint``: every rank writes its shards with :class:`ckptstore.torch.dcp.Writer`
+    and rank 0 commits them with the rest of the dict (loops, callbacks, schedulers,
+    hyperparameters: JSON in the manifest, its tensors as replicated DCP tensors) in one
+    commit. ``load_checkpoint``: one ``dcp.load`` with :class:`ckptstore.torch.dcp.Reader`
+    for the model, every optimizer and those tensors, so that the CRC of every piece read is
+    checked on every rank, and the ranks agree, before any destination is written; then the
+    optimizer state is applied with ``set_optimizer_state_dict`` (``load_state_dict``:
+    replaced whole). Resharding to another world size is DCP's.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        allow_pickle: bool = False,
+        max_shard_size: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        if not kwargs.get("save_distributed_checkpoint", True):
+            raise InvalidArgumentError(
+                "ckptstore's ModelParallelStrategy saves distributed checkpoints only: for a "
+                "full checkpoint use lightning's ModelParallelStrategy(save_distributed_checkpoint="
+                "False) with plugins=[ckptstore.integrations.lightning.CheckpointIO()]"
+            )
+        super().__init__(*args, **kwargs)
+        self.allow_pickle = bool(allow_pickle)
+        self.max_shard_size = max_shard_size
+        if self._checkpoint_io is None:
+            self._checkpoint_io = CheckpointIO(allow_pickle=allow_pickle)
+
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from ..torch.dcp import Writer
+
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported"
+            )
+        location = _location(self.broadcast(_location(filepath)))
+        if not _is_remote(location) and os.path.isfile(_local(location)):
+            raise InvalidArgumentError(
+                f"{location!r} is a file: a checkpoint of another format is in the way"
+            )
+        rest = dict(checkpoint)
+        state: Dict[str, Any] = {"state_dict": rest.pop("state_dict")}
+        for i, osd in enumerate(rest.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = osd
+        tree, tensors = _split_rest(rest, self.allow_pickle)
+        if tensors:
+            state[_DCP_EXTRA] = tensors
+        writer = Writer(location, max_shard_size=self.max_shard_size, metadata={DCP_TREE_KEY: tree})
+        dcp.save(state, storage_writer=writer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from ..torch.dcp import Reader
+        from ._tree import _Loader
+
+        location = _location(self.broadcast(_location(checkpoint_path)))
+        with _open(location) as ck:
+            meta = ck.metadata
+            cid = ck.checkpoint_id
+        tree = meta.get(DCP_TREE_KEY)
+        if not isinstance(tree, dict) or tree.get("version") != _DCP_TREE_VERSION:
+            raise InvalidArgumentError(
+                f"{location!r} is not a checkpoint of ckptstore's ModelParallelStrategy (no "
+                f"{DCP_TREE_KEY!r} metadata of version {_DCP_TREE_VERSION})"
+            )
+        allow = self.allow_pickle and weights_only is not True
+        if not allow and _has_pickle(tree["tree"]):
+            raise PickleNotAllowedError(
+                f"{location!r} holds a pickled value; pass allow_pickle=True to the strategy to "
+                "load it, only if you trust the checkpoint as much as code you run"
+            )
+        assert self.model is not None and self.lightning_module is not None
+        module = self.model
+        state: Dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        for i, optim in enumerate(self.optimizers):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optim)
+        fresh: Dict[str, Any] = {}
+        for name, d in (tree.get("tensors") or {}).items():
+            fresh[name] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
+        if fresh:
+            state[_DCP_EXTRA] = fresh
+        # One load: every CRC checked on every rank, and agreed, before anything is written.
+        try:
+            dcp.load(state, storage_reader=Reader(location, expect_checkpoint_id=cid))
+        except CheckpointError as e:
+            _naming(e, location)
+            raise
+        except CheckpointException as e:
+            # DCP gathers the ranks' errors: raise ckptstore's own (this rank's first).
+            err = _ckptstore_error(e, self.global_rank)
+            if err is None:
+                raise
+            raise _naming(err, location) from e
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optim in enumerate(self.optimizers):
+            set_optimizer_state_dict(
+                module,
+                optim,
+                optim_state_dict=state[f"optimizer_{i}"],
+                options=StateDictOptions(cpu_offload=True),
+            )
+        loader = _Loader(None, location, allow, None)
+        for name, d in (tree.get("tensors") or {}).items():
+            t = fresh[name]
+            if d.get("kind") == "ndarray":
+                loader.fresh[("$ndarray", name)] = t.numpy()
+            else:
+                loader.fresh[("$tensor", name)] = t
+        return loader.build(tree["tree"])

@@ -1,0 +1,99 @@
+"""Helper of test_lightning.py: FSDP2 (DTensor) training with ckptstore's
+ModelParallelStrategy on the CPU (gloo), one rank of a job the test launches (it sets
+MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, NODE_RANK: Lightning then takes the
+processes as given and creates none).
+
+    python lightning_fsdp.py save   CKPT MAX_EPOCHS DUMP    # train, save CKPT, dump the state
+    python lightning_fsdp.py resume CKPT MAX_EPOCHS DUMP    # resume from CKPT, dump the state
+
+The dump (rank 0, torch.save; the test's own comparison file) holds the gathered (full)
+model state dict and the full optimizer state dict (keyed by parameter name), the global
+step, and the rest of the checkpoint as the strategy returned it on resume.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+import lightning as L
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+from ckptstore.integrations.lightning import ModelParallelStrategy
+
+warnings.filterwarnings("ignore")
+
+
+class Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
+        self.loaded: dict = {}
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for m in self.net:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.02)
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded = {k: v for k, v in checkpoint.items() if k in ("epoch", "global_step", "loops", "extra")}
+
+    def on_save_checkpoint(self, checkpoint):
+        # A tensor and some JSON in the rest of the dict (the stock strategy pickles it).
+        checkpoint["extra"] = {"marker": torch.arange(5, dtype=torch.int16), "note": ("a", 1)}
+
+
+def main() -> int:
+    mode, ckpt, max_epochs, dump = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(7)
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 6, generator=g))
+    dl = torch.utils.data.DataLoader(ds, batch_size=8)
+    model = Net()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, dl, ckpt_path=ckpt if mode == "resume" else None)
+    if mode == "save":
+        trainer.save_checkpoint(ckpt)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(trainer.strategy.model, options=full)
+    osd = get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
+    if trainer.global_rank == 0:
+        torch.save(
+            {"model": msd, "optimizer": osd, "global_step": trainer.global_step, "loaded": model.loaded},
+            dump,
+        )
+    trainer.strategy.barrier()
+    print("done", trainer.global_rank, trainer.global_step, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

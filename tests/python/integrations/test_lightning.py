@@ -1,0 +1,550 @@
+"""ckptstore.integrations.lightning: Lightning 2.6 (Trainer and Fabric) checkpointing through
+ckptstore, on the CPU.
+
+* the checkpoint dict round-trips bit for bit (dtypes, shapes, nesting, tuples, int keys);
+  pickle only with the opt-in, on both sides;
+* a Trainer resumed in a new process from a ModelCheckpoint checkpoint ends bit-identical
+  (parameters, AdamW state, LR scheduler, torch RNG) to an uninterrupted run;
+* a process SIGKILLed inside a save (the engine's test pause point, announced by a file):
+  `last.ckpt` still holds the previous checkpoint and `ckpt_path="last"` resumes it;
+* one flipped byte: the resume fails naming the tensor, the live model and optimizer are
+  unchanged (Trainer and Fabric);
+* the ColossalAI scenario through Fabric: optimizer state for parameters the checkpoint
+  does not name is gone after the load;
+* `ckpt verify` / `ckpt inspect` open the checkpoints; top-k removal; non-blocking saves
+  with reused snapshot buffers, whose errors teardown raises;
+* FSDP2 (ModelParallelStrategy): saved on 2 ranks (gloo), resumed on 1, gathered state
+  bit-identical.
+
+Lightning is required: without it these tests fail at import (CI installs it).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning as L  # noqa: F401 - a missing framework fails the tests, never skips them
+import ckpt_helpers as h
+import ckptstore
+from ckptstore.errors import CheckpointError, ChecksumError, InvalidArgumentError
+from ckptstore.integrations.lightning import CheckpointIO, PickleNotAllowedError
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import lightning_train as lt  # noqa: E402
+
+TRAIN = HERE / "lightning_train.py"
+FSDP = HERE / "lightning_fsdp.py"
+CHILD_TIMEOUT = 240
+
+warnings.filterwarnings("ignore", module="lightning")
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def assert_same(got, want, path="") -> None:
+    """Bit-for-bit and type-for-type equality of nested checkpoint values."""
+    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{path}: {got.dtype}{tuple(got.shape)}"
+        assert got.device == want.device, path
+        gb = got.detach().contiguous().reshape(-1).view(torch.uint8)
+        wb = want.detach().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(gb, wb), f"{path}: bytes differ"
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
+        for k in want:
+            assert_same(got[k], want[k], f"{path}/{k!r}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}/{i}")
+    elif isinstance(want, float):
+        assert struct.pack("<d", got) == struct.pack("<d", want), f"{path}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def snapshot(model, opt) -> dict:
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": _clone(opt.state_dict()),
+    }
+
+
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, dict):
+        return type(v)((k, _clone(x)) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clone(x) for x in v)
+    return v
+
+
+def run_train(*args, env=None, timeout=CHILD_TIMEOUT) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, str(TRAIN), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"lightning_train.py {args} failed ({r.returncode}):\n{r.stderr[-4000:]}"
+    return r
+
+
+def load_dump(p: Path) -> dict:
+    return torch.load(p, weights_only=False)
+
+
+def assert_dumps_equal(got: dict, want: dict, keys=("params", "optimizer", "scheduler", "rng", "global_step", "epoch")):
+    for k in keys:
+        assert_same(got[k], want[k], k)
+
+
+def tensor_offset(ckpt_dir: Path, name: str) -> tuple[Path, int]:
+    """(shard file, absolute offset of the first byte) of tensor ``name``."""
+    m = h.read_manifest(ckpt_dir)
+    for t in m["tensors"]:
+        if t["name"] == name:
+            return ckpt_dir / m["shards"][t["shard"]]["file"], t["offsets"][0]
+    raise AssertionError(f"{name} not in {ckpt_dir}")
+
+
+class Opaque:
+    """A value only pickle can store (module level, so that it pickles)."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Opaque) and other.x == self.x
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """A 4-epoch run keeping every epoch's checkpoint (and its final state dump)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_train(out, 4, "--top-k", "-1", "--dump", out / "final.pt")
+    return out
+
+
+# ---- the dict --------------------------------------------------------------------------
+
+
+def test_round_trip_is_bit_for_bit(tmp_path, ckpt):
+    from lightning.fabric.utilities.data import AttributeDict
+
+    w = torch.randn(3, 4)
+    ck = {
+        "state_dict": collections.OrderedDict(
+            [("a.weight", w), ("a.bf16", torch.randn(5).to(torch.bfloat16)), ("a.count", torch.tensor(7)),
+             ("tied", w), ("empty", torch.empty(0, 3)), ("flag", torch.tensor([True, False]))]
+        ),
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4)}, 2: {"step": torch.tensor(1.0)}},
+                "param_groups": [{"params": [0, 1, 2], "betas": (0.9, 0.999), "lr": 1e-3, "foreach": None,
+                                  "nested": [(1, 2), [3, (4,)]]}],
+            }
+        ],
+        "lr_schedulers": [{"last_epoch": 3, "base_lrs": [0.1], "_last_lr": [0.1 * 0.7**3]}],
+        "epoch": 3,
+        "big": 2**70,
+        "specials": [float("nan"), float("inf"), -float("inf"), -0.0, 5e-324],
+        "blob": b"\x00\xffbytes",
+        "keys": {1: "int", 2.5: "float", None: "none", True: "bool", "s": "str"},
+        "hyper_parameters": AttributeDict(lr=0.02, hidden=16),
+        "pytorch-lightning_version": "2.6.6",
+    }
+    io = CheckpointIO()
+    path = tmp_path / "sub" / "epoch=3-step=12.ckpt"
+    io.save_checkpoint(ck, path)
+    assert (path / "ckpt-manifest.json").is_file()
+    got = io.load_checkpoint(path)
+    want = dict(ck, hyper_parameters={"lr": 0.02, "hidden": 16})  # dict subclasses come back plain
+    assert_same(got, want)
+    # Int keys stay ints (Lightning's optimizer state), tuples tuples, lists lists.
+    assert list(got["optimizer_states"][0]["state"]) == [0, 2]
+    assert type(got["optimizer_states"][0]["param_groups"][0]["betas"]) is tuple
+    # A tensor held twice is stored once and comes back as one object.
+    assert got["state_dict"]["tied"] is got["state_dict"]["a.weight"]
+    assert "state_dict/tied" not in ckptstore.open(path).keys()
+    # Tensors are fresh memory (writable, not the mapped file).
+    got["state_dict"]["a.weight"].add_(1)
+    ckpt("verify", path, expect=0)
+    # storage_options is refused, as TorchCheckpointIO does.
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(ck, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+def test_pickle_only_with_the_opt_in(tmp_path):
+    ck = {"state_dict": {"w": torch.ones(2)}, "callbacks": {"MyCallback": {"obj": Opaque(3)}}}
+    path = tmp_path / "p.ckpt"
+    with pytest.raises(PickleNotAllowedError, match=r"callbacks/MyCallback/obj.*Opaque.*allow_pickle=True"):
+        CheckpointIO().save_checkpoint(ck, path)
+    assert not path.exists()  # nothing written
+    assert issubclass(PickleNotAllowedError, InvalidArgumentError)
+
+    CheckpointIO(allow_pickle=True).save_checkpoint(ck, path)
+    with pytest.raises(PickleNotAllowedError, match="pickled value"):
+        CheckpointIO().load_checkpoint(path)
+    with pytest.raises(PickleNotAllowedError, match="pickled value"):  # weights_only wins
+        CheckpointIO(allow_pickle=True).load_checkpoint(path, weights_only=True)
+    got = CheckpointIO(allow_pickle=True).load_checkpoint(path)
+    assert got["callbacks"]["MyCallback"]["obj"] == Opaque(3)
+    assert_same(got["state_dict"]["w"], torch.ones(2))
+
+
+def test_a_torch_save_file_is_refused_clearly(tmp_path):
+    f = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {}}, f)
+    with pytest.raises(InvalidArgumentError, match="is a file.*TorchCheckpointIO"):
+        CheckpointIO().load_checkpoint(f)
+    with pytest.raises(FileNotFoundError):
+        CheckpointIO().load_checkpoint(tmp_path / "missing.ckpt")
+
+
+# ---- Trainer: resume, kill, damage, CLI, top-k -------------------------------------------
+
+
+def test_resume_in_a_new_process_is_bit_identical(uninterrupted, tmp_path):
+    src = uninterrupted / "ckpts" / "epoch=1-step=12.ckpt"
+    assert (src / "ckpt-manifest.json").is_file()  # written by ckptstore, not torch.save
+    out = tmp_path / "resumed"
+    run_train(out, 4, "--resume", src, "--top-k", "-1", "--dump", tmp_path / "resumed.pt")
+    got, want = load_dump(tmp_path / "resumed.pt"), load_dump(uninterrupted / "final.pt")
+    assert got["ckpt_path"] == str(src)
+    assert got["global_step"] == 24
+    assert_dumps_equal(got, want)
+    # The resumed run's checkpoints equal the uninterrupted run's, tensor for tensor.
+    a = ckptstore.open(out / "ckpts" / "epoch=3-step=24.ckpt")
+    b = ckptstore.open(uninterrupted / "ckpts" / "epoch=3-step=24.ckpt")
+    names = [n for n in b.keys() if not n.startswith("callbacks/ModelCheckpoint")]
+    assert names and set(names) <= set(a.keys())
+    for n in names:
+        h.assert_bit_equal(a[n], b[n], n)
+
+
+def test_checkpoints_open_with_the_cli(uninterrupted, ckpt):
+    d = uninterrupted / "ckpts" / "last.ckpt"
+    r = ckpt("verify", d, expect=0)
+    assert "ok" in r.stdout
+    r = ckpt("inspect", d, expect=0)
+    for name in ("state_dict/net.0.weight", "optimizer_states/0/state/0/exp_avg_sq", "callbacks/RngState/torch_rng"):
+        assert name in r.stdout, r.stdout
+
+
+def test_sigkill_during_a_save_leaves_last_resumable(tmp_path):
+    out = tmp_path / "run"
+    last = out / "ckpts" / "last.ckpt"
+    run_train(out, 1, "--top-k", "0", "--dump", tmp_path / "after1.pt")
+    before = ckptstore.open(last).checkpoint_id
+
+    # Epoch 2 in a new process, resumed from "last"; the save of its last.ckpt stops at the
+    # engine's pause point (shards durable, new manifest not renamed in) and is killed there.
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    point = "before-manifest-rename"
+    env = dict(os.environ, CKPTSTORE_TEST_PAUSE=point, CKPTSTORE_TEST_PAUSE_DIR=str(pause))
+    child = subprocess.Popen(
+        [sys.executable, str(TRAIN), str(out), "2", "--resume", "last", "--top-k", "0"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    marker = pause / point
+    try:
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while not marker.exists():
+            if child.poll() is not None:
+                pytest.fail(f"the child exited ({child.returncode}) before pausing:\n{child.stderr.read().decode()[-4000:]}")
+            assert time.monotonic() < deadline, f"the child did not reach {point}"
+            time.sleep(0.05)  # polling for the announcement, not waiting for a state
+        assert int(marker.read_text()) == child.pid
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    # The killed save left its files, but last.ckpt still commits to the epoch-1 checkpoint.
+    leftovers = [n for n in os.listdir(last) if before not in n and n.startswith(("shard-", ".ckpt-tmp-"))]
+    assert leftovers, os.listdir(last)
+    assert ckptstore.open(last).checkpoint_id == before
+
+    # Lightning's own "last" logic picks it, and it resumes exactly the epoch-1 state.
+    run_train(out, 1, "--resume", "last", "--top-k", "0", "--dump", tmp_path / "resumed.pt")
+    got, want = load_dump(tmp_path / "resumed.pt"), load_dump(tmp_path / "after1.pt")
+    assert got["ckpt_path"] == str(last)
+    assert_dumps_equal(got, want, keys=("params", "optimizer", "scheduler", "global_step"))
+    assert got["global_step"] == 6
+
+
+def test_flipped_byte_fails_the_resume_and_changes_nothing(uninterrupted, tmp_path):
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(uninterrupted / "ckpts" / "epoch=1-step=12.ckpt", damaged)
+    name = "optimizer_states/0/state/2/exp_avg"
+    shard, off = tensor_offset(damaged, name)
+    h.flip_byte(shard, off + 5, 0x01)
+
+    torch.manual_seed(5)
+    model = lt.Net()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer = lt.make_trainer(str(tmp_path / "out"), 4, "sync", -1)
+    with pytest.raises(ChecksumError) as e:
+        trainer.fit(model, lt.data(), ckpt_path=str(damaged))
+    assert name in str(e.value), str(e.value)
+    assert_same({k: v.detach() for k, v in model.state_dict().items()}, before, "model")
+    assert trainer.global_step == 0
+    assert not (tmp_path / "out" / "ckpts").exists() or not os.listdir(tmp_path / "out" / "ckpts")
+
+
+def test_top_k_removes_only_superseded_checkpoints(tmp_path):
+    io = CheckpointIO()
+    torch.manual_seed(0)
+    trainer = lt.make_trainer(str(tmp_path), 4, "sync", 2)
+    trainer.strategy.checkpoint_io = io
+    trainer.fit(lt.Net(), lt.data())
+    cb = trainer.checkpoint_callback
+    d = tmp_path / "ckpts"
+    kept = {Path(p).name for p in cb.best_k_models}
+    assert len(kept) == 2
+    assert set(os.listdir(d)) == kept | {"last.ckpt"}
+    assert io.saves == 8  # 4 top-k saves (2 of them removed since) and 4 of last.ckpt
+    for n in os.listdir(d):
+        ckptstore.open(d / n).verify()
+
+    # remove_checkpoint: a missing path is a no-op; what is not a committed ckptstore
+    # checkpoint is refused and left in place.
+    io.remove_checkpoint(d / "missing.ckpt")
+    f = tmp_path / "torch.ckpt"
+    f.write_bytes(b"not ours")
+    with pytest.raises(InvalidArgumentError, match="not a committed ckptstore checkpoint"):
+        io.remove_checkpoint(f)
+    assert f.read_bytes() == b"not ours"
+    plain = tmp_path / "plain.ckpt"
+    plain.mkdir()
+    (plain / "data.bin").write_bytes(b"x")
+    with pytest.raises(InvalidArgumentError, match="not a committed ckptstore checkpoint"):
+        io.remove_checkpoint(plain)
+    assert (plain / "data.bin").exists()
+    victim = d / sorted(kept)[0]
+    io.remove_checkpoint(victim)
+    assert not victim.exists()
+
+
+# ---- Fabric: damage leaves the live state, the ColossalAI scenario ------------------------
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 3)
+
+
+def _fabric():
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[CheckpointIO()])
+    torch.manual_seed(3)
+    model = TwoLayers()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    model, opt = fabric.setup(model, opt)
+    return fabric, model, opt
+
+
+def _step(fabric, model, opt, use_b: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, generator=g)
+    y = model.a(x)
+    loss = (model.b(y) ** 2).mean() if use_b else (y**2).mean()
+    opt.zero_grad(set_to_none=True)
+    fabric.backward(loss)
+    opt.step()
+
+
+def test_fabric_flipped_byte_leaves_model_and_optimizer_unchanged(tmp_path):
+    fabric, model, opt = _fabric()
+    for s in range(2):
+        _step(fabric, model, opt, True, s)
+    path = tmp_path / "fabric.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 2})
+    saved = snapshot(model, opt)
+    _step(fabric, model, opt, True, 9)
+    live = snapshot(model, opt)
+
+    name = "optimizer/state/3/exp_avg_sq"
+    shard, off = tensor_offset(path, name)
+    h.flip_byte(shard, off, 0x80)
+    with pytest.raises(ChecksumError) as e:
+        fabric.load(path, {"model": model, "optimizer": opt})
+    assert name in str(e.value) and "fabric.ckpt" in str(e.value), str(e.value)
+    assert_same(snapshot(model, opt), live, "live state")
+
+    h.flip_byte(shard, off, 0x80)  # repaired: the load restores the saved state exactly
+    rest = fabric.load(path, {"model": model, "optimizer": opt})
+    assert rest == {"step": 2}
+    assert_same(snapshot(model, opt), saved, "restored state")
+
+
+def test_colossalai_scenario_state_of_unnamed_params_is_gone(tmp_path):
+    fabric, model, opt = _fabric()
+    _step(fabric, model, opt, False, 0)  # only layer a gets gradients: state for a only
+    assert len(opt.state) == 2
+    path = tmp_path / "a_only.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    saved = snapshot(model, opt)
+    _step(fabric, model, opt, True, 1)  # now the live optimizer holds state for b too
+    b_params = list(model.b.parameters())
+    assert all(p in opt.state for p in b_params)
+
+    fabric.load(path, {"model": model, "optimizer": opt})
+    assert len(opt.state) == 2
+    assert not any(p in opt.state for p in b_params), "state for b survived the load (a merge)"
+    assert_same(snapshot(model, opt), saved, "restored state")
+
+
+# ---- non-blocking saves -----------------------------------------------------------------
+
+
+def test_async_saves_reuse_their_buffers(tmp_path):
+    io = CheckpointIO(async_save=True)
+    seen = []
+
+    class Probe(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            pass
+
+        def on_train_end(self, trainer, pl_module):
+            io.wait()
+            seen.append((io.snapshot_bytes, io.snapshot_allocations))
+
+    torch.manual_seed(0)
+    model = lt.Net()
+    trainer = lt.make_trainer(str(tmp_path), 6, "async", -1, extra_callbacks=[Probe()])
+    trainer.strategy.checkpoint_io = io
+    trainer.fit(model, lt.data())
+    assert io.saves == 12  # each epoch: its own checkpoint and last.ckpt
+    last = tmp_path / "ckpts" / "last.ckpt"
+    n_tensors = len(ckptstore.open(last).keys())
+    ((nbytes, allocations),) = seen
+    # One buffer set (max_in_flight=1), allocated by the first save and reused by the other 11.
+    assert allocations == n_tensors, (allocations, n_tensors)
+    assert nbytes > 0
+    assert io.snapshot_bytes == 0  # teardown (end of fit) freed them
+    got = CheckpointIO().load_checkpoint(last)
+    assert_same(
+        collections.OrderedDict((k, v) for k, v in got["state_dict"].items()),
+        collections.OrderedDict((k, v.detach()) for k, v in model.state_dict().items()),
+        "state_dict",
+    )
+    for p in os.listdir(tmp_path / "ckpts"):
+        ckptstore.open(tmp_path / "ckpts" / p).verify()
+
+
+def test_async_snapshot_is_taken_before_save_returns(tmp_path):
+    io = CheckpointIO(async_save=True)
+    t = torch.ones(1000)
+    io.save_checkpoint({"state_dict": {"w": t}, "epoch": 1}, tmp_path / "a.ckpt")
+    t.fill_(2.0)  # at once: the save holds its own copy
+    io.save_checkpoint({"state_dict": {"w": t}, "epoch": 2}, tmp_path / "b.ckpt")
+    got_a = io.load_checkpoint(tmp_path / "a.ckpt")  # waits for that path's save
+    got_b = io.load_checkpoint(tmp_path / "b.ckpt")
+    assert_same(got_a, {"state_dict": {"w": torch.ones(1000)}, "epoch": 1})
+    assert_same(got_b, {"state_dict": {"w": torch.full((1000,), 2.0)}, "epoch": 2})
+    io.teardown()
+
+
+def test_async_errors_surface_at_the_next_save_and_at_teardown(tmp_path):
+    in_the_way = tmp_path / "file.ckpt"
+    in_the_way.write_bytes(b"a file where the checkpoint directory would go")
+    io = CheckpointIO(async_save=True)
+    io.save_checkpoint({"w": torch.ones(3)}, in_the_way)  # fails on the background thread
+    with pytest.raises(CheckpointError):
+        io.teardown()
+    assert in_the_way.read_bytes().startswith(b"a file")
+
+    io.save_checkpoint({"w": torch.ones(3)}, in_the_way)
+    with pytest.raises(CheckpointError):  # the next save raises the earlier one's error
+        io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "ok.ckpt")
+    io.teardown()  # reported already: nothing more to raise
+    # Unpicklable values are refused on the caller's thread, before any copy.
+    with pytest.raises(PickleNotAllowedError):
+        io.save_checkpoint({"o": Opaque(1)}, tmp_path / "o.ckpt")
+    io.teardown()
+
+
+# ---- FSDP2 / ModelParallelStrategy --------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, *args) -> None:
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(
+            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+            RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0", OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen([sys.executable, str(FSDP), *map(str, args)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=CHILD_TIMEOUT))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = [(r, p.returncode, outs[r][1][-3000:] if r < len(outs) else "") for r, p in enumerate(procs) if p.returncode != 0]
+    assert not bad, f"lightning_fsdp.py {args} failed: {bad}"
+
+
+def test_fsdp2_save_on_two_ranks_resume_on_one(tmp_path, ckpt):
+    ck = tmp_path / "fsdp.ckpt"
+    _launch(2, "save", ck, 2, tmp_path / "saved.pt")
+    m = h.read_manifest(ck)
+    assert any("-r1-" in s["file"] for s in m["shards"]) and any("-r0-" in s["file"] for s in m["shards"])
+    assert not (ck / "meta.pt").exists() and not (ck / ".metadata").exists()  # no DCP files, no pickle
+    ckpt("verify", ck, expect=0)
+
+    _launch(1, "resume", ck, 2, tmp_path / "resumed.pt")
+    saved, resumed = load_dump(tmp_path / "saved.pt"), load_dump(tmp_path / "resumed.pt")
+    assert saved["global_step"] == resumed["global_step"] == 4  # 2 epochs of 2 steps per rank
+    assert_same(dict(resumed["model"]), dict(saved["model"]), "model")
+    assert_same(resumed["optimizer"]["state"], saved["optimizer"]["state"], "optimizer state")
+    assert resumed["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
+    # The trained state is not the initial one (the comparison can fail).
+    torch.manual_seed(0)
+    sys.path.insert(0, str(HERE))
+    import lightning_fsdp
+
+    init = lightning_fsdp.Net().net.state_dict()
+    assert not torch.equal(init["0.weight"], saved["model"]["net.0.weight"])
+    # The rest of Lightning's dict came back through the manifest (no pickle).
+    loaded = resumed["loaded"]
+    assert loaded["global_step"] == 4 and loaded["epoch"] == 2
+    assert_same(loaded["extra"], {"marker": torch.arange(5, dtype=torch.int16), "note": ("a", 1)}, "extra")
+    assert math.isfinite(float(saved["model"]["net.2.bias"].sum()))
