@@ -43,8 +43,8 @@ with no cross-rank commit.
   that write (it passes ``save_latest=False`` and hands the real flag to this engine).
 
 A process killed anywhere before the rename leaves the previous tags and ``latest`` as they
-were (the staging directory is removed by the next save into the directory); killed after
-it, the new tag is complete and ``latest`` names either tag.
+were (its staging directory is removed by the next save into ``save_dir``); killed after it,
+the new tag is complete and ``latest`` names the previous tag or the new one.
 
 **Load.** ``load(path, map_location)`` returns the object ``save`` was given: tensors as
 fresh CRC-checked tensors, equal bit for bit, dicts, lists, tuples, ``OrderedDict``,
@@ -107,7 +107,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine as _DSCheckpointEngine,
 )
 
-from ..errors import InvalidArgumentError
+from ..errors import CheckpointError, InvalidArgumentError
 from ._tree import PickleNotAllowedError, load_tree, save_tree
 
 __all__ = ["CheckpointEngine", "install", "KILL_ENV", "KILL_POINTS", "PickleNotAllowedError"]
@@ -118,6 +118,7 @@ KILL_POINTS = ("save", "publish", "latest")
 
 _STAGING = ".ckptstore-staging"
 _OLD = ".ckptstore-old"
+_LATEST_TMP = ".latest.ckptstore-tmp."
 _MARK = "$deepspeed"
 _ZERO_RANK = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")
 
@@ -271,9 +272,24 @@ def _sibling(tag_dir: str, suffix: str) -> str:
     return os.path.join(os.path.dirname(tag_dir), f".{os.path.basename(tag_dir)}{suffix}")
 
 
+def _remove_leftovers(parent: str) -> None:
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(".") and (name.endswith(_STAGING) or name.endswith(_OLD)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        elif name.startswith(_LATEST_TMP):
+            try:
+                os.remove(os.path.join(parent, name))
+            except OSError:
+                pass
+
+
 def _write_latest(save_dir: str, tag: str) -> None:
     path = os.path.join(save_dir, "latest")
-    tmp = os.path.join(save_dir, f".latest.ckptstore-tmp.{os.getpid()}")
+    tmp = os.path.join(save_dir, f"{_LATEST_TMP}{os.getpid()}")
     with open(tmp, "w") as fd:
         fd.write(tag)
         fd.flush()
@@ -347,10 +363,9 @@ class CheckpointEngine(_DSCheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         tag_dir = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
         staging = _sibling(tag_dir, _STAGING)
-        if _global_rank() == 0:  # leftovers of a killed save
-            for leftover in (staging, _sibling(tag_dir, _OLD)):
-                if os.path.lexists(leftover):
-                    shutil.rmtree(leftover, ignore_errors=True)
+        if _global_rank() == 0:  # leftovers of killed saves: ours by their names
+            for parent in {os.path.dirname(tag_dir), os.path.abspath(info.save_dir)}:
+                _remove_leftovers(parent)
         dist = _dist()
         if dist is not None:
             dist.barrier()
@@ -424,7 +439,13 @@ class CheckpointEngine(_DSCheckpointEngine):
             import torch
 
             return torch.load(path, map_location=map_location, weights_only=False)
-        obj = load_tree(path, allow_pickle=self.allow_pickle, map_location=map_location)
+        try:
+            obj = load_tree(path, allow_pickle=self.allow_pickle, map_location=map_location)
+        except CheckpointError as e:
+            named = _naming(e, path)
+            if named is e:
+                raise
+            raise named from e
         return _decode(obj, path)
 
     def prefetch(self, tag_dir: str, *, dp_rank: Optional[int] = None,
@@ -453,6 +474,18 @@ class CheckpointEngine(_DSCheckpointEngine):
     def release(self) -> None:
         """Drop what :meth:`prefetch` kept and :meth:`load` did not take."""
         self._prefetched.clear()
+
+
+def _naming(e: "CheckpointError", path: str) -> "CheckpointError":
+    """``e`` again (same class and attributes), its message prefixed with the file's path
+    when the engine's message does not name it (it names the shard file and the tensor)."""
+    if path in str(e):
+        return e
+    new = type(e)(f"{path}: {e}")
+    for k, v in vars(e).items():
+        if k != "message":
+            setattr(new, k, v)
+    return new
 
 
 def _move(obj: Any, device: Any) -> Any:

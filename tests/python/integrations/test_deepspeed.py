@@ -1,0 +1,406 @@
+"""ckptstore.integrations.deepspeed: DeepSpeed 0.19 (CPU, one process, ZeRO 0-2).
+
+The training runs are subprocesses of deepspeed_worker.py (each a fresh process with its own
+``deepspeed.initialize``; DeepSpeed JIT-builds its CPU comm op once into the torch extensions
+cache, ``TORCH_EXTENSIONS_DIR`` or the default, which every process reuses). The commit
+protocol and the stored types are also tested in this process, on the checkpoint engine
+alone (no process group). DeepSpeed missing is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import fractions
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402,F401 - a missing DeepSpeed fails the module
+import torch  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
+
+from ckptstore.errors import ChecksumError, InvalidArgumentError  # noqa: E402
+from ckptstore.integrations import deepspeed as ckds  # noqa: E402
+from ckptstore.integrations._tree import PickleNotAllowedError  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "deepspeed_worker.py"
+STEPS, MORE = 3, 3
+TAG = f"global_step{STEPS}"
+ZERO_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = "",
+               expect_rc: int = 0) -> dict:
+    env = dict(os.environ)
+    env.pop(ckds.KILL_ENV, None)
+    # DeepSpeed's JIT build of its CPU comm op needs ninja from the venv on PATH.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["DS_ACCELERATOR"] = "cpu"
+    cmd = [sys.executable, str(WORKER), "--mode", mode, "--stage", str(stage), "--out", str(out),
+           "--port", str(_free_port()), "--steps", str(STEPS), "--more", str(MORE)]
+    for d in dirs:
+        cmd += ["--dir", str(d)]
+    if kill_at:
+        cmd += ["--kill-at", kill_at]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    tail = "\n".join((r.stdout + r.stderr).splitlines()[-40:])
+    assert r.returncode == expect_rc, f"{' '.join(cmd)}: exit {r.returncode}\n{tail}"
+    return torch.load(out, weights_only=False)
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit: dtype, shape and bytes."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))
+
+
+def assert_same_state(got: dict, want: dict, what: str) -> None:
+    for part in ("params", "tensors"):
+        g, w = got[part], want[part]
+        assert sorted(g) == sorted(w), f"{what}: {part} names differ: {sorted(set(g) ^ set(w))}"
+        bad = [n for n in w if not same_tensor(g[n], w[n])]
+        assert not bad, f"{what}: {part} differ bitwise: {bad}"
+    assert got["values"] == want["values"], what
+    assert got["global_steps"] == want["global_steps"], what
+    assert got["global_samples"] == want["global_samples"], what
+
+
+def flip_byte(ckpt_dir: Path, tensor: str) -> None:
+    """Flip one byte in the middle of ``tensor``'s data in its shard (safetensors layout)."""
+    import ckptstore
+
+    with ckptstore.open(ckpt_dir) as ck:
+        shard = ckpt_dir / ck.info(tensor)["file"]
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8:8 + n])[tensor]["data_offsets"]
+    at = 8 + n + (begin + end) // 2
+    raw[at] ^= 0x01
+    shard.write_bytes(bytes(raw))
+
+
+def same_obj(a, b, path="") -> None:
+    """Structural equality with types (tensors bit for bit, nan equal to nan)."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert same_tensor(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            same_obj(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_obj(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    elif isinstance(a, (LossScaler, DynamicLossScaler, argparse.Namespace)):
+        same_obj(vars(a), vars(b), path)
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+# ---- training runs (module-scoped: each process once) --------------------------------------
+
+_runs: dict = {}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("deepspeed")
+
+
+def stage_run(work: Path, stage: int):
+    """(checkpoint dir, train_save report, resume report) of ZeRO ``stage``."""
+    if stage not in _runs:
+        d = work / f"zero{stage}"
+        train = run_worker("train_save", work / f"train{stage}.pt", stage=stage, dirs=[d])
+        resume = run_worker("resume", work / f"resume{stage}.pt", stage=stage, dirs=[d])
+        _runs[stage] = (d, train, resume)
+    return _runs[stage]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_resume_in_new_process_is_bit_identical(work, stage):
+    d, train, resume = stage_run(work, stage)
+    assert resume["load_path"] == str(d / TAG / MODEL_FILE)
+    # Right after the load: exactly the state at the save (params, optimizer incl. the ZeRO
+    # FP32 partition and base state, scheduler, counters) ...
+    assert_same_state(resume["loaded"], train["at_save"], f"ZeRO-{stage} loaded vs saved")
+    # ... and after more steps, the uninterrupted run's.
+    assert_same_state(resume["final"], train["final"], f"ZeRO-{stage} resumed vs uninterrupted")
+    assert resume["final"]["global_steps"] == STEPS + MORE
+    n_tensors = len(train["final"]["tensors"])
+    assert n_tensors >= (3 if stage else 12), n_tensors  # the optimizer state was compared
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_live_optimizer_state_the_checkpoint_does_not_name_is_gone(work, stage):
+    _d, train, resume = stage_run(work, stage)
+    if stage == 0:
+        # The torch AdamW holds state per parameter: the live one had state for the extra
+        # head (trained before the load), the checkpoint names none for it.
+        assert "extra.weight" in resume["before_load"]["live_state_of"]
+        assert "extra.weight" not in train["at_save"]["live_state_of"]
+        assert resume["loaded"]["live_state_of"] == train["at_save"]["live_state_of"]
+        assert resume["loaded"]["live_state_count"] == 4
+    else:
+        # ZeRO 1/2: the base optimizer holds one state entry per flat partition, and every
+        # checkpoint names it; the live entry carried an extra state the checkpoint lacks.
+        assert any("ckptstore_stray" in k for k in resume["before_load"]["tensors"])
+        assert resume["stray_present"] is False
+        assert not any("ckptstore_stray" in k for k in resume["loaded"]["tensors"])
+
+
+def test_each_file_is_a_committed_checkpoint_cli_opens_it(work, ckpt):
+    d, _train, _resume = stage_run(work, 1)
+    assert (d / "latest").read_text() == TAG
+    assert sorted(os.listdir(d / TAG)) == [MODEL_FILE, ZERO_FILE]
+    assert not [n for n in os.listdir(d) if "ckptstore" in n], os.listdir(d)  # no leftovers
+    for name, tensor in [(MODEL_FILE, "module/a.weight"),
+                         (ZERO_FILE, "optimizer_state_dict/single_partition_of_fp32_groups/0")]:
+        path = d / TAG / name
+        assert (path / "ckpt-manifest.json").is_file()
+        r = ckpt("verify", path, expect=0)
+        assert r.stdout.startswith("ok:"), r.stdout
+        r = ckpt("inspect", path, expect=0)
+        assert tensor in r.stdout, r.stdout
+        assert "ckptstore.tree" in r.stdout  # the JSON part (ds_config, ds_version, ...)
+
+
+# ---- SIGKILL during a save -------------------------------------------------------------------
+
+KILL_POINTS = ["save", "publish", "latest"]
+
+
+@pytest.fixture(scope="module")
+def killed(work):
+    """Per kill point: a dir with tag A committed and a second save killed at that point,
+    the killed process's report, and one fresh process's load of every dir."""
+    assert tuple(KILL_POINTS) == ckds.KILL_POINTS
+    dirs, reports = {}, {}
+    for point in KILL_POINTS:
+        d = work / f"killed_{point}"
+        reports[point] = run_worker("kill", work / f"kill_{point}.pt", dirs=[d], kill_at=point,
+                                    expect_rc=-signal.SIGKILL)
+        dirs[point] = d
+    # What is on disk right after the kill, before anything else touches it.
+    listing = {p: (sorted(os.listdir(d)), (d / "latest").read_text()) for p, d in dirs.items()}
+    loads = run_worker("load_only", work / "killed_load.pt", dirs=list(dirs.values()))
+    return dirs, reports, listing, {load["dir"]: load for load in loads["loads"]}
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_during_save_previous_tag_resumes(killed, point):
+    dirs, reports, listing, loads = killed
+    d = dirs[point]
+    names, latest = listing[point]
+    assert latest == TAG  # `latest` did not move
+    new_tag = f"global_step{STEPS + 1}"
+    if point == "latest":
+        assert new_tag in names  # published, complete, but not named by `latest`
+        assert sorted(os.listdir(d / new_tag)) == [MODEL_FILE, ZERO_FILE]
+    else:
+        assert new_tag not in names, names  # nothing of the killed tag is visible
+        assert f".{new_tag}.ckptstore-staging" in names, names
+    load = loads[str(d)]
+    assert load["latest"] == TAG
+    assert load["path"] == str(d / TAG / MODEL_FILE)
+    assert_same_state(load["state"], reports[point]["at_save"], f"killed at {point}")
+
+
+# ---- one flipped byte --------------------------------------------------------------------------
+
+
+def test_flipped_byte_fails_naming_tensor_live_state_unchanged(work, ckpt):
+    src, _train, _resume = stage_run(work, 1)
+    cases = [(ZERO_FILE, "optimizer_state_dict/base_optimizer_state/state/0/exp_avg"),
+             (MODEL_FILE, "module/b.weight")]
+    dirs = []
+    for i, (name, tensor) in enumerate(cases):
+        d = work / f"flipped{i}"
+        shutil.copytree(src, d)
+        flip_byte(d / TAG / name, tensor)
+        r = ckpt("verify", d / TAG / name, expect=1)
+        assert tensor in r.stdout + r.stderr
+        dirs.append(d)
+    rep = run_worker("corrupt", work / "corrupt.pt", dirs=dirs)
+    before = rep["before"]
+    for (name, tensor), attempt in zip(cases, rep["attempts"]):
+        err = attempt["error"]
+        assert err is not None, f"{name}: the load did not fail"
+        assert err["type"] == f"{ChecksumError.__module__}.{ChecksumError.__qualname__}", err["trace"]
+        assert tensor in err["message"], err["message"]
+        assert name in err["message"], err["message"]
+        # The ZeRO file is read after the model file: the model was still not touched.
+        assert_same_state(attempt["after"], before, f"live state after a failed load of {name}")
+
+
+# ---- the checkpoint engine alone (this process, no process group) --------------------------
+
+
+def _info(save_dir: Path, tag: str, save_latest: bool = True) -> CheckpointCommitInfo:
+    return CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=save_latest)
+
+
+def _save_tag(ce, save_dir: Path, tag: str, files: dict, *, commit: bool = True) -> None:
+    info = _info(save_dir, tag)
+    ce.create(info)
+    ce.makedirs(str(save_dir / tag), exist_ok=True)
+    for name, obj in files.items():
+        ce.save(state_dict=obj, path=str(save_dir / tag / name))
+    if commit:
+        assert ce.commit(info) is True
+
+
+def deepspeed_like() -> dict:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 3, generator=g)
+    dyn = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=100, min_scale=1, delayed_shift=2,
+                            consecutive_hysteresis=False, raise_error_at_min_scale=True,
+                            dtype=torch.float16)
+    return {
+        "module": collections.OrderedDict([("l.weight", w), ("l.bias", torch.zeros(4))]),
+        "tied": w,  # the same tensor twice
+        "optimizer_state_dict": {
+            "loss_scaler": LossScaler(scale=1),
+            "dyn": dyn,
+            "zero_stage": ZeroStageEnum.gradients,
+            "param_slice_mappings": [collections.OrderedDict([("l.weight", fragment_address(numel=12, start=0))])],
+            "base_optimizer_state": {"state": {0: {"step": torch.tensor(3.0),
+                                                   "exp_avg": torch.randn(16, generator=g)}},
+                                     "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]},
+            "bf16": torch.randn(5, generator=g).to(torch.bfloat16),
+        },
+        "param_shapes": [collections.OrderedDict([("l.weight", torch.Size([4, 3]))])],
+        "args": argparse.Namespace(lr=0.1, name="run", layers=[1, 2]),
+        "ds_config": {"train_batch_size": 4, "zero_optimization": {"stage": 2}},
+        "ds_version": deepspeed.__version__,
+        "odd": {"$deepspeed": "a caller's key", "nan": float("nan"), "b": b"\x00\x01", 7: "int key"},
+        "none": None,
+    }
+
+
+def test_commit_protocol_nothing_visible_before_commit(tmp_path):
+    ce = ckds.CheckpointEngine()
+    (tmp_path / "latest").write_text("older")
+    info = _info(tmp_path, "t1")
+    ce.create(info)
+    ce.makedirs(str(tmp_path / "t1"), exist_ok=True)
+    obj = deepspeed_like()
+    ce.save(state_dict=obj, path=str(tmp_path / "t1" / MODEL_FILE))
+    assert not (tmp_path / "t1").exists()  # staged, not visible
+    assert (tmp_path / "latest").read_text() == "older"
+    ce.commit(info)
+    assert (tmp_path / "latest").read_text() == "t1"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t1"]
+    back = ce.load(str(tmp_path / "t1" / MODEL_FILE), map_location=lambda s, loc: s)
+    same_obj(back, obj)
+    assert back["tied"] is back["module"]["l.weight"]
+    assert back["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.gradients
+    assert back["optimizer_state_dict"]["dyn"].dtype is torch.float16
+
+
+def test_save_latest_false_leaves_latest(tmp_path):
+    ce = ckds.CheckpointEngine()
+    _save_tag(ce, tmp_path, "a", {MODEL_FILE: {"x": torch.ones(2)}})
+    info = _info(tmp_path, "b", save_latest=False)
+    ce.create(info)
+    ce.save(state_dict={"x": torch.zeros(2)}, path=str(tmp_path / "b" / MODEL_FILE))
+    ce.commit(info)
+    assert (tmp_path / "latest").read_text() == "a"
+    assert same_tensor(ce.load(str(tmp_path / "b" / MODEL_FILE))["x"], torch.zeros(2))
+
+
+def test_resave_same_tag_replaces_it_whole(tmp_path):
+    ce = ckds.CheckpointEngine()
+    _save_tag(ce, tmp_path, "t", {MODEL_FILE: {"x": torch.ones(2)}, "old_only.pt": {"y": 1}})
+    _save_tag(ce, tmp_path, "t", {MODEL_FILE: {"x": torch.full((2,), 7.0)}})
+    assert sorted(os.listdir(tmp_path / "t")) == [MODEL_FILE]  # the old tag's files are gone
+    assert same_tensor(ce.load(str(tmp_path / "t" / MODEL_FILE))["x"], torch.full((2,), 7.0))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+
+
+def test_next_save_removes_a_killed_saves_staging(tmp_path):
+    ce = ckds.CheckpointEngine()
+    _save_tag(ce, tmp_path, "t1", {MODEL_FILE: {"x": torch.ones(2)}})
+    _save_tag(ckds.CheckpointEngine(), tmp_path, "t2", {MODEL_FILE: {"x": torch.ones(2)}}, commit=False)
+    assert ".t2.ckptstore-staging" in os.listdir(tmp_path)
+    _save_tag(ce, tmp_path, "t3", {MODEL_FILE: {"x": torch.ones(2)}})
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t1", "t3"]
+
+
+def test_object_only_pickle_stores_is_refused_unless_opted_in(tmp_path):
+    class Custom:
+        def __init__(self) -> None:
+            self.v = 3
+
+    ce = ckds.CheckpointEngine()
+    info = _info(tmp_path, "t")
+    ce.create(info)
+    with pytest.raises(PickleNotAllowedError, match=r"client/custom.*Custom"):
+        ce.save(state_dict={"x": torch.ones(2), "client": {"custom": Custom()}},
+                path=str(tmp_path / "t" / MODEL_FILE))
+    assert not (tmp_path / "t").exists() and not (tmp_path / "latest").exists()
+
+    trusting = ckds.CheckpointEngine(allow_pickle=True)
+    _save_tag(trusting, tmp_path, "t", {MODEL_FILE: {"x": torch.ones(2), "c": fractions.Fraction(1, 3)}})
+    assert trusting.load(str(tmp_path / "t" / MODEL_FILE))["c"] == fractions.Fraction(1, 3)
+    with pytest.raises(PickleNotAllowedError, match="allow_pickle=True"):
+        ckds.CheckpointEngine().load(str(tmp_path / "t" / MODEL_FILE))
+
+
+def test_default_engine_file_needs_the_pickle_opt_in(tmp_path):
+    path = tmp_path / MODEL_FILE
+    torch.save({"x": torch.arange(3), "scaler": LossScaler(scale=1)}, path)
+    with pytest.raises(PickleNotAllowedError, match="torch.save"):
+        ckds.CheckpointEngine().load(str(path))
+    back = ckds.CheckpointEngine(allow_pickle=True).load(str(path))
+    assert same_tensor(back["x"], torch.arange(3))
+
+
+def test_commit_without_its_create_is_refused(tmp_path):
+    ce = ckds.CheckpointEngine()
+    with pytest.raises(InvalidArgumentError, match="without its create"):
+        ce.commit(_info(tmp_path, "t"))
+    ce.create(_info(tmp_path, "t"))
+    with pytest.raises(InvalidArgumentError, match="without its create"):
+        ce.commit(_info(tmp_path, "other"))
+
+
+def test_save_outside_a_tag_is_its_own_committed_checkpoint(tmp_path):
+    # save_16bit_model: create(tag), save(<save_dir>/pytorch_model.bin), commit: no tag dir.
+    ce = ckds.CheckpointEngine()
+    info = _info(tmp_path, "global_step9", save_latest=False)
+    ce.create(info)
+    ce.makedirs(str(tmp_path), exist_ok=True)
+    ce.save({"w": torch.ones(3)}, str(tmp_path / "pytorch_model.bin"))
+    ce.commit(info)
+    assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]
+    assert same_tensor(ce.load(str(tmp_path / "pytorch_model.bin"))["w"], torch.ones(3))
