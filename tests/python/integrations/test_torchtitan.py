@@ -351,3 +351,48 @@ def test_trainer_config_selects_it():
     assert cfg.checkpoint._owner is CheckpointManager
     with pytest.raises(ValueError, match="async_mode"):
         CheckpointManager.Config(enable=True, async_mode="nope")  # type: ignore[arg-type]
+
+
+def test_hf_export_of_torchtitan_llama3_loads_with_from_pretrained(tmp_path, ckpt):
+    """TorchTitan's own Llama 3 (its ``debugmodel`` flavor, 6.2M parameters, built in
+    code) with its state-dict adapter: the last step with ``last_save_in_hf=True`` writes
+    the model under Hugging Face's names in bfloat16, ``ckpt consolidate`` makes a Hugging
+    Face directory of it, and ``LlamaForCausalLM.from_pretrained`` loads every weight bit
+    for bit (config.json written by the test: TorchTitan keeps no HF config)."""
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.models.llama3 import Llama3StateDictAdapter, model_registry
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model_registry("debugmodel").model
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_weights()
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    lrs = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=4)
+    adapter = Llama3StateDictAdapter(cfg, None)
+    mgr = CheckpointManager.Config(
+        enable=True, folder=str(tmp_path / "ck"), interval=10, last_save_in_hf=True,
+        export_dtype="bfloat16",
+    ).build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lrs,
+            states={}, sd_adapter=adapter, base_folder="")
+    assert mgr.save(4, last_step=True)
+    mgr.close()
+    hf = tmp_path / "hf"
+    ckpt("consolidate", tmp_path / "ck" / step_name(4), "--out", hf, expect=0)
+    want = {k: v.detach().to(torch.bfloat16) for k, v in adapter.to_hf(model.state_dict()).items()}
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(want)
+    attn = cfg.layers[0].attention
+    LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
+        intermediate_size=want["model.layers.0.mlp.up_proj.weight"].shape[0],
+        num_hidden_layers=len(cfg.layers), num_attention_heads=attn.n_heads,
+        num_key_value_heads=attn.n_kv_heads or attn.n_heads, tie_word_embeddings=False,
+    ).save_pretrained(hf)
+    loaded = LlamaForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
+    got = dict(loaded.state_dict())
+    assert_same(got, want)
