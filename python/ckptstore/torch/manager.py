@@ -29,6 +29,7 @@ Saves commit in the order they were made.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
@@ -39,6 +40,32 @@ from .. import CheckpointManager as _StepStore
 from ..errors import CheckpointNotFoundError, InvalidArgumentError, InvalidTensorError
 
 __all__ = ["CheckpointManager", "SaveHandle"]
+
+
+# ---- test seam: CKPTSTORE_CHAOS_KILL (tests/python/test_chaos.py) -------------------------
+#: ``"point:n"`` SIGKILLs this process the ``n``-th time (from 1) it reaches ``point``:
+#: ``snapshot`` (after each tensor copied into the snapshot buffers), ``write`` (the
+#: background thread, before a save's write) or ``restore`` (inside the step's lease, before
+#: the load). Read when a manager is made; unset, a point costs one ``None`` check.
+_chaos: Optional[List[Any]] = None
+
+
+def _chaos_arm() -> None:
+    global _chaos
+    spec = os.environ.get("CKPTSTORE_CHAOS_KILL")
+    if not spec:
+        _chaos = None
+        return
+    point, _, n = spec.partition(":")
+    _chaos = [point, int(n or 1)]
+
+
+def _chaos_hit(point: str) -> None:
+    c = _chaos
+    if c is not None and c[0] == point:
+        c[1] -= 1
+        if c[1] <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _pkg():
@@ -109,6 +136,8 @@ class _Snapshot:
                 buf.copy_(src, non_blocking=True)
             else:
                 buf.copy_(src)
+            if _chaos is not None:  # test seam
+                _chaos_hit("snapshot")
             return ct._to_numpy(name, buf)
         from .. import _prepare
 
@@ -119,6 +148,8 @@ class _Snapshot:
             self.bufs[name] = buf
             self.allocations += 1
         np.copyto(buf, a)
+        if _chaos is not None:  # test seam
+            _chaos_hit("snapshot")
         return _prepare(name, buf)
 
     def end(self) -> None:
@@ -221,6 +252,7 @@ class CheckpointManager:
         #: Test seam: called with the step in the background thread, after the snapshot
         #: and before the write (tests hold a save there while they change the model).
         self._before_write: Optional[Callable[[int], None]] = None
+        _chaos_arm()  # test seam: CKPTSTORE_CHAOS_KILL
 
     # ---- the steps ---------------------------------------------------------------------
 
@@ -346,6 +378,8 @@ class CheckpointManager:
                 hook = self._before_write
                 if hook is not None:
                     hook(h.step)
+                if _chaos is not None:  # test seam
+                    _chaos_hit("write")
                 info = self._store._native.save(
                     h.step, entries, metadata, self._max_shard_size, optim
                 )
@@ -434,6 +468,8 @@ class CheckpointManager:
         step = _check_step(step)
         ct = _pkg()
         with self._store.lease(step) as lease:
+            if _chaos is not None:  # test seam
+                _chaos_hit("restore")
             return ct.load(lease.path, model, optimizer, strict=strict, layout=layout)
 
     def restore_latest(
@@ -459,6 +495,8 @@ class CheckpointManager:
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile: look again
             with lease:
+                if _chaos is not None:  # test seam
+                    _chaos_hit("restore")
                 ct = _pkg()
                 extra = ct.load(lease.path, model, optimizer, strict=strict, layout=layout)
             return (step, extra) if return_extra else step
