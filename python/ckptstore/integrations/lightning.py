@@ -393,6 +393,36 @@ def _split_rest(rest: Dict[str, Any], allow_pickle: bool) -> tuple:
     return {"version": _DCP_TREE_VERSION, "tree": skeleton, "tensors": described}, tensors
 
 
+def _split_tensors(d: Any) -> tuple:
+    """A (nested) state dict as ``(tensors, rest)``: the same nesting of dicts, tensor leaves
+    in the first, every other leaf (and empty dicts) in the second."""
+    tensors: Dict[Any, Any] = {}
+    rest: Dict[Any, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, torch.Tensor):
+            tensors[k] = v
+        elif isinstance(v, dict):
+            t, r = _split_tensors(v)
+            if t:
+                tensors[k] = t
+            if r or not t:
+                rest[k] = r
+        else:
+            rest[k] = v
+    return tensors, rest
+
+
+def _merge_tensors(tensors: Dict[Any, Any], rest: Dict[Any, Any]) -> Dict[Any, Any]:
+    """The inverse of :func:`_split_tensors`."""
+    out: Dict[Any, Any] = dict(rest)
+    for k, v in tensors.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge_tensors(v, out[k])
+        else:
+            out[k] = v
+    return out
+
+
 def _ckptstore_error(e: BaseException, rank: int) -> Optional[CheckpointError]:
     """The :class:`CheckpointError` inside DCP's ``CheckpointException`` (this rank's if it
     has one, else another rank's), or ``None``."""
@@ -435,6 +465,14 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     checked on every rank, and the ranks agree, before any destination is written; then the
     optimizer state is applied with ``set_optimizer_state_dict`` (``load_state_dict``:
     replaced whole). Resharding to another world size is DCP's.
+
+    DCP is given tensors only: every other leaf (the optimizer's ``param_groups``,
+    non-tensor model state), which DCP would ``torch.save`` into bytes items and unpickle on
+    load, is stored as JSON with the rest of the dict, so the checkpoint holds no pickle
+    unless ``allow_pickle`` let a value through. As with the stock strategy, the load first
+    builds the live optimizer's state dict with ``get_optimizer_state_dict``, which gives an
+    optimizer that has no state yet zero-filled state (a step with ``lr=0``): a failed
+    resume leaves the model as it was and such an optimizer with that initial state.
     """
 
     def __init__(
@@ -473,10 +511,18 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                 f"{location!r} is a file: a checkpoint of another format is in the way"
             )
         rest = dict(checkpoint)
-        state: Dict[str, Any] = {"state_dict": rest.pop("state_dict")}
+        # DCP gets the tensors only: it would pickle every other leaf (torch.save into a
+        # bytes item, loaded with torch.load(weights_only=False)). The rest (optimizer
+        # param_groups, non-tensor model state) goes into the JSON tree with the remainder
+        # of Lightning's dict.
+        state: Dict[str, Any] = {}
+        state["state_dict"], model_rest = _split_tensors(rest.pop("state_dict"))
+        optim_rests = []
         for i, osd in enumerate(rest.pop("optimizer_states", [])):
-            state[f"optimizer_{i}"] = osd
-        tree, tensors = _split_rest(rest, self.allow_pickle)
+            state[f"optimizer_{i}"], r = _split_tensors(osd)
+            optim_rests.append(r)
+        whole = {"rest": rest, "state_dict": model_rest, "optimizer_states": optim_rests}
+        tree, tensors = _split_rest(whole, self.allow_pickle)
         if tensors:
             state[_DCP_EXTRA] = tensors
         writer = Writer(location, max_shard_size=self.max_shard_size, metadata={DCP_TREE_KEY: tree})
@@ -512,9 +558,9 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             )
         assert self.model is not None and self.lightning_module is not None
         module = self.model
-        state: Dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        state: Dict[str, Any] = {"state_dict": _split_tensors(get_model_state_dict(module))[0]}
         for i, optim in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optim)
+            state[f"optimizer_{i}"] = _split_tensors(get_optimizer_state_dict(module, optim))[0]
         fresh: Dict[str, Any] = {}
         for name, d in (tree.get("tensors") or {}).items():
             fresh[name] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
@@ -532,14 +578,6 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             if err is None:
                 raise
             raise _naming(err, location) from e
-        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
-        for i, optim in enumerate(self.optimizers):
-            set_optimizer_state_dict(
-                module,
-                optim,
-                optim_state_dict=state[f"optimizer_{i}"],
-                options=StateDictOptions(cpu_offload=True),
-            )
         loader = _Loader(None, location, allow, None)
         for name, d in (tree.get("tensors") or {}).items():
             t = fresh[name]
@@ -547,4 +585,21 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                 loader.fresh[("$ndarray", name)] = t.numpy()
             else:
                 loader.fresh[("$tensor", name)] = t
-        return loader.build(tree["tree"])
+        whole = loader.build(tree["tree"])
+        module.load_state_dict(
+            _merge_tensors(state["state_dict"], whole["state_dict"]),
+            strict=self.lightning_module.strict_loading,
+        )
+        for i, optim in enumerate(self.optimizers):
+            if i >= len(whole["optimizer_states"]):
+                raise InvalidArgumentError(
+                    f"{location!r} holds {len(whole['optimizer_states'])} optimizer state(s), "
+                    f"the strategy has {len(self.optimizers)} optimizers"
+                )
+            set_optimizer_state_dict(
+                module,
+                optim,
+                optim_state_dict=_merge_tensors(state[f"optimizer_{i}"], whole["optimizer_states"][i]),
+                options=StateDictOptions(cpu_offload=True),
+            )
+        return whole["rest"]

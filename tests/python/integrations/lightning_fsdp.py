@@ -5,6 +5,8 @@ processes as given and creates none).
 
     python lightning_fsdp.py save   CKPT MAX_EPOCHS DUMP    # train, save CKPT, dump the state
     python lightning_fsdp.py resume CKPT MAX_EPOCHS DUMP    # resume from CKPT, dump the state
+    python lightning_fsdp.py damaged CKPT MAX_EPOCHS DUMP   # the resume must fail: dump the
+                                                            # error and the model state after
 
 The dump (rank 0, torch.save; the test's own comparison file) holds the gathered (full)
 model state dict and the full optimizer state dict (keyed by parameter name), the global
@@ -79,15 +81,24 @@ def main() -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, dl, ckpt_path=ckpt if mode == "resume" else None)
+    error = None
+    try:
+        trainer.fit(model, dl, ckpt_path=None if mode == "save" else ckpt)
+    except Exception as e:  # noqa: BLE001 - reported in the dump
+        if mode != "damaged":
+            raise
+        error = f"{type(e).__name__}: {e}"
+    if mode == "damaged" and error is None:
+        raise SystemExit("the resume from a damaged checkpoint did not fail")
     if mode == "save":
         trainer.save_checkpoint(ckpt)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd = get_model_state_dict(trainer.strategy.model, options=full)
-    osd = get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
+    osd = None if error else get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
     if trainer.global_rank == 0:
         torch.save(
-            {"model": msd, "optimizer": osd, "global_step": trainer.global_step, "loaded": model.loaded},
+            {"model": msd, "optimizer": osd, "global_step": trainer.global_step, "loaded": model.loaded,
+             "error": error},
             dump,
         )
     trainer.strategy.barrier()

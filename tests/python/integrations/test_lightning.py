@@ -527,7 +527,9 @@ def test_fsdp2_save_on_two_ranks_resume_on_one(tmp_path, ckpt):
     _launch(2, "save", ck, 2, tmp_path / "saved.pt")
     m = h.read_manifest(ck)
     assert any("-r1-" in s["file"] for s in m["shards"]) and any("-r0-" in s["file"] for s in m["shards"])
-    assert not (ck / "meta.pt").exists() and not (ck / ".metadata").exists()  # no DCP files, no pickle
+    assert not (ck / "meta.pt").exists() and not (ck / ".metadata").exists()  # no DCP files
+    # Nothing pickled: DCP got tensors only (its bytes items would be torch.save pickles).
+    assert not [t["name"] for t in m["tensors"] if t["name"].startswith("dcp.bytes/")]
     ckpt("verify", ck, expect=0)
 
     _launch(1, "resume", ck, 2, tmp_path / "resumed.pt")
@@ -548,3 +550,14 @@ def test_fsdp2_save_on_two_ranks_resume_on_one(tmp_path, ckpt):
     assert loaded["global_step"] == 4 and loaded["epoch"] == 2
     assert_same(loaded["extra"], {"marker": torch.arange(5, dtype=torch.int16), "note": ("a", 1)}, "extra")
     assert math.isfinite(float(saved["model"]["net.2.bias"].sum()))
+
+    # One flipped byte in rank 1's shard: the resume fails naming the tensor, and the model
+    # keeps its initial parameters (every CRC is checked before any destination is written).
+    m = h.read_manifest(ck)
+    t = next(t for t in m["tensors"] if t["name"].startswith("optimizer_0.state.net.2.weight.exp_avg"))
+    h.flip_byte(ck / m["shards"][t["shard"]]["file"], t["offsets"][0] + 2, 0x10)
+    _launch(1, "damaged", ck, 2, tmp_path / "damaged.pt")
+    damaged = load_dump(tmp_path / "damaged.pt")
+    assert damaged["error"].startswith("ChecksumError") and t["name"] in damaged["error"], damaged["error"]
+    assert str(ck) in damaged["error"]
+    assert_same(dict(damaged["model"]), {f"net.{k}": v for k, v in init.items()}, "model after the failed resume")
