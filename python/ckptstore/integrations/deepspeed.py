@@ -80,8 +80,14 @@ implemented (a shared file system is assumed: every rank writes its files into t
 directory, rank 0 publishes) but only one process is tested. The ``zero_to_fp32.py`` script
 DeepSpeed copies into ``save_dir`` reads ``torch.save`` files, not these.
 
+**Non-blocking saves** (``install(engine, non_blocking=True)``): ``save_checkpoint``
+returns once every tensor is copied into reused snapshot buffers; the files are written and
+the tag published (the same rename, then ``latest``) on background threads, while training
+goes on. The next save, a load and ``engine.checkpoint_engine.wait()`` wait for it.
+
 Test seam: ``CKPTSTORE_DEEPSPEED_KILL_AT=<point>`` makes the process SIGKILL itself at
-``save`` (after a file of a tag has been committed into the staging directory), ``publish``
+``save`` (after a file of a tag has been committed into the staging directory, or handed to
+its background writer), ``publish``
 (in ``commit``, every file written, before the rename) or ``latest`` (after the rename,
 before ``latest`` is written). Unset, a point costs one environment lookup.
 """
@@ -94,10 +100,12 @@ import ctypes
 import dataclasses
 import errno
 import functools
+import logging
 import os
 import re
 import shutil
 import signal
+import threading
 from typing import Any, Dict, List, Optional
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -108,7 +116,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from ..errors import CheckpointError, InvalidArgumentError
-from ._tree import PickleNotAllowedError, load_tree, save_tree
+from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointEngine", "install", "KILL_ENV", "KILL_POINTS", "PickleNotAllowedError"]
 
@@ -333,6 +343,7 @@ class _Pending:
     tag_dir: str
     staging: str
     files: List[str]
+    handles: List[Any]
 
 
 class CheckpointEngine(_DSCheckpointEngine):
@@ -343,24 +354,40 @@ class CheckpointEngine(_DSCheckpointEngine):
         allow_pickle: store values only pickle can store, and load them (and files of
             DeepSpeed's default engine). Trusts the checkpoint as much as code you run.
         max_shard_size: bytes per shard file of each checkpoint (``None``: the engine's).
+        non_blocking: ``save`` copies the tensors into snapshot buffers (one set per file
+            name, reused by the next tag: no allocation after the first save) and returns;
+            the files are written on background threads and ``commit`` returns at once, a
+            thread publishing the tag and writing ``latest`` when every file is committed.
+            The live model may change as soon as ``save_checkpoint`` returns. The next
+            ``create`` (save), any ``load``, :meth:`wait` and :meth:`cleanup` wait for it
+            and raise its error. In the background only in one process and with ``latest``
+            written by this engine (:func:`install`); otherwise ``commit`` waits for the
+            writes (the copy still overlaps nothing, the write is the same).
     """
 
     def __init__(self, config_params: Any = None, *, allow_pickle: bool = False,
-                 max_shard_size: Optional[int] = None) -> None:
+                 max_shard_size: Optional[int] = None, non_blocking: bool = False) -> None:
         super().__init__(config_params)
         self.name = "ckptstore"
         self.allow_pickle = allow_pickle
         self.max_shard_size = max_shard_size
+        self.non_blocking = non_blocking
         self._pending: Optional[_Pending] = None
         #: Set by :func:`install`'s ``save_checkpoint`` wrapper: the caller's ``save_latest``,
         #: which the engine is told is False (this engine writes ``latest`` atomically).
         self._save_latest: Optional[bool] = None
         #: Objects loaded ahead by :meth:`prefetch`, by absolute path; ``load`` takes them.
         self._prefetched: Dict[str, Any] = {}
+        # non_blocking: one TreeSaver per file name (its snapshot buffers reused by the
+        # same file of the next tag), the thread publishing the tag in flight, its error.
+        self._savers: Dict[str, TreeSaver] = {}
+        self._publisher: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
 
     # -- save --------------------------------------------------------------------------------
 
     def create(self, info: CheckpointCommitInfo) -> None:
+        self.wait()  # a tag still being written in the background comes first
         tag_dir = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
         staging = _sibling(tag_dir, _STAGING)
         if _global_rank() == 0:  # leftovers of killed saves: ours by their names
@@ -369,7 +396,7 @@ class CheckpointEngine(_DSCheckpointEngine):
         dist = _dist()
         if dist is not None:
             dist.barrier()
-        self._pending = _Pending(str(info.tag), os.path.abspath(info.save_dir), tag_dir, staging, [])
+        self._pending = _Pending(str(info.tag), os.path.abspath(info.save_dir), tag_dir, staging, [], [])
 
     def _target(self, path: str) -> "tuple[str, Optional[str]]":
         p = self._pending
@@ -386,14 +413,24 @@ class CheckpointEngine(_DSCheckpointEngine):
     def save(self, state_dict: Any, path: str) -> None:
         target, rel = self._target(path)
         obj = _encode(state_dict)
-        if rel is not None:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-        save_tree(target, obj, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
-                  cleanup="inline")
-        if rel is not None:
-            assert self._pending is not None
-            self._pending.files.append(rel)
-            _seam("save")
+        if rel is None:  # outside a tag (save_16bit_model): its own committed checkpoint
+            save_tree(target, obj, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
+                      cleanup="inline")
+            return
+        p = self._pending
+        assert p is not None
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if self.non_blocking:
+            saver = self._savers.get(rel)
+            if saver is None:
+                saver = self._savers[rel] = TreeSaver(1, allow_pickle=self.allow_pickle,
+                                                      max_shard_size=self.max_shard_size)
+            p.handles.append(saver.save(target, obj))  # returns once the tensors are copied
+        else:
+            save_tree(target, obj, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
+                      cleanup="inline")
+        p.files.append(rel)
+        _seam("save")
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         p = self._pending
@@ -402,7 +439,23 @@ class CheckpointEngine(_DSCheckpointEngine):
                 f"commit of tag {info.tag!r} in {info.save_dir!r} without its create "
                 f"(open: {None if p is None else (p.tag, p.save_dir)})")
         self._pending = None
+        write_latest = bool(info.save_latest or self._save_latest)
         dist = _dist()
+        # In the background only where nothing else depends on the commit having happened:
+        # one process (no barrier from a thread), and `latest` ours to write (DeepSpeed
+        # writes it itself right after this returns when info.save_latest is set).
+        if p.handles and dist is None and not info.save_latest:
+            t = threading.Thread(target=self._publish_in_background, args=(p, write_latest),
+                                 name="ckptstore-deepspeed-publish")
+            self._publisher = t
+            t.start()
+            return True
+        for h in p.handles:
+            h.wait()
+        self._publish_tag(p, write_latest, dist)
+        return True
+
+    def _publish_tag(self, p: _Pending, write_latest: bool, dist: Any) -> None:
         if dist is not None:
             dist.barrier()  # every rank's files are committed into the staging directory
         if _global_rank() == 0:
@@ -411,15 +464,44 @@ class CheckpointEngine(_DSCheckpointEngine):
                 _seam("publish")
                 _publish(p.staging, p.tag_dir)
                 _seam("latest")
-            if info.save_latest or self._save_latest:
+            if write_latest:
                 _write_latest(p.save_dir, p.tag)
         if dist is not None:
             dist.barrier()
-        return True
+
+    def _publish_in_background(self, p: _Pending, write_latest: bool) -> None:
+        try:
+            for h in p.handles:
+                h.wait()
+            self._publish_tag(p, write_latest, None)
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            _log.error("ckptstore: the non-blocking save of tag %r in %r failed: %s", p.tag, p.save_dir, e)
+            self._error = e
+
+    def wait(self) -> None:
+        """Wait until the tag saved in the background (``non_blocking``) is published and
+        ``latest`` written; raise its error, once. Returns at once when none is in flight."""
+        t = self._publisher
+        if t is not None:
+            t.join()
+            self._publisher = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def cleanup(self) -> None:
+        """DeepSpeed's hook at engine teardown: :meth:`wait`, then drop the snapshot buffers."""
+        try:
+            self.wait()
+        finally:
+            savers, self._savers = self._savers, {}
+            for saver in savers.values():
+                saver.close()
 
     # -- load --------------------------------------------------------------------------------
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        self.wait()
         key = os.path.abspath(path)
         if key in self._prefetched:
             obj = self._prefetched.pop(key)
@@ -518,18 +600,22 @@ def _latest_tag(engine: Any, load_dir: str) -> Optional[str]:
 
 
 def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional[int] = None,
-            prefetch: bool = True) -> CheckpointEngine:
+            non_blocking: bool = False, prefetch: bool = True) -> CheckpointEngine:
     """Make ``engine`` (what ``deepspeed.initialize`` returned) checkpoint through
     ckptstore; return the :class:`CheckpointEngine`.
 
-    Sets ``engine.checkpoint_engine`` and wraps, on this engine object only,
+    ``non_blocking``: see :class:`CheckpointEngine`. Sets ``engine.checkpoint_engine`` and
+    wraps, on this engine object only,
     ``save_checkpoint`` (``latest`` is written by the checkpoint engine, atomically, at the
     commit) and ``load_checkpoint`` (with ``prefetch``, every file of the tag this rank
     reads is loaded and CRC-checked before DeepSpeed applies any of them). Installing
     again replaces the checkpoint engine and keeps one wrapper.
     """
     ce = CheckpointEngine(getattr(engine, "_config", None), allow_pickle=allow_pickle,
-                          max_shard_size=max_shard_size)
+                          max_shard_size=max_shard_size, non_blocking=non_blocking)
+    old = getattr(engine, "checkpoint_engine", None)
+    if isinstance(old, CheckpointEngine):
+        old.cleanup()
     engine.checkpoint_engine = ce
     save_orig = getattr(engine, "_ckptstore_save_checkpoint", None) or engine.save_checkpoint
     load_orig = getattr(engine, "_ckptstore_load_checkpoint", None) or engine.load_checkpoint
@@ -558,6 +644,8 @@ def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states,
                       load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if isinstance(cur, CheckpointEngine):
+            cur.wait()  # a save still in flight is published first
         if not (prefetch and isinstance(cur, CheckpointEngine)):
             return load_orig(load_dir, tag=tag, **kwargs)
         resolved = _latest_tag(engine, load_dir) if tag is None else str(tag)

@@ -36,7 +36,7 @@ def _env(port: int) -> None:
                       RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
-def build(stage: int):
+def build(stage: int, non_blocking: bool = False):
     import deepspeed
     import torch
 
@@ -65,7 +65,7 @@ def build(stage: int):
         "steps_per_print": 1000000,
     }
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
-    ckds.install(engine)
+    ckds.install(engine, non_blocking=non_blocking)
     return engine, net
 
 
@@ -121,13 +121,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--more", type=int, default=3)
     ap.add_argument("--kill-at", default="")
+    ap.add_argument("--non-blocking", action="store_true")
     args = ap.parse_args()
     _env(args.port)
     import torch
 
     from ckptstore.integrations import deepspeed as ckds
 
-    engine, net = build(args.stage)
+    engine, net = build(args.stage, args.non_blocking)
     report: dict = {}
     if args.mode == "train_save":
         for _ in range(args.steps):
@@ -139,9 +140,10 @@ def main() -> int:
                 engine.optimizer.state.pop(p, None)
         engine.save_checkpoint(args.dir[0])
         report["at_save"] = snapshot(engine)
-        for _ in range(args.more):
+        for _ in range(args.more):  # non-blocking: while the save may still be writing
             step(engine)
         report["final"] = snapshot(engine)
+        engine.checkpoint_engine.wait()
     elif args.mode == "resume":
         net.use_extra = True
         for _ in range(2):

@@ -55,7 +55,7 @@ def _free_port() -> int:
 
 
 def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = "",
-               expect_rc: int = 0) -> dict:
+               expect_rc: int = 0, non_blocking: bool = False) -> dict:
     env = dict(os.environ)
     env.pop(ckds.KILL_ENV, None)
     # DeepSpeed's JIT build of its CPU comm op needs ninja from the venv on PATH.
@@ -67,6 +67,8 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
         cmd += ["--dir", str(d)]
     if kill_at:
         cmd += ["--kill-at", kill_at]
+    if non_blocking:
+        cmd.append("--non-blocking")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     tail = "\n".join((r.stdout + r.stderr).splitlines()[-40:])
     assert r.returncode == expect_rc, f"{' '.join(cmd)}: exit {r.returncode}\n{tail}"
@@ -136,14 +138,17 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("deepspeed")
 
 
-def stage_run(work: Path, stage: int):
+def stage_run(work: Path, stage: int, non_blocking: bool = False):
     """(checkpoint dir, train_save report, resume report) of ZeRO ``stage``."""
-    if stage not in _runs:
-        d = work / f"zero{stage}"
-        train = run_worker("train_save", work / f"train{stage}.pt", stage=stage, dirs=[d])
-        resume = run_worker("resume", work / f"resume{stage}.pt", stage=stage, dirs=[d])
-        _runs[stage] = (d, train, resume)
-    return _runs[stage]
+    key = (stage, non_blocking)
+    if key not in _runs:
+        name = f"zero{stage}{'_nb' if non_blocking else ''}"
+        d = work / name
+        train = run_worker("train_save", work / f"train_{name}.pt", stage=stage, dirs=[d],
+                           non_blocking=non_blocking)
+        resume = run_worker("resume", work / f"resume_{name}.pt", stage=stage, dirs=[d])
+        _runs[key] = (d, train, resume)
+    return _runs[key]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -158,6 +163,16 @@ def test_resume_in_new_process_is_bit_identical(work, stage):
     assert resume["final"]["global_steps"] == STEPS + MORE
     n_tensors = len(train["final"]["tensors"])
     assert n_tensors >= (3 if stage else 12), n_tensors  # the optimizer state was compared
+
+
+def test_non_blocking_save_resumes_bit_identical(work):
+    # The save returned after the snapshot copy; the saving process trained on while the
+    # files were written: the checkpoint holds the state at the save, not a later one.
+    d, train, resume = stage_run(work, 1, non_blocking=True)
+    assert (d / "latest").read_text() == TAG
+    assert sorted(os.listdir(d / TAG)) == [MODEL_FILE, ZERO_FILE]
+    assert_same_state(resume["loaded"], train["at_save"], "non-blocking: loaded vs saved")
+    assert_same_state(resume["final"], train["final"], "non-blocking: resumed vs uninterrupted")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -404,3 +419,23 @@ def test_save_outside_a_tag_is_its_own_committed_checkpoint(tmp_path):
     ce.commit(info)
     assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]
     assert same_tensor(ce.load(str(tmp_path / "pytorch_model.bin"))["w"], torch.ones(3))
+
+
+def test_non_blocking_engine_snapshots_then_publishes_in_background(tmp_path):
+    ce = ckds.CheckpointEngine(non_blocking=True)
+    ce._save_latest = True  # as install()'s save_checkpoint wrapper sets it
+    x = torch.arange(6, dtype=torch.float32)
+    for tag, value in (("t1", 1.0), ("t2", 2.0)):
+        x.fill_(value)
+        info = _info(tmp_path, tag, save_latest=False)  # what the wrapper hands DeepSpeed
+        ce.create(info)
+        ce.save(state_dict={"x": x, "step": tag}, path=str(tmp_path / tag / MODEL_FILE))
+        x.fill_(-1.0)  # the live tensor changes as soon as save returns
+        ce.commit(info)
+        ce.wait()
+        assert (tmp_path / "latest").read_text() == tag
+        back = ce.load(str(tmp_path / tag / MODEL_FILE))
+        assert same_tensor(back["x"], torch.full((6,), value)) and back["step"] == tag
+    assert list(ce._savers) == [MODEL_FILE]  # one snapshot buffer set, reused by t2
+    ce.cleanup()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t1", "t2"]
