@@ -328,21 +328,23 @@ def root_leftovers(root: Path, keep: List[int], lock: bool = True) -> List[str]:
 
 #: A known gap, reported, not papered over (test_chaos.py has its strict-xfail regression
 #: test): a multi-rank commit killed after its commit point (the manifest rename) leaves its
-#: ranks' part descriptors ``part-<id>-r<rank>.json`` in the committed step directory, and
-#: the local manager's ``gc`` (src/manager.rs) only deletes whole steps and interrupted
-#: saves: in a step that retention keeps they stay (the S3 manager's retention sweeps kept
-#: steps). Only such files, in a committed step, of the id its manifest names, are counted
-#: as this gap; anything else left is a failure.
-KNOWN_GAP = "multi-rank commit killed after its commit point: part descriptors outlive gc"
+#: ranks' part descriptors ``part-<id>-r<rank>.json``, and the files of earlier dead attempts
+#: at that step (their shards and parts), in the committed step directory: the commit's
+#: cleanup never ran, and the local manager's ``gc`` (src/manager.rs) only deletes whole
+#: steps and interrupted saves, never sweeps a step it keeps (the S3 manager's retention
+#: does). Only engine files (``shard-``, ``part-``, ``.ckpt-tmp-``) inside a committed step
+#: of a multi-rank run are counted as this gap; anything else left is a failure.
+KNOWN_GAP = "multi-rank commit killed after its commit point: its unswept files outlive gc"
 
 
-def is_unswept_part(leftover: str) -> bool:
+def is_unswept(leftover: str) -> bool:
     p = Path(leftover)
-    man = p.parent / "ckpt-manifest.json"
-    if not (p.name.startswith("part-") and p.name.endswith(".json") and man.is_file()):
+    if not (p.parent / "ckpt-manifest.json").is_file() or not p.is_file():
         return False
-    cid = json.loads(man.read_text())["checkpoint_id"]
-    return p.name.startswith(f"part-{cid}-r")
+    n = p.name
+    return (n.startswith("part-") and n.endswith(".json")) or (
+        n.startswith("shard-") and n.endswith(".safetensors")
+    ) or n.startswith(".ckpt-tmp-")
 
 
 def s3_leftovers(prefix_dir: Path, keep: List[int]) -> List[str]:
@@ -381,11 +383,11 @@ class Stats:
     runs: int = 0
     seconds: float = 0.0
     life_max_s: float = 0.0  # the longest life's wall time
-    #: Part descriptors left in a kept multi-rank step (KNOWN_GAP), counted, not failed.
-    unswept_parts: int = 0
+    #: Files left in a kept multi-rank step (KNOWN_GAP), counted, not failed.
+    unswept: int = 0
 
     def add(self, o: "Stats") -> None:
-        for k in ("lives", "kills", "timer_kills", "not_reached", "steps_replayed", "leftovers", "runs", "unswept_parts"):
+        for k in ("lives", "kills", "timer_kills", "not_reached", "steps_replayed", "leftovers", "runs", "unswept"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.seconds += o.seconds
         for k, v in o.point_kills.items():
@@ -397,7 +399,7 @@ class Stats:
             f"runs {self.runs}, lives {self.lives}, kills survived {self.kills} "
             f"(named points: {pts or 'none'}; timer {self.timer_kills}), named kills not reached "
             f"{self.not_reached}, steps replayed {self.steps_replayed}, leftovers after gc "
-            f"{self.leftovers} (+ {self.unswept_parts} part descriptors of the known gap), {self.seconds:.1f} s"
+            f"{self.leftovers} (+ {self.unswept} unswept files of the known multi-rank gap), {self.seconds:.1f} s"
         )
 
 
@@ -426,8 +428,8 @@ def draw_kill(rnd: random.Random, spec: RunSpec, latest: int, life_s: float) -> 
     """The kill of one life: a named point and count, or a timer ``(seconds, rank)``."""
     remaining = len(save_steps(latest, spec))
     world = 2 if spec.mode == "dist" else 1
-    # A timer within the time the rest of the run takes (at least a tenth of a full life).
-    timer_s = life_s * max(0.1, remaining / max(1, len(save_steps(0, spec))))
+    # A timer within the time the rest of the run takes (at least 0.3 of a full life).
+    timer_s = life_s * max(0.3, remaining / max(1, len(save_steps(0, spec))))
     if rnd.random() < spec.timer:
         return None, (rnd.uniform(0.0, timer_s), rnd.randrange(world))
     if spec.mode == "s3":
@@ -511,7 +513,27 @@ def final_gc_and_leftovers(spec: RunSpec, root: Path) -> List[str]:
 
 def run(spec: RunSpec, server: Server, work: Path, base: Baseline, life_s: float, verbose: bool = False) -> Stats:
     """One chaos run: lives until the training reaches its last step (the last life, once
-    the kill budget is spent, is not told to die)."""
+    the kill budget is spent, is not told to die). Any failure is a ``ChaosFailure`` naming
+    the mode, seed, life and kill (an error of a check, e.g. a ``ckptstore.ChecksumError``
+    of a committed step, is wrapped in one)."""
+    ctx = {"where": f"mode {spec.mode}, seed {spec.seed}, kills {spec.kills}"}
+    try:
+        return _lives(spec, server, work, base, life_s, verbose, ctx)
+    except ChaosFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - named with the seed
+        raise ChaosFailure(f"{ctx['where']}: {type(e).__name__}: {e}") from e
+
+
+def _lives(
+    spec: RunSpec,
+    server: Server,
+    work: Path,
+    base: Baseline,
+    life_s: float,
+    verbose: bool,
+    ctx: Dict[str, str],
+) -> Stats:
     import chaos_train as tr
 
     stats = Stats(runs=1)
@@ -527,7 +549,8 @@ def run(spec: RunSpec, server: Server, work: Path, base: Baseline, life_s: float
     life = 0
     while True:
         life += 1
-        where = f"mode {spec.mode}, seed {spec.seed}, life {life}"
+        where = f"mode {spec.mode}, seed {spec.seed}, kills {spec.kills}, life {life}"
+        ctx["where"] = where
         if life > spec.kills + 50:
             raise ChaosFailure(f"{where}: no end after {life - 1} lives")
         latest = latest_committed(spec, root)
@@ -554,6 +577,7 @@ def run(spec: RunSpec, server: Server, work: Path, base: Baseline, life_s: float
             cfg.update(world=world, port=free_port(), kill_rank=(kill or {}).get("rank"))
         what = json.dumps(kill) if kill else (f"timer {timer[0]:.3f} s, rank {timer[1]}" if timer else "none")
         where += f", kill {what}"
+        ctx["where"] = where
         with open(rd / "out.txt", "a") as f:
             f.write(f"==== {where}\n")
         t_life = time.monotonic()
@@ -606,9 +630,9 @@ def run(spec: RunSpec, server: Server, work: Path, base: Baseline, life_s: float
                 if bad:
                     raise ChaosFailure(f"{where}: rank {r}: final state differs from the baseline in {bad}")
             left = final_gc_and_leftovers(spec, root)
-            known = [x for x in left if spec.mode == "dist" and is_unswept_part(x)]
+            known = [x for x in left if spec.mode == "dist" and is_unswept(x)]
             left = [x for x in left if x not in known]
-            stats.unswept_parts += len(known)
+            stats.unswept += len(known)
             stats.leftovers += len(left)
             if left:
                 raise ChaosFailure(f"{where}: left after gc: {left}")
@@ -747,7 +771,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             total.add(st)
             per_mode[m].add(st)
-            print(f"seed {s} mode {m}: {st.line()}", flush=True)
+            print(f"seed {s} mode {m} kills {spec.kills}: {st.line()}", flush=True)
             if a.only_seed is not None and i >= len(modes):
                 break
     finally:

@@ -149,8 +149,10 @@ def final_state(model, opt) -> Dict[str, torch.Tensor]:
 class Log:
     def __init__(self, path: str) -> None:
         self.f = open(path, "a", buffering=1)
+        self.t0 = time.monotonic()
 
     def ev(self, **kw: Any) -> None:
+        kw["t"] = round(time.monotonic() - self.t0, 4)  # seconds into the life
         self.f.write(json.dumps(kw) + "\n")
         self.f.flush()
 
@@ -437,7 +439,8 @@ def _peer_lost(e: BaseException) -> bool:
 
 def serve() -> None:
     """Read one JSON command a line; run each life to its end (see the module docs)."""
-    import torch.distributed.checkpoint  # noqa: F401 - imported once, before the forks
+    import torch._dynamo  # noqa: F401 - imported once, before the forks (the first
+    import torch.distributed.checkpoint  # noqa: F401 - optimizer imports dynamo: seconds)
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
