@@ -666,7 +666,11 @@ class CheckpointManager(BaseCheckpointManager):
             raise CheckpointError(f"{path}: the manifest's metadata is not JSON: {e}") from e
         dcp_items = (meta.get(META_KEY) or {}).get("items") if isinstance(meta, dict) else None
         saved = meta.get(STATE_KEY) if isinstance(meta, dict) else None
-        if not isinstance(dcp_items, dict) or not isinstance(saved, dict) or "states" not in saved:
+        if not isinstance(dcp_items, dict):
+            raise CheckpointError(f"{path}: not a DCP checkpoint written by ckptstore")
+        if model_only and not isinstance(saved, dict):
+            saved = {"states": {}}  # any ckptstore DCP checkpoint gives its model tensors
+        if not isinstance(saved, dict) or "states" not in saved:
             raise CheckpointError(f"{path}: not a checkpoint of ckptstore's TorchTitan manager")
         stored = set(dcp_items)
         skeleton = saved["states"]

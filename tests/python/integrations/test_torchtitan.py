@@ -290,6 +290,24 @@ def test_model_only_export_consolidates_to_a_hugging_face_directory(tmp_path, ck
     assert other.checkpointer.load(step=2)  # the full step before it resumes
 
 
+def test_initial_load_path_loads_the_model_only(tmp_path):
+    """An empty folder with ``initial_load_path`` (TorchTitan's fine-tuning start): the
+    model comes from that checkpoint, nothing else does, and the run's own steps win once
+    it has some."""
+    src = tj.build(str(tmp_path / "src"), steps=STEPS)
+    tj.train(src, 2)
+    at_2 = tj.snapshot(src)
+    job = tj.build(str(tmp_path / "run"), steps=STEPS, initial_load_path=str(tmp_path / "src" / step_name(2)))
+    fresh = tj.snapshot(job)
+    assert job.checkpointer.load()
+    now = tj.snapshot(job)
+    assert_same(now["params"], at_2["params"])
+    assert now["train_state"] == fresh["train_state"] and now["lr"] == fresh["lr"]
+    assert now["dataloader"] == fresh["dataloader"]
+    assert_same(now["optimizer"], fresh["optimizer"])
+    assert job.checkpointer.loaded_step is None
+
+
 # ---- FSDP2: save on 2 ranks, resume on 1 ------------------------------------------------------
 
 

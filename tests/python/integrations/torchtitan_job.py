@@ -116,6 +116,7 @@ def build(
     exclude: Optional[list] = None,
     last_save_model_only: bool = True,
     export_dtype: str = "float32",
+    **checkpoint_config: Any,
 ) -> Job:
     torch.manual_seed(0)
     model = TinyLM()
@@ -147,6 +148,7 @@ def build(
         exclude_from_loading=list(exclude or []),
         last_save_model_only=last_save_model_only,
         export_dtype=export_dtype,  # type: ignore[arg-type]
+        **checkpoint_config,
     )
     checkpointer = config.build(
         dataloader=dataloader,
