@@ -20,7 +20,9 @@ states: 0.76 GiB of model + optimizer state), trained on the CPU (``use_cpu=True
   checkpoint=...)``, the step), and the part from the ``train`` call to the end of that
   step. ``cold``: the checkpoint's files are evicted from the page cache first
   (``posix_fadvise(DONTNEED)`` after an fsync, ``bench_torch.evict``); ``hot``: read once
-  first. Best of ``--repeat``.
+  first. Best of ``--repeat`` (by spawn-to-step). ``restore``: from the ``train`` call to
+  ``on_train_begin`` (model, optimizer and scheduler restored; the Trainer's own setup,
+  about 0.3 s of ``gc.collect`` among it, included for both).
 
 Ratios: stock time / ckptstore time (> 1: ckptstore faster).
 
@@ -119,10 +121,14 @@ def child(way: str, path: str, small: bool) -> None:
     marks = {}
 
     class First(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            marks["begin"] = time.time()
+
         def on_step_end(self, args, state, control, **kw):
             marks["first_step_end"] = time.time()
             print(json.dumps({"spawn_to_step_s": marks["first_step_end"] - T_SPAWN,
                               "train_to_step_s": marks["first_step_end"] - marks["train"],
+                              "restore_s": marks["begin"] - marks["train"],
                               "imports_s": t_imported - T_SPAWN}), flush=True)
             os._exit(0)
 
@@ -140,6 +146,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a 10 MiB model, to try the script")
     ap.add_argument("--child", nargs=2, metavar=("WAY", "PATH"))
+    ap.add_argument("--resume-only", action="store_true",
+                    help="reuse the checkpoints of an earlier run in --dir (no save figures)")
     a = ap.parse_args()
     if a.child:
         return child(a.child[0], a.child[1], a.small)
@@ -149,7 +157,7 @@ def main() -> None:
     blocked = {}
     last = {}
     nbytes = 0
-    for way in ways:
+    for way in ways if not a.resume_only else []:
         out = os.path.join(root, way.replace("+", "_"))
         shutil.rmtree(out, ignore_errors=True)
         tr = trainer_for(way, out, a.saves, 1, a.small)
@@ -159,7 +167,10 @@ def main() -> None:
         last[way] = os.path.join(out, f"checkpoint-{a.saves}")
         print(f"save {way}: blocked {[round(t, 3) for t in tr.save_times]} s", flush=True)
         del tr
-    print(f"model + AdamW state: {nbytes / 2**30:.3f} GiB; {os.cpu_count()} CPUs; torch "
+    for way in ways:
+        last.setdefault(way, os.path.join(root, way.replace("+", "_"), f"checkpoint-{a.saves}"))
+    size = f"{nbytes / 2**30:.3f} GiB" if nbytes else "(from the earlier run)"
+    print(f"model + AdamW state: {size}; {os.cpu_count()} CPUs; torch "
           f"{torch.__version__}, transformers {transformers.__version__}", flush=True)
 
     resume = {}
@@ -187,11 +198,14 @@ def main() -> None:
     print("\n| figure | stock | stock+fsync | ckptstore | stock / ckptstore | stock+fsync / ckptstore |")
     print("| --- | --- | --- | --- | --- | --- |")
     b = blocked
-    print(f"| step blocked by a save (median) s | {b['stock']:.3f} | {b['stock+fsync']:.3f} | "
-          f"{b['ckptstore']:.3f} | {b['stock'] / b['ckptstore']:.2f} | {b['stock+fsync'] / b['ckptstore']:.2f} |")
+    if b:
+        print(f"| step blocked by a save (median) s | {b['stock']:.3f} | {b['stock+fsync']:.3f} | "
+              f"{b['ckptstore']:.3f} | {b['stock'] / b['ckptstore']:.2f} | "
+              f"{b['stock+fsync'] / b['ckptstore']:.2f} |")
     for cache in ("cold", "hot"):
         for key, label in (("spawn_to_step_s", "spawn to first resumed step"),
-                           ("train_to_step_s", "train() to first resumed step")):
+                           ("train_to_step_s", "train() to first resumed step"),
+                           ("restore_s", "train() to on_train_begin (the restore)")):
             s, c = resume[(cache, "stock")][key], resume[(cache, "ckptstore")][key]
             print(f"| {cache}: {label} s | {s:.3f} | | {c:.3f} | {s / c:.2f} | |")
     if a.dir is None:

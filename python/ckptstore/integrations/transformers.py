@@ -182,7 +182,12 @@ def save_checkpoint(
     meta.update(json.loads(t_meta))
     meta[MARKER_KEY] = {"version": _VERSION, "kind": kind}
     return _ckptstore.save(
-        os.fspath(path), entries + t_entries, json.dumps(meta, allow_nan=False), max_shard_size, optim, "inline"
+        os.fspath(path),
+        entries + t_entries,
+        json.dumps(meta, allow_nan=False),
+        max_shard_size,
+        optim,
+        "inline",
     )
 
 
@@ -434,7 +439,8 @@ class Trainer(transformers.Trainer):
         full = not self.args.save_only_model
         rng = self._ckptstore_rng() if full else None
         if self.args.should_save:
-            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, transformers.trainer_callback.ExportableState)]:
+            exportable = transformers.trainer_callback.ExportableState
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, exportable)]:
                 cb_name = cb.__class__.__name__
                 cb_state = cb.state()
                 if isinstance(self.state.stateful_callbacks[cb_name], list):
@@ -457,7 +463,7 @@ class Trainer(transformers.Trainer):
         _remove_leftovers(run_dir)
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         config = getattr(model, "config", None)
-        config_text = config.to_json_string() if config is not None and hasattr(config, "to_json_string") else None
+        config_text = config.to_json_string() if hasattr(config, "to_json_string") else None
         tree: Dict[str, Any] = {
             "trainer_state": state_text,
             "global_step": self.state.global_step,
@@ -542,8 +548,13 @@ class Trainer(transformers.Trainer):
                 f"{state_file!r} differs from the trainer state committed in the checkpoint "
                 f"{resume_from_checkpoint!r}"
             )
-        # The model is restored with the optimizer (_load_optimizer_and_scheduler), all
-        # checked before either changes.
+        if not self.is_in_train:
+            # Called outside train(): restore the model now (checked before it changes).
+            target = model if model is not None else self.model
+            _ct.load(resume_from_checkpoint, self.accelerator.unwrap_model(target, keep_torch_compile=False))
+            return
+        # In train(): the model is restored with the optimizer
+        # (_load_optimizer_and_scheduler), all checked before either changes.
         self._ckptstore_pending_model = (os.path.abspath(resume_from_checkpoint), model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
@@ -660,7 +671,13 @@ def save_state(
     }
     os.makedirs(output_dir, exist_ok=True)
     save_checkpoint(
-        output_dir, model, opt, tree, kind="accelerate-state", allow_pickle=allow_pickle, max_shard_size=max_shard_size
+        output_dir,
+        model,
+        opt,
+        tree,
+        kind="accelerate-state",
+        allow_pickle=allow_pickle,
+        max_shard_size=max_shard_size,
     )
     accelerator.project_configuration.iteration += 1
     return os.fspath(output_dir)
@@ -710,7 +727,9 @@ def _accelerator_class() -> Any:
         registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
         are not called)."""
 
-        def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kw: Any) -> str:
+        def save_state(
+            self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kw: Any
+        ) -> str:
             if output_dir is None:
                 raise InvalidArgumentError("ckptstore Accelerator.save_state needs output_dir")
             return save_state(self, output_dir, **kw)

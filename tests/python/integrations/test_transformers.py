@@ -163,6 +163,24 @@ def test_rng_states_round_trip_exactly(tmp_path):
     assert torch.equal(got["cpu"], want["cpu"]) and got["cpu"].dtype == torch.uint8
 
 
+def test_republishing_a_step_replaces_it_whole(tmp_path):
+    """Saving checkpoint-N again (a run resumed before N) swaps the new one in."""
+    model = torch.nn.Linear(2, 2)
+    final = tmp_path / "checkpoint-3"
+    for v in (1.0, 2.0):
+        with torch.no_grad():
+            model.weight.fill_(v)
+        staging = tmp_path / hf._side_name(".ckptstore-staging-checkpoint-3")
+        staging.mkdir()
+        hf.save_checkpoint(staging, model, None, {"v": v}, kind="test")
+        (staging / "trainer_state.json").write_text(str(v))
+        hf._publish(str(staging), str(final))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
+    assert (final / "trainer_state.json").read_text() == "2.0"
+    with ckptstore.open(final) as ck:
+        assert np.all(np.asarray(ck["weight"]) == 2.0)
+
+
 def test_a_non_json_value_needs_the_pickle_opt_in(tmp_path):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(hf.PickleNotAllowedError, match=r"scheduler/fn.*builtins.function"):
@@ -325,6 +343,15 @@ def test_cli_opens_it_and_consolidate_loads_with_from_pretrained(ref, tmp_path, 
         assert set(got) == set(model_names)
         for n in model_names:
             assert torch.equal(got[n], torch.from_numpy(np.asarray(ck[n]).copy())), n
+
+
+def test_load_from_checkpoint_outside_train_restores_the_model(ref, tmp_path):
+    trainer = tt.make_trainer(str(tmp_path / "run"), 8, 4)
+    ck4 = ref["out"] / "checkpoint-4"
+    trainer._load_from_checkpoint(str(ck4))
+    with ckptstore.open(ck4) as ck:
+        for n, t in trainer.model.state_dict().items():
+            assert torch.equal(t, torch.from_numpy(np.asarray(ck[n]).copy())), n
 
 
 def test_final_save_model_loads_with_from_pretrained(ref):
