@@ -85,19 +85,15 @@ impl Map {
     /// the file. Used by streaming loads to bound memory. Out-of-range requests are clipped.
     pub fn release(&self, offset: usize, len: usize) {
         let Some(m) = &self.map else { return };
-        let start = offset.min(m.len()) / PAGE * PAGE;
-        let end = offset.saturating_add(len).min(m.len());
-        if end <= start {
+        let Some((start, len)) = release_span(offset, len, m.len(), page_size()) else {
             return;
-        }
+        };
         // SAFETY: this is a read-only, shared mapping of a file. MADV_DONTNEED on such a
         // mapping only drops our page-table entries; the next access re-reads the file's
         // bytes, which are unchanged under the contract on this type (committed files are
         // never modified in place). No reference can observe different bytes, and no
         // private or anonymous memory is discarded. The range lies inside the mapping.
-        let _ = unsafe {
-            m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
-        };
+        let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len) };
     }
 }
 
@@ -110,19 +106,54 @@ impl AsRef<[u8]> for Map {
     }
 }
 
-const PAGE: usize = 4096;
+/// The size of a memory page on this system, asked of the OS once (4 KiB on x86-64, 4, 16
+/// or 64 KiB on arm64 kernels such as those of GH200 servers). Every page rounding of this
+/// module uses it: `madvise` and `mincore` refuse (`EINVAL`) or misread ranges rounded to
+/// a smaller page than the kernel's.
+pub(crate) fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: sysconf only reads a system constant; it has no preconditions.
+            let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+            if let Ok(n) = usize::try_from(n) {
+                if n.is_power_of_two() {
+                    return n;
+                }
+            }
+        }
+        4096
+    })
+}
+
+/// The whole pages of a map of `map_len` bytes to release for `[offset, offset + len)`:
+/// from the page holding `offset` (rounded down: the map starts on a page boundary) to the
+/// end of the range, clipped to the map. `None` for an empty range or nothing left. `page` is a power of
+/// two.
+fn release_span(offset: usize, len: usize, map_len: usize, page: usize) -> Option<(usize, usize)> {
+    if len == 0 {
+        return None;
+    }
+    let start = offset.min(map_len) / page * page;
+    let end = offset.saturating_add(len).min(map_len);
+    (end > start).then(|| (start, end - start))
+}
 
 /// The page-aligned range `[start, start + len)` covering every byte of `bytes`, or `None`
 /// for an empty slice.
 fn page_range(bytes: &[u8]) -> Option<(usize, usize)> {
-    if bytes.is_empty() {
+    page_span(bytes.as_ptr() as usize, bytes.len(), page_size())
+}
+
+/// [`page_range`] of the `len` bytes at address `addr`, for pages of `page` bytes (a power
+/// of two): `None` for no bytes or a range past the end of the address space.
+fn page_span(addr: usize, len: usize, page: usize) -> Option<(usize, usize)> {
+    if len == 0 {
         return None;
     }
-    let addr = bytes.as_ptr() as usize;
-    let start = addr / PAGE * PAGE;
-    let end = addr
-        .checked_add(bytes.len())?
-        .checked_next_multiple_of(PAGE)?;
+    let start = addr / page * page;
+    let end = addr.checked_add(len)?.checked_next_multiple_of(page)?;
     Some((start, end - start))
 }
 
@@ -168,7 +199,7 @@ pub(crate) fn resident_pages(bytes: &[u8]) -> Option<(usize, usize)> {
         let Some((start, len)) = page_range(bytes) else {
             return Some((0, 0));
         };
-        let pages = len / PAGE;
+        let pages = len / page_size();
         let mut v = vec![0u8; pages];
         // SAFETY: the range covers only pages holding bytes of the live slice `bytes`, and
         // `v` has one writable byte per page of it, which is what mincore writes.
@@ -194,4 +225,64 @@ pub(crate) fn looks_resident(bytes: &[u8]) -> bool {
     let first = &bytes[..1];
     let last = &bytes[bytes.len() - 1..];
     matches!(resident_pages(first), Some((1, 1))) && matches!(resident_pages(last), Some((1, 1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K4: usize = 4096;
+    const K64: usize = 65536;
+
+    #[test]
+    fn the_page_size_comes_from_the_os() {
+        let p = page_size();
+        assert!(p.is_power_of_two() && p >= 4096, "{p}");
+        #[cfg(target_os = "linux")]
+        {
+            // The kernel reports the same size to a page-aligned map.
+            let v = vec![7u8; 3 * p];
+            let (_, pages) = resident_pages(&v).expect("mincore");
+            assert!((3..=4).contains(&pages), "{pages}");
+        }
+    }
+
+    #[test]
+    fn spans_round_out_to_whole_pages_of_either_size() {
+        // 4 KiB pages.
+        assert_eq!(page_span(4096 + 10, 100, K4), Some((4096, 4096)));
+        assert_eq!(page_span(4095, 2, K4), Some((0, 8192)));
+        // 64 KiB pages (arm64): the same bytes cover one 64 KiB page, never a 4 KiB slice
+        // of one (madvise and mincore would refuse that start address).
+        assert_eq!(page_span(4096 + 10, 100, K64), Some((0, K64)));
+        assert_eq!(page_span(K64 - 1, 2, K64), Some((0, 2 * K64)));
+        assert_eq!(page_span(3 * K64, K64, K64), Some((3 * K64, K64)));
+        for (addr, len) in [(1usize, 1usize), (K64 + 7, 200_000), (5 * K64, 1)] {
+            let (s, l) = page_span(addr, len, K64).unwrap();
+            assert_eq!(s % K64, 0);
+            assert_eq!(l % K64, 0);
+            assert!(s <= addr && addr + len <= s + l);
+        }
+        assert_eq!(page_span(10, 0, K64), None);
+        assert_eq!(page_span(usize::MAX - 5, 10, K64), None);
+    }
+
+    #[test]
+    fn releases_start_on_a_page_of_the_os_size() {
+        // A 1 MiB map, release [70000, 70000 + 200000): the start rounds down to the page.
+        assert_eq!(
+            release_span(70_000, 200_000, 1 << 20, K4),
+            Some((69_632, 200_368))
+        );
+        assert_eq!(
+            release_span(70_000, 200_000, 1 << 20, K64),
+            Some((K64, 204_464))
+        );
+        let (s, _) = release_span(70_000, 200_000, 1 << 20, K64).unwrap();
+        assert_eq!(s % K64, 0);
+        // Clipped to the map; nothing past its end.
+        assert_eq!(release_span(1 << 20, 10, 1 << 20, K64), None);
+        assert_eq!(release_span(100, usize::MAX, 1000, K64), Some((0, 1000)));
+        assert_eq!(release_span(5, 0, 1000, K64), None);
+    }
 }
