@@ -4,7 +4,7 @@
 
 Dependencies run one way: each module uses only those listed before it.
 
-1. The base: [`error`], [`dtype`], [`view`], [`tensor`] (owned tensors and the buffer pool).
+1. The base: [`error`], [`location`] (paths and URLs), [`dtype`], [`view`], [`tensor`] (owned tensors and the buffer pool).
 2. [`format`](mod@format): bytes on disk (shard header, manifest, optimizer-section and global-tensor rules).
 3. `sys` (private: the only `unsafe` code; public face [`mmap`]) and [`convert`] (kernels).
 4. [`write`](mod@write) and [`checkpoint`]: whole checkpoints, written (single- and multi-rank) and read.
@@ -19,6 +19,8 @@ Dependencies run one way: each module uses only those listed before it.
 
 // The base every floor uses.
 pub mod error;
+
+pub mod location;
 
 pub mod dtype;
 
@@ -53,11 +55,11 @@ pub use checkpoint::{Checkpoint, Kind, Region, Shard, TensorInfo, VerifyReport};
 pub use crc::crc32_parallel;
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use location::{IntoLocation, Location};
+pub use store::{open, save, save_with_section};
 pub use sys::mmap;
 pub use sys::mmap::Map;
 pub use tensor::{BufferPool, PoolStats, Tensor};
 pub use view::{Element, TensorView};
 pub use write::parts::{CommitOptions, Part, PartChunk, PartItem};
-pub use write::{
-    save, save_with_section, wait_for_cleanup, Cleanup, CommitInfo, SaveOptions, TensorRef,
-};
+pub use write::{wait_for_cleanup, Cleanup, CommitInfo, SaveOptions, TensorRef};

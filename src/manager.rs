@@ -291,7 +291,7 @@ impl CheckpointManager {
                 "retention must keep at least the last step".into(),
             ));
         }
-        let root = root.as_ref().to_path_buf();
+        let root = crate::location::local_path(root.as_ref(), "CheckpointManager::new")?;
         write::prepare_dir(&root)?;
         Ok(CheckpointManager {
             root,

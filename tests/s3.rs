@@ -1118,7 +1118,7 @@ fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
     let id = new_checkpoint_id().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let env = srv.env();
-    // Each rank is a process configured from the environment (store::write_part_location).
+    // Each rank is a process configured from the environment (store::write_part).
     let children: Vec<std::process::Child> = (0..world)
         .map(|rank| {
             Command::new(env!("CARGO_BIN_EXE_ckpt"))

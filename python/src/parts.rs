@@ -60,7 +60,7 @@ pub(crate) fn write_part<'py>(
     }
     let part = py
         .detach(|| {
-            store::write_part_location(
+            store::write_part(
                 &Location::from_path(&path)?,
                 checkpoint_id,
                 rank,
@@ -108,7 +108,7 @@ pub(crate) fn commit<'py>(
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(CkError)?;
             py.detach(|| {
-                store::commit_location(&Location::from_path(&path)?, checkpoint_id, &decoded, &opts)
+                store::commit(&Location::from_path(&path)?, checkpoint_id, &decoded, &opts)
             })
         }
         None => {
@@ -119,13 +119,7 @@ pub(crate) fn commit<'py>(
             let t = Duration::try_from_secs_f64(t)
                 .map_err(|_| invalid_arg(format!("timeout {t} is not a duration in seconds")))?;
             py.detach(|| {
-                store::commit_rendezvous_location(
-                    &Location::from_path(&path)?,
-                    checkpoint_id,
-                    ws,
-                    t,
-                    &opts,
-                )
+                store::commit_rendezvous(&Location::from_path(&path)?, checkpoint_id, ws, t, &opts)
             })
         }
     }

@@ -11,12 +11,12 @@ use ckptstore::{Checkpoint, CommitInfo, Result, SaveOptions, TensorRef};
 
 /// Open the checkpoint at a path or URL: local ones memory-mapped, remote ones downloaded.
 pub(crate) fn open(path: &Path) -> Result<Checkpoint<Storage>> {
-    store::open_location(&Location::from_path(path)?)
+    store::open(&Location::from_path(path)?)
 }
 
 /// Save plain tensors at a path or URL.
 pub(crate) fn save(path: &Path, refs: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
-    store::save_location(&Location::from_path(path)?, refs, opts, None)
+    store::save_with_section(&Location::from_path(path)?, refs, opts, None)
 }
 
 /// Save an optimizer state with model tensors at a path or URL.

@@ -471,7 +471,8 @@ pub fn save(
     tensors: &[TensorRef<'_>],
     opts: &SaveOptions,
 ) -> Result<CommitInfo> {
-    save_locked(dir.as_ref(), tensors, opts, None)
+    let dir = crate::location::local_path(dir.as_ref(), "ckptstore::write::save")?;
+    save_locked(&dir, tensors, opts, None)
 }
 
 /// [`save`] with an optimizer section (format-spec/optimizer.md), for tools that copy
@@ -489,7 +490,8 @@ pub fn save_with_section(
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
-    save_locked(dir.as_ref(), tensors, opts, optimizer)
+    let dir = crate::location::local_path(dir.as_ref(), "ckptstore::write::save_with_section")?;
+    save_locked(&dir, tensors, opts, optimizer)
 }
 
 /// Create `dir` if needed, take the writer lock, and save through the real file system.

@@ -284,7 +284,8 @@ pub fn write_part(
     items: &[PartItem<'_>],
     opts: &SaveOptions,
 ) -> Result<Part> {
-    write_part_impl(&StdFs, dir.as_ref(), checkpoint_id, rank, items, opts, true)
+    let dir = crate::location::local_path(dir.as_ref(), "write::parts::write_part")?;
+    write_part_impl(&StdFs, &dir, checkpoint_id, rank, items, opts, true)
 }
 
 /// [`write_part`] through a substitute file system, into an existing directory, without the
@@ -549,7 +550,8 @@ pub fn commit(
     parts: &[Part],
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    commit_impl(&StdFs, dir.as_ref(), checkpoint_id, parts, opts, true)
+    let dir = crate::location::local_path(dir.as_ref(), "write::parts::commit")?;
+    commit_impl(&StdFs, &dir, checkpoint_id, parts, opts, true)
 }
 
 /// [`commit`] through a substitute file system, without the writer lock (the caller
@@ -972,7 +974,7 @@ pub fn commit_rendezvous(
     timeout: Duration,
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    let dir = dir.as_ref();
+    let dir = &crate::location::local_path(dir.as_ref(), "write::parts::commit_rendezvous")?;
     if world_size == 0 {
         return Err(Error::InvalidArgument("world_size must be positive".into()));
     }

@@ -86,12 +86,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
         progress: None,
         ..Default::default()
     };
-    let info = ckptstore::store::save_location(&out, &tensors, &opts, optimizer)?;
+    let info = ckptstore::store::save_with_section(&out, &tensors, &opts, optimizer)?;
     drop(tensors);
     drop(assembled);
 
     // The index names the committed shards: read them back from the manifest just written.
-    let dst = ckptstore::store::open_location(&out)?;
+    let dst = ckptstore::store::open(&out)?;
     let m = dst.manifest().ok_or_else(|| {
         Error::InvalidArgument(format!("{out} did not open as a ckptstore checkpoint"))
     })?;

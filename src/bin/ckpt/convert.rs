@@ -188,7 +188,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     };
     let info = match &state {
         Some(s) => ckptstore::store::save_optimizer(&out, &s.as_borrowed(), &model, &opts)?,
-        None => ckptstore::store::save_location(&out, &model, &opts, None)?,
+        None => ckptstore::store::save_with_section(&out, &model, &opts, None)?,
     };
     if info.tensors == 0 && !ck.tensors().is_empty() {
         return Err(Error::InvalidArgument("nothing was written".into()));

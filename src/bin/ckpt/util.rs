@@ -111,7 +111,7 @@ pub fn location(p: &std::path::Path) -> ckptstore::Result<ckptstore::store::Loca
 
 /// Open a checkpoint at a path or URL.
 pub fn open(p: &std::path::Path) -> ckptstore::Result<Ckpt> {
-    ckptstore::store::open_location(&location(p)?)
+    ckptstore::store::open(&location(p)?)
 }
 
 #[cfg(test)]

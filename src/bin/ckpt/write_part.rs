@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::store::{write_part_location, Location};
+use ckptstore::store::{write_part, Location};
 use ckptstore::write::parts::PartItem;
 use ckptstore::{Result, SaveOptions, TensorRef};
 
@@ -58,6 +58,6 @@ pub fn run(a: Args) -> Result<ExitCode> {
         items.push(PartItem::Whole(TensorRef::from_slice("step", &[], &step)));
     }
     let loc = Location::from_path(&a.dir)?;
-    write_part_location(&loc, &a.id, a.rank, &items, &SaveOptions::default())?;
+    write_part(&loc, &a.id, a.rank, &items, &SaveOptions::default())?;
     Ok(ExitCode::SUCCESS)
 }
