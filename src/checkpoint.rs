@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
+mod catalog;
 mod fill;
 pub(crate) mod region;
+pub use catalog::Entry;
 pub use region::Region;
 
 use crate::crc::crc32_parallel;
@@ -77,12 +79,18 @@ pub struct Checkpoint<B: AsRef<[u8]> = Map> {
     manifest: Option<Manifest>,
     /// Global tensor name -> index into the manifest's `globals`.
     globals: HashMap<String, usize>,
+    /// For each tensor of `tensors()`: the index of the global tensor it stores a chunk (or
+    /// a replica of a chunk) of, or [`NOT_A_CHUNK`]; empty when there are no globals.
+    chunk_of: Vec<u32>,
     /// Every tensor's CRC32 (and absmax) was checked against the manifest while the
     /// bytes were fetched into buffers this checkpoint owns and nobody can change (an
     /// object-store download, [`Checkpoint::accept_unit_sums`]): checks that would read
     /// them again are skipped.
     data_verified: bool,
 }
+
+/// [`Checkpoint`]'s `chunk_of` entry of a whole tensor.
+const NOT_A_CHUNK: u32 = u32::MAX;
 
 fn open_map(path: &Path) -> Result<Map> {
     let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
@@ -120,7 +128,7 @@ impl Checkpoint<Map> {
     /// # Ok(()) }
     /// ```
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
+        let path = &crate::location::local_path(path.as_ref(), "Checkpoint::open")?;
         let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::NotFound {
                 path: path.to_path_buf(),
@@ -536,6 +544,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 reason: "the manifest places no tensor in this shard".into(),
             });
         }
+        let chunk_of = chunk_owners(&m, &by_name);
         Ok(Checkpoint {
             root,
             kind: Kind::Native,
@@ -543,6 +552,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             foreign: Vec::new(),
             by_name,
             metadata: m.metadata.clone(),
+            chunk_of,
             globals: m
                 .globals
                 .iter()
@@ -652,6 +662,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             metadata: metadata.into(),
             manifest: None,
             globals: HashMap::new(),
+            chunk_of: Vec::new(),
             data_verified: false,
         })
     }
@@ -677,6 +688,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             metadata: self.metadata,
             manifest: self.manifest,
             globals: self.globals,
+            chunk_of: self.chunk_of,
             // `f` keeps the bytes unchanged (its contract), so checks made still hold.
             data_verified: self.data_verified,
         }
@@ -1236,4 +1248,27 @@ pub fn drop_page_cache(path: &Path) -> Result<()> {
     let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
     f.sync_data().map_err(|e| Error::io("fdatasync", path, e))?;
     crate::sys::io::drop_cached(&f).map_err(|e| Error::io("posix_fadvise", path, e))
+}
+
+/// For each tensor of `m`: the global tensor it stores a chunk or replica of (its index in
+/// `m.globals`), or [`NOT_A_CHUNK`]. Empty without globals. Every chunk and replica names a
+/// manifest tensor (rule G2, checked with the manifest); a name not found is left a whole
+/// tensor here and reported by the region reads that need it.
+fn chunk_owners(m: &Manifest, by_name: &NameIndex) -> Vec<u32> {
+    if m.globals.is_empty() {
+        return Vec::new();
+    }
+    let mut of = vec![NOT_A_CHUNK; m.tensors.len()];
+    for (g, entry) in m.globals.iter().enumerate() {
+        // At most MAX_TENSORS (< 2^32) globals: each has a chunk.
+        let g = u32::try_from(g).unwrap_or(NOT_A_CHUNK);
+        for c in &entry.chunks {
+            for name in std::iter::once(&c.tensor).chain(&c.replicas) {
+                if let Some(i) = by_name.position(&m.tensors, name) {
+                    of[i] = g;
+                }
+            }
+        }
+    }
+    of
 }

@@ -149,6 +149,9 @@ impl PyCheckpoint {
         raw: bool,
     ) -> PyResult<Py<PyAny>> {
         let (ck, base) = self.open_parts()?;
+        if ck.entry(name).map_err(CkError)?.global {
+            return read_global(py, ck, name, raw);
+        }
         if verify {
             let ck = ck.clone();
             let n = name.to_string();
@@ -201,18 +204,20 @@ impl PyCheckpoint {
         })
     }
 
-    /// Tensor names, in manifest (or header) order.
+    /// Tensor names, in the order they are stored: whole tensors, and each global tensor
+    /// of a multi-rank checkpoint once, by its global name (never its stored chunks: see
+    /// `chunks(name)`).
     fn keys(&self) -> PyResult<Vec<String>> {
         let (ck, _) = self.open_parts()?;
-        Ok(ck.tensors().iter().map(|t| t.name.clone()).collect())
+        Ok(ck.entries().iter().map(|e| e.name.to_string()).collect())
     }
 
     fn __len__(&self) -> PyResult<usize> {
-        Ok(self.open_parts()?.0.tensors().len())
+        Ok(self.open_parts()?.0.entry_count())
     }
 
     fn __contains__(&self, name: &str) -> PyResult<bool> {
-        Ok(self.open_parts()?.0.info(name).is_ok())
+        Ok(self.open_parts()?.0.entry(name).is_ok())
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -220,7 +225,9 @@ impl PyCheckpoint {
     }
 
     /// A read-only zero-copy numpy array over the tensor's mapped bytes (CRC not checked:
-    /// see `get(name, verify=True)`). Raises `TensorNotFoundError` (a `KeyError`).
+    /// see `get(name, verify=True)`); for a global tensor of a multi-rank checkpoint, the
+    /// whole tensor assembled from its chunks into a fresh writable array, every chunk
+    /// CRC-checked. Raises `TensorNotFoundError` (a `KeyError`).
     fn __getitem__(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
         self.view_array(py, name, false, false)
     }
@@ -249,18 +256,35 @@ impl PyCheckpoint {
         let (ck, base) = self.open_parts()?;
         let names = match names {
             Some(n) => n,
-            None => ck.tensors().iter().map(|t| t.name.clone()).collect(),
+            None => ck.entries().iter().map(|e| e.name.to_string()).collect(),
         };
+        let mut whole = Vec::with_capacity(names.len());
         for n in &names {
-            ck.info(n).map_err(CkError)?;
+            if !ck.entry(n).map_err(CkError)?.global {
+                whole.push(n.clone());
+            }
         }
         if verify {
             let ck2 = ck.clone();
-            let ns = &names;
+            let ns = &whole;
             py.detach(move || verify_many(&ck2, ns)).map_err(CkError)?;
         }
-        let out = PyDict::new(py);
+        // Global tensors are assembled (and their chunks CRC-checked) before anything is
+        // returned, like the whole tensors' checks above.
+        let mut assembled = Vec::new();
         for n in &names {
+            if ck.entry(n).map_err(CkError)?.global {
+                assembled.push((n, read_global(py, ck, n, raw)?));
+            }
+        }
+        let out = PyDict::new(py);
+        let mut assembled = assembled.into_iter().peekable();
+        for n in &names {
+            if assembled.peek().is_some_and(|(a, _)| *a == n) {
+                let (_, arr) = assembled.next().ok_or_else(|| invalid_arg("internal"))?;
+                out.set_item(n, arr)?;
+                continue;
+            }
             let v = ck.tensor(n).map_err(CkError)?;
             out.set_item(n, self.wrap(py, base, v, raw)?)?;
         }
@@ -309,19 +333,32 @@ impl PyCheckpoint {
         Ok(d)
     }
 
-    /// `ck.info(name) -> dict`: `dtype` (wire name such as "F32"), `shape` (tuple),
-    /// `nbytes`, `shard` (index), `file` (shard file name) and `crc32` (None for foreign
-    /// stores).
+    /// `ck.info(name) -> dict`: `dtype` (wire name such as "F32"), `shape` (tuple; the
+    /// global shape of a global tensor), `nbytes`, `global` (stored in chunks), `chunks`
+    /// (how many), and for a whole tensor `shard` (index), `file` (shard file name) and
+    /// `crc32` (None for foreign stores); those three are None for a global tensor (see
+    /// `chunks(name)`).
     fn info<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
         let (ck, _) = self.open_parts()?;
-        let t = ck.info(name).map_err(CkError)?;
+        let e = ck.entry(name).map_err(CkError)?;
         let d = PyDict::new(py);
-        d.set_item("dtype", t.dtype.name())?;
-        d.set_item("shape", PyTuple::new(py, &t.shape)?)?;
-        d.set_item("nbytes", t.nbytes())?;
-        d.set_item("shard", t.shard)?;
-        d.set_item("file", &ck.shards()[t.shard].file)?;
-        d.set_item("crc32", t.crc32)?;
+        d.set_item("dtype", e.dtype.name())?;
+        d.set_item("shape", PyTuple::new(py, e.shape)?)?;
+        let nbytes = ckptstore::dtype::checked_nbytes(e.dtype, e.shape)
+            .ok_or_else(|| invalid_arg(format!("{name}: size overflows")))?;
+        d.set_item("nbytes", nbytes)?;
+        d.set_item("global", e.global)?;
+        d.set_item("chunks", e.chunks)?;
+        if e.global {
+            d.set_item("shard", py.None())?;
+            d.set_item("file", py.None())?;
+            d.set_item("crc32", py.None())?;
+        } else {
+            let t = ck.info(name).map_err(CkError)?;
+            d.set_item("shard", t.shard)?;
+            d.set_item("file", &ck.shards()[t.shard].file)?;
+            d.set_item("crc32", t.crc32)?;
+        }
         Ok(d)
     }
 
@@ -688,6 +725,14 @@ impl PyCheckpoint {
 }
 
 /// Check the CRC32 of every named tensor, in parallel; the first failure in `names` order.
+/// The whole global tensor `name` in a fresh writable array (its `raw` bytes when `raw`),
+/// every chunk CRC-checked, the interpreter released while it reads.
+fn read_global(py: Python<'_>, ck: &Arc<Checkpoint>, name: &str, raw: bool) -> PyResult<Py<PyAny>> {
+    let ck = ck.clone();
+    let t = py.detach(move || ck.read_global(name)).map_err(CkError)?;
+    owned_array(py, t, raw)
+}
+
 fn verify_many(ck: &Checkpoint, names: &[String]) -> Result<(), Error> {
     use rayon::prelude::*;
     let first_bad = names

@@ -125,6 +125,58 @@ def test_n_writer_processes_commit_once_and_m_readers_reshard(tmp_path, world):
         check_all_regions(tmp_path, m)
 
 
+def test_the_reader_presents_global_tensors_by_name(tmp_path):
+    """keys / in / len / info / ck[name] speak of the logical checkpoint: each global
+    tensor once by its name (read whole into a fresh, CRC-checked array), never the
+    stored chunks (issue 23, finding 3); the chunk layout is behind chunks()."""
+    world = 2
+    cid = ckptstore.new_checkpoint_id()
+    ckptstore.commit(tmp_path, cid, parts=write_parts(tmp_path, cid, world))
+    ck = ckptstore.open(tmp_path)
+    want = sorted([*DTYPES, "step", "bias", "meta.table"])
+    assert sorted(ck.keys()) == want
+    assert sorted(ck) == want and len(ck) == len(want)
+    assert not [k for k in ck.keys() if "@" in k], ck.keys()
+    for name in DTYPES:
+        g = global_array(name)
+        assert name in ck
+        info = ck.info(name)
+        assert info["global"] and info["chunks"] == len(ck.chunks(name)) > 1
+        assert tuple(info["shape"]) == g.shape and info["nbytes"] == g.nbytes
+        assert info["shard"] is None and info["file"] is None
+        got = ck[name]
+        assert got.dtype == g.dtype and got.shape == g.shape and got.flags.writeable
+        assert np.array_equal(got.view(np.uint8), g.view(np.uint8)), name
+        assert np.array_equal(ck.get(name, raw=True), g.reshape(-1).view(np.uint8))
+    assert ck["step"] == np.float32(42.0) and ck["step"].shape == ()
+    table = ck.info("meta.table")
+    assert not table["global"] and table["chunks"] == 1 and table["file"].endswith(".safetensors")
+    # A stored chunk's name is not a name of the checkpoint.
+    assert "f32@0,0~r0" not in ck
+    with pytest.raises(ckptstore.TensorNotFoundError):
+        ck["f32@0,0~r0"]
+    # read() of everything: globals assembled, whole tensors viewed, all checked first.
+    every = ck.read()
+    assert sorted(every) == want
+    assert np.array_equal(every["f64"].view(np.uint8), global_array("f64").view(np.uint8))
+    # A damaged chunk: reading its global raises naming the stored chunk, and nothing else.
+    import ckpt_helpers as h
+
+    shard, n, header, victim = next(
+        (p, n, hd, k)
+        for p in sorted(tmp_path.glob("*.safetensors"))
+        for n, hd, _ in [h.shard_header(p)]
+        for k in hd
+        if k.startswith("f32@")
+    )
+    h.flip_byte(shard, 8 + n + header[victim]["data_offsets"][0])
+    ck = ckptstore.open(tmp_path)
+    with pytest.raises(ckptstore.ChecksumError, match=victim):
+        ck["f32"]
+    with pytest.raises(ckptstore.ChecksumError):
+        ck.read()
+
+
 def test_conflicts_and_missing_ranks_commit_nothing(tmp_path):
     cid = ckptstore.new_checkpoint_id()
     parts = write_parts(tmp_path, cid, 2)

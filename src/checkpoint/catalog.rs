@@ -1,0 +1,110 @@
+//! The logical catalog of a checkpoint: what it holds as a user names it. A checkpoint
+//! written by several ranks stores each global tensor in chunks (`w@0,0~r0`, ...:
+//! format-spec/global.md); the catalog lists the global tensor `w` once, beside the whole
+//! tensors, and never its chunks, whose layout [`Checkpoint::chunks`] gives.
+
+use super::{Checkpoint, NOT_A_CHUNK};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// One name of a checkpoint's logical catalog ([`Checkpoint::entries`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry<'a> {
+    /// The name a user reads it by.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: DType,
+    /// The (global) shape.
+    pub shape: &'a [u64],
+    /// How many stored chunks hold it: 1 for a whole tensor.
+    pub chunks: usize,
+    /// A global tensor (stored in chunks, read with [`Checkpoint::read_global`]) rather than
+    /// one whole stored tensor (viewable zero-copy with [`Checkpoint::tensor`]).
+    pub global: bool,
+}
+
+impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// The logical catalog: every whole tensor and every global tensor, once each, in the
+    /// order they are stored (a global tensor where its first chunk is); chunks and their
+    /// replicas are not listed. For a checkpoint without global tensors these are exactly
+    /// [`Checkpoint::tensors`].
+    pub fn entries(&self) -> Vec<Entry<'_>> {
+        let tensors = self.tensors();
+        let globals = self.manifest().map_or(&[][..], |m| &m.globals);
+        let mut listed = vec![false; globals.len()];
+        let mut out = Vec::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            let owner = self.chunk_of.get(i).copied().unwrap_or(NOT_A_CHUNK);
+            if owner == NOT_A_CHUNK {
+                out.push(Entry {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    chunks: 1,
+                    global: false,
+                });
+                continue;
+            }
+            let g = owner as usize;
+            if let (Some(seen), Some(e)) = (listed.get_mut(g), globals.get(g)) {
+                if !*seen {
+                    *seen = true;
+                    out.push(Entry {
+                        name: &e.name,
+                        dtype: e.dtype,
+                        shape: &e.global_shape,
+                        chunks: e.chunks.len(),
+                        global: true,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// How many names [`Checkpoint::entries`] lists (without building the list).
+    pub fn entry_count(&self) -> usize {
+        let chunks = self.chunk_of.iter().filter(|&&g| g != NOT_A_CHUNK).count();
+        self.tensors().len() - chunks + self.globals.len()
+    }
+
+    /// The catalog entry called `name`: a global tensor, or a whole tensor that is not a
+    /// chunk of one.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] if the catalog has no such name (a chunk's stored name is
+    /// not one: read it through its global tensor).
+    pub fn entry(&self, name: &str) -> Result<Entry<'_>> {
+        let not_found = || Error::TensorNotFound {
+            name: name.to_string(),
+        };
+        if let Some(&g) = self.globals.get(name) {
+            let e = self
+                .manifest()
+                .and_then(|m| m.globals.get(g))
+                .ok_or_else(not_found)?;
+            return Ok(Entry {
+                name: &e.name,
+                dtype: e.dtype,
+                shape: &e.global_shape,
+                chunks: e.chunks.len(),
+                global: true,
+            });
+        }
+        let i = self
+            .by_name
+            .position(self.tensors(), name)
+            .ok_or_else(not_found)?;
+        if self.chunk_of.get(i).is_some_and(|&g| g != NOT_A_CHUNK) {
+            return Err(not_found());
+        }
+        let t = &self.tensors()[i];
+        Ok(Entry {
+            name: &t.name,
+            dtype: t.dtype,
+            shape: &t.shape,
+            chunks: 1,
+            global: false,
+        })
+    }
+}
