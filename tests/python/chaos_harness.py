@@ -129,22 +129,32 @@ class Server:
         e["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), e.get("PYTHONPATH")) if p)
         e.pop("CKPTSTORE_CHAOS_KILL", None)
         e.pop("CKPT_CHAOS_UNLINK_KILL", None)
+        self._buf = b""
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "chaos_train.py"), "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            bufsize=1,
             env=e,
         )
 
     def _line(self, timeout: float) -> Optional[dict]:
+        """The server's next message, or ``None`` after ``timeout`` seconds. Reads the pipe
+        unbuffered: a buffered reader could swallow a second line that select then never
+        reports."""
         assert self.proc.stdout is not None
-        r, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0))
-        if not r:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise ChaosFailure(f"the fork server died (exit {self.proc.wait()})")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + max(timeout, 0)
+        while b"\n" not in self._buf:
+            r, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not r:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise ChaosFailure(f"the fork server died (exit {self.proc.wait()})")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line)
 
     def life(self, cfg: dict, timer: Optional[Tuple[float, int]] = None) -> Tuple[List[int], bool]:
