@@ -74,9 +74,9 @@ and never call ``CheckpointIO``. :class:`ModelParallelStrategy` is a drop-in sub
 and :class:`~ckptstore.torch.dcp.Reader`: one committed checkpoint for all ranks (model and
 optimizer shards plus the rest of Lightning's dict, which the stock strategy pickles into
 ``meta.pt``, stored here as in :class:`CheckpointIO`), resumable on another world size, and
-a damaged checkpoint leaves every rank's model and optimizer unchanged. For the FSDP1
-``FSDPStrategy`` use :class:`ModelParallelStrategy` (FSDP2) or ``state_dict_type="full"``
-with :class:`CheckpointIO`; its sharded format is not routed (see python/README.md).
+a damaged checkpoint leaves every rank's model and optimizer unchanged. The FSDP1
+``FSDPStrategy`` is not routed (lightning 2.6 runs it on GPUs only, so it is untested here):
+use :class:`ModelParallelStrategy` (FSDP2) instead (see python/README.md).
 
 Tested with lightning 2.6.6 and torch 2.15 (CPU, gloo).
 """
