@@ -113,11 +113,11 @@ from torchtitan.components.checkpointer.base import (
 )
 from torchtitan.config import TORCH_DTYPE_MAP
 
-import ckptstore
-
+from .. import CheckpointManager as _EngineManager, _ckptstore
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ChecksumError,
     InvalidArgumentError,
 )
 from ..torch.dcp import META_KEY, Reader, Writer
@@ -275,7 +275,7 @@ def _unwrap(e: BaseException) -> BaseException:
     if not isinstance(e, CheckpointException):
         return e
     found = [exc for exc, _ in e.failures.values()]
-    for cls in (ckptstore.ChecksumError, CheckpointError):
+    for cls in (ChecksumError, CheckpointError):
         for exc in found:
             if isinstance(exc, cls):
                 return exc
@@ -319,11 +319,11 @@ class _Steps:
         self.folder = folder
         self.keep = keep_latest_k if keep_latest_k > 0 else None
         self.remote = "://" in folder
-        self._local: Optional[ckptstore.CheckpointManager] = None
+        self._local: Optional[_EngineManager] = None
 
-    def _mgr(self) -> ckptstore.CheckpointManager:
+    def _mgr(self) -> _EngineManager:
         if self._local is None:
-            self._local = ckptstore.CheckpointManager(self.folder, keep_last=self.keep)
+            self._local = _EngineManager(self.folder, keep_last=self.keep)
         return self._local
 
     def path(self, step: int) -> str:
@@ -661,7 +661,7 @@ class CheckpointManager(BaseCheckpointManager):
         """Check names, read every tensor through the Reader (CRC-checked, ranks agreeing,
         before any destination is written), then apply each component's state."""
         try:
-            meta = json.loads(ckptstore._ckptstore.RegionReader(path).metadata_json())
+            meta = json.loads(_ckptstore.RegionReader(path).metadata_json())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: the manifest's metadata is not JSON: {e}") from e
         dcp_items = (meta.get(META_KEY) or {}).get("items") if isinstance(meta, dict) else None

@@ -73,17 +73,22 @@ def state_of(snap: dict) -> dict:
 
 
 def flip_in(step_dir: Path, tensor: str) -> str:
-    """Flip one data byte of the stored chunk of ``tensor``; returns the chunk's name."""
+    """Flip one data byte of the stored chunk of global tensor ``tensor`` (a stored
+    safetensors tensor named ``<tensor>@<offsets>~r<rank>``); returns the chunk's name."""
     ck = ckptstore.open(step_dir)
-    name = next(n for n in ck.keys() if n.split("@")[0] == tensor)
-    f = step_dir / ck.info(name)["file"]
+    shards = [Path(f) for f in ck.shard_files]
     ck.close()
-    raw = bytearray(f.read_bytes())
-    (hlen,) = struct.unpack("<Q", raw[:8])
-    start, _ = json.loads(raw[8 : 8 + hlen])[name]["data_offsets"]
-    raw[8 + hlen + start] ^= 0x40
-    f.write_bytes(bytes(raw))
-    return name
+    for f in shards:
+        raw = bytearray(f.read_bytes())
+        (hlen,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + hlen])
+        names = [n for n in header if n != "__metadata__" and n.split("@")[0] == tensor]
+        if names:
+            start, _ = header[names[0]]["data_offsets"]
+            raw[8 + hlen + start] ^= 0x40
+            f.write_bytes(bytes(raw))
+            return names[0]
+    raise AssertionError(f"no stored chunk of {tensor} in {shards}")
 
 
 def committed(folder) -> list:
