@@ -130,6 +130,11 @@ def _local(location: str) -> str:
     return location[len("file://") :] if location.startswith("file://") else location
 
 
+def _key(location: str) -> str:
+    """The same key for every spelling of one location (relative or absolute path)."""
+    return location if _is_remote(location) else os.path.abspath(_local(location))
+
+
 class CheckpointIO(_lio.CheckpointIO):
     """A Lightning ``CheckpointIO`` that stores each checkpoint as one committed ckptstore
     checkpoint (see the module docs).
@@ -204,7 +209,7 @@ class CheckpointIO(_lio.CheckpointIO):
         handle = saver.save(location, checkpoint)
         with self._lock:
             self._pending = {k: h for k, h in self._pending.items() if not h.done()}
-            self._pending[location] = handle
+            self._pending[_key(location)] = handle
 
     def _ensure_saver(self) -> TreeSaver:
         if self._saver is None:
@@ -220,7 +225,7 @@ class CheckpointIO(_lio.CheckpointIO):
         """Wait for the background save to ``location``, if one is in flight (its error is
         raised)."""
         with self._lock:
-            h = self._pending.pop(location, None)
+            h = self._pending.pop(_key(location), None)
         if h is not None:
             h.wait()
 

@@ -462,7 +462,7 @@ def test_async_snapshot_is_taken_before_save_returns(tmp_path):
     io.save_checkpoint({"state_dict": {"w": t}, "epoch": 1}, tmp_path / "a.ckpt")
     t.fill_(2.0)  # at once: the save holds its own copy
     io.save_checkpoint({"state_dict": {"w": t}, "epoch": 2}, tmp_path / "b.ckpt")
-    got_a = io.load_checkpoint(tmp_path / "a.ckpt")  # waits for that path's save
+    got_a = io.load_checkpoint(os.path.relpath(tmp_path / "a.ckpt"))  # waits for that save (any spelling)
     got_b = io.load_checkpoint(tmp_path / "b.ckpt")
     assert_same(got_a, {"state_dict": {"w": torch.ones(1000)}, "epoch": 1})
     assert_same(got_b, {"state_dict": {"w": torch.full((1000,), 2.0)}, "epoch": 2})
