@@ -83,6 +83,7 @@ Test seam: ``CKPTSTORE_TORCHTITAN_KILL="<point>[:<step>]"`` SIGKILLs the process
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import math
 import os
@@ -711,9 +712,14 @@ class CheckpointManager(BaseCheckpointManager):
             raise CheckpointError(f"{path}: the checkpoint holds no state {absent[0]!r}")
         # Decode before anything is read, so that a refused value changes nothing.
         placeholders: dict[str, Any] = {name: _Ref(name) for name in want}
-        decoded = _decode(
-            {k: skeleton[k] for k in keys if k in skeleton}, "", placeholders, self.allow_pickle, path
-        )
+        try:
+            decoded = _decode(
+                {k: skeleton[k] for k in keys if k in skeleton}, "", placeholders, self.allow_pickle, path
+            )
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, binascii.Error) as e:
+            raise CheckpointError(f"{path}: the stored non-tensor state is malformed: {e!r}") from e
         reader = Reader(path)
         try:
             dcp.load(want, storage_reader=reader, no_dist=not _dist())

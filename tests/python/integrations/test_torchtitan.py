@@ -200,6 +200,26 @@ def test_flipped_byte_fails_naming_the_tensor_and_changes_nothing(tmp_path, ckpt
     assert_same(state_of(tj.snapshot(job)), state_of(before))
 
 
+@pytest.mark.parametrize("bad", [{"$dict": 5}, {"$bytes": "not base64!"}, {"$frob": 1}])
+def test_malformed_stored_state_fails_naming_the_checkpoint(tmp_path, bad):
+    """A manifest (with a correct CRC) whose non-tensor state was tampered with: the load
+    fails with a CheckpointError naming the step's path, and nothing changes."""
+    import ckpt_helpers as h
+
+    folder = tmp_path / "ck"
+    job = tj.build(str(folder), steps=STEPS)
+    tj.train(job, 4)
+    before = tj.snapshot(job)
+
+    def mutate(m):
+        m["metadata"][STATE_KEY]["states"]["lr_scheduler"] = bad
+
+    h.rewrite_manifest(folder / step_name(2), mutate)
+    with pytest.raises(ckptstore.CheckpointError, match=step_name(2)):
+        job.checkpointer.load(step=2)
+    assert_same(state_of(tj.snapshot(job)), state_of(before))
+
+
 # ---- ckpt verify / inspect, keep-latest-k ----------------------------------------------------
 
 
