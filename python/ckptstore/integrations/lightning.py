@@ -63,7 +63,8 @@ save in flight wait for that save first.
 **remove_checkpoint** (``ModelCheckpoint``'s top-k and ``last``) removes only a committed
 ckptstore checkpoint: a directory holding ``ckpt-manifest.json`` (its manifest is removed
 first, so an interruption leaves no half checkpoint that still opens), or an ``s3://``
-checkpoint that opens (removed with fsspec). A missing path is a no-op, as with
+checkpoint that opens (removed with fsspec, which needs ``s3fs`` for that; without it the
+checkpoint is kept and a warning says so). A missing path is a no-op, as with
 ``TorchCheckpointIO``; anything else (a ``torch.save`` file, a directory that is not a
 checkpoint) raises :class:`ckptstore.errors.InvalidArgumentError` and is left alone.
 
@@ -86,6 +87,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -93,7 +95,7 @@ import lightning.fabric.plugins.io as _lio
 import torch
 
 from .. import open as _open
-from ..errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
 
 __all__ = [
@@ -299,19 +301,26 @@ class CheckpointIO(_lio.CheckpointIO):
         shutil.rmtree(d)
 
     def _remove_remote(self, location: str) -> None:
-        try:
-            from lightning.fabric.utilities.cloud_io import get_filesystem
-        except ImportError as e:  # pragma: no cover - lightning always has it
-            raise InvalidArgumentError(f"cannot remove {location!r}: {e}") from e
-        fs = get_filesystem(location)
-        if not fs.exists(location):
-            return
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
         try:
             _open(location).close()
+        except CheckpointNotFoundError:
+            return  # nothing there (or nothing committed: nothing to uncommit)
         except CheckpointError as e:
             raise InvalidArgumentError(
                 f"refusing to remove {location!r}: it is not a committed ckptstore checkpoint ({e})"
             ) from e
+        try:
+            fs = get_filesystem(location)
+        except (ImportError, ValueError) as e:
+            # fsspec needs s3fs for s3://: keep the checkpoint (space, not data, is lost).
+            warnings.warn(
+                f"ckptstore: {location!r} was not removed: deleting objects needs fsspec's S3 "
+                f"support (pip install s3fs): {e}",
+                stacklevel=2,
+            )
+            return
         manifest = location.rstrip("/") + "/" + MANIFEST
         fs.rm(manifest)
         fs.rm(location, recursive=True)
