@@ -94,7 +94,7 @@ from typing import Any, Dict, Optional
 import lightning.fabric.plugins.io as _lio
 import torch
 
-from .. import open as _open
+from .. import open as _open, wait_for_cleanup as _wait_for_cleanup
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
 
@@ -121,7 +121,7 @@ def _location(path: Any) -> str:
     s = os.fspath(path)
     if not isinstance(s, str):
         raise InvalidArgumentError(f"checkpoint paths are strings, got {path!r}")
-    return s
+    return s[len("file://") :] if s.startswith("file://") else s
 
 
 def _is_remote(location: str) -> bool:
@@ -295,10 +295,16 @@ class CheckpointIO(_lio.CheckpointIO):
                 f"refusing to remove {location!r}: it is not a committed ckptstore checkpoint "
                 f"(no {MANIFEST})"
             )
+        if self.cleanup == "background":
+            _wait_for_cleanup()  # a background cleanup may still be removing files there
         # Uncommit first (the manifest is the commit point), then the files.
         manifest.unlink()
         _fsync_dir(d)
-        shutil.rmtree(d)
+        try:
+            shutil.rmtree(d)
+        except FileNotFoundError:  # a file went meanwhile: remove what is left
+            if d.exists():
+                shutil.rmtree(d)
 
     def _remove_remote(self, location: str) -> None:
         from lightning.fabric.utilities.cloud_io import get_filesystem
