@@ -85,6 +85,7 @@ process id and blocks, for a test to kill it. The engine's own points
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -95,7 +96,7 @@ import re
 import shutil
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -217,6 +218,18 @@ def _read_tree(path: "str | os.PathLike[str]", allow_pickle: bool) -> Dict[str, 
     if not isinstance(tree, dict) or not isinstance(tree.get(TREE_ROOT), dict):
         raise CorruptCheckpointError(f"{os.fspath(path)!r}: the trainer state tree has no {TREE_ROOT!r}")
     return tree[TREE_ROOT]
+
+
+@contextlib.contextmanager
+def _naming(path: "str | os.PathLike[str]", what: str) -> Iterator[None]:
+    """Prefix the message of a ckptstore error raised inside with ``what`` and ``path``
+    (the engine's messages name the tensor and shard file, not the checkpoint)."""
+    try:
+        yield
+    except CheckpointError as e:
+        e.message = f"{what} {os.fspath(path)!r}: {e.message}"
+        e.args = (e.message,)
+        raise
 
 
 # ---- RNG states ----------------------------------------------------------------------------
@@ -400,7 +413,8 @@ class Trainer(transformers.Trainer):
         key = os.path.abspath(path)
         tree = self._ckptstore_trees.get(key)
         if tree is None:
-            tree = _read_tree(path, self.ckptstore_allow_pickle)
+            with _naming(path, "resuming from"):
+                tree = _read_tree(path, self.ckptstore_allow_pickle)
             self._ckptstore_trees[key] = tree
         return tree
 
@@ -440,7 +454,8 @@ class Trainer(transformers.Trainer):
         rng = self._ckptstore_rng() if full else None
         if self.args.should_save:
             exportable = transformers.trainer_callback.ExportableState
-            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, exportable)]:
+            callbacks = self.callback_handler.callbacks + [self.control]
+            for cb in [c for c in callbacks if isinstance(c, exportable)]:
                 cb_name = cb.__class__.__name__
                 cb_state = cb.state()
                 if isinstance(self.state.stateful_callbacks[cb_name], list):
@@ -550,8 +565,11 @@ class Trainer(transformers.Trainer):
             )
         if not self.is_in_train:
             # Called outside train(): restore the model now (checked before it changes).
-            target = model if model is not None else self.model
-            _ct.load(resume_from_checkpoint, self.accelerator.unwrap_model(target, keep_torch_compile=False))
+            target = self.accelerator.unwrap_model(
+                model if model is not None else self.model, keep_torch_compile=False
+            )
+            with _naming(resume_from_checkpoint, "loading the model from"):
+                _ct.load(resume_from_checkpoint, target)
             return
         # In train(): the model is restored with the optimizer
         # (_load_optimizer_and_scheduler), all checked before either changes.
@@ -568,9 +586,10 @@ class Trainer(transformers.Trainer):
         if model is None:
             model = self.model
         model = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        with _open(checkpoint) as ck:
-            has_opt = ck.has_optimizer
-        _ct.load(checkpoint, model, self.optimizer if has_opt else None)
+        with _naming(checkpoint, "resuming from"):
+            with _open(checkpoint) as ck:
+                has_opt = ck.has_optimizer
+            _ct.load(checkpoint, model, self.optimizer if has_opt else None)
         self._ckptstore_pending_model = None
         if has_opt and tree.get("scheduler") is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(tree["scheduler"])
@@ -612,7 +631,8 @@ class Trainer(transformers.Trainer):
         if best is None or not self._ckptstore_active() or not is_ckptstore_checkpoint(best):
             return super()._load_best_model()
         logger.info("ckptstore: loading the best model from %s (score %s)", best, self.state.best_metric)
-        _ct.load(best, self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        with _naming(best, "loading the best model from"):
+            _ct.load(best, self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
 
 
 # ---- Accelerate ------------------------------------------------------------------------------
@@ -690,8 +710,9 @@ def load_state(
     Everything is read and checked (names, shapes, counts, every CRC32) before the model or
     the optimizer changes; the optimizer state is replaced whole."""
     model, opt = _accelerate_parts(accelerator)
-    tree = _read_tree(input_dir, allow_pickle)
     where = os.fspath(input_dir)
+    with _naming(where, "loading the state from"):
+        tree = _read_tree(input_dir, allow_pickle)
     for what, live in (
         ("schedulers", accelerator._schedulers),
         ("dataloaders", accelerator._dataloaders),
@@ -701,10 +722,11 @@ def load_state(
             raise InvalidArgumentError(
                 f"{where!r} holds {len(tree.get(what) or [])} {what}, the accelerator has {len(live)}"
             )
-    with _open(input_dir) as ck:
-        if opt is not None and not ck.has_optimizer:
-            raise InvalidArgumentError(f"{where!r} holds no optimizer state")
-    _ct.load(input_dir, model, opt)
+    with _naming(where, "loading the state from"):
+        with _open(input_dir) as ck:
+            if opt is not None and not ck.has_optimizer:
+                raise InvalidArgumentError("it holds no optimizer state")
+        _ct.load(input_dir, model, opt)
     for s, st in zip(accelerator._schedulers, tree["schedulers"]):
         s.load_state_dict(st)
     for dl, st in zip(accelerator._dataloaders, tree["dataloaders"]):

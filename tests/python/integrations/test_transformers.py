@@ -311,8 +311,9 @@ def test_a_flipped_byte_fails_the_resume_and_changes_nothing(ref, tmp_path, tens
     opt.step()  # live state that a partial load would overwrite
     before = capture(trainer.model, opt)
     assert before["optim"]
-    with pytest.raises(ChecksumError, match=re.escape(tensor)):
+    with pytest.raises(ChecksumError, match=re.escape(tensor)) as e:
         trainer.train(resume_from_checkpoint=True)
+    assert str(out / "checkpoint-4") in str(e.value)
     assert_same(before, capture(trainer.model, opt))
 
 
