@@ -67,29 +67,34 @@ pickle, and rebuilt as the same types: ``ZeroStageEnum``, the ZeRO optimizer's
 ``argparse.Namespace`` (its attributes) in the client state; only these classes are rebuilt,
 looked up in a fixed table, never imported by a name read from the checkpoint. Any other
 object (a custom class in ``client_state``) raises
-:class:`ckptstore.integrations._tree.PickleNotAllowedError` naming its path, before anything
-of the tag is written, unless the engine is made with ``allow_pickle=True``: then it is
+:class:`ckptstore.integrations._tree.PickleNotAllowedError` naming its path (nothing of the
+tag becomes visible), unless the engine is made with ``allow_pickle=True``: then it is
 pickled, and loading it needs ``allow_pickle=True`` too. Unpickling runs code chosen by
 whoever wrote the checkpoint: opt in only for checkpoints you trust as much as the code you
 run. The same flag lets :meth:`CheckpointEngine.load` read a file DeepSpeed's default engine
 wrote (``torch.load(weights_only=False)``, the same trust).
 
-Not covered: ZeRO-3 and NVMe offload are untested (NVMe offload copies its swap files into
-the tag directory with ``shutil.copytree``, bypassing the engine); more than one process is
-implemented (a shared file system is assumed: every rank writes its files into the one staging
-directory, rank 0 publishes) but only one process is tested. The ``zero_to_fp32.py`` script
-DeepSpeed copies into ``save_dir`` reads ``torch.save`` files, not these.
-
 **Non-blocking saves** (``install(engine, non_blocking=True)``): ``save_checkpoint``
-returns once every tensor is copied into reused snapshot buffers; the files are written and
-the tag published (the same rename, then ``latest``) on background threads, while training
-goes on. The next save, a load and ``engine.checkpoint_engine.wait()`` wait for it.
+returns once every tensor is copied into snapshot buffers (one set per file name, reused by
+the next tag); the files are written and the tag published (the same rename, then
+``latest``) on background threads while training goes on. The next save, a load and
+``engine.checkpoint_engine.wait()`` wait for it and raise its error; the interpreter's exit
+waits for it too (the threads are not daemons). One tag is in flight at a time.
 
 Test seam: ``CKPTSTORE_DEEPSPEED_KILL_AT=<point>`` makes the process SIGKILL itself at
 ``save`` (after a file of a tag has been committed into the staging directory, or handed to
-its background writer), ``publish``
-(in ``commit``, every file written, before the rename) or ``latest`` (after the rename,
-before ``latest`` is written). Unset, a point costs one environment lookup.
+its background writer), ``publish`` (every file written, before the rename) or ``latest``
+(after the rename, before ``latest`` is written). Unset, a point costs one environment
+lookup.
+
+Not covered: ZeRO-3 and NVMe offload are untested (NVMe offload copies its swap files into
+the tag directory with ``shutil.copytree``, bypassing the engine). More than one process is
+implemented (a shared file system is assumed: every rank writes its files into the one
+staging directory, barriers around rank 0's publish) but only one process is tested.
+``save_16bit_model`` goes through the engine too: its ``pytorch_model.bin`` becomes a
+ckptstore checkpoint directory of that name (committed on its own), not a file
+``from_pretrained`` reads. The ``zero_to_fp32.py`` script DeepSpeed copies into
+``save_dir`` reads ``torch.save`` files, not these.
 """
 
 from __future__ import annotations
@@ -360,9 +365,9 @@ class CheckpointEngine(_DSCheckpointEngine):
             thread publishing the tag and writing ``latest`` when every file is committed.
             The live model may change as soon as ``save_checkpoint`` returns. The next
             ``create`` (save), any ``load``, :meth:`wait` and :meth:`cleanup` wait for it
-            and raise its error. In the background only in one process and with ``latest``
-            written by this engine (:func:`install`); otherwise ``commit`` waits for the
-            writes (the copy still overlaps nothing, the write is the same).
+            and raise its error. The publish runs in the background only in one process
+            and when this engine writes ``latest`` (:func:`install`); otherwise ``commit``
+            waits for the writes and publishes, as a blocking save does.
     """
 
     def __init__(self, config_params: Any = None, *, allow_pickle: bool = False,
