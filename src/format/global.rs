@@ -6,11 +6,10 @@
 
 use std::collections::HashMap;
 
-use serde::{Deserialize, Serialize};
-
-use super::manifest::TensorInfo;
+use super::schema::TensorInfo;
+pub use super::schema::{ChunkEntry, GlobalEntry};
 use super::{check_tensor_name, MAX_RANK};
-use crate::dtype::{checked_nbytes, checked_numel, DType};
+use crate::dtype::{checked_nbytes, checked_numel};
 
 /// Most chunks one global tensor may have (format-spec/global.md §Limits).
 pub const MAX_CHUNKS: usize = 1 << 20;
@@ -21,42 +20,6 @@ const MAX_CELLS: u128 = 1 << 24;
 
 /// Chunk counts up to which a non-grid chunking is checked pair by pair.
 const MAX_PAIRWISE: usize = 4096;
-
-/// One global tensor (`globals[g]`): its dtype, global shape and the chunks that tile it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct GlobalEntry {
-    /// The global tensor's name: unique among globals and distinct from every name in
-    /// `tensors`.
-    pub name: String,
-    /// Element type, the same for every chunk.
-    pub dtype: DType,
-    /// The global shape; `[]` for a 0-dim tensor (one chunk of shape `[]`).
-    pub global_shape: Vec<u64>,
-    /// The chunks, in any order; together they cover every element exactly once.
-    pub chunks: Vec<ChunkEntry>,
-}
-
-/// One chunk of a global tensor.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ChunkEntry {
-    /// Where the chunk starts in the global index space, one entry per dimension.
-    pub offsets: Vec<u64>,
-    /// The chunk's shape (the stored tensor's shape).
-    pub shape: Vec<u64>,
-    /// The manifest tensor holding the chunk's elements, row-major.
-    pub tensor: String,
-    /// Other manifest tensors holding a copy of the same chunk (a replicated tensor saved
-    /// by several ranks): same dtype, shape and CRC32 as `tensor`. Readers use `tensor`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub replicas: Vec<String>,
-}
-
-impl GlobalEntry {
-    /// Number of elements of the global tensor, if it does not overflow.
-    pub fn numel(&self) -> Option<u64> {
-        checked_numel(&self.global_shape)
-    }
-}
 
 /// Check `globals` against rules G1-G8 of format-spec/global.md. `index(name)` finds a
 /// tensor of `tensors` by name.
@@ -288,6 +251,7 @@ fn check_no_overlap_with(g: &GlobalEntry, max_cells: u128) -> Result<(), String>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
 
     /// A global shape and its chunks as (offsets, shape).
     type Layout<'a> = (&'a [u64], Vec<(&'a [u64], &'a [u64])>);

@@ -5,7 +5,10 @@
 pub mod global;
 pub mod header;
 pub mod manifest;
+pub mod names;
 pub mod optimizer;
+pub mod part;
+pub mod schema;
 
 /// Metadata key, in every ckptstore shard header, holding the checkpoint id
 /// (format-spec/shard.md §Metadata).

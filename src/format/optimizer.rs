@@ -7,7 +7,7 @@
 
 use std::collections::HashSet;
 
-use super::manifest::{Encoding, OptimizerSection};
+use super::schema::{Encoding, OptimizerSection};
 use crate::dtype::{checked_numel, DType};
 use crate::error::{Error, Result};
 

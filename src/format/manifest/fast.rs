@@ -10,10 +10,10 @@
 //! `None` and the caller parses again with serde_json, which decides. `metadata`,
 //! `optimizer` and unknown members are located here and handed to serde_json.
 
-use super::{
+use crate::dtype::DType;
+use crate::format::schema::{
     empty_object, BlockCrcs, GlobalEntry, Manifest, OptimizerSection, ShardEntry, TensorInfo,
 };
-use crate::dtype::DType;
 
 /// Deepest nesting handed to serde_json as one member's value. serde_json refuses
 /// more than 128 levels in the whole file; staying far below keeps a member that
