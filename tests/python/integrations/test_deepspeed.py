@@ -439,3 +439,20 @@ def test_non_blocking_engine_snapshots_then_publishes_in_background(tmp_path):
     assert list(ce._savers) == [MODEL_FILE]  # one snapshot buffer set, reused by t2
     ce.cleanup()
     assert sorted(os.listdir(tmp_path)) == ["latest", "t1", "t2"]
+
+
+@pytest.mark.parametrize("marker", [
+    {"$deepspeed": "object", "class": "os.system", "state": {}},  # not in the fixed table
+    {"$deepspeed": "enum", "class": "ZeroStageEnum", "value": 99},
+    {"$deepspeed": "dataclass", "class": "fragment_address", "fields": {"bogus": 1}},
+    {"$deepspeed": "object", "class": "LossScaler", "state": [1, 2]},
+    {"$deepspeed": "namespace", "vars": 3},
+    {"$deepspeed": "no such kind"},
+])
+def test_malformed_stored_deepspeed_value_is_refused_naming_the_file(tmp_path, marker):
+    from ckptstore.integrations._tree import save_tree
+
+    path = tmp_path / MODEL_FILE
+    save_tree(path, {"x": torch.ones(2), "bad": marker})  # as a hostile writer would
+    with pytest.raises(InvalidArgumentError, match=MODEL_FILE):
+        ckds.CheckpointEngine().load(str(path))
