@@ -94,6 +94,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
@@ -171,25 +172,37 @@ def save_checkpoint(
     ``tree`` (JSON values and tensors, :mod:`ckptstore.integrations._tree`) under
     :data:`TREE_ROOT`, as one committed checkpoint in the directory ``path`` (atomically
     replacing one there). Returns the commit info."""
-    entries, meta_json, optim = _ct._build_items(model, optimizer, None, _ct._to_numpy)
-    t_entries, t_meta = _flatten({TREE_ROOT: tree}, _prepare_any, allow_pickle)
+    items = _items(model, optimizer, tree, kind, allow_pickle, _ct._to_numpy, _prepare_any)
+    return _save_items(path, items, max_shard_size)
+
+
+def _items(
+    model: Any,
+    optimizer: Any,
+    tree: Dict[str, Any],
+    kind: str,
+    allow_pickle: bool,
+    prepare: Any,
+    prepare_tree: Any,
+) -> tuple:
+    """``(entries, metadata JSON, optimizer parts)`` of :func:`save_checkpoint`, every
+    tensor turned into ``(name, wire dtype, array)`` by ``prepare`` (the live tensor, or a
+    snapshot buffer's copy)."""
+    entries, meta_json, optim = _ct._build_items(model, optimizer, None, prepare)
+    t_entries, t_meta = _flatten({TREE_ROOT: tree}, prepare_tree, allow_pickle)
     taken = {e[0] for e in entries}
     for name, _, _ in t_entries:
         if name in taken:
-            raise InvalidArgumentError(
-                f"{os.fspath(path)!r}: model tensor {name!r} has the name of a trainer state tensor"
-            )
+            raise InvalidArgumentError(f"model tensor {name!r} has the name of a trainer state tensor")
     meta = json.loads(meta_json)
     meta.update(json.loads(t_meta))
     meta[MARKER_KEY] = {"version": _VERSION, "kind": kind}
-    return _ckptstore.save(
-        os.fspath(path),
-        entries + t_entries,
-        json.dumps(meta, allow_nan=False),
-        max_shard_size,
-        optim,
-        "inline",
-    )
+    return entries + t_entries, json.dumps(meta, allow_nan=False), optim
+
+
+def _save_items(path: "str | os.PathLike[str]", items: tuple, max_shard_size: Optional[int]) -> dict:
+    entries, metadata, optim = items
+    return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, optim, "inline")
 
 
 def is_ckptstore_checkpoint(path: "str | os.PathLike[str]") -> bool:
@@ -381,11 +394,16 @@ class Trainer(transformers.Trainer):
         *args: Any,
         ckptstore_allow_pickle: bool = False,
         ckptstore_max_shard_size: Optional[int] = None,
+        ckptstore_async: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.ckptstore_allow_pickle = bool(ckptstore_allow_pickle)
         self.ckptstore_max_shard_size = ckptstore_max_shard_size
+        self.ckptstore_async = bool(ckptstore_async)
+        self._ckptstore_snapshot: Any = None
+        self._ckptstore_thread: Optional[threading.Thread] = None
+        self._ckptstore_error: Optional[BaseException] = None
         self._ckptstore_trees: Dict[str, Dict[str, Any]] = {}
         self._ckptstore_pending_model: Optional[tuple] = None
         self._ckptstore_warned = False
@@ -466,10 +484,8 @@ class Trainer(transformers.Trainer):
             self._ckptstore_write(run_dir, name, final, state_text, rng, full)
 
         if self.args.push_to_hub:
+            self.ckptstore_wait()
             self._push_from_checkpoint(final)
-        if self.args.should_save:
-            _pause("hf-after-publish")
-            self._ckptstore_rotate(run_dir, final)
 
     def _ckptstore_write(
         self, run_dir: str, name: str, final: str, state_text: str, rng: Any, full: bool
@@ -494,18 +510,70 @@ class Trainer(transformers.Trainer):
             scaler = getattr(self.accelerator, "scaler", None)
             tree["scaler"] = scaler.state_dict() if scaler is not None else None
             tree["rng"] = rng
+        kind = "trainer-checkpoint"
+        pickle_ok = self.ckptstore_allow_pickle
+        best = self.state.best_model_checkpoint
+        if not self.ckptstore_async:
+            items = _items(model, optimizer, tree, kind, pickle_ok, _ct._to_numpy, _prepare_any)
+            self._ckptstore_publish(run_dir, name, final, state_text, model, items)
+            self._ckptstore_after_publish(run_dir, final, best)
+            return
+        # Non-blocking: copy every tensor into the reused snapshot buffers, then write,
+        # publish and rotate on a thread while training goes on.
+        self.ckptstore_wait()
+        from ..torch.manager import _Snapshot
+
+        if self._ckptstore_snapshot is None:
+            self._ckptstore_snapshot = _Snapshot()
+        snap = self._ckptstore_snapshot
+        snap.begin()
+        items = _items(model, optimizer, tree, kind, pickle_ok, snap.copy, snap.copy)
+        snap.end()
+
+        def work() -> None:
+            try:
+                self._ckptstore_publish(run_dir, name, final, state_text, model, items)
+                self._ckptstore_after_publish(run_dir, final, best)
+            except BaseException as e:  # noqa: BLE001 - raised by ckptstore_wait
+                self._ckptstore_error = e
+
+        self._ckptstore_thread = threading.Thread(target=work, name="ckptstore-hf-save")
+        self._ckptstore_thread.start()
+
+    def ckptstore_wait(self) -> None:
+        """Wait for the non-blocking save in flight (if any); raise its error."""
+        t = self._ckptstore_thread
+        if t is not None:
+            t.join()
+            self._ckptstore_thread = None
+        err, self._ckptstore_error = self._ckptstore_error, None
+        if err is not None:
+            raise err
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            out = super().train(*args, **kwargs)
+        except BaseException:
+            try:
+                self.ckptstore_wait()
+            except BaseException as e:  # noqa: BLE001 - the training error wins
+                logger.error("ckptstore: a background save failed too: %s", e)
+            raise
+        self.ckptstore_wait()
+        return out
+
+    def _ckptstore_after_publish(self, run_dir: str, final: str, best: Optional[str]) -> None:
+        _pause("hf-after-publish")
+        self._ckptstore_rotate(run_dir, final, best)
+
+    def _ckptstore_publish(
+        self, run_dir: str, name: str, final: str, state_text: str, model: Any, items: tuple
+    ) -> None:
+        config = getattr(model, "config", None)
         staging = os.path.join(run_dir, _STAGING + _side_name(name))
         os.mkdir(staging)
         try:
-            save_checkpoint(
-                staging,
-                model,
-                optimizer,
-                tree,
-                kind="trainer-checkpoint",
-                allow_pickle=self.ckptstore_allow_pickle,
-                max_shard_size=self.ckptstore_max_shard_size,
-            )
+            _save_items(staging, items, self.ckptstore_max_shard_size)
             _write_durable(os.path.join(staging, TRAINER_STATE_NAME), state_text.encode("utf-8"))
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(staging)
@@ -525,7 +593,7 @@ class Trainer(transformers.Trainer):
             raise
         logger.info("ckptstore: committed %s", final)
 
-    def _ckptstore_rotate(self, run_dir: str, current: str) -> None:
+    def _ckptstore_rotate(self, run_dir: str, current: str, best: Optional[str]) -> None:
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
@@ -533,8 +601,8 @@ class Trainer(transformers.Trainer):
         if len(cks) <= limit:
             return
         protected = {os.path.abspath(current)}
-        if self.state.best_model_checkpoint is not None:
-            protected.add(os.path.abspath(self.state.best_model_checkpoint))
+        if best is not None:
+            protected.add(os.path.abspath(best))
         keep = max(limit, len(protected))
         remaining = len(cks)
         for _, p in cks:

@@ -29,6 +29,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +144,47 @@ def test_a_stock_checkpoint_resumes_through_the_stock_code(ref, tmp_path):
     trainer.train(resume_from_checkpoint=True)
     assert_same(ref["dump"], tt.dump(trainer))
     assert hf.is_ckptstore_checkpoint(out / "checkpoint-8")
+
+
+def test_non_blocking_saves_store_the_state_of_their_step(ref, tmp_path, monkeypatch):
+    """ckptstore_async=True: each save snapshots into reused buffers and returns; the
+    checkpoints written while training goes on equal the blocking run's, tensor for tensor.
+    The write of checkpoint-4 is held until step 5 has changed every live tensor."""
+    gate = threading.Event()
+    write = hf._save_items
+
+    def held(path, items, max_shard_size):
+        assert gate.wait(EVENT_TIMEOUT), "step 5 never ended"
+        return write(path, items, max_shard_size)
+
+    class Release(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                assert not (out / "checkpoint-4").exists()  # still being written
+                gate.set()
+
+    monkeypatch.setattr(hf, "_save_items", held)
+    out = tmp_path / "run"
+    trainer = tt.make_trainer(str(out), 8, 4, ckptstore_async=True)
+    trainer.add_callback(Release())
+    trainer.train()  # waits for the last save
+    assert gate.is_set()
+    assert_same(ref["dump"], tt.dump(trainer))
+    snap = trainer._ckptstore_snapshot
+    for step in (4, 8):
+        with ckptstore.open(out / f"checkpoint-{step}") as a, ckptstore.open(
+            ref["out"] / f"checkpoint-{step}"
+        ) as b:
+            names = sorted(a.keys())
+            assert names == sorted(b.keys())
+            for n in names:
+                assert np.array_equal(np.asarray(a[n]), np.asarray(b[n])), (step, n)
+            ta, tb = (m.metadata["ckptstore.tree"]["tree"][hf.TREE_ROOT] for m in (a, b))
+            assert json.loads(ta.pop("args"))["output_dir"] == str(out)  # the one difference
+            tb.pop("args")
+            assert ta == tb
+    assert snap.allocations == len(names), "the second save allocated buffers again"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4", "checkpoint-8"]
 
 
 def test_rng_states_round_trip_exactly(tmp_path):
