@@ -103,6 +103,7 @@ import argparse
 import collections
 import ctypes
 import dataclasses
+import enum
 import errno
 import functools
 import logging
@@ -120,7 +121,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine as _DSCheckpointEngine,
 )
 
-from ..errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, CheckpointIOError, InvalidArgumentError
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
 
 _log = logging.getLogger(__name__)
@@ -219,11 +220,11 @@ def _decode(v: Any, where: str) -> Any:
         if kind == "namespace":
             return argparse.Namespace(**_decode(v["vars"], where))
         cls = _types()[v["class"]]
-        if kind == "enum":
+        if kind == "enum" and issubclass(cls, enum.Enum):
             return cls(v["value"])
-        if kind == "dataclass":
+        if kind == "dataclass" and dataclasses.is_dataclass(cls):
             return cls(**_decode(v["fields"], where))
-        if kind == "object":
+        if kind == "object" and not issubclass(cls, enum.Enum) and not dataclasses.is_dataclass(cls):
             obj = cls.__new__(cls)
             obj.__dict__.update(_decode(v["state"], where))
             return obj
@@ -464,13 +465,19 @@ class CheckpointEngine(_DSCheckpointEngine):
         if dist is not None:
             dist.barrier()  # every rank's files are committed into the staging directory
         if _global_rank() == 0:
-            if os.path.isdir(p.staging):
-                _fsync_dir(p.staging)
-                _seam("publish")
-                _publish(p.staging, p.tag_dir)
-                _seam("latest")
-            if write_latest:
-                _write_latest(p.save_dir, p.tag)
+            try:
+                if os.path.isdir(p.staging):
+                    _fsync_dir(p.staging)
+                    _seam("publish")
+                    _publish(p.staging, p.tag_dir)
+                    _seam("latest")
+                if write_latest:
+                    _write_latest(p.save_dir, p.tag)
+            except OSError as e:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointIOError(
+                    f"{p.tag_dir}: publishing tag {p.tag!r} (then `latest`) failed: {e}") from e
         if dist is not None:
             dist.barrier()
 

@@ -456,3 +456,23 @@ def test_malformed_stored_deepspeed_value_is_refused_naming_the_file(tmp_path, m
     save_tree(path, {"x": torch.ones(2), "bad": marker})  # as a hostile writer would
     with pytest.raises(InvalidArgumentError, match=MODEL_FILE):
         ckds.CheckpointEngine().load(str(path))
+
+
+def test_publish_failure_is_a_ckptstore_error_and_latest_stays(tmp_path, monkeypatch):
+    from ckptstore.errors import CheckpointIOError
+
+    ce = ckds.CheckpointEngine()
+    _save_tag(ce, tmp_path, "a", {MODEL_FILE: {"x": torch.ones(2)}})
+
+    def failing_rename(src, dst):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(ckds, "_publish", failing_rename)
+    info = _info(tmp_path, "b")
+    ce.create(info)
+    ce.save(state_dict={"x": torch.zeros(2)}, path=str(tmp_path / "b" / MODEL_FILE))
+    with pytest.raises(CheckpointIOError, match=r"publishing tag 'b'.*injected") as e:
+        ce.commit(info)
+    assert str(tmp_path / "b") in str(e.value)
+    assert not (tmp_path / "b").exists()
+    assert (tmp_path / "latest").read_text() == "a"
