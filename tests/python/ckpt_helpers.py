@@ -178,3 +178,16 @@ def assert_bit_equal(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
     assert bits(got) == bits(want), f"{what}: bytes differ"
     if want.dtype.kind in "biu":  # and plainly equal, for readable failures
         assert np.array_equal(got, want), what
+
+
+def stored_tensor(ckpt_dir: Path, prefix: str) -> tuple[Path, str, int]:
+    """``(shard file, stored name, absolute offset of its first data byte)`` of the first
+    stored tensor whose name starts with ``prefix``, found in the shard headers: a chunk of
+    a multi-rank checkpoint is stored under its own name (``w@0,0~r0``), which the reader's
+    catalog does not list (it lists the global tensor ``w``)."""
+    for shard in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        n, header, _ = shard_header(shard)
+        for name, entry in header.items():
+            if name != "__metadata__" and name.startswith(prefix):
+                return shard, name, 8 + n + entry["data_offsets"][0]
+    raise AssertionError(f"no stored tensor starting with {prefix!r} in {ckpt_dir}")

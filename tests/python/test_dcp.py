@@ -6,10 +6,8 @@ Every comparison is bit for bit against the global tensors the test built.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import time
 from pathlib import Path
 
@@ -263,24 +261,20 @@ def test_checkpoint_is_a_ckptstore_checkpoint(saved, ckpt, tmp_path):
     assert torch.equal(merged["c"], global_tensor("c"))  # BF16, replicated on the save
 
 
-def _flip_in(path: Path, tensor: str) -> None:
-    """Flip one data byte of ``tensor`` in its shard file."""
-    ck = ckptstore.open(path)
-    f = path / ck.info(tensor)["file"]
-    ck.close()
-    raw = bytearray(f.read_bytes())
-    (hlen,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + hlen])
-    start, _ = header[tensor]["data_offsets"]
-    raw[8 + hlen + start] ^= 0x40
-    f.write_bytes(bytes(raw))
+def _flip_in(path: Path, prefix: str) -> str:
+    """Flip one data byte of the first stored tensor named ``prefix...`` (a chunk) in its
+    shard file; return its stored name."""
+    import ckpt_helpers as h
+
+    f, name, start = h.stored_tensor(path, prefix)
+    h.flip_byte(f, start, 0x40)
+    return name
 
 
 def test_flipped_byte_fails_naming_the_tensor_and_changes_nothing(saved, tmp_path):
     path = tmp_path / "ck"
     shutil.copytree(saved / "ours-2", path)
-    victim = next(n for n in ckptstore.open(path).keys() if n.startswith("b@"))
-    _flip_in(path, victim)
+    victim = _flip_in(path, "b@")
     res = dh.results(2, job_flipped, str(path))
     errs = [e for e, _ in res]
     assert all(e is not None for e in errs), errs

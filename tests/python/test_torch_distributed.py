@@ -7,10 +7,8 @@ damaged checkpoint refused with the model and optimizer untouched.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -177,15 +175,10 @@ def saved(tmp_path_factory):
 
 def _damaged_copy(src: Path, dst: Path) -> str:
     shutil.copytree(src, dst)
-    ck = ckptstore.open(dst)
-    victim = next(n for n in ck.keys() if n.startswith("model.l1.weight@"))
-    f = dst / ck.info(victim)["file"]
-    ck.close()
-    raw = bytearray(f.read_bytes())
-    (hlen,) = struct.unpack("<Q", raw[:8])
-    start, _ = json.loads(raw[8 : 8 + hlen])[victim]["data_offsets"]
-    raw[8 + hlen + start + 5] ^= 0x01
-    f.write_bytes(bytes(raw))
+    import ckpt_helpers as h
+
+    f, victim, start = h.stored_tensor(dst, "model.l1.weight@")
+    h.flip_byte(f, start + 5, 0x01)
     return victim
 
 
