@@ -81,9 +81,18 @@ class Tokens(torch.utils.data.Dataset):
 def timed(cls, fsync: bool):
     class Timed(cls):
         save_times: list = []
+        snapshot_times: list = []
 
         def _save_checkpoint(self, model, trial):
             t0 = time.perf_counter()
+            if getattr(self, "ckptstore_async", False):
+                self.ckptstore_wait()  # the previous save (blocking the step too)
+                t1 = time.perf_counter()
+                super()._save_checkpoint(model, trial)
+                t2 = time.perf_counter()
+                self.snapshot_times.append(t2 - t1)
+                self.save_times.append(t2 - t0)
+                return
             super()._save_checkpoint(model, trial)
             if fsync:
                 d = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
@@ -95,7 +104,9 @@ def timed(cls, fsync: bool):
 
 
 def trainer_for(way: str, out: str, max_steps: int, save_steps: int, small: bool, **kw):
-    cls = {"stock": transformers.Trainer, "stock+fsync": transformers.Trainer, "ckptstore": CkTrainer}[way]
+    cls = {"stock": transformers.Trainer, "stock+fsync": transformers.Trainer, "ckptstore": CkTrainer,
+           "ckptstore-async": CkTrainer}[way]
+    extra = {"ckptstore_async": True} if way == "ckptstore-async" else {}
     model = make_model(small)
     args = transformers.TrainingArguments(
         output_dir=out, max_steps=max_steps, save_steps=save_steps, save_strategy="steps",
@@ -103,7 +114,7 @@ def trainer_for(way: str, out: str, max_steps: int, save_steps: int, small: bool
         seed=0, data_seed=0, dataloader_num_workers=0, report_to="none", logging_strategy="no",
         disable_tqdm=True, **kw)
     return timed(cls, way == "stock+fsync")(model=model, args=args,
-                                            train_dataset=Tokens(model.config.vocab_size))
+                                            train_dataset=Tokens(model.config.vocab_size), **extra)
 
 
 def state_bytes(trainer) -> int:
@@ -153,7 +164,9 @@ def main() -> None:
         return child(a.child[0], a.child[1], a.small)
 
     root = a.dir or tempfile.mkdtemp(prefix="bench_hf_")
-    ways = ["stock", "stock+fsync", "ckptstore"]
+    ways = ["stock", "stock+fsync", "ckptstore", "ckptstore-async"]
+    snapshot = {}
+    memcpy = None
     blocked = {}
     last = {}
     nbytes = 0
@@ -164,10 +177,24 @@ def main() -> None:
         tr.train()
         nbytes = state_bytes(tr)
         blocked[way] = statistics.median(tr.save_times)
+        if tr.snapshot_times:
+            snapshot[way] = statistics.median(tr.snapshot_times)
+        if memcpy is None:  # the state copied once into existing buffers, best of 3
+            src = list(tr.model.state_dict().values()) + [
+                t for st in tr.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+            dst = [torch.empty_like(t) for t in src]
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for d, x in zip(dst, src):
+                    d.copy_(x)
+                best = min(best, time.perf_counter() - t0)
+            memcpy = best
+            del src, dst
         last[way] = os.path.join(out, f"checkpoint-{a.saves}")
         print(f"save {way}: blocked {[round(t, 3) for t in tr.save_times]} s", flush=True)
         del tr
-    for way in ways:
+    for way in ways[:3]:
         last.setdefault(way, os.path.join(root, way.replace("+", "_"), f"checkpoint-{a.saves}"))
     size = f"{nbytes / 2**30:.3f} GiB" if nbytes else "(from the earlier run)"
     print(f"model + AdamW state: {size}; {os.cpu_count()} CPUs; torch "
@@ -199,9 +226,15 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     b = blocked
     if b:
-        print(f"| step blocked by a save (median) s | {b['stock']:.3f} | {b['stock+fsync']:.3f} | "
-              f"{b['ckptstore']:.3f} | {b['stock'] / b['ckptstore']:.2f} | "
-              f"{b['stock+fsync'] / b['ckptstore']:.2f} |")
+        for way in ("ckptstore", "ckptstore-async"):
+            print(f"| step blocked by a save (median), {way} s | {b['stock']:.3f} | "
+                  f"{b['stock+fsync']:.3f} | {b[way]:.3f} | {b['stock'] / b[way]:.2f} | "
+                  f"{b['stock+fsync'] / b[way]:.2f} |")
+        if "ckptstore-async" in snapshot:
+            print(f"\nnon-blocking: snapshot (median) {snapshot['ckptstore-async']:.3f} s; with the wait "
+                  f"for the previous save {b['ckptstore-async']:.3f} s; one copy of the state into "
+                  f"existing buffers {memcpy:.3f} s: snapshot / copy = "
+                  f"{snapshot['ckptstore-async'] / memcpy:.2f}")
     for cache in ("cold", "hot"):
         for key, label in (("spawn_to_step_s", "spawn to first resumed step"),
                            ("train_to_step_s", "train() to first resumed step"),
