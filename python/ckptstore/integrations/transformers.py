@@ -45,6 +45,14 @@ written and ``state.best_model_checkpoint`` are never removed. A removed checkpo
 renamed out of the ``checkpoint-N`` namespace and then deleted, so a crash during removal
 leaves no half-deleted ``checkpoint-N`` behind.
 
+Non-blocking saves (``ckptstore_async=True``): ``_save_checkpoint`` copies every tensor
+(model, optimizer state, RNG) into snapshot buffers that the next save reuses (no
+allocation after the first), captures the JSON values, and returns; a thread writes,
+commits, publishes and rotates while training goes on. One save is in flight at a time (the
+next save waits for it first), its error is raised by the next save, by the end of
+``train`` (which waits for it) or by :meth:`Trainer.ckptstore_wait`. ``on_save`` callbacks
+then run before ``checkpoint-N`` is published; ``push_to_hub`` waits for it.
+
 ``save_model`` (the final model) is the stock ``save_pretrained``: ``from_pretrained`` loads
 it. ``load_best_model_at_end`` reads the best checkpoint with :func:`ckptstore.torch.load`.
 
@@ -386,7 +394,8 @@ class Trainer(transformers.Trainer):
 
     * ``ckptstore_allow_pickle`` (default ``False``): store (and load) values that only
       pickle can store; see the module docs for what that trusts;
-    * ``ckptstore_max_shard_size``: most tensor bytes per shard (default: the engine's).
+    * ``ckptstore_max_shard_size``: most tensor bytes per shard (default: the engine's);
+    * ``ckptstore_async`` (default ``False``): non-blocking saves (module docs).
     """
 
     def __init__(
