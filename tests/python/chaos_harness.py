@@ -526,7 +526,7 @@ def run(spec: RunSpec, server: Server, work: Path, base: Baseline, life_s: float
     the kill budget is spent, is not told to die). Any failure is a ``ChaosFailure`` naming
     the mode, seed, life and kill (an error of a check, e.g. a ``ckptstore.ChecksumError``
     of a committed step, is wrapped in one)."""
-    ctx = {"where": f"mode {spec.mode}, seed {spec.seed}, kills {spec.kills}"}
+    ctx = {"where": f"mode {spec.mode}, seed {spec.seed}, kills {spec.kills}, timer {spec.timer}"}
     try:
         return _lives(spec, server, work, base, life_s, verbose, ctx)
     except ChaosFailure:
@@ -559,7 +559,7 @@ def _lives(
     life = 0
     while True:
         life += 1
-        where = f"mode {spec.mode}, seed {spec.seed}, kills {spec.kills}, life {life}"
+        where = f"mode {spec.mode}, seed {spec.seed}, kills {spec.kills}, timer {spec.timer}, life {life}"
         ctx["where"] = where
         if life > spec.kills + 50:
             raise ChaosFailure(f"{where}: no end after {life - 1} lives")

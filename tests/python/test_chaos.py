@@ -98,6 +98,24 @@ def test_checks_catch_a_wrong_state_a_flipped_bit_and_leftovers(chaos, tmp_path)
     assert ch.root_leftovers(root, [3, 6])[-1] == f"{root / 'step-00000006'} (missing)"
 
 
+def test_manager_seam_is_inert_unset_and_refuses_a_malformed_spec(monkeypatch, tmp_path):
+    from ckptstore.torch import manager as m
+
+    monkeypatch.delenv("CKPTSTORE_CHAOS_KILL", raising=False)
+    ct.CheckpointManager(tmp_path / "a")
+    assert m._chaos is None
+    for bad in ("snapshot", "snapshot:0", "snapshot:x", "write:-1"):
+        monkeypatch.setenv("CKPTSTORE_CHAOS_KILL", bad)
+        with pytest.raises(ckptstore.InvalidArgumentError, match="CKPTSTORE_CHAOS_KILL"):
+            ct.CheckpointManager(tmp_path / "b")
+    monkeypatch.setenv("CKPTSTORE_CHAOS_KILL", "restore:1000")
+    ct.CheckpointManager(tmp_path / "c")
+    assert m._chaos == ["restore", 1000]
+    monkeypatch.delenv("CKPTSTORE_CHAOS_KILL")
+    ct.CheckpointManager(tmp_path / "d")  # each manager re-reads the variable
+    assert m._chaos is None
+
+
 # ---- every named point, with its known outcome ------------------------------------------------
 
 

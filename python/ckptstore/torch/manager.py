@@ -57,7 +57,9 @@ def _chaos_arm() -> None:
         _chaos = None
         return
     point, _, n = spec.partition(":")
-    _chaos = [point, int(n or 1)]
+    if not n.isdigit() or int(n) < 1:
+        raise InvalidArgumentError(f"CKPTSTORE_CHAOS_KILL={spec!r}: expected point:n, n >= 1")
+    _chaos = [point, int(n)]
 
 
 def _chaos_hit(point: str) -> None:
