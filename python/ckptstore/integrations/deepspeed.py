@@ -1,4 +1,4 @@
-"""DeepSpeed's checkpoint engine on ckptstore (tested with DeepSpeed 0.19.8, ZeRO stages 0-2).
+"""DeepSpeed's checkpoint engine on ckptstore (tested with DeepSpeed 0.19.8, ZeRO stages 0-2, CPU).
 
 ::
 
@@ -88,9 +88,10 @@ its background writer), ``publish`` (every file written, before the rename) or `
 lookup.
 
 Not covered: ZeRO-3 and NVMe offload are untested (NVMe offload copies its swap files into
-the tag directory with ``shutil.copytree``, bypassing the engine). More than one process is
-implemented (a shared file system is assumed: every rank writes its files into the one
-staging directory, barriers around rank 0's publish) but only one process is tested.
+the tag directory with ``shutil.copytree``, bypassing the engine). Several processes: a
+shared file system is assumed (every rank writes its files into the one staging directory,
+barriers around rank 0's publish); tested with two (ZeRO-1). Node-local storage is not
+supported.
 ``save_16bit_model`` goes through the engine too: its ``pytorch_model.bin`` becomes a
 ckptstore checkpoint directory of that name (committed on its own), not a file
 ``from_pretrained`` reads. The ``zero_to_fp32.py`` script DeepSpeed copies into

@@ -1,8 +1,8 @@
 """One DeepSpeed training process for tests/python/integrations/test_deepspeed.py.
 
-Single CPU process (DS_ACCELERATOR=cpu, gloo, RANK=0, WORLD_SIZE=1, a free loopback port
-given by the test), a small MLP built here, AdamW (torch_adam), WarmupLR, ZeRO stage given.
-The data of step ``i`` is drawn from a generator seeded with ``i`` (the engine's
+One CPU process of ``--world`` (default 1; DS_ACCELERATOR=cpu, ``--rank``, a free loopback
+port given by the test), a small MLP built here, AdamW (torch_adam), WarmupLR, ZeRO stage given.
+The data of step ``i`` on rank ``r`` is drawn from a generator seeded with ``i`` and ``r`` (the engine's
 ``global_steps``), so a resumed run sees the same batches as an uninterrupted one.
 
 Modes (``--mode``), each writing a ``torch.save`` report to ``--out``:
@@ -31,9 +31,9 @@ import traceback
 MODEL_IN, HIDDEN, OUT = 8, 16, 4
 
 
-def _env(port: int) -> None:
+def _env(port: int, rank: int, world: int) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
 
 
 def build(stage: int, non_blocking: bool = False):
@@ -72,9 +72,10 @@ def build(stage: int, non_blocking: bool = False):
 def step(engine, seed_offset: int = 0) -> None:
     import torch
 
-    g = torch.Generator().manual_seed(seed_offset + int(engine.global_steps))
-    x = torch.randn(4, MODEL_IN, generator=g)
-    y = torch.randn(4, OUT, generator=g)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    g = torch.Generator().manual_seed(seed_offset + 100000 * rank + int(engine.global_steps))
+    x = torch.randn(4 // world, MODEL_IN, generator=g)
+    y = torch.randn(4 // world, OUT, generator=g)
     loss = (engine(x) - y).pow(2).mean()
     engine.backward(loss)
     engine.step()
@@ -118,12 +119,14 @@ def main() -> int:
     ap.add_argument("--dir", action="append", default=[])
     ap.add_argument("--out", required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--more", type=int, default=3)
     ap.add_argument("--kill-at", default="")
     ap.add_argument("--non-blocking", action="store_true")
     args = ap.parse_args()
-    _env(args.port)
+    _env(args.port, args.rank, args.world)
     import torch
 
     from ckptstore.integrations import deepspeed as ckds

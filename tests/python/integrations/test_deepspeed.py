@@ -75,6 +75,34 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
     return torch.load(out, weights_only=False)
 
 
+def run_ranks(mode: str, out: Path, world: int, *, stage: int, dirs) -> list:
+    """``world`` worker processes of one job (one port), started together; their reports."""
+    env = dict(os.environ)
+    env.pop(ckds.KILL_ENV, None)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["DS_ACCELERATOR"] = "cpu"
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, str(WORKER), "--mode", mode, "--stage", str(stage),
+               "--out", f"{out}.rank{r}", "--port", str(port), "--rank", str(r), "--world", str(world),
+               "--steps", str(STEPS), "--more", str(MORE)] + [a for d in dirs for a in ("--dir", str(d))]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:  # a rank that failed leaves its peers in a collective: end them
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        tail = "\n".join(log.splitlines()[-30:])
+        assert p.returncode == 0, f"{mode} rank {r}: exit {p.returncode}\n{tail}"
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(world)]
+
+
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit: dtype, shape and bytes."""
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -207,6 +235,24 @@ def test_each_file_is_a_committed_checkpoint_cli_opens_it(work, ckpt):
         r = ckpt("inspect", path, expect=0)
         assert tensor in r.stdout, r.stdout
         assert "ckptstore.tree" in r.stdout  # the JSON part (ds_config, ds_version, ...)
+
+
+def test_two_ranks_zero1_each_writes_its_partition_resume_bit_identical(work):
+    # Two processes of one job: each rank writes its own ZeRO file into the one staging
+    # directory, rank 0 publishes after a barrier; each rank's resume reads (and checks)
+    # the model file and its own partition only.
+    d = work / "two_ranks"
+    train = run_ranks("train_save", work / "two_train.pt", 2, stage=1, dirs=[d])
+    assert (d / "latest").read_text() == TAG
+    assert sorted(os.listdir(d / TAG)) == [MODEL_FILE, ZERO_FILE, "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    resume = run_ranks("resume", work / "two_resume.pt", 2, stage=1, dirs=[d])
+    for r in range(2):
+        assert_same_state(resume[r]["loaded"], train[r]["at_save"], f"rank {r} loaded vs saved")
+        assert_same_state(resume[r]["final"], train[r]["final"], f"rank {r} resumed vs uninterrupted")
+        assert resume[r]["stray_present"] is False
+    # The two ranks held different partitions (so each really read its own file).
+    part = "optimizer/single_partition_of_fp32_groups/0"
+    assert not same_tensor(train[0]["at_save"]["tensors"][part], train[1]["at_save"]["tensors"][part])
 
 
 # ---- SIGKILL during a save -------------------------------------------------------------------
