@@ -768,7 +768,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             life = chaos.life_s[(m, RunSpec.steps)]
             print(f"# {m}: an uninterrupted life takes {life:.2f} s (timer kills within it)", flush=True)
         i = 0
-        while total.kills < a.kills and (t_end is None or time.monotonic() < t_end):
+        # (runs that end before their kills, e.g. a kill not reached, count no kill: the
+        # number of runs is bounded as well)
+        while total.kills < a.kills and i < 2 * a.kills + len(modes) and (t_end is None or time.monotonic() < t_end):
+            if a.only_seed is not None and i >= len(modes):
+                break  # one run of that seed per mode
             m = modes[i % len(modes)]
             s = a.only_seed if a.only_seed is not None else seed + i
             i += 1
@@ -777,13 +781,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 st = chaos.run(spec, a.verbose)
             except ChaosFailure as e:
                 failures += 1
-                print(f"FAIL seed {s} mode {m}: {e}", flush=True)
+                print(f"FAIL seed {s} mode {m} kills {spec.kills}: {e}", flush=True)
                 continue
             total.add(st)
             per_mode[m].add(st)
             print(f"seed {s} mode {m} kills {spec.kills}: {st.line()}", flush=True)
-            if a.only_seed is not None and i >= len(modes):
-                break
     finally:
         chaos.close()
         if s3proc is not None:
