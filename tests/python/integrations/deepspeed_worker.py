@@ -14,8 +14,9 @@ Modes (``--mode``), each writing a ``torch.save`` report to ``--out``:
   one entry per flat partition, an injected extra state entry), then ``load_checkpoint`` (the tag ``latest`` names),
   snapshot (``loaded``, with what the live optimizer holds), train ``--more``, snapshot
   (``final``).
-* ``kill``: train, save tag A, snapshot (``at_save``, written out at once), train one more
-  step, arm the kill seam at ``--kill-at`` and save again: the process SIGKILLs itself.
+* ``kill``: train, save tag A (waited for when ``--non-blocking``), snapshot (``at_save``,
+  written out at once), train one more step, arm the kill seam at ``--kill-at`` and save
+  again: the process SIGKILLs itself (non-blocking: on the publishing thread).
 * ``load_only``: ``load_checkpoint`` each ``--dir`` in turn; snapshot each and its ``latest``.
 * ``corrupt``: train ``--steps`` on other data, snapshot (``before``), ``load_checkpoint``
   each ``--dir`` (expected to fail), recording the exception and a snapshot after each.
@@ -173,10 +174,12 @@ def main() -> int:
             step(engine)
         engine.save_checkpoint(args.dir[0])
         report["at_save"] = snapshot(engine)
+        engine.checkpoint_engine.wait()  # tag A published before the seam is armed
         torch.save(report, args.out)
         step(engine)
         os.environ[ckds.KILL_ENV] = args.kill_at
         engine.save_checkpoint(args.dir[0])
+        engine.checkpoint_engine.wait()  # non-blocking: the publish (and its seams) runs on a thread
         print("NOT KILLED", file=sys.stderr)
         return 3
     elif args.mode == "load_only":

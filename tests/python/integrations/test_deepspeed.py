@@ -258,6 +258,10 @@ def test_two_ranks_zero1_each_writes_its_partition_resume_bit_identical(work):
 # ---- SIGKILL during a save -------------------------------------------------------------------
 
 KILL_POINTS = ["save", "publish", "latest"]
+#: The kill runs: each seam with a blocking save, and ``publish`` reached on the background
+#: thread of a non-blocking save.
+KILL_RUNS = [(p, False) for p in KILL_POINTS] + [("publish", True)]
+KILL_IDS = [p + ("-nonblocking" if nb else "") for p, nb in KILL_RUNS]
 
 
 @pytest.fixture(scope="module")
@@ -266,22 +270,23 @@ def killed(work):
     the killed process's report, and one fresh process's load of every dir."""
     assert tuple(KILL_POINTS) == ckds.KILL_POINTS
     dirs, reports = {}, {}
-    for point in KILL_POINTS:
-        d = work / f"killed_{point}"
-        reports[point] = run_worker("kill", work / f"kill_{point}.pt", dirs=[d], kill_at=point,
-                                    expect_rc=-signal.SIGKILL)
-        dirs[point] = d
+    for (point, nb), run in zip(KILL_RUNS, KILL_IDS):
+        d = work / f"killed_{run}"
+        reports[run] = run_worker("kill", work / f"kill_{run}.pt", dirs=[d], kill_at=point,
+                                  expect_rc=-signal.SIGKILL, non_blocking=nb)
+        dirs[run] = d
     # What is on disk right after the kill, before anything else touches it.
     listing = {p: (sorted(os.listdir(d)), (d / "latest").read_text()) for p, d in dirs.items()}
     loads = run_worker("load_only", work / "killed_load.pt", dirs=list(dirs.values()))
     return dirs, reports, listing, {load["dir"]: load for load in loads["loads"]}
 
 
-@pytest.mark.parametrize("point", KILL_POINTS)
-def test_sigkill_during_save_previous_tag_resumes(killed, point):
+@pytest.mark.parametrize("run", KILL_IDS)
+def test_sigkill_during_save_previous_tag_resumes(killed, run):
     dirs, reports, listing, loads = killed
-    d = dirs[point]
-    names, latest = listing[point]
+    point = run.split("-")[0]
+    d = dirs[run]
+    names, latest = listing[run]
     assert latest == TAG  # `latest` did not move
     new_tag = f"global_step{STEPS + 1}"
     if point == "latest":
@@ -293,7 +298,7 @@ def test_sigkill_during_save_previous_tag_resumes(killed, point):
     load = loads[str(d)]
     assert load["latest"] == TAG
     assert load["path"] == str(d / TAG / MODEL_FILE)
-    assert_same_state(load["state"], reports[point]["at_save"], f"killed at {point}")
+    assert_same_state(load["state"], reports[run]["at_save"], f"killed at {run}")
 
 
 # ---- one flipped byte --------------------------------------------------------------------------
