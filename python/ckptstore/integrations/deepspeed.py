@@ -395,6 +395,13 @@ class CheckpointEngine(_DSCheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo) -> None:
         self.wait()  # a tag still being written in the background comes first
+        stale, self._pending = self._pending, None
+        if stale is not None:  # a save that failed before its commit: let its writers end
+            for h in stale.handles:
+                try:
+                    h.wait()
+                except BaseException:  # noqa: BLE001 - that save failed already
+                    pass
         tag_dir = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
         staging = _sibling(tag_dir, _STAGING)
         if _global_rank() == 0:  # leftovers of killed saves: ours by their names

@@ -527,3 +527,21 @@ def test_publish_failure_is_a_ckptstore_error_and_latest_stays(tmp_path, monkeyp
     assert str(tmp_path / "b") in str(e.value)
     assert not (tmp_path / "b").exists()
     assert (tmp_path / "latest").read_text() == "a"
+
+
+def test_non_blocking_save_that_fails_midway_leaves_the_next_save_clean(tmp_path):
+    ce = ckds.CheckpointEngine(non_blocking=True)
+    ce._save_latest = True
+    _save_tag(ce, tmp_path, "a", {MODEL_FILE: {"x": torch.ones(2)}})
+    ce.wait()
+    info = _info(tmp_path, "b", save_latest=False)
+    ce.create(info)
+    ce.save(state_dict={"x": torch.zeros(1 << 16)}, path=str(tmp_path / "b" / MODEL_FILE))  # in flight
+    with pytest.raises(PickleNotAllowedError):
+        ce.save(state_dict={"obj": fractions.Fraction(1, 2)}, path=str(tmp_path / "b" / ZERO_FILE))
+    # DeepSpeed never commits "b"; the next save waits for b's writer, then clears its staging.
+    _save_tag(ce, tmp_path, "c", {MODEL_FILE: {"x": torch.full((2,), 3.0)}})
+    ce.wait()
+    assert sorted(os.listdir(tmp_path)) == ["a", "c", "latest"]
+    assert (tmp_path / "latest").read_text() == "c"
+    assert same_tensor(ce.load(str(tmp_path / "c" / MODEL_FILE))["x"], torch.full((2,), 3.0))
