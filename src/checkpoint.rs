@@ -1207,7 +1207,12 @@ impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if `dst` is not exactly the
     /// tensor's byte length.
-    pub fn copy_tensor_into(&self, name: &str, dst: &mut [u8], release: bool) -> Result<()> {
+    pub fn copy_tensor_into_unchecked(
+        &self,
+        name: &str,
+        dst: &mut [u8],
+        release: bool,
+    ) -> Result<()> {
         let t = self.info(name)?;
         let src = self.view(t).bytes();
         if src.len() != dst.len() {
@@ -1222,6 +1227,16 @@ impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
             self.release_tensor(t);
         }
         Ok(())
+    }
+
+    /// [`Checkpoint::copy_tensor_into_unchecked`] (the old name, which did not say that the
+    /// CRC is not checked).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::copy_tensor_into_unchecked`].
+    #[deprecated(note = "renamed copy_tensor_into_unchecked: it does not check the CRC")]
+    pub fn copy_tensor_into(&self, name: &str, dst: &mut [u8], release: bool) -> Result<()> {
+        self.copy_tensor_into_unchecked(name, dst, release)
     }
 }
 

@@ -132,7 +132,7 @@ fn tensors_of_many_blocks_fill_copy_and_verify_exactly() {
             .copied()
             .zip(b.iter_mut().map(Vec::as_mut_slice))
             .collect();
-        ck.copy_into_releasing(pairs, release).unwrap();
+        ck.copy_into_unchecked(pairs, release).unwrap();
         assert!(b == want);
     }
 }
@@ -156,14 +156,14 @@ fn ranges_of_large_tensors_copy_exactly_and_are_checked_before_any_write() {
         .enumerate()
         .map(|(i, d)| (t.name.as_str(), (i * piece) as u64, d))
         .collect();
-    ck.copy_ranges_into(items).unwrap();
+    ck.copy_ranges_into_unchecked(items).unwrap();
     assert!(got == want);
 
     // One range past the end: refused, and the valid one beside it is not written.
     let mut a = [0u8; 16];
     let mut b = [0u8; 16];
     let e = ck
-        .copy_ranges_into(vec![
+        .copy_ranges_into_unchecked(vec![
             (t.name.as_str(), 0, &mut a[..]),
             (t.name.as_str(), want.len() as u64 - 8, &mut b[..]),
         ])
@@ -171,11 +171,11 @@ fn ranges_of_large_tensors_copy_exactly_and_are_checked_before_any_write() {
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(a.iter().all(|&x| x == 0));
     let e = ck
-        .copy_ranges_into(vec![("no such tensor", 0, &mut a[..])])
+        .copy_ranges_into_unchecked(vec![("no such tensor", 0, &mut a[..])])
         .unwrap_err();
     assert!(matches!(e, Error::TensorNotFound { .. }), "{e}");
     let e = ck
-        .copy_ranges_into(vec![(t.name.as_str(), u64::MAX, &mut a[..])])
+        .copy_ranges_into_unchecked(vec![(t.name.as_str(), u64::MAX, &mut a[..])])
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }

@@ -187,9 +187,18 @@ class Checkpoint:
     ) -> None:
         """One parallel pass: copy each named tensor into its ``uint8`` destination with its
         CRC32 checked on the way, and check the CRC32 of the ``verify`` tensors."""
-    def copy_ranges_into(self, items: Sequence[tuple[str, int, np.ndarray]]) -> None:
+    def copy_into_unchecked(
+        self, pairs: Sequence[tuple[str, np.ndarray]], *, release: bool = False
+    ) -> None:
+        """Copy each named tensor's stored bytes into its ``uint8`` destination of exactly
+        its byte length (no CRC check: ``verify_tensors`` / ``fill_and_verify`` first)."""
+    def copy_ranges_into_unchecked(self, items: Sequence[tuple[str, int, np.ndarray]]) -> None:
         """For each ``(name, offset, dst)``, copy the tensor's stored bytes ``[offset,
         offset + len(dst))`` into the ``uint8`` array ``dst`` (no CRC check: verify first)."""
+    def copy_into(self, pairs: Sequence[tuple[str, np.ndarray]], *, release: bool = False) -> None:
+        """The old name of :meth:`copy_into_unchecked`."""
+    def copy_ranges_into(self, items: Sequence[tuple[str, int, np.ndarray]]) -> None:
+        """The old name of :meth:`copy_ranges_into_unchecked`."""
     def optimizer_plan(self) -> Optional[dict[str, Any]]:
         """The optimizer section, checked, without reading any state (None without one)."""
     def close(self) -> None:

@@ -526,14 +526,14 @@ impl PyCheckpoint {
         Ok(())
     }
 
-    /// `ck.copy_into(pairs, *, release=False)`: copy each named tensor's stored bytes into
+    /// `ck.copy_into_unchecked(pairs, *, release=False)`: copy each named tensor's stored bytes into
     /// its destination, a writable C-contiguous 1-D `uint8` array of exactly the tensor's
     /// byte length (a view of the destination tensor's memory); interpreter released. The
     /// CRC is not checked here (`verify_tensors` or `fill_and_verify` first). Every name
     /// and length is checked before any byte is written. Parallel across tensors and within
     /// large ones; with `release=True` mapped pages leave the process block by block.
     #[pyo3(signature = (pairs, *, release = false))]
-    fn copy_into(
+    fn copy_into_unchecked(
         &self,
         py: Python<'_>,
         pairs: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
@@ -559,19 +559,19 @@ impl PyCheckpoint {
         py.detach(move || {
             let pairs: Vec<(&str, &mut [u8])> =
                 names.iter().map(String::as_str).zip(dsts).collect();
-            ck.copy_into_releasing(pairs, release)
+            ck.copy_into_unchecked(pairs, release)
         })
         .map_err(CkError)?;
         Ok(())
     }
 
-    /// `ck.copy_ranges_into(items)`: for each `(name, offset, dst)`, copy the tensor's
+    /// `ck.copy_ranges_into_unchecked(items)`: for each `(name, offset, dst)`, copy the tensor's
     /// stored bytes `[offset, offset + len(dst))` into `dst` (a writable C-contiguous 1-D
     /// `uint8` array); interpreter released, parallel. No CRC check here (`verify_tensors`
     /// or `fill_and_verify` first): for staging a large tensor in pieces. Every name and
     /// range is checked before any byte is written; raises `InvalidArgumentError` for a
     /// range outside its tensor.
-    fn copy_ranges_into(
+    fn copy_ranges_into_unchecked(
         &self,
         py: Python<'_>,
         items: Vec<(String, u64, numpy::PyReadwriteArray1<'_, u8>)>,
@@ -594,10 +594,30 @@ impl PyCheckpoint {
                 .zip(dsts)
                 .map(|((n, o), d)| (n, o, d))
                 .collect();
-            ck.copy_ranges_into(items)
+            ck.copy_ranges_into_unchecked(items)
         })
         .map_err(CkError)?;
         Ok(())
+    }
+
+    /// `ck.copy_into(pairs, *, release=False)`: the old name of `copy_into_unchecked`.
+    #[pyo3(signature = (pairs, *, release = false))]
+    fn copy_into(
+        &self,
+        py: Python<'_>,
+        pairs: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
+        release: bool,
+    ) -> PyResult<()> {
+        self.copy_into_unchecked(py, pairs, release)
+    }
+
+    /// `ck.copy_ranges_into(items)`: the old name of `copy_ranges_into_unchecked`.
+    fn copy_ranges_into(
+        &self,
+        py: Python<'_>,
+        items: Vec<(String, u64, numpy::PyReadwriteArray1<'_, u8>)>,
+    ) -> PyResult<()> {
+        self.copy_ranges_into_unchecked(py, items)
     }
 
     /// `ck.fill_and_verify(fills, verify=(), *, release=False)`: in one parallel pass

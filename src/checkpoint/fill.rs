@@ -51,7 +51,7 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
     /// written. On a checksum error the destinations hold unspecified bytes: fill fresh
     /// memory and throw it away on error, and check the tensors whose destination must not
     /// change on failure through `verify` (copy them afterwards, with
-    /// [`Checkpoint::copy_tensor_into`]).
+    /// [`Checkpoint::copy_tensor_into_unchecked`]).
     ///
     /// # Errors
     /// [`Error::TensorNotFound`] for an unknown name; [`Error::InvalidArgument`] for a
@@ -110,7 +110,7 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if a destination is not
     /// exactly its tensor's byte length. Both are checked before any byte is written.
-    pub fn copy_into_releasing(&self, pairs: Vec<(&str, &mut [u8])>, release: bool) -> Result<()> {
+    pub fn copy_into_unchecked(&self, pairs: Vec<(&str, &mut [u8])>, release: bool) -> Result<()> {
         let mut jobs = Vec::with_capacity(pairs.len());
         for (name, dst) in pairs {
             jobs.push((self.destination_for(name, dst)?, dst));
@@ -119,6 +119,16 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
             self.blocks(t, Some(dst), false, release);
         });
         Ok(())
+    }
+
+    /// [`Checkpoint::copy_into_unchecked`] (the old name, which did not say that the CRC is not
+    /// checked).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::copy_into_unchecked`].
+    #[deprecated(note = "renamed copy_into_unchecked: it does not check the CRC")]
+    pub fn copy_into_releasing(&self, pairs: Vec<(&str, &mut [u8])>, release: bool) -> Result<()> {
+        self.copy_into_unchecked(pairs, release)
     }
 
     /// One pass over tensor `t`'s stored bytes in parallel blocks: copied into `dst` when
@@ -179,7 +189,7 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a range outside its
     /// tensor.
-    pub fn copy_ranges_into(&self, items: Vec<(&str, u64, &mut [u8])>) -> Result<()> {
+    pub fn copy_ranges_into_unchecked(&self, items: Vec<(&str, u64, &mut [u8])>) -> Result<()> {
         let mut jobs = Vec::with_capacity(items.len());
         for (name, offset, dst) in items {
             let src = self.view(self.info(name)?).bytes();
@@ -202,6 +212,16 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
                 .for_each(|(s, d)| d.copy_from_slice(s));
         });
         Ok(())
+    }
+
+    /// [`Checkpoint::copy_ranges_into_unchecked`] (the old name, which did not say that the CRC is not
+    /// checked).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::copy_ranges_into_unchecked`].
+    #[deprecated(note = "renamed copy_ranges_into_unchecked: it does not check the CRC")]
+    pub fn copy_ranges_into(&self, items: Vec<(&str, u64, &mut [u8])>) -> Result<()> {
+        self.copy_ranges_into_unchecked(items)
     }
 
     /// The tensor `name`, checked to have exactly `dst.len()` stored bytes (the stored

@@ -30,7 +30,7 @@ def test_copy_into_is_exact_and_checks_lengths_first(tmp_path):
     ck = ckptstore.open(p)
     ck.verify_tensors(list(arrays), release=True)
     dst = {n: np.full(a.nbytes, 0xAB, dtype=np.uint8) for n, a in arrays.items()}
-    ck.copy_into([(n, d) for n, d in dst.items()], release=True)
+    ck.copy_into_unchecked([(n, d) for n, d in dst.items()], release=True)
     for n, a in arrays.items():
         assert dst[n].tobytes() == a.tobytes()
     # A wrong length anywhere in the list: nothing is written, the error names the tensor.
@@ -50,7 +50,7 @@ def test_copy_ranges_into_copies_pieces_and_checks_ranges_first(tmp_path):
     want = arrays["a"].tobytes()
     got = np.zeros(len(want), dtype=np.uint8)
     step = 1000
-    ck.copy_ranges_into([("a", o, got[o : o + step]) for o in range(0, len(want), step)])
+    ck.copy_ranges_into_unchecked([("a", o, got[o : o + step]) for o in range(0, len(want), step)])
     assert got.tobytes() == want
     # A range past the end anywhere in the list: nothing is written.
     a = np.zeros(8, dtype=np.uint8)

@@ -419,7 +419,7 @@ def load(
         _stage_to_cuda(
             cuda_fills,
             lambda pairs: ck.fill_and_verify(pairs, release=True),
-            ck.copy_ranges_into,
+            ck.copy_ranges_into_unchecked,
         )
 
     # 5. Apply: nothing above changed the model or the optimizer.
@@ -450,10 +450,10 @@ def load(
                 slow.append((n, t, info))
         with torch.no_grad():
             if direct:
-                ck.copy_into(direct, release=True)
+                ck.copy_into_unchecked(direct, release=True)
             if staged:
                 _stage_to_cuda(
-                    staged, lambda pairs: ck.copy_into(pairs, release=True), ck.copy_ranges_into
+                    staged, lambda pairs: ck.copy_into_unchecked(pairs, release=True), ck.copy_ranges_into_unchecked
                 )
             if slow:
                 raw = ck.read([n for n, _, _ in slow], verify=False, raw=True)
