@@ -131,9 +131,9 @@ pub fn check_compatible(
                 None,
                 "",
                 format!(
-                    "the checkpoint holds the state of a {s} optimizer, the live optimizer is \
-                     a {l}; a {l} cannot use {s}'s state and hyperparameters (to restore them \
-                     anyway, as a deliberate change of optimizer, allow_optimizer_change)"
+                    "the checkpoint's optimizer is {s}, the live optimizer is {l}: {l} cannot \
+                     use {s}'s state and hyperparameters (to restore them anyway, as a \
+                     deliberate change of optimizer, allow_optimizer_change)"
                 ),
             ));
         }
@@ -172,19 +172,24 @@ pub fn check_compatible(
             .collect();
         if !only_live.is_empty() || !only_saved.is_empty() {
             let param = only_live.first().or(only_saved.first()).copied();
-            return Err(incompatible(
-                Some(gi),
-                param.unwrap_or_default(),
-                format!(
-                    "the optimizer's group {gi} has {} parameter(s), the checkpoint's {}: \
-                     the optimizer's has {} that the checkpoint's lacks, the checkpoint's \
-                     has {} that the optimizer's lacks",
-                    lg.params.len(),
-                    sg.params.len(),
-                    list(&only_live),
-                    list(&only_saved),
-                ),
-            ));
+            let mut reason = format!(
+                "the optimizer's group has {} parameter(s), the checkpoint's {}",
+                lg.params.len(),
+                sg.params.len()
+            );
+            if !only_live.is_empty() {
+                reason += &format!(
+                    "; the optimizer's has {} that the checkpoint's lacks",
+                    list(&only_live)
+                );
+            }
+            if !only_saved.is_empty() {
+                reason += &format!(
+                    "; the checkpoint's has {} that the optimizer's lacks",
+                    list(&only_saved)
+                );
+            }
+            return Err(incompatible(Some(gi), param.unwrap_or_default(), reason));
         }
         // F5: the same shapes.
         for p in &lg.params {
