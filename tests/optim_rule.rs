@@ -230,7 +230,10 @@ fn the_class_must_match_unless_a_change_is_allowed() {
             param,
             reason,
         } if param.is_empty() => {
-            assert!(reason.contains("the checkpoint's optimizer is AdamW"), "{e}");
+            assert!(
+                reason.contains("the checkpoint's optimizer is AdamW"),
+                "{e}"
+            );
             assert!(reason.contains("the live optimizer is SGD"), "{e}");
             assert!(reason.contains("allow_optimizer_change"), "{e}");
         }
