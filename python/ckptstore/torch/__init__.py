@@ -26,8 +26,8 @@ Restoring is all or nothing: :func:`load` checks that the checkpoint fits (every
 entry present with its shape; for the optimizer the rule of
 :func:`ckptstore.check_optimizer_fit`: the same optimizer class, the same number of
 parameter groups, each naming the same parameters, in any order, with the same shapes) and
-reads and CRC-checks every tensor it will use before it changes anything (the optimizer state straight into fresh ``torch.empty`` tensors, CRC
-checked on the way). It then replaces the optimizer state whole through
+reads and CRC-checks every tensor it will use before it changes anything (the optimizer
+state straight into fresh ``torch.empty`` tensors, CRC checked on the way). It then replaces the optimizer state whole through
 ``optimizer.load_state_dict`` (no copy; state the checkpoint does not name is gone) and
 copies the model tensors in place under ``torch.no_grad()``.
 """
