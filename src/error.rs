@@ -138,10 +138,16 @@ pub enum Error {
     },
 
     /// A checkpoint's optimizer state does not fit the live optimizer or model it is
-    /// restored into; nothing was changed.
-    #[error("cannot restore optimizer state: {reason}")]
+    /// restored into (the rule of format-spec/optimizer.md §Compatibility,
+    /// [`crate::optim::check_compatible`]); nothing was changed.
+    #[error("cannot restore optimizer state: {}{reason}", incompatible_at(.group, .param))]
     IncompatibleState {
-        /// What does not fit, naming the group, parameter or state.
+        /// The parameter group involved, by position (`None` when the error concerns the
+        /// whole optimizer: its class, the number of groups).
+        group: Option<usize>,
+        /// The parameter involved ("" when none is).
+        param: String,
+        /// What does not fit, with what the checkpoint and the live optimizer each have.
         reason: String,
     },
 
@@ -232,6 +238,16 @@ pub enum Error {
         /// What the store said.
         reason: String,
     },
+}
+
+/// The "group G, parameter P: " prefix of [`Error::IncompatibleState`]'s message.
+fn incompatible_at(group: &Option<usize>, param: &str) -> String {
+    match (group, param.is_empty()) {
+        (Some(g), false) => format!("group {g}, parameter {param:?}: "),
+        (Some(g), true) => format!("group {g}: "),
+        (None, false) => format!("parameter {param:?}: "),
+        (None, true) => String::new(),
+    }
 }
 
 impl Error {

@@ -378,7 +378,7 @@ fn incompatible_checkpoints_fail_without_changing_anything() {
     let mut moved = refopt::optimizer_for(&model, &h, 2);
     let p = moved.groups[0].params.pop().unwrap();
     moved.groups[1].params.push(p);
-    cases.push(("parameter(s) in the checkpoint", moved));
+    cases.push(("that the optimizer's lacks", moved));
     let mut renamed = refopt::optimizer_for(&model, &h, 2);
     renamed.groups[0].params[0].name = "zzz".into();
     cases.push(("parameter", renamed));

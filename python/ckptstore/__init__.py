@@ -80,6 +80,7 @@ __all__ = [
     "commit",
     "CheckpointManager",
     "wire_dtype",
+    "check_optimizer_fit",
     "OPTIM_PREFIX",
     "CheckpointError",
     "CheckpointIOError",
@@ -276,6 +277,39 @@ def wait_for_cleanup() -> int:
 
 
 atexit.register(wait_for_cleanup)
+
+
+def check_optimizer_fit(
+    live_groups: Sequence[Sequence[tuple[str, Sequence[int]]]],
+    saved_groups: Sequence[Sequence[tuple[str, Optional[Sequence[int]]]]],
+    *,
+    live_class: Optional[str] = None,
+    saved_class: Optional[str] = None,
+    allow_optimizer_change: bool = False,
+) -> None:
+    """Raise :class:`IncompatibleStateError` unless a checkpoint's optimizer state fits a
+    live optimizer, by the one rule of format-spec/optimizer.md §Compatibility (the Rust
+    engine's ``optim::check_compatible``, which ``OptimizerState::restore_from``,
+    :func:`ckptstore.torch.load`, :func:`ckptstore.torch.distributed.load` and the torch
+    :class:`~ckptstore.torch.CheckpointManager` apply too):
+
+    * F1: the optimizer class is the same when both are known (``None``: unknown), unless
+      ``allow_optimizer_change`` (a deliberate change of optimizer);
+    * F2: the same number of parameter groups, matched by position;
+    * F3: neither side names a parameter twice;
+    * F4: group ``i`` of both sides names the same parameters, by name, **in any order**;
+    * F5: every parameter has the same shape on both sides.
+
+    Each ``*_groups`` is a sequence of groups, each a sequence of ``(name, shape)``
+    pairs. The error's ``group`` (position, or ``None``) and ``param`` (``""`` when none)
+    attributes say where it failed; its message says what each side has."""
+    _ckptstore.check_optimizer_fit(
+        live_groups,
+        saved_groups,
+        live_class=live_class,
+        saved_class=saved_class,
+        allow_optimizer_change=allow_optimizer_change,
+    )
 
 
 def new_checkpoint_id() -> str:

@@ -40,6 +40,17 @@ def wait_for_cleanup() -> int:
 def new_checkpoint_id() -> str:
     """A fresh 32-hex-digit checkpoint id for a multi-rank save."""
 
+def check_optimizer_fit(
+    live_groups: Sequence[Sequence[tuple[str, Sequence[int]]]],
+    saved_groups: Sequence[Sequence[tuple[str, Optional[Sequence[int]]]]],
+    *,
+    live_class: Optional[str] = None,
+    saved_class: Optional[str] = None,
+    allow_optimizer_change: bool = False,
+) -> None:
+    """The optimizer compatibility rule (``ckptstore::optim::check_compatible``). Use
+    :func:`ckptstore.check_optimizer_fit`."""
+
 def write_part(
     path: Union[str, os.PathLike[str]],
     checkpoint_id: str,

@@ -7,6 +7,7 @@ keep working: a missing tensor is a ``KeyError``, a missing checkpoint a
 ``FileNotFoundError``, an I/O failure an ``OSError``, a bad argument a ``ValueError``.
 
 Attributes set when known: ``file``, ``shard``, ``name`` (tensor), ``param``, ``state``,
+``group`` (an optimizer parameter group's position),
 ``expected``/``got`` (CRC32 values of a :class:`ChecksumError`), ``op``, ``filename``,
 ``errno``.
 """
@@ -84,7 +85,12 @@ class OptimizerStateError(CheckpointError):
 
 class IncompatibleStateError(OptimizerStateError):
     """A checkpoint's optimizer state does not fit the live optimizer or model; nothing
-    was changed."""
+    was changed. From the optimizer compatibility rule
+    (:func:`ckptstore.check_optimizer_fit`): ``group`` (the group's position, or ``None``)
+    and ``param`` (the parameter, ``""`` when none) say where."""
+
+    group: "int | None" = None
+    param: str = ""
 
 
 class InvalidArgumentError(CheckpointError, ValueError):

@@ -93,7 +93,13 @@ fn classify(e: &Error) -> (&'static str, Vec<(&'static str, Py<PyAny>)>) {
                 "OptimizerStateError",
                 attrs(vec![("param", s(param)), ("state", s(state))]),
             ),
-            Error::IncompatibleState { .. } => ("IncompatibleStateError", vec![]),
+            Error::IncompatibleState { group, param, .. } => (
+                "IncompatibleStateError",
+                attrs(vec![
+                    ("group", group.and_then(|g| n(g as u64))),
+                    ("param", s(param)),
+                ]),
+            ),
             Error::InvalidPart { part, .. } => ("PartError", attrs(vec![("part", s(part))])),
             Error::PartConflict { name, ranks, .. } => (
                 "PartError",

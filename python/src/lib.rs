@@ -16,6 +16,7 @@ mod checkpoint;
 mod dtypes;
 mod errors;
 mod manager;
+mod optim;
 mod parts;
 mod region;
 mod remote;
@@ -33,6 +34,7 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parts::write_part, m)?)?;
     m.add_function(wrap_pyfunction!(parts::commit, m)?)?;
     m.add_function(wrap_pyfunction!(parts::new_checkpoint_id, m)?)?;
+    m.add_function(wrap_pyfunction!(optim::check_optimizer_fit, m)?)?;
     m.add_class::<PyCheckpoint>()?;
     m.add_class::<manager::PyCheckpointManager>()?;
     m.add_class::<manager::PyStepLease>()?;

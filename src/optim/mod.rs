@@ -11,6 +11,7 @@
 //!   Parameters without state in the checkpoint end with none; on any error the live state
 //!   is untouched.
 
+mod compat;
 mod load;
 
 use std::borrow::Cow;
@@ -18,6 +19,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 pub use crate::tensor::{BufferPool, PoolStats, Tensor};
+pub use compat::{check_compatible, OptimizerSignature};
 pub use load::{ScaleShape, StateLayout, Target};
 
 use crate::dtype::DType;
@@ -250,10 +252,13 @@ impl OptimizerState {
     }
 
     /// Replace this state with the checkpoint's, loaded in `layout`, after checking that it
-    /// fits this optimizer: the same number of groups, the same parameter names in each
-    /// group in the same order, the same parameter shapes; every CRC of the bytes read.
-    /// Hyperparameters come from the checkpoint. The new state replaces the old one whole:
-    /// parameters without state in the checkpoint have none afterwards.
+    /// fits this optimizer by the rule of [`check_compatible`] (format-spec/optimizer.md
+    /// §Compatibility): the same number of groups, matched by position; in each group the
+    /// same parameter names, in any order; the same parameter shapes; and every CRC of the
+    /// bytes read. Hyperparameters come from the checkpoint, the parameter order inside each
+    /// group stays this optimizer's. The new state replaces the old one whole: parameters
+    /// without state in the checkpoint have none afterwards. (An [`OptimizerState`] has no
+    /// class, so rule F1 is the bindings' to apply.)
     ///
     /// # Errors
     /// [`Error::IncompatibleState`] when the checkpoint does not fit, and every error of
@@ -264,9 +269,7 @@ impl OptimizerState {
         layout: &StateLayout,
     ) -> Result<()> {
         let new = ckpt.load_optimizer(layout)?;
-        check_compatible(self, &new)?;
-        *self = new;
-        Ok(())
+        self.adopt(new)
     }
 
     /// [`OptimizerState::restore_from`], with destination buffers from `pool` (see
@@ -283,9 +286,7 @@ impl OptimizerState {
         pool: &BufferPool,
     ) -> Result<()> {
         let new = ckpt.load_optimizer_with(layout, pool)?;
-        check_compatible(self, &new)?;
-        *self = new;
-        Ok(())
+        self.adopt(new)
     }
 }
 
@@ -472,45 +473,22 @@ impl OptimizerState {
         partition: &std::collections::HashMap<String, crate::Region>,
     ) -> Result<()> {
         let new = ckpt.load_optimizer_partition(layout, partition)?;
-        check_compatible(self, &new)?;
-        *self = new;
-        Ok(())
+        self.adopt(new)
     }
 }
 
-fn check_compatible(live: &OptimizerState, new: &OptimizerState) -> Result<()> {
-    let bad = |reason: String| Error::IncompatibleState { reason };
-    if live.groups.len() != new.groups.len() {
-        return Err(bad(format!(
-            "the checkpoint has {} parameter group(s), the optimizer {}",
-            new.groups.len(),
-            live.groups.len()
-        )));
+impl OptimizerState {
+    /// Replace this state with `new`, loaded from a checkpoint, if it fits (rule
+    /// [`check_compatible`], without a class); the parameters keep this optimizer's order.
+    fn adopt(&mut self, new: OptimizerState) -> Result<()> {
+        check_compatible(
+            OptimizerSignature::new(None, &self.groups),
+            OptimizerSignature::new(None, &new.groups),
+            false,
+        )?;
+        *self = compat::in_live_order(&self.groups, new);
+        Ok(())
     }
-    for (gi, (a, b)) in live.groups.iter().zip(&new.groups).enumerate() {
-        if a.params.len() != b.params.len() {
-            return Err(bad(format!(
-                "group {gi} has {} parameter(s) in the checkpoint, {} in the optimizer",
-                b.params.len(),
-                a.params.len()
-            )));
-        }
-        for (pi, (p, q)) in a.params.iter().zip(&b.params).enumerate() {
-            if p.name != q.name {
-                return Err(bad(format!(
-                    "group {gi}, position {pi}: the checkpoint has parameter {:?}, the optimizer {:?}",
-                    q.name, p.name
-                )));
-            }
-            if p.shape != q.shape {
-                return Err(bad(format!(
-                    "parameter {:?}: shape {:?} in the checkpoint, {:?} in the model",
-                    p.name, q.shape, p.shape
-                )));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// A synthetic optimizer state for benchmarks (`ckpt bench`, `benches/save_load.rs`): one

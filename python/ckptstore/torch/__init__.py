@@ -23,10 +23,11 @@ What is stored (one atomic, durable checkpoint):
   manifest metadata.
 
 Restoring is all or nothing: :func:`load` checks that the checkpoint fits (every model
-entry present with its shape, the same number of parameter groups naming the same
-parameters with the same shapes) and reads and CRC-checks every tensor it will use before
-it changes anything (the optimizer state straight into fresh ``torch.empty`` tensors, CRC
-checked on the way). It then replaces the optimizer state whole through
+entry present with its shape; for the optimizer the rule of
+:func:`ckptstore.check_optimizer_fit`: the same optimizer class, the same number of
+parameter groups, each naming the same parameters, in any order, with the same shapes) and
+reads and CRC-checks every tensor it will use before it changes anything (the optimizer
+state straight into fresh ``torch.empty`` tensors, CRC checked on the way). It then replaces the optimizer state whole through
 ``optimizer.load_state_dict`` (no copy; state the checkpoint does not name is gone) and
 copies the model tensors in place under ``torch.no_grad()``.
 """
@@ -41,7 +42,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import numpy as np
 
-from .. import _ckptstore, _optimizer_parts, open as _open
+from .. import _ckptstore, _optimizer_parts, check_optimizer_fit, open as _open
 from .._types import F16Scaled
 from ..errors import IncompatibleStateError, InvalidArgumentError, InvalidTensorError
 from .manager import CheckpointManager, SaveHandle
@@ -309,17 +310,29 @@ def load(
     *,
     strict: bool = True,
     layout: Any = None,
+    allow_optimizer_change: bool = False,
 ) -> dict:
     """Restore ``model`` and ``optimizer`` in place from the checkpoint at ``path``;
     return the ``extra`` dict saved with it (tensors as fresh torch tensors).
 
     Everything is checked before anything changes: the model's every state-dict entry must
     be in the checkpoint with the same shape (with ``strict``, the checkpoint must not hold
-    model entries the model lacks); the optimizer must have as many parameter groups as
-    the checkpoint, each naming the same parameters (by model name, in any order) with the
-    same shapes; every tensor used is read and its CRC32 checked. Any failure raises a
-    :class:`ckptstore.CheckpointError` (``IncompatibleStateError``, ``ChecksumError``, ...)
-    with the model and optimizer untouched.
+    model entries the model lacks); the optimizer must fit the checkpoint's by the rule of
+    :func:`ckptstore.check_optimizer_fit` (format-spec/optimizer.md §Compatibility): the
+    same optimizer class as the one saved (``type(optimizer).__name__``, recorded by
+    :func:`save`), as many parameter groups, matched by position, each naming the same
+    parameters (by model name, in any order) with the same shapes; every tensor used is
+    read and its CRC32 checked. Any failure raises a :class:`ckptstore.CheckpointError`
+    (``IncompatibleStateError``, ``ChecksumError``, ...) with the model and optimizer
+    untouched.
+
+    ``allow_optimizer_change=True`` is the opt-in for a deliberate change of optimizer
+    (say, state saved from TransformerEngine's ``FusedAdam`` restored into
+    ``torch.optim.Adam``): the class is then not compared (the rest of the rule still
+    applies), the checkpoint's state is installed as stored, and each group's
+    hyperparameters are the checkpoint's plus the live group's own for the settings the
+    checkpoint's group lacks (so an ``SGD`` restored from ``AdamW`` keeps its
+    ``momentum``).
 
     The optimizer then gets a complete fresh state dict through ``load_state_dict``:
     hyperparameters from the checkpoint, and state exactly for the parameters the
@@ -384,15 +397,33 @@ def load(
             raise IncompatibleStateError(
                 "cannot restore the optimizer: the checkpoint holds no optimizer state"
             )
-        plan = ck.optimizer_plan() if layout is None else None
+        # The section only (no state read yet): the rule first.
+        plan = ck.optimizer_plan()
         ometa = meta.get("optimizer") or {}
-        if plan is not None and _direct_ok(model, optimizer, plan):
+        saved_class = ometa.get("class") if isinstance(ometa, dict) else None
+        names = _param_names(model, optimizer)
+        _check_fit(
+            optimizer,
+            names,
+            plan["param_groups"],
+            plan["param_shapes"],
+            saved_class,
+            allow_optimizer_change,
+        )
+        keep_live = _changed_class(optimizer, saved_class, allow_optimizer_change)
+        if layout is None and _direct_ok(model, optimizer, plan):
             new_sd = _build_state_dict(
-                model, optimizer, plan, ometa, fresh=fills, cuda_fresh=cuda_fills
+                model,
+                optimizer,
+                plan,
+                ometa,
+                fresh=fills,
+                cuda_fresh=cuda_fills,
+                keep_live_hyper=keep_live,
             )
         else:
             st = ck.load_optimizer(layout, release=True)
-            new_sd = _build_state_dict(model, optimizer, st, ometa)
+            new_sd = _build_state_dict(model, optimizer, st, ometa, keep_live_hyper=keep_live)
 
     # 3. Extra values: tensors into fresh torch.empty tensors, filled in step 4.
     extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
@@ -602,6 +633,67 @@ def _stage_to_cuda(
     stream.synchronize()
 
 
+# ---- the optimizer compatibility rule -----------------------------------------------------
+
+
+def _check_fit(
+    optimizer: Any,
+    names: list,
+    saved_groups: Any,
+    saved_shapes: Any,
+    saved_class: Any,
+    allow_optimizer_change: bool,
+) -> None:
+    """Raise ``IncompatibleStateError`` unless the checkpoint's optimizer (its groups,
+    each ``{"params": [names], ...}``, its ``{name: shape}`` and its class, ``None`` if
+    not recorded) fits the live ``optimizer``, whose parameters are called ``names`` (in
+    ``state_dict()`` index order): the one rule, :func:`ckptstore.check_optimizer_fit`
+    (the Rust engine's). Also for :mod:`ckptstore.torch.distributed`."""
+    live = []
+    pos = 0
+    for g in optimizer.param_groups:
+        ps = g["params"]
+        live.append([(names[i], tuple(p.shape)) for i, p in enumerate(ps, start=pos)])
+        pos += len(ps)
+    shapes = saved_shapes if isinstance(saved_shapes, Mapping) else {}
+    saved = None
+    if isinstance(saved_groups, (list, tuple)):
+        saved = [
+            [(n, shapes.get(n) if isinstance(n, str) else None) for n in g.get("params") or []]
+            if isinstance(g, Mapping)
+            else None
+            for g in saved_groups
+        ]
+    check_optimizer_fit(
+        live,
+        saved,
+        live_class=type(optimizer).__name__,
+        saved_class=saved_class,
+        allow_optimizer_change=allow_optimizer_change,
+    )
+
+
+def _changed_class(optimizer: Any, saved_class: Any, allow_optimizer_change: bool) -> bool:
+    """Whether this restore is an allowed change of optimizer class."""
+    return (
+        allow_optimizer_change
+        and isinstance(saved_class, str)
+        and saved_class != type(optimizer).__name__
+    )
+
+
+def _group_hyper(live_group: Mapping, saved_group: Mapping, keep_live: bool) -> dict:
+    """A group's hyperparameters for ``load_state_dict``: the checkpoint's (decoded);
+    with ``keep_live`` (a change of optimizer) also the live group's for the settings the
+    checkpoint's lacks."""
+    g = {k: _decode(v) for k, v in saved_group.items() if k != "params"}
+    if keep_live:
+        for k, v in live_group.items():
+            if k not in ("params", "param_names"):
+                g.setdefault(k, v)
+    return g
+
+
 def _build_state_dict(
     model: Any,
     optimizer: Any,
@@ -609,6 +701,7 @@ def _build_state_dict(
     ometa: dict,
     fresh: Optional[list] = None,
     cuda_fresh: Optional[list] = None,
+    keep_live_hyper: bool = False,
 ) -> dict:
     """The state dict for ``optimizer.load_state_dict`` from ``st``, checked against the
     live optimizer. ``st`` is :meth:`Checkpoint.load_optimizer`'s result (state as arrays),
@@ -617,16 +710,15 @@ def _build_state_dict(
     appended to ``fresh`` for the caller to fill; states of CUDA parameters (but ``step``,
     which ``load_state_dict`` keeps where it is) are created on the parameter's device
     instead and appended to ``cuda_fresh`` as ``(nbytes, flat uint8 view, tensor name)``
-    for :func:`_stage_to_cuda`."""
+    for :func:`_stage_to_cuda`.
+
+    The caller has checked that ``st`` fits the optimizer (:func:`_check_fit`): here the
+    checkpoint's groups are matched by position and their parameters by name, in the live
+    optimizer's order. ``keep_live_hyper`` (a deliberate change of optimizer class): each
+    group keeps the live group's hyperparameters that the checkpoint's group lacks."""
     names = _param_names(model, optimizer)
     live_groups = optimizer.param_groups
     ck_groups = st["param_groups"]
-    if len(live_groups) != len(ck_groups):
-        raise IncompatibleStateError(
-            f"cannot restore the optimizer: the checkpoint has {len(ck_groups)} parameter "
-            f"group(s), the optimizer {len(live_groups)}"
-        )
-    shapes = st["param_shapes"]
     values = ometa.get("values") or {}
     groups = []
     state: dict[int, dict[str, Any]] = {}
@@ -634,26 +726,9 @@ def _build_state_dict(
     dev_of = [p.device if p.device.type == "cuda" else None for p in live_params]
     staged: list[tuple[Any, int, str]] = []
     pos = 0
-    for gi, (lg, cg) in enumerate(zip(live_groups, ck_groups)):
+    for lg, cg in zip(live_groups, ck_groups):
         live_names = names[pos : pos + len(lg["params"])]
-        ck_names = list(cg["params"])
-        if len(live_names) != len(ck_names) or set(live_names) != set(ck_names):
-            extra_live = sorted(set(live_names) - set(ck_names))
-            extra_ck = sorted(set(ck_names) - set(live_names))
-            raise IncompatibleStateError(
-                f"cannot restore the optimizer: group {gi} has parameters "
-                f"{extra_live or '(none)'} that the checkpoint's group lacks and the "
-                f"checkpoint has {extra_ck or '(none)'} that the optimizer's group lacks"
-                if (extra_live or extra_ck)
-                else f"cannot restore the optimizer: group {gi} names a parameter twice"
-            )
-        for p, n in zip(lg["params"], live_names):
-            if tuple(shapes[n]) != tuple(p.shape):
-                raise IncompatibleStateError(
-                    f"cannot restore the optimizer: parameter {n!r} has shape "
-                    f"{tuple(shapes[n])} in the checkpoint, {tuple(p.shape)} in the model"
-                )
-        g = {k: _decode(v) for k, v in cg.items() if k != "params"}
+        g = _group_hyper(lg, cg, keep_live_hyper)
         g["params"] = list(range(pos, pos + len(live_names)))
         groups.append(g)
         for i, n in enumerate(live_names, start=pos):

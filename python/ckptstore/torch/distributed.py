@@ -33,7 +33,16 @@ from typing import Any, Mapping, Optional
 
 from .. import _ckptstore
 from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
-from . import _decode, _encode, _encode_groups, _param_names, _torch
+from . import (
+    _changed_class,
+    _check_fit,
+    _decode,
+    _encode,
+    _encode_groups,
+    _group_hyper,
+    _param_names,
+    _torch,
+)
 from .dcp import META_KEY as _DCP_KEY, Reader, Writer
 
 __all__ = ["save", "load", "META_KEY"]
@@ -161,15 +170,19 @@ def load(
     strict: bool = True,
     layout: Any = None,
     process_group: Any = None,
+    allow_optimizer_change: bool = False,
 ) -> dict:
     """Restore ``model`` and ``optimizer`` in place from the checkpoint :func:`save` wrote
     at ``path``, on any world size; call it on every rank. Returns the ``extra`` dict.
 
     Checked before anything changes, identically on every rank: every model state-dict
     entry is in the checkpoint with the same global shape (with ``strict``, the checkpoint
-    holds no model entry the model lacks); the optimizer has as many parameter groups as
-    the checkpoint, each naming the same parameters (by model name) with the same shapes;
-    then the checkpoint is read into fresh tensors, every stored chunk read CRC-checked and
+    holds no model entry the model lacks); the optimizer fits the checkpoint's by the rule
+    of :func:`ckptstore.check_optimizer_fit`, as in :func:`ckptstore.torch.load`: the same
+    optimizer class as the one saved, as many parameter groups, each naming the same
+    parameters (by model name, in any order) with the same global shapes
+    (``allow_optimizer_change=True``: a deliberate change of optimizer class, as in
+    :func:`ckptstore.torch.load`); then the checkpoint is read into fresh tensors, every stored chunk read CRC-checked and
     the ranks agreeing that all reads passed. Any failure raises on every rank (a
     :class:`ckptstore.CheckpointError`, or DCP's ``CheckpointException`` wrapping one) with
     the model and optimizer untouched.
@@ -243,7 +256,14 @@ def load(
         names = _param_names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         by_name = dict(zip(names, params))
-        _check_groups(optimizer, names, om)
+        _check_fit(
+            optimizer,
+            names,
+            om.get("groups"),
+            om.get("param_shapes"),
+            om.get("class"),
+            allow_optimizer_change,
+        )
         for pname, keys in (om.get("state_keys") or {}).items():
             p = by_name.get(pname)
             if p is None:
@@ -286,50 +306,27 @@ def load(
 
     # 6. Apply: nothing above changed the model or the optimizer.
     if optimizer is not None:
-        optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o))
+        keep_live = _changed_class(optimizer, om.get("class"), allow_optimizer_change)
+        optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o, keep_live))
     set_model_state_dict(model, tgt_m, options=StateDictOptions(strict=strict))
     extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
     extra.update(tgt_x)
     return extra
 
 
-def _check_groups(optimizer: Any, names: list[str], om: dict) -> None:
-    live_groups = optimizer.param_groups
-    ck_groups = om.get("groups") or []
-    shapes = om.get("param_shapes") or {}
-    if len(live_groups) != len(ck_groups):
-        raise IncompatibleStateError(
-            f"cannot restore the optimizer: the checkpoint has {len(ck_groups)} parameter "
-            f"group(s), the optimizer {len(live_groups)}"
-        )
-    pos = 0
-    for gi, (lg, cg) in enumerate(zip(live_groups, ck_groups)):
-        live = names[pos : pos + len(lg["params"])]
-        ck = list(cg["params"])
-        if len(live) != len(ck) or set(live) != set(ck):
-            raise IncompatibleStateError(
-                f"cannot restore the optimizer: group {gi} has parameters "
-                f"{sorted(set(live) - set(ck)) or '(none)'} that the checkpoint's group lacks "
-                f"and the checkpoint has {sorted(set(ck) - set(live)) or '(none)'} that the "
-                "optimizer's group lacks"
-            )
-        for p, n in zip(lg["params"], live):
-            if list(shapes.get(n, [])) != list(p.shape):
-                raise IncompatibleStateError(
-                    f"cannot restore the optimizer: parameter {n!r} has shape "
-                    f"{tuple(shapes.get(n, []))} in the checkpoint, {tuple(p.shape)} in the model"
-                )
-        pos += len(live)
-
-
-def _new_optimizer_state(optimizer: Any, names: list[str], om: dict, tgt_o: dict) -> dict:
+def _new_optimizer_state(
+    optimizer: Any, names: list[str], om: dict, tgt_o: dict, keep_live_hyper: bool
+) -> dict:
+    """The state dict for ``load_state_dict`` (``om`` checked by :func:`_check_fit`):
+    groups by position, parameters by name in the live order, hyperparameters from the
+    checkpoint (``keep_live_hyper``: plus the live group's that the checkpoint's lacks)."""
     values = om.get("values") or {}
     groups = []
     state: dict[int, dict[str, Any]] = {}
     pos = 0
     for lg, cg in zip(optimizer.param_groups, om["groups"]):
         live = names[pos : pos + len(lg["params"])]
-        g = {k: _decode(v) for k, v in cg.items() if k != "params"}
+        g = _group_hyper(lg, cg, keep_live_hyper)
         g["params"] = list(range(pos, pos + len(live)))
         groups.append(g)
         for i, n in enumerate(live, start=pos):

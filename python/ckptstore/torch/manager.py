@@ -460,19 +460,27 @@ class CheckpointManager:
         *,
         strict: bool = True,
         layout: Any = None,
+        allow_optimizer_change: bool = False,
     ) -> dict:
         """Restore ``model`` and ``optimizer`` in place from committed ``step``, holding
         the step against retention meanwhile; return its ``extra`` dict. The guarantees
         and arguments are those of :func:`ckptstore.torch.load`: everything is checked
-        (names, shapes, every CRC) before anything changes, and the optimizer state is
-        replaced whole. Raises :class:`ckptstore.CheckpointNotFoundError` if the step is
-        not committed."""
+        (names, shapes, the optimizer class unless ``allow_optimizer_change``, every CRC)
+        before anything changes, and the optimizer state is replaced whole. Raises
+        :class:`ckptstore.CheckpointNotFoundError` if the step is not committed."""
         step = _check_step(step)
         ct = _pkg()
         with self._store.lease(step) as lease:
             if _chaos is not None:  # test seam
                 _chaos_hit("restore")
-            return ct.load(lease.path, model, optimizer, strict=strict, layout=layout)
+            return ct.load(
+                lease.path,
+                model,
+                optimizer,
+                strict=strict,
+                layout=layout,
+                allow_optimizer_change=allow_optimizer_change,
+            )
 
     def restore_latest(
         self,
@@ -482,6 +490,7 @@ class CheckpointManager:
         strict: bool = True,
         layout: Any = None,
         return_extra: bool = False,
+        allow_optimizer_change: bool = False,
     ) -> Any:
         """Restore ``model`` and ``optimizer`` from the newest committed step (as
         :meth:`restore`); return the step, or ``None`` (nothing changed) under an empty
@@ -500,7 +509,14 @@ class CheckpointManager:
                 if _chaos is not None:  # test seam
                     _chaos_hit("restore")
                 ct = _pkg()
-                extra = ct.load(lease.path, model, optimizer, strict=strict, layout=layout)
+                extra = ct.load(
+                    lease.path,
+                    model,
+                    optimizer,
+                    strict=strict,
+                    layout=layout,
+                    allow_optimizer_change=allow_optimizer_change,
+                )
             return (step, extra) if return_extra else step
         raise CheckpointNotFoundError(
             f"{self.root}: the latest step kept disappearing while it was being restored"
