@@ -472,22 +472,24 @@ class CheckpointEngine(_DSCheckpointEngine):
     def _publish_tag(self, p: _Pending, write_latest: bool, dist: Any) -> None:
         if dist is not None:
             dist.barrier()  # every rank's files are committed into the staging directory
-        if _global_rank() == 0:
-            try:
-                if os.path.isdir(p.staging):
-                    _fsync_dir(p.staging)
-                    _seam("publish")
-                    _publish(p.staging, p.tag_dir)
-                    _seam("latest")
-                if write_latest:
-                    _write_latest(p.save_dir, p.tag)
-            except OSError as e:
-                if isinstance(e, CheckpointError):
-                    raise
-                raise CheckpointIOError(
-                    f"{p.tag_dir}: publishing tag {p.tag!r} (then `latest`) failed: {e}") from e
-        if dist is not None:
-            dist.barrier()
+        try:
+            if _global_rank() == 0:
+                try:
+                    if os.path.isdir(p.staging):
+                        _fsync_dir(p.staging)
+                        _seam("publish")
+                        _publish(p.staging, p.tag_dir)
+                        _seam("latest")
+                    if write_latest:
+                        _write_latest(p.save_dir, p.tag)
+                except OSError as e:
+                    if isinstance(e, CheckpointError):
+                        raise
+                    raise CheckpointIOError(
+                        f"{p.tag_dir}: publishing tag {p.tag!r} (then `latest`) failed: {e}") from e
+        finally:
+            if dist is not None:  # also when rank 0 failed: its peers return, never hang
+                dist.barrier()
 
     def _publish_in_background(self, p: _Pending, write_latest: bool) -> None:
         try:
@@ -510,7 +512,9 @@ class CheckpointEngine(_DSCheckpointEngine):
             raise err
 
     def cleanup(self) -> None:
-        """DeepSpeed's hook at engine teardown: :meth:`wait`, then drop the snapshot buffers."""
+        """:meth:`wait`, then drop the snapshot buffers. (DeepSpeed's engine teardown calls
+        this hook only for its decoupled engines; :func:`install` calls it on the engine it
+        replaces.)"""
         try:
             self.wait()
         finally:
