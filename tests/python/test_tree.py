@@ -156,9 +156,14 @@ def test_tree_saver_reuses_its_buffers_and_commits_in_order(tmp_path: Path):
             # The snapshot was taken: changing the live tensor now changes nothing saved.
             obj["state_dict"]["weight"].add_(100.0)
             obj["state_dict"]["weight"].sub_(100.0)
+            if i == 0:
+                handles[0][0].wait()
+                first = saver.allocations
         for hd, i, want in handles:
             hd.wait()
         held = saver.snapshot_bytes
+        # One buffer per stored tensor, allocated by the first save only.
+        assert first == saver.allocations > 0
     assert held > 0
     for i in (2, 3):
         got = load_tree(tmp_path / f"c{i % 2}")

@@ -449,6 +449,13 @@ class TreeSaver:
         with self._lock:
             return sum(s.nbytes for s in self._free)
 
+    @property
+    def allocations(self) -> int:
+        """Snapshot buffers allocated over the life of the idle buffer sets: flat from the
+        second save of an unchanged structure on."""
+        with self._lock:
+            return sum(s.allocations for s in self._free)
+
     def save(self, location: "str | os.PathLike[str]", obj: Any) -> TreeSaveHandle:
         """Snapshot ``obj`` and save it to ``location`` in the background; the live tensors
         may change as soon as this returns. Raises an earlier save's unreported error, and

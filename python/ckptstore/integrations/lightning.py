@@ -243,8 +243,7 @@ class CheckpointIO(_lio.CheckpointIO):
         saver = self._saver
         if saver is None:
             return 0
-        with saver._lock:
-            return sum(s.allocations for s in saver._free)
+        return saver.allocations
 
     # ---- loading -----------------------------------------------------------------------
 
