@@ -80,8 +80,9 @@ pub struct Checkpoint<B: AsRef<[u8]> = Map> {
     /// Global tensor name -> index into the manifest's `globals`.
     globals: HashMap<String, usize>,
     /// For each tensor of `tensors()`: the index of the global tensor it stores a chunk (or
-    /// a replica of a chunk) of, or [`NOT_A_CHUNK`]; empty when there are no globals.
-    chunk_of: Vec<u32>,
+    /// a replica of a chunk) of, or [`NOT_A_CHUNK`]; empty when there are no globals. Built
+    /// by the first catalog call ([`Checkpoint::entries`]), so that `open` stays as cheap.
+    chunk_of: std::sync::OnceLock<Vec<u32>>,
     /// Every tensor's CRC32 (and absmax) was checked against the manifest while the
     /// bytes were fetched into buffers this checkpoint owns and nobody can change (an
     /// object-store download, [`Checkpoint::accept_unit_sums`]): checks that would read
@@ -356,7 +357,7 @@ fn check_absmax_in(t: &TensorInfo, file: &str, recorded: f32, actual: Option<f32
     Ok(())
 }
 
-fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
+pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
     use std::io::Read;
     let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
     let too_big = || {
@@ -544,7 +545,6 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
                 reason: "the manifest places no tensor in this shard".into(),
             });
         }
-        let chunk_of = chunk_owners(&m, &by_name);
         Ok(Checkpoint {
             root,
             kind: Kind::Native,
@@ -552,7 +552,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             foreign: Vec::new(),
             by_name,
             metadata: m.metadata.clone(),
-            chunk_of,
+            chunk_of: std::sync::OnceLock::new(),
             globals: m
                 .globals
                 .iter()
@@ -662,7 +662,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             metadata: metadata.into(),
             manifest: None,
             globals: HashMap::new(),
-            chunk_of: Vec::new(),
+            chunk_of: std::sync::OnceLock::new(),
             data_verified: false,
         })
     }
@@ -1269,7 +1269,7 @@ pub fn drop_page_cache(path: &Path) -> Result<()> {
 /// `m.globals`), or [`NOT_A_CHUNK`]. Empty without globals. Every chunk and replica names a
 /// manifest tensor (rule G2, checked with the manifest); a name not found is left a whole
 /// tensor here and reported by the region reads that need it.
-fn chunk_owners(m: &Manifest, by_name: &NameIndex) -> Vec<u32> {
+pub(crate) fn chunk_owners(m: &Manifest, by_name: &NameIndex) -> Vec<u32> {
     if m.globals.is_empty() {
         return Vec::new();
     }

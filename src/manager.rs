@@ -83,6 +83,10 @@ pub struct GcReport {
     pub in_use: Vec<u64>,
     /// Leftover `.tmp-step-` directories of interrupted saves removed.
     pub interrupted_removed: usize,
+    /// Files removed from kept steps: engine files their manifest does not name (part
+    /// descriptors and shards of a multi-rank commit killed after its commit point, before
+    /// its own cleanup ran; temporary files of earlier dead attempts).
+    pub swept: usize,
 }
 
 /// A checkpoint opened through the manager: holds a shared lock on its step so that
@@ -666,6 +670,7 @@ impl CheckpointManager {
             let newest = committed[keep_from..].contains(&e.step);
             let every = self.retention.keep_every.is_some_and(|m| e.step % m == 0);
             if newest || every {
+                report.swept += sweep_kept_step(&e.path);
                 continue;
             }
             match remove_step_dir(&e.path, true) {
@@ -735,6 +740,63 @@ fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
     }
     remove_locked_step_dir(dir, lock)?;
     Ok(true)
+}
+
+/// Remove from the kept, committed step `dir` the engine files its manifest does not name,
+/// under the step's writer lock (skipped, 0, while anyone holds it: a reader's lease, a
+/// save). These are left by a commit killed after its commit point and before its own
+/// cleanup (format-spec/durability.md §Cleanup): the committed checkpoint's part
+/// descriptors, and shards, parts and temporary files of earlier attempts. Only files not
+/// newer than the manifest go: a later writer's files are its own. Returns how many were
+/// removed; failures leave garbage, never damage (no manifest names what is removed).
+fn sweep_kept_step(dir: &Path) -> usize {
+    let Ok(lock) = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join(LOCK_FILE))
+    else {
+        return 0;
+    };
+    if lock.try_lock().is_err() {
+        return 0;
+    }
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let Ok(committed_at) = std::fs::metadata(&manifest_path).and_then(|m| m.modified()) else {
+        return 0;
+    };
+    let Some(m) = crate::checkpoint::read_capped(&manifest_path, crate::format::MAX_MANIFEST_SIZE)
+        .ok()
+        .and_then(|b| crate::format::manifest::decode(&b).ok())
+    else {
+        return 0; // a damaged manifest: leave everything for `verify` to report
+    };
+    let keep: std::collections::HashSet<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        if !write::is_engine_file(&name) || keep.contains(name.as_str()) {
+            continue;
+        }
+        let old = e
+            .metadata()
+            .and_then(|md| md.modified())
+            .is_ok_and(|t| t <= committed_at);
+        if old && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        let _ = File::open(dir).and_then(|d| d.sync_all());
+    }
+    drop(lock);
+    removed
 }
 
 /// Delete a step directory whose lock `lock` the caller holds (see [`remove_step_dir`]).

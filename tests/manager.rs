@@ -383,3 +383,84 @@ fn multi_rank_steps_commit_once_and_retention_spares_a_save_in_progress() {
     assert!(!mgr.step_dir(40).exists());
     assert_eq!(mgr.steps().unwrap(), vec![30, 50]);
 }
+
+/// A multi-rank commit killed after its commit point (the manifest rename), before its own
+/// cleanup, leaves its ranks' part descriptors and an earlier dead attempt's files in the
+/// committed step (found by the chaos runs, tests/python/test_chaos.py). The manager's gc
+/// sweeps kept steps of exactly those: engine files their manifest does not name, not newer
+/// than the manifest, and never while the step is held.
+#[test]
+fn gc_sweeps_kept_steps_of_what_a_killed_commit_left() {
+    use ckptstore::write::parts::{new_checkpoint_id, CommitOptions};
+    let root = tempfile::tempdir().unwrap();
+    let mgr = CheckpointManager::new(root.path(), Retention::keep_last(2)).unwrap();
+    let dir = mgr.step_dir(10);
+    // An earlier attempt at step 10 died after writing rank 0's part.
+    let dead = new_checkpoint_id().unwrap();
+    let dead_part = write_rank(&mgr, 10, &dead, 0);
+    let dead_shards: Vec<String> = dead_part.shards.iter().map(|s| s.file.clone()).collect();
+    // The attempt that commits; keep copies of its part descriptors to plant them back as
+    // a commit killed before its cleanup would have left them.
+    let id = new_checkpoint_id().unwrap();
+    let parts: Vec<_> = (0..2).map(|r| write_rank(&mgr, 10, &id, r)).collect();
+    let descriptors: Vec<(String, Vec<u8>)> = parts
+        .iter()
+        .map(|p| {
+            let n = p.file_name();
+            let b = std::fs::read(dir.join(&n)).unwrap();
+            (n, b)
+        })
+        .collect();
+    let old = std::time::SystemTime::now() - Duration::from_secs(60);
+    ckptstore::write::parts::commit(&dir, &id, &parts, &CommitOptions::default()).unwrap();
+    for (n, b) in &descriptors {
+        std::fs::write(dir.join(n), b).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(dir.join(n))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+    }
+    // The commit's own sweep removed the dead attempt's files: plant one shard back, old.
+    let dead_shard = dir.join(&dead_shards[0]);
+    std::fs::write(&dead_shard, b"dead attempt").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&dead_shard)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    // A writer's file newer than the manifest, and a user's file: both stay.
+    let newer = dir.join(format!(
+        ".ckpt-tmp-shard-{}-00000.safetensors",
+        new_checkpoint_id().unwrap()
+    ));
+    std::fs::write(&newer, b"in flight").unwrap();
+    std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
+
+    // While a reader holds the step, nothing is swept.
+    {
+        let _held = mgr.open(10).unwrap();
+        assert_eq!(mgr.gc().unwrap().swept, 0);
+        assert!(dead_shard.is_file());
+    }
+    let report = mgr.gc().unwrap();
+    assert_eq!(report.swept, 3, "{report:?}");
+    assert!(report.deleted.is_empty());
+    for (n, _) in &descriptors {
+        assert!(!dir.join(n).exists(), "{n} survived gc");
+    }
+    assert!(!dead_shard.exists());
+    assert!(newer.is_file() && dir.join("notes.txt").is_file());
+    // The step is whole and reads back bit for bit.
+    let ck = mgr.open(10).unwrap();
+    ck.verify().unwrap();
+    assert_eq!(
+        ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        &w(10)[..]
+    );
+    // A second gc has nothing left to sweep.
+    drop(ck);
+    assert_eq!(mgr.gc().unwrap().swept, 0);
+}

@@ -485,7 +485,8 @@ class CheckpointManager:
 
     def gc(self) -> dict:
         """Apply retention now: ``{"deleted": [steps], "in_use": [steps a reader holds,
-        kept for now], "interrupted_removed": n}``."""
+        kept for now], "interrupted_removed": n, "swept": n}`` (``swept``: files removed
+        from kept steps that their manifest does not name)."""
         return self._native.gc()
 
     def lease(self, step: int) -> Any:

@@ -107,7 +107,7 @@ class CheckpointManager:
     def list(self) -> list[dict[str, Any]]:
         """``{"step", "path", "committed", "bytes"}`` per step directory or leftover."""
     def gc(self) -> dict[str, Any]:
-        """``{"deleted", "in_use", "interrupted_removed"}``."""
+        """``{"deleted", "in_use", "interrupted_removed", "swept"}``."""
     def lease(self, step: int) -> StepLease: ...
     def save(
         self,

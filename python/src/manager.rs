@@ -95,13 +95,16 @@ impl PyCheckpointManager {
             .collect()
     }
 
-    /// Apply retention now: `{"deleted": [...], "in_use": [...], "interrupted_removed": n}`.
+    /// Apply retention now: `{"deleted": [...], "in_use": [...], "interrupted_removed": n,
+    /// "swept": n}` (`swept`: engine files removed from kept steps whose manifest does not
+    /// name them).
     fn gc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = py.detach(|| self.inner.gc()).map_err(CkError)?;
         let d = PyDict::new(py);
         d.set_item("deleted", r.deleted)?;
         d.set_item("in_use", r.in_use)?;
         d.set_item("interrupted_removed", r.interrupted_removed)?;
+        d.set_item("swept", r.swept)?;
         Ok(d)
     }
 

@@ -24,6 +24,14 @@ pub struct Entry<'a> {
 }
 
 impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// The `chunk_of` table, built on first use.
+    fn chunk_of(&self) -> &[u32] {
+        self.chunk_of.get_or_init(|| match self.manifest() {
+            Some(m) => super::chunk_owners(m, &self.by_name),
+            None => Vec::new(),
+        })
+    }
+
     /// The logical catalog: every whole tensor and every global tensor, once each, in the
     /// order they are stored (a global tensor where its first chunk is); chunks and their
     /// replicas are not listed. For a checkpoint without global tensors these are exactly
@@ -34,7 +42,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         let mut listed = vec![false; globals.len()];
         let mut out = Vec::with_capacity(tensors.len());
         for (i, t) in tensors.iter().enumerate() {
-            let owner = self.chunk_of.get(i).copied().unwrap_or(NOT_A_CHUNK);
+            let owner = self.chunk_of().get(i).copied().unwrap_or(NOT_A_CHUNK);
             if owner == NOT_A_CHUNK {
                 out.push(Entry {
                     name: &t.name,
@@ -64,7 +72,11 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
 
     /// How many names [`Checkpoint::entries`] lists (without building the list).
     pub fn entry_count(&self) -> usize {
-        let chunks = self.chunk_of.iter().filter(|&&g| g != NOT_A_CHUNK).count();
+        let chunks = self
+            .chunk_of()
+            .iter()
+            .filter(|&&g| g != NOT_A_CHUNK)
+            .count();
         self.tensors().len() - chunks + self.globals.len()
     }
 
@@ -95,7 +107,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             .by_name
             .position(self.tensors(), name)
             .ok_or_else(not_found)?;
-        if self.chunk_of.get(i).is_some_and(|&g| g != NOT_A_CHUNK) {
+        if self.chunk_of().get(i).is_some_and(|&g| g != NOT_A_CHUNK) {
             return Err(not_found());
         }
         let t = &self.tensors()[i];

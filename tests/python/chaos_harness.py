@@ -336,27 +336,6 @@ def root_leftovers(root: Path, keep: List[int], lock: bool = True) -> List[str]:
     return out
 
 
-#: A known gap, reported, not papered over (test_chaos.py has its strict-xfail regression
-#: test): a multi-rank commit killed after its commit point (the manifest rename) leaves its
-#: ranks' part descriptors ``part-<id>-r<rank>.json``, and the files of earlier dead attempts
-#: at that step (their shards and parts), in the committed step directory: the commit's
-#: cleanup never ran, and the local manager's ``gc`` (src/manager.rs) only deletes whole
-#: steps and interrupted saves, never sweeps a step it keeps (the S3 manager's retention
-#: does). Only engine files (``shard-``, ``part-``, ``.ckpt-tmp-``) inside a committed step
-#: of a multi-rank run are counted as this gap; anything else left is a failure.
-KNOWN_GAP = "multi-rank commit killed after its commit point: its unswept files outlive gc"
-
-
-def is_unswept(leftover: str) -> bool:
-    p = Path(leftover)
-    if not (p.parent / "ckpt-manifest.json").is_file() or not p.is_file():
-        return False
-    n = p.name
-    return (n.startswith("part-") and n.endswith(".json")) or (
-        n.startswith("shard-") and n.endswith(".safetensors")
-    ) or n.startswith(".ckpt-tmp-")
-
-
 def s3_leftovers(prefix_dir: Path, keep: List[int]) -> List[str]:
     """``root_leftovers`` for the objects under an ``s3://`` manager root, read from the
     s3s-fs server's directory (an object is a file there; directories are not objects, and
@@ -393,11 +372,9 @@ class Stats:
     runs: int = 0
     seconds: float = 0.0
     life_max_s: float = 0.0  # the longest life's wall time
-    #: Files left in a kept multi-rank step (KNOWN_GAP), counted, not failed.
-    unswept: int = 0
 
     def add(self, o: "Stats") -> None:
-        for k in ("lives", "kills", "timer_kills", "not_reached", "steps_replayed", "leftovers", "runs", "unswept"):
+        for k in ("lives", "kills", "timer_kills", "not_reached", "steps_replayed", "leftovers", "runs"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.seconds += o.seconds
         for k, v in o.point_kills.items():
@@ -409,7 +386,7 @@ class Stats:
             f"runs {self.runs}, lives {self.lives}, kills survived {self.kills} "
             f"(named points: {pts or 'none'}; timer {self.timer_kills}), named kills not reached "
             f"{self.not_reached}, steps replayed {self.steps_replayed}, leftovers after gc "
-            f"{self.leftovers} (+ {self.unswept} unswept files of the known multi-rank gap), {self.seconds:.1f} s"
+            f"{self.leftovers}, {self.seconds:.1f} s"
         )
 
 
@@ -640,9 +617,6 @@ def _lives(
                 if bad:
                     raise ChaosFailure(f"{where}: rank {r}: final state differs from the baseline in {bad}")
             left = final_gc_and_leftovers(spec, root)
-            known = [x for x in left if spec.mode == "dist" and is_unswept(x)]
-            left = [x for x in left if x not in known]
-            stats.unswept += len(known)
             stats.leftovers += len(left)
             if left:
                 raise ChaosFailure(f"{where}: left after gc: {left}")

@@ -197,14 +197,14 @@ def test_dist_chaos_random_rank_killed(chaos):
     assert st.kills >= 1 and st.leftovers == 0
 
 
-@pytest.mark.xfail(strict=True, reason=ch.KNOWN_GAP)
 def test_dist_commit_killed_after_its_commit_point_leaves_nothing_after_gc(chaos):
     """The last save's multi-rank commit is killed just after its manifest rename (the
-    commit point): the step is committed, and gc should leave only what its manifest names.
-    Today its ranks' part descriptors stay (src/manager.rs ``gc`` never sweeps a kept step),
-    as do the files of earlier dead attempts at that step (the random runs count them)."""
+    commit point): the step is committed, and gc leaves only what its manifest names (the
+    manager's gc sweeps kept steps of their ranks' part descriptors and of the files of
+    earlier dead attempts at that step; before, they stayed for as long as the step was
+    kept)."""
     kill = {"point": "after-manifest-rename", "n": 2, "rank": 0}
     spec = ch.RunSpec("dist", SEED, 1, steps=6, schedule=[kill])
     st = _run(chaos, spec)
     assert st.kills == 1
-    assert st.unswept == 0, f"{st.unswept} files left after gc in the committed step"
+    assert st.leftovers == 0, f"{st.leftovers} files left after gc in the committed step"

@@ -29,7 +29,7 @@ pub struct GcArgs {
     /// Also keep every step that is a multiple of M.
     #[arg(long)]
     every: Option<u64>,
-    /// Print one JSON object: `{deleted:[steps], in_use:[steps], interrupted_removed}`.
+    /// Print one JSON object: `{deleted:[steps], in_use:[steps], interrupted_removed, swept}`.
     #[arg(long)]
     json: bool,
 }
@@ -150,12 +150,12 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
     if a.json {
         println!(
             "{}",
-            json!({"deleted": r.deleted, "in_use": r.in_use, "interrupted_removed": r.interrupted_removed})
+            json!({"deleted": r.deleted, "in_use": r.in_use, "interrupted_removed": r.interrupted_removed, "swept": r.swept})
         );
     } else {
         println!(
-            "deleted steps {:?}; kept {:?} (held open by a reader); removed {} interrupted save(s)",
-            r.deleted, r.in_use, r.interrupted_removed
+            "deleted steps {:?}; kept {:?} (held open by a reader); removed {} interrupted save(s); swept {} leftover file(s) from kept steps",
+            r.deleted, r.in_use, r.interrupted_removed, r.swept
         );
     }
     Ok(ExitCode::SUCCESS)
