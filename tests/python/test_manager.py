@@ -479,5 +479,5 @@ def test_numpy_level_manager(tmp_path):
         np.testing.assert_array_equal(ck["w"], w + 250)
         assert ck.metadata == {"step": 250}
         assert ck.load_optimizer()["param_groups"][0]["lr"] == 0.1
-    assert mgr.gc() == {"deleted": [], "in_use": [], "interrupted_removed": 0}
+    assert mgr.gc() == {"deleted": [], "in_use": [], "interrupted_removed": 0, "swept": 0}
     assert mgr.step_dir(250) == Path(lease.path)

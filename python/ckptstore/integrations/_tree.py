@@ -47,6 +47,7 @@ import numpy as np
 
 from .. import _WIRE, _ckptstore, _prepare, open as _open
 from ..errors import InvalidArgumentError
+from ..torch.manager import _Handle, _Snapshot
 
 __all__ = ["save_tree", "load_tree", "TreeSaver", "TreeSaveHandle", "PickleNotAllowedError", "TREE_KEY"]
 
@@ -394,30 +395,12 @@ def load_tree(
 # ---- non-blocking saves ------------------------------------------------------------------
 
 
-class TreeSaveHandle:
-    """A save started by :meth:`TreeSaver.save`."""
+class TreeSaveHandle(_Handle):
+    """A save started by :meth:`TreeSaver.save` (``done()``, ``wait(timeout)``)."""
 
     def __init__(self, location: str) -> None:
+        super().__init__(repr(location))
         self.location = location
-        self._event = threading.Event()
-        self._info: Optional[dict] = None
-        self._error: Optional[BaseException] = None
-        self._reported = False
-
-    def done(self) -> bool:
-        """True once the save has committed or failed (never blocks)."""
-        return self._event.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> dict:
-        """Wait for the commit; return its info, or raise the save's error (or
-        ``TimeoutError`` after ``timeout`` seconds)."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"the save to {self.location!r} is still in flight")
-        self._reported = True
-        if self._error is not None:
-            raise self._error
-        assert self._info is not None
-        return self._info
 
 
 class TreeSaver:
@@ -460,8 +443,6 @@ class TreeSaver:
         """Snapshot ``obj`` and save it to ``location`` in the background; the live tensors
         may change as soon as this returns. Raises an earlier save's unreported error, and
         :class:`PickleNotAllowedError` (nothing saved) as :func:`save_tree` does."""
-        from ..torch.manager import _Snapshot
-
         if self._closed:
             raise InvalidArgumentError("the TreeSaver is closed")
         self._slots.acquire()
@@ -504,8 +485,7 @@ class TreeSaver:
             with self._lock:
                 self._free.append(snap)
             self._slots.release()
-            h._info, h._error = info, err
-            h._event.set()
+            h._finish(info, err)
 
     def _raise_unreported(self) -> None:
         with self._lock:

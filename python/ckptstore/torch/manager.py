@@ -171,32 +171,27 @@ class _Snapshot:
         return total
 
 
-class SaveHandle:
-    """A save started by :meth:`CheckpointManager.save`."""
+class _Handle:
+    """A background save's outcome: set once by the writer thread, read by the caller.
+    ``what`` names the save in the timeout message."""
 
-    def __init__(self, step: int) -> None:
-        self._step = step
+    def __init__(self, what: str) -> None:
+        self._what = what
         self._event = threading.Event()
         self._info: Optional[dict] = None
         self._error: Optional[BaseException] = None
         self._reported = False
-
-    @property
-    def step(self) -> int:
-        """The step being saved."""
-        return self._step
 
     def done(self) -> bool:
         """True once the save has finished, committed or failed (never blocks)."""
         return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> dict:
-        """Wait until the step is committed and durable (and retention applied); return
-        the commit info (``checkpoint_id``, ``shards``, ``tensors``, ``data_bytes``,
-        ``removed``). Raises the save's error (a :class:`ckptstore.CheckpointError`), or
-        ``TimeoutError`` if ``timeout`` seconds pass first."""
+        """Wait until the save is committed and durable; return the commit info. Raises
+        the save's error (a :class:`ckptstore.CheckpointError`), or ``TimeoutError`` if
+        ``timeout`` seconds pass first."""
         if not self._event.wait(timeout):
-            raise TimeoutError(f"the save of step {self._step} is still in flight")
+            raise TimeoutError(f"the save of {self._what} is still in flight")
         self._reported = True
         if self._error is not None:
             raise self._error
@@ -207,6 +202,26 @@ class SaveHandle:
         self._info = info
         self._error = error
         self._event.set()
+
+
+class SaveHandle(_Handle):
+    """A save started by :meth:`CheckpointManager.save`."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step}")
+        self._step = step
+
+    @property
+    def step(self) -> int:
+        """The step being saved."""
+        return self._step
+
+    def wait(self, timeout: Optional[float] = None) -> dict:
+        """Wait until the step is committed and durable (and retention applied); return
+        the commit info (``checkpoint_id``, ``shards``, ``tensors``, ``data_bytes``,
+        ``removed``). Raises the save's error (a :class:`ckptstore.CheckpointError`), or
+        ``TimeoutError`` if ``timeout`` seconds pass first."""
+        return super().wait(timeout)
 
     def __repr__(self) -> str:
         state = "in flight" if not self.done() else ("failed" if self._error else "committed")
