@@ -182,8 +182,12 @@ def test_local_chaos_named_points_reproducible(chaos, offset):
 
 
 def test_local_chaos_with_timer_kills(chaos):
+    """Timer kills on top of named ones: every invariant holds whenever the kills land. How
+    many lives a timer kills depends on the machine's speed (a life that finishes before its
+    timer ends the run), so only the invariants are asserted here; the named-point tests
+    above make sure kills happen."""
     st = _run(chaos, ch.RunSpec("local", SEED + 2, 12, timer=0.6))
-    assert st.kills >= 1 and st.leftovers == 0
+    assert st.leftovers == 0 and st.lives == st.kills + 1
 
 
 def test_s3_chaos(chaos):
