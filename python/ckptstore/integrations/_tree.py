@@ -25,7 +25,9 @@ them before the object is returned, so a damaged checkpoint raises
 
 Dict subclasses other than ``OrderedDict`` come back as plain dicts (Lightning's
 ``AttributeDict`` and the like); list and tuple subclasses as lists and tuples, except
-``torch.Size``.
+``torch.Size``; subclasses of ``int``, ``float`` and ``str`` (``IntEnum`` and ``str`` enum
+members among them) as their plain values: rebuilding them would mean importing a class
+named by the checkpoint.
 
 :class:`TreeSaver` saves without blocking: it copies every tensor into snapshot buffers that
 the next save of the same structure reuses (no allocation after the first save), and writes
@@ -94,9 +96,11 @@ class _Flattener:
         self.by_id: Dict[int, str] = {}
         self.torch = None
         try:
-            self.torch = _torch()
+            import torch  # noqa: F401 - only whether it is installed
         except ImportError:
-            pass
+            pass  # numpy-only trees
+        else:
+            self.torch = _torch()
 
     def _name(self, path: str) -> str:
         name = path or "."
