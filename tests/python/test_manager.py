@@ -481,3 +481,18 @@ def test_numpy_level_manager(tmp_path):
         assert ck.load_optimizer()["param_groups"][0]["lr"] == 0.1
     assert mgr.gc() == {"deleted": [], "in_use": [], "interrupted_removed": 0, "swept": 0}
     assert mgr.step_dir(250) == Path(lease.path)
+
+
+def test_a_manager_root_url_is_refused_not_created_locally(tmp_path, monkeypatch):
+    """A manager works on local directories: an s3:// root is refused (it used to create a
+    local directory ``s3:/bucket/run``), in the engine's manager and the torch one."""
+    import ckptstore.torch as ct
+
+    monkeypatch.chdir(tmp_path)
+    for make in (
+        lambda: ckptstore.CheckpointManager("s3://bucket/run", keep_last=2),
+        lambda: ct.CheckpointManager("s3://bucket/run", keep_last=2),
+    ):
+        with pytest.raises(ckptstore.InvalidArgumentError, match="CheckpointManager::new takes a local path"):
+            make()
+    assert list(tmp_path.iterdir()) == []
