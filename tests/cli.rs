@@ -349,3 +349,36 @@ fn convert_rewrites_state_and_weights_in_another_dtype() {
         Some(2)
     );
 }
+
+/// Output into a closed pipe (`ckpt inspect X | head`) ends the process quietly with the
+/// shell's SIGPIPE status, never a panic. The pipe's read end is closed before the process
+/// starts, so every write meets it closed.
+#[test]
+fn a_closed_stdout_pipe_is_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = vec![1.0f32; 16];
+    save(
+        dir.path(),
+        &[TensorRef::from_slice("w", &[4, 4], &w)],
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let d = dir.path().to_str().unwrap();
+    for args in [
+        &["inspect", d][..],
+        &["inspect", d, "--json"],
+        &["verify", d],
+        &["ls", d],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .args(args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(o.status.code(), Some(141), "{args:?}: {err}");
+    }
+}

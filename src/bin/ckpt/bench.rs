@@ -247,40 +247,44 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 o.insert(format!("{key}_ratio"), json!(v / c.raw_gibps));
             }
         }
-        println!("{}", serde_json::Value::Object(o));
+        outln!("{}", serde_json::Value::Object(o));
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "ckpt bench: {} of FP32 state in {n_t} tensors, best of {} runs, hot page cache",
         human(bytes),
         a.reps
     );
-    println!("loads (CRC checked) into pooled buffers, and into fresh memory (_fresh)");
-    println!(
+    outln!("loads (CRC checked) into pooled buffers, and into fresh memory (_fresh)");
+    outln!(
         "{:<22} {:>9}   {:<30} {:>9}   {:>6}",
-        "measure", "GiB/s", "baseline (same run)", "GiB/s", "ratio"
+        "measure",
+        "GiB/s",
+        "baseline (same run)",
+        "GiB/s",
+        "ratio"
     );
     for (name, v, base, b) in rows {
-        println!("{name:<22} {v:>9.2}   {base:<30} {b:>9.2}   {:>6.2}", v / b);
+        outln!("{name:<22} {v:>9.2}   {base:<30} {b:>9.2}   {:>6.2}", v / b);
     }
-    println!("{:<22} {:>9.2}", "open (ms)", open_s * 1e3);
+    outln!("{:<22} {:>9.2}", "open (ms)", open_s * 1e3);
     for (w, r) in ways.iter().zip(raw_each) {
-        println!(
+        outln!(
             "  save baseline candidate {:<22} {:>9.2} GiB/s",
             w.name(),
             g(r)
         );
     }
     if let Some(c) = &cold {
-        println!(
+        outln!(
             "cold page cache (shard files evicted before each run; {} of {} pages cached after eviction)",
             c.cached_after_evict.0, c.cached_after_evict.1
         );
         for (n, v) in &c.raw_by_readers {
-            println!("  raw cold pread, {n} reader(s), 8 MiB blocks: {v:.2} GiB/s");
+            outln!("  raw cold pread, {n} reader(s), 8 MiB blocks: {v:.2} GiB/s");
         }
         for (t, st, v) in &c.loads {
-            println!(
+            outln!(
                 "{:<40} {v:>9.2}   {:<30} {:>9.2}   {:>6.2}",
                 format!("load_{t}_cold ({st})"),
                 "raw_read_cold (best readers)",

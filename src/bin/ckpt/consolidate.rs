@@ -117,7 +117,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         .map_err(|e| Error::InvalidArgument(format!("cannot encode {HF_INDEX_FILE}: {e}")))?;
     bytes.push(b'\n');
     ckptstore::store::put_file(&out, HF_INDEX_FILE, &bytes)?;
-    println!(
+    outln!(
         "consolidated {} global tensor(s) and {} whole tensor(s) into {} tensors ({}) in {} shard(s) at {} (checkpoint {}); {} lists {} model tensor(s)",
         ck.globals().len(),
         info.tensors - ck.globals().len(),

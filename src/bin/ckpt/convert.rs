@@ -194,7 +194,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         return Err(Error::InvalidArgument("nothing was written".into()));
     }
     let kept_total: usize = kept.values().sum();
-    println!(
+    outln!(
         "wrote {} tensors ({}) into {} ({} shard(s), checkpoint {}); of the source's {}: {n_converted} converted to {}, {kept_total} kept as stored",
         info.tensors,
         human(info.data_bytes),
@@ -205,7 +205,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         a.dtype.name(),
     );
     for (why, n) in &kept {
-        println!("  kept as stored: {n} {why}");
+        outln!("  kept as stored: {n} {why}");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -39,7 +39,7 @@ struct Checks {
 
 impl Checks {
     fn check(&mut self, what: &str, ok: bool, detail: String) {
-        println!(
+        outln!(
             "  [{}] {what}{}",
             if ok { "ok" } else { "FAIL" },
             if ok {
@@ -100,7 +100,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let storage = Storage::F16Scaled;
     let mut opt = refopt::optimizer_for(&model, &h, 2);
     let n_elems: u64 = model.params.values().map(|(_, v)| v.len() as u64).sum();
-    println!(
+    outln!(
         "ckpt demo: {} parameters, {n_elems} elements; Adam with FP16-scaled moments ({} of optimizer state)",
         specs.len(),
         human(n_elems * 4)
@@ -109,7 +109,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     for s in 1..=a.steps {
         refopt::step(&mut model, &mut opt, &h, storage, s);
     }
-    println!(
+    outln!(
         "trained {} steps in {:.2} s",
         a.steps,
         t.elapsed().as_secs_f64()
@@ -127,7 +127,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let info = opt.save(&dir, &refopt::model_refs(&model), &opts)?;
     let save_s = t.elapsed().as_secs_f64();
     let bytes = info.data_bytes;
-    println!(
+    outln!(
         "saved {} in {} shards to {} ({} tensors)",
         human(bytes),
         info.shards,
@@ -220,34 +220,34 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let memcpy_s = t.elapsed().as_secs_f64();
     let mc = gibps(state_bytes, memcpy_s);
 
-    println!("\nthroughput (this machine, this run):");
-    println!(
+    outln!("\nthroughput (this machine, this run):");
+    outln!(
         "  save     {:>7.2} GiB/s  ({} incl. fsync)",
         gibps(bytes, save_s),
         human(bytes)
     );
-    println!(
+    outln!(
         "  open     {:>7.2} ms     ({} tensors, no data read)",
         open_s * 1e3,
         info.tensors
     );
-    println!("  verify   {:>7.2} GiB/s", gibps(bytes, verify_s));
-    println!(
+    outln!("  verify   {:>7.2} GiB/s", gibps(bytes, verify_s));
+    outln!(
         "  load     {:>7.2} GiB/s  (optimizer state into fresh FP16-scaled buffers, CRC checked; {:.2}x memcpy)",
         gibps(state_bytes, load_s),
         gibps(state_bytes, load_s) / mc
     );
-    println!(
+    outln!(
         "  memcpy   {:>7.2} GiB/s  (parallel, fresh destination)",
         mc
     );
     if a.dir.is_none() {
-        println!("(checkpoint in a temporary directory, removed; use --dir to keep it)");
+        outln!("(checkpoint in a temporary directory, removed; use --dir to keep it)");
     }
     if checks.failed > 0 {
-        println!("\n{} check(s) FAILED", checks.failed);
+        outln!("\n{} check(s) FAILED", checks.failed);
         return Ok(ExitCode::from(1));
     }
-    println!("\nall checks passed");
+    outln!("\nall checks passed");
     Ok(ExitCode::SUCCESS)
 }

@@ -73,17 +73,17 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let cb = crate::util::open(&a.b)?;
     let d = first_difference(&ca, &cb);
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"same": d.is_none(), "difference": d})
         );
     } else {
         match &d {
-            None => println!(
+            None => outln!(
                 "same: {} tensors, identical names, dtypes, shapes and bytes",
                 ca.tensors().len()
             ),
-            Some(s) => println!("differ: {s}"),
+            Some(s) => outln!("differ: {s}"),
         }
     }
     Ok(if d.is_none() {

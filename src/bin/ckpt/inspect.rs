@@ -71,12 +71,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "optimizer": ck.manifest().and_then(|m| m.optimizer.as_ref()),
             "globals": globals,
         });
-        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{} ({kind})", a.path.display());
+    outln!("{} ({kind})", a.path.display());
     if let Some(m) = ck.manifest() {
-        println!("checkpoint id: {}", m.checkpoint_id);
+        outln!("checkpoint id: {}", m.checkpoint_id);
     }
     let w = ck
         .tensors()
@@ -85,12 +85,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
         .max()
         .unwrap_or(4)
         .clamp(4, 60);
-    println!(
+    outln!(
         "{:<w$}  {:<5}  {:<20}  {:>12}  shard",
-        "name", "dtype", "shape", "bytes"
+        "name",
+        "dtype",
+        "shape",
+        "bytes"
     );
     for t in ck.tensors() {
-        println!(
+        outln!(
             "{:<w$}  {:<5}  {:<20}  {:>12}  {}",
             t.name.escape_debug().to_string(),
             t.dtype.name(),
@@ -99,17 +102,17 @@ pub fn run(a: Args) -> Result<ExitCode> {
             ck.shards()[t.shard].file
         );
     }
-    println!(
+    outln!(
         "{} tensors, {} in {} shard file(s)",
         ck.tensors().len(),
         human(total),
         ck.shards().len()
     );
     if !ck.globals().is_empty() {
-        println!("global tensors (stored as the chunk tensors above):");
+        outln!("global tensors (stored as the chunk tensors above):");
         for g in ck.globals() {
             let replicas: usize = g.chunks.iter().map(|c| c.replicas.len()).sum();
-            println!(
+            outln!(
                 "  {}  {}  {:?}  {} chunk(s){}",
                 g.name.escape_debug(),
                 g.dtype.name(),
@@ -122,7 +125,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 }
             );
             for c in &g.chunks {
-                println!(
+                outln!(
                     "    offsets {:?} shape {:?}: {}",
                     c.offsets,
                     c.shape,
@@ -133,11 +136,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let meta = ck.metadata();
     if meta.as_object().is_some_and(|o| !o.is_empty()) {
-        println!("metadata: {meta}");
+        outln!("metadata: {meta}");
     }
     if let Some(o) = ck.manifest().and_then(|m| m.optimizer.as_ref()) {
         let with_state = o.params.iter().filter(|p| !p.state.is_empty()).count();
-        println!(
+        outln!(
             "optimizer: {} group(s), {} parameter(s), {with_state} with state",
             o.groups.len(),
             o.params.len()

@@ -1,6 +1,13 @@
 //! `ckpt`: inspect, verify, pack, diff and demo ckptstore checkpoints.
 #![deny(unsafe_code)]
 
+/// `println!` that never panics: a closed pipe (`ckpt inspect X | head`) ends the process
+/// quietly with the shell's SIGPIPE status (141), other write errors with status 1.
+macro_rules! outln {
+    () => { $crate::write_stdout(format_args!("\n")) };
+    ($($t:tt)*) => { $crate::write_stdout(format_args!("{}\n", format_args!($($t)*))) };
+}
+
 mod bench;
 mod consolidate;
 mod convert;
@@ -85,6 +92,18 @@ enum Cmd {
     /// Test-only: write one rank's part of a synthetic multi-rank checkpoint.
     #[command(name = "_write-part", hide = true)]
     WritePart(write_part::Args),
+}
+
+/// Write to stdout; see [`outln!`].
+pub(crate) fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    if let Err(e) = std::io::stdout().lock().write_fmt(args) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        eprintln!("error: cannot write to stdout: {e}");
+        std::process::exit(1);
+    }
 }
 
 fn main() -> ExitCode {

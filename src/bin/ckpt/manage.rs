@@ -102,7 +102,7 @@ pub fn ls(a: LsArgs) -> Result<ExitCode> {
             .iter()
             .map(|(step, path, committed, bytes)| json!({"step": step, "path": path, "committed": committed, "bytes": bytes}))
             .collect();
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(
                 &json!({"root": a.root, "latest": latest, "steps": steps})
@@ -112,7 +112,7 @@ pub fn ls(a: LsArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if entries.is_empty() {
-        println!("no steps under {}", a.root.display());
+        outln!("no steps under {}", a.root.display());
     }
     for (step, path, committed, bytes) in &entries {
         let mark = if Some(*step) == latest && *committed {
@@ -125,7 +125,7 @@ pub fn ls(a: LsArgs) -> Result<ExitCode> {
         } else {
             "UNCOMMITTED (interrupted save; gc removes it)"
         };
-        println!("{step:>10}  {:>12}  {state}  {path}{mark}", human(*bytes));
+        outln!("{step:>10}  {:>12}  {state}  {path}{mark}", human(*bytes));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -148,12 +148,12 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
         Location::Remote(u) => return Err(no_s3(&u)),
     };
     if a.json {
-        println!(
+        outln!(
             "{}",
             json!({"deleted": r.deleted, "in_use": r.in_use, "interrupted_removed": r.interrupted_removed, "swept": r.swept})
         );
     } else {
-        println!(
+        outln!(
             "deleted steps {:?}; kept {:?} (held open by a reader); removed {} interrupted save(s); swept {} leftover file(s) from kept steps",
             r.deleted, r.in_use, r.interrupted_removed, r.swept
         );

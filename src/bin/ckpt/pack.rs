@@ -85,7 +85,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let info =
         ckptstore::store::save_with_section(&out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
     pb.finish_and_clear();
-    println!(
+    outln!(
         "packed {} tensors ({}) into {} shard(s) at {} (checkpoint {})",
         info.tensors,
         human(info.data_bytes),

@@ -30,7 +30,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                                         "tensors": r.tensors, "bytes": r.bytes, "error": null}),
             Err(e) => serde_json::json!({"path": a.path, "ok": false, "error": e.to_string()}),
         };
-        println!("{v}");
+        outln!("{v}");
         return Ok(if res.is_ok() {
             ExitCode::SUCCESS
         } else {
@@ -39,13 +39,13 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let r = res?;
     if r.checksummed {
-        println!(
+        outln!(
             "ok: {} tensors, {} checked against their CRC32",
             r.tensors,
             human(r.bytes)
         );
     } else {
-        println!("ok: structure valid; this store has no checksums to check (plain safetensors / Hugging Face)");
+        outln!("ok: structure valid; this store has no checksums to check (plain safetensors / Hugging Face)");
     }
     Ok(ExitCode::SUCCESS)
 }
