@@ -21,7 +21,8 @@ resharding on load); ckptstore stores it:
   together (each global tensor tiled exactly once), then the manifest, written last and
   fsynced, the only commit point. Until then the previous checkpoint in the directory stays
   the committed one; files of dead attempts and of older checkpoints are removed by the
-  commit (or ``ckpt gc``).
+  commit, or, for a commit killed after its commit point, by the next commit into the
+  directory (and, for a step of a manager root, by the manager's ``gc`` / ``ckpt gc ROOT``).
 * DCP's ``Metadata`` lives in the manifest as JSON (metadata key ``torch.distributed.checkpoint``):
   per state-dict entry its kind, dtype and tensor properties, DCP's planner data and storage
   meta. The chunk layout is not copied there: ``read_metadata`` rebuilds it from the
