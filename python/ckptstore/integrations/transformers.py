@@ -395,7 +395,10 @@ class Trainer(transformers.Trainer):
     * ``ckptstore_allow_pickle`` (default ``False``): store (and load) values that only
       pickle can store; see the module docs for what that trusts;
     * ``ckptstore_max_shard_size``: most tensor bytes per shard (default: the engine's);
-    * ``ckptstore_async`` (default ``False``): non-blocking saves (module docs).
+    * ``ckptstore_async`` (default ``False``): non-blocking saves (module docs);
+    * ``ckptstore_allow_optimizer_change`` (default ``False``): resume a checkpoint saved by
+      another optimizer class (``ckptstore.torch.load``'s ``allow_optimizer_change``); without
+      it such a resume raises ``IncompatibleStateError`` naming both classes.
     """
 
     def __init__(
@@ -404,9 +407,11 @@ class Trainer(transformers.Trainer):
         ckptstore_allow_pickle: bool = False,
         ckptstore_max_shard_size: Optional[int] = None,
         ckptstore_async: bool = False,
+        ckptstore_allow_optimizer_change: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.ckptstore_allow_optimizer_change = bool(ckptstore_allow_optimizer_change)
         self.ckptstore_allow_pickle = bool(ckptstore_allow_pickle)
         self.ckptstore_max_shard_size = ckptstore_max_shard_size
         self.ckptstore_async = bool(ckptstore_async)
@@ -666,7 +671,12 @@ class Trainer(transformers.Trainer):
         with _naming(checkpoint, "resuming from"):
             with _open(checkpoint) as ck:
                 has_opt = ck.has_optimizer
-            _ct.load(checkpoint, model, self.optimizer if has_opt else None)
+            _ct.load(
+                checkpoint,
+                model,
+                self.optimizer if has_opt else None,
+                allow_optimizer_change=self.ckptstore_allow_optimizer_change,
+            )
         self._ckptstore_pending_model = None
         if has_opt and tree.get("scheduler") is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(tree["scheduler"])
@@ -781,11 +791,16 @@ def save_state(
 
 
 def load_state(
-    accelerator: Any, input_dir: "str | os.PathLike[str]", *, allow_pickle: bool = False
+    accelerator: Any,
+    input_dir: "str | os.PathLike[str]",
+    *,
+    allow_pickle: bool = False,
+    allow_optimizer_change: bool = False,
 ) -> None:
     """Restore what :func:`save_state` saved into the prepared objects of ``accelerator``.
-    Everything is read and checked (names, shapes, counts, every CRC32) before the model or
-    the optimizer changes; the optimizer state is replaced whole."""
+    Everything is read and checked (names, shapes, counts, the optimizer class unless
+    ``allow_optimizer_change``, every CRC32) before the model or the optimizer changes; the
+    optimizer state is replaced whole."""
     model, opt = _accelerate_parts(accelerator)
     where = os.fspath(input_dir)
     with _naming(where, "loading the state from"):
@@ -803,7 +818,7 @@ def load_state(
         with _open(input_dir) as ck:
             if opt is not None and not ck.has_optimizer:
                 raise InvalidArgumentError("it holds no optimizer state")
-        _ct.load(input_dir, model, opt)
+        _ct.load(input_dir, model, opt, allow_optimizer_change=allow_optimizer_change)
     for s, st in zip(accelerator._schedulers, tree["schedulers"]):
         s.load_state_dict(st)
     for dl, st in zip(accelerator._dataloaders, tree["dataloaders"]):

@@ -199,6 +199,27 @@ def _param_names(model: Any, optimizer: Any) -> list[str]:
     return names
 
 
+#: Pass-through optimizer wrappers of the frameworks (class name -> attribute holding the
+#: optimizer that runs): Accelerate's ``AcceleratedOptimizer`` (the Hugging Face Trainer)
+#: and Lightning's ``LightningOptimizer``.
+_WRAPPERS = {"AcceleratedOptimizer": "optimizer", "LightningOptimizer": "_optimizer"}
+
+
+def _optimizer_class(optimizer: Any) -> str:
+    """The class name recorded for ``optimizer`` and compared at load (rule F1): the class
+    of the optimizer that runs, seen through the frameworks' pass-through wrappers, so that
+    an AdamW checkpoint is AdamW whether a Trainer wrapped it or not."""
+    seen = 0
+    while seen < 8:
+        attr = _WRAPPERS.get(type(optimizer).__name__)
+        inner = getattr(optimizer, attr, None) if attr else None
+        if inner is None:
+            break
+        optimizer = inner
+        seen += 1
+    return type(optimizer).__name__
+
+
 def _encode_groups(param_groups: list, names: list) -> list:
     """The optimizer state dict's parameter groups as stored: hyperparameters as JSON
     values, parameters by their names (``names[i]`` for index ``i``)."""
@@ -257,7 +278,7 @@ def _build_items(
             "state": state,
         }
         optim = _optimizer_parts(opt, prepare=prepare)
-        meta["optimizer"] = {"class": type(optimizer).__name__, "values": values}
+        meta["optimizer"] = {"class": _optimizer_class(optimizer), "values": values}
     for k, v in (extra or {}).items():
         if not isinstance(k, str):
             raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
@@ -319,7 +340,8 @@ def load(
     be in the checkpoint with the same shape (with ``strict``, the checkpoint must not hold
     model entries the model lacks); the optimizer must fit the checkpoint's by the rule of
     :func:`ckptstore.check_optimizer_fit` (format-spec/optimizer.md §Compatibility): the
-    same optimizer class as the one saved (``type(optimizer).__name__``, recorded by
+    same optimizer class as the one saved (``type(optimizer).__name__`` of the optimizer
+    that runs, seen through Accelerate's and Lightning's wrappers; recorded by
     :func:`save`), as many parameter groups, matched by position, each naming the same
     parameters (by model name, in any order) with the same shapes; every tensor used is
     read and its CRC32 checked. Any failure raises a :class:`ckptstore.CheckpointError`
@@ -648,7 +670,11 @@ def _check_fit(
     each ``{"params": [names], ...}``, its ``{name: shape}`` and its class, ``None`` if
     not recorded) fits the live ``optimizer``, whose parameters are called ``names`` (in
     ``state_dict()`` index order): the one rule, :func:`ckptstore.check_optimizer_fit`
-    (the Rust engine's). Also for :mod:`ckptstore.torch.distributed`."""
+    (the Rust engine's). Also for :mod:`ckptstore.torch.distributed`. A recorded class
+    that is a framework's wrapper (checkpoints written before the class was seen through
+    them) says nothing about the optimizer, and is not compared."""
+    if saved_class in _WRAPPERS:
+        saved_class = None
     live = []
     pos = 0
     for g in optimizer.param_groups:
@@ -667,7 +693,7 @@ def _check_fit(
     check_optimizer_fit(
         live,
         saved,
-        live_class=type(optimizer).__name__,
+        live_class=_optimizer_class(optimizer),
         saved_class=saved_class,
         allow_optimizer_change=allow_optimizer_change,
     )
@@ -678,7 +704,7 @@ def _changed_class(optimizer: Any, saved_class: Any, allow_optimizer_change: boo
     return (
         allow_optimizer_change
         and isinstance(saved_class, str)
-        and saved_class != type(optimizer).__name__
+        and saved_class != _optimizer_class(optimizer)
     )
 
 

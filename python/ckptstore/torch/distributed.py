@@ -36,6 +36,7 @@ from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentErr
 from . import (
     _changed_class,
     _check_fit,
+    _optimizer_class,
     _decode,
     _encode,
     _encode_groups,
@@ -109,7 +110,7 @@ def save(
                     values.setdefault(n, {})[k] = _encode(v, f"parameter {n!r}, state {k!r}")
         sd["optim"] = state
         meta["optimizer"] = {
-            "class": type(optimizer).__name__,
+            "class": _optimizer_class(optimizer),
             "groups": groups,
             "param_shapes": {n: list(p.shape) for n, p in zip(names, params)},
             "state_keys": keys,

@@ -273,6 +273,37 @@ def test_optimizer_state_the_checkpoint_does_not_name_is_gone(tmp_path):
     assert frozen not in opt.state  # still frozen: the step made none
 
 
+def test_a_resume_into_another_optimizer_class_is_refused_unless_allowed(tmp_path):
+    """A checkpoint saved with AdamW resumed by a Trainer whose optimizer is SGD: refused at
+    the resume naming both classes, nothing changed (issue 27: before, SGD got AdamW's
+    groups and its next step raised KeyError 'momentum'); with
+    ckptstore_allow_optimizer_change=True it resumes, and SGD trains on."""
+    out = tmp_path / "run"
+    tt.make_trainer(str(out), 2, 2).train()
+
+    def sgd_trainer(**kw):
+        model = tt.make_model()
+        # The Trainer's own two groups (weight decay, no weight decay), as AdamW had them.
+        decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if n in decay]},
+            {"params": [p for n, p in model.named_parameters() if n not in decay]},
+        ]
+        opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
+        return tt.make_trainer(str(out), 3, 2, model=model, optimizers=(opt, None), **kw), model
+
+    trainer, model = sgd_trainer()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ckptstore.IncompatibleStateError, match=r"AdamW.*SGD|SGD.*AdamW"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, before[n]), f"{n} changed by a refused resume"
+    trainer, _ = sgd_trainer(ckptstore_allow_optimizer_change=True)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert trainer.state.global_step == 3
+    assert all("momentum_buffer" in st for st in trainer.optimizer.state.values())
+
+
 def wait_for(marker: Path, child: subprocess.Popen) -> None:
     deadline = time.monotonic() + EVENT_TIMEOUT
     while not marker.exists():

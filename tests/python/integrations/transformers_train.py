@@ -78,7 +78,7 @@ def make_args(out: str, max_steps: int, save_steps: int, **kw: Any) -> Any:
 
 
 def make_trainer(out: str, max_steps: int, save_steps: int, cls: Any = Trainer, **kw: Any) -> Any:
-    trainer_kw = {k: kw.pop(k) for k in list(kw) if k in ("optimizers", "eval_dataset", "compute_metrics", "ckptstore_async")}
+    trainer_kw = {k: kw.pop(k) for k in list(kw) if k in ("optimizers", "eval_dataset", "compute_metrics", "ckptstore_async", "ckptstore_allow_optimizer_change")}
     model = kw.pop("model", None) or make_model()
     return cls(model=model, args=make_args(out, max_steps, save_steps, **kw), train_dataset=Tokens(), **trainer_kw)
 
