@@ -140,7 +140,14 @@ def _prepare(name: str, value: Any) -> tuple[str, str, np.ndarray]:
     byte order and non-negative whole-element strides (copied only when not so)."""
     if not isinstance(name, str):
         raise InvalidTensorError(f"tensor names must be strings, got {name!r}")
-    a = value if isinstance(value, np.ndarray) else np.asarray(value)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidTensorError(f"tensor name {name!r} is not valid UTF-8") from None
+    try:
+        a = value if isinstance(value, np.ndarray) else np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise InvalidTensorError(f"tensor {name!r}: not an array: {e}") from e
     wire = wire_dtype(a.dtype)
     if a.dtype.byteorder == (">" if np.little_endian else "<"):
         a = a.astype(a.dtype.newbyteorder("="))
@@ -152,6 +159,16 @@ def _prepare(name: str, value: Any) -> tuple[str, str, np.ndarray]:
 
 
 _StateEntry = tuple[str, str, tuple[str, str, np.ndarray], Optional[tuple[str, str, np.ndarray]]]
+
+
+def _check_shard_size(v: Any) -> None:
+    """``max_shard_size``: ``None`` or an integer in ``[1, 2**64)``."""
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InvalidArgumentError(f"max_shard_size must be an integer, got {v!r}")
+    if not 0 < v < 1 << 64:
+        raise InvalidArgumentError(f"max_shard_size must be in [1, 2**64), got {v}")
 
 
 def _metadata_json(metadata: Optional[Mapping[str, Any]]) -> Optional[str]:
@@ -175,7 +192,23 @@ def _optimizer_parts(
     entry per state (``scale`` is ``None`` for plain states). ``prepare(name, value)``
     turns each state tensor into ``(name, wire dtype, array)``. The engine builds the
     manifest's optimizer section from these and checks every rule of
-    format-spec/optimizer.md itself."""
+    format-spec/optimizer.md itself. A dict not of that shape (a group without
+    ``params``, a state that is no dict, a NaN hyperparameter...) raises
+    :class:`InvalidArgumentError`."""
+    if not isinstance(optimizer, Mapping):
+        raise InvalidArgumentError("optimizer state must be a dict")
+    try:
+        return _optimizer_parts_unchecked(optimizer, prepare)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, LookupError, AttributeError, OverflowError) as e:
+        raise InvalidArgumentError(f"optimizer state is malformed: {e!r}") from e
+
+
+def _optimizer_parts_unchecked(
+    optimizer: Mapping[str, Any],
+    prepare: Callable[[str, Any], tuple[str, str, np.ndarray]],
+) -> tuple[str, list[_StateEntry]]:
     groups = optimizer.get("param_groups")
     if groups is None:
         raise InvalidArgumentError("optimizer state needs 'param_groups'")
@@ -263,8 +296,7 @@ def save(
     entries = [_prepare(n, v) for n, v in tensors.items()]
     opt = None if optimizer is None else _optimizer_parts(optimizer)
     meta = _metadata_json(metadata)
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise InvalidArgumentError("max_shard_size must be positive")
+    _check_shard_size(max_shard_size)
     return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, opt, cleanup)
 
 
@@ -339,11 +371,18 @@ def write_part(
     """
     if not isinstance(tensors, Mapping):
         raise InvalidArgumentError("tensors must be a mapping of name -> array or Chunk")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < 1 << 32:
+        raise InvalidArgumentError(f"rank must be an integer in [0, 2**32), got {rank!r}")
     items = []
     for name, value in tensors.items():
         pieces = value if isinstance(value, (list, tuple)) else [value]
         for v in pieces:
             if isinstance(v, Chunk):
+                if any(not 0 <= d < 1 << 64 for d in (*v.global_shape, *v.offsets)):
+                    raise InvalidTensorError(
+                        f"tensor {name!r}: chunk offsets {list(v.offsets)} and global shape "
+                        f"{list(v.global_shape)} must be integers in [0, 2**64)"
+                    )
                 n, wire, a = _prepare(name, v.array)
                 items.append((n, wire, a, (list(v.global_shape), list(v.offsets))))
             elif isinstance(value, (list, tuple)):
@@ -353,8 +392,7 @@ def write_part(
             else:
                 n, wire, a = _prepare(name, v)
                 items.append((n, wire, a, None))
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise InvalidArgumentError("max_shard_size must be positive")
+    _check_shard_size(max_shard_size)
     return _ckptstore.write_part(os.fspath(path), checkpoint_id, int(rank), items, max_shard_size)
 
 
@@ -413,8 +451,8 @@ def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's reader ent
 def _check_count(name: str, v: Optional[int]) -> Optional[int]:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise InvalidArgumentError(f"{name} must be an integer >= 1 or None, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v < 1 << 64:
+        raise InvalidArgumentError(f"{name} must be an integer in [1, 2**64) or None, got {v!r}")
     return int(v)
 
 
@@ -513,8 +551,7 @@ class CheckpointManager:
             raise InvalidArgumentError("tensors must be a mapping of name -> array")
         entries = [_prepare(n, v) for n, v in tensors.items()]
         opt = None if optimizer is None else _optimizer_parts(optimizer)
-        if max_shard_size is not None and max_shard_size <= 0:
-            raise InvalidArgumentError("max_shard_size must be positive")
+        _check_shard_size(max_shard_size)
         return self._native.save(step, entries, _metadata_json(metadata), max_shard_size, opt)
 
     def __repr__(self) -> str:

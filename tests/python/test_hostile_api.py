@@ -1,0 +1,478 @@
+"""Property-based (Hypothesis) test of the public numpy API with hostile input (issue 27):
+wrong types, wrong dtypes and shapes, non-contiguous and zero-size arrays, huge or negative
+sizes, NaN and inf in optimizer state, names with ``/``, ``..``, NUL and non-UTF-8 (lone
+surrogates), metadata that is not JSON, and a checkpoint closed, replaced or deleted while
+arrays from it are alive.
+
+The rule: every call returns or raises a ``ckptstore.CheckpointError`` subclass (a
+``TypeError`` is accepted only where an argument has the wrong *Python type*, the
+ordinary Python convention the docs do not override); never a segfault, a hang, another
+exception, or a changed checkpoint. After every failing save / write_part / commit, the
+checkpoint previously committed in that directory is unchanged bit for bit, opens and
+verifies.
+
+Each property runs in a child process (this file run as a script, ``derandomize=True`` so
+that every run draws the same examples) under a timeout, so that a segfault or a hang
+fails the test with the example that caused it (the child writes each example to a file
+before running it) instead of killing pytest.
+
+Known findings kept out of the properties (engine side, python/src; see the comments at
+``KNOWN``): a closed ``Checkpoint`` raises a plain ``ValueError("the checkpoint is
+closed")``; ``Checkpoint.__getitem__``/``get``/``info``/``chunks`` of a name with a lone
+surrogate raise ``UnicodeEncodeError``; ``read_region`` with a negative or >= 2**64
+offset/shape raises ``OverflowError``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve()
+EXAMPLES = int(os.environ.get("CKPT_HOSTILE_EXAMPLES", "0")) or None  # per property
+
+# ------------------------------------------------------------------------------------
+# The child side: the properties themselves
+# ------------------------------------------------------------------------------------
+
+
+def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one scope on purpose
+    import faulthandler
+
+    faulthandler.enable()
+    import ml_dtypes
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import ckptstore
+    from ckptstore import CheckpointError, Chunk, F16Scaled
+
+    work = Path(workdir)
+    counter = [0]
+
+    def fresh(tag: str) -> Path:
+        counter[0] += 1
+        return work / f"{tag}-{counter[0]}"
+
+    def note(*what) -> None:
+        counter.append(1)
+        # The example about to run, for the parent to show if the child dies.
+        with open(last_path, "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(repr(what)[:20000])
+
+    SET = settings(
+        derandomize=True,
+        deadline=None,
+        database=None,
+        max_examples=EXAMPLES or MAX_EXAMPLES[prop],
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+
+    # -- strategies ------------------------------------------------------------------
+    BAD_CHARS = ["/", "..", "\x00", "\udcff", "\ud800", "\\", "\n", " ", "é", "\u202e", "optim/", "__metadata__", ".scale"]
+    names = st.one_of(
+        st.sampled_from(["w", "", ".", "..", "/", "a/../b", "../../etc/passwd", "a\x00b", "\udcff",
+                         "x" * 5000, "__metadata__", "optim/w/exp_avg", "w.scale", "ck/..\\x"]),
+        st.lists(st.one_of(st.sampled_from(BAD_CHARS), st.text(max_size=3)), max_size=5).map("".join),
+    )
+    DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+              np.uint64, np.float16, np.float32, np.float64, ml_dtypes.bfloat16,
+              ">f4", ">i8", np.complex64, np.object_, "U3", "S2", "M8[s]", "i4,f4", np.float128
+              if hasattr(np, "float128") else np.complex128]
+    shapes = st.lists(st.integers(0, 5), max_size=4).map(tuple)
+
+    @st.composite
+    def arrays(draw):
+        dt = np.dtype(draw(st.sampled_from(DTYPES)))
+        shape = draw(shapes)
+        n = int(np.prod(shape, dtype=np.int64))
+        if dt.kind in "fc" or dt.name == "bfloat16":
+            vals = np.array(draw(st.lists(st.sampled_from([0.0, -0.0, 1.5, np.nan, np.inf, -np.inf, 6.5e4, 1e-8]),
+                                          min_size=n, max_size=n)), np.float64)
+            a = vals.astype(dt) if dt.kind != "c" else vals.astype(dt)
+        elif dt.kind in "biu":
+            a = (np.arange(n) * 37 % 251).astype(dt)
+        else:
+            a = np.zeros(n, dt)
+        a = a.reshape(shape)
+        view = draw(st.sampled_from(["plain", "T", "rev", "step", "fortran", "bytes_view", "0d", "broadcast"]))
+        if view == "T":
+            a = a.T
+        elif view == "rev" and a.ndim:
+            a = a[::-1]
+        elif view == "step" and a.ndim:
+            a = a[::2]
+        elif view == "fortran":
+            a = np.asfortranarray(a)
+        elif view == "bytes_view" and a.ndim and a.dtype.itemsize > 1 and a.dtype.kind in "biuf":
+            a = a.view(np.uint8)
+        elif view == "0d":
+            a = np.asarray(a.reshape(-1)[:1].reshape(())) if a.size else a
+        elif view == "broadcast" and a.ndim:
+            a = np.broadcast_to(a, (2,) + a.shape)
+        return a
+
+    python_values = st.sampled_from([None, 1, 1.5, True, "str", b"bytes", [1, 2], [[1], [2, 3]], {"a": 1},
+                                     object(), 2 ** 70, -(2 ** 70), float("nan"), [1.0, float("inf")],
+                                     np.float32(3), np.int64(-1), np.bool_(True), memoryview(b"ab")])
+    values = st.one_of(arrays(), python_values)
+    json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(), st.text(max_size=4),
+                          st.sampled_from([b"x", {1, 2}, object(), np.float32(1), "\udcff", float("nan")]))
+    json_like = st.recursive(json_leaf, lambda c: st.one_of(st.lists(c, max_size=3),
+                                                          st.dictionaries(st.one_of(st.text(max_size=3), st.integers(), st.just("\udcff"), st.none()), c, max_size=3)),
+                             max_leaves=8)
+    metadata = st.one_of(st.none(), json_like, st.dictionaries(st.text(max_size=4), json_like, max_size=3))
+    sizes = st.one_of(st.none(), st.sampled_from([0, -1, 1, 7, 2 ** 63, 2 ** 64 - 1, 2 ** 64, 2 ** 70, -(2 ** 64), True]),
+                      st.integers(-10, 100), st.sampled_from([1.5, "8", float("nan"), float("inf"), np.int64(16), np.uint64(2 ** 63)]))
+    opt_state_vals = st.one_of(arrays(), python_values,
+                               st.builds(lambda q, s: F16Scaled(q, s), arrays(), arrays()))
+    optimizers = st.one_of(
+        st.none(),
+        python_values,
+        st.fixed_dictionaries(
+            {"param_groups": st.one_of(python_values, st.lists(st.one_of(python_values, st.fixed_dictionaries(
+                {"params": st.one_of(python_values, st.lists(st.one_of(names, python_values), max_size=3))},
+                optional={"lr": json_leaf, "betas": st.lists(json_leaf, max_size=2)})), max_size=3))},
+            optional={
+                "param_shapes": st.one_of(python_values, st.dictionaries(names, st.one_of(python_values, shapes, st.lists(st.integers(-2 ** 65, 2 ** 65), max_size=3)), max_size=3)),
+                "state": st.one_of(python_values, st.dictionaries(names, st.one_of(python_values, st.dictionaries(names, opt_state_vals, max_size=3)), max_size=3)),
+            },
+        ),
+    )
+
+    # -- the rule --------------------------------------------------------------------
+    def acceptable(exc: BaseException, type_errors_ok: bool) -> bool:
+        if isinstance(exc, CheckpointError):
+            return True
+        if type_errors_ok and type(exc) is TypeError:
+            return True
+        return False
+
+    def call(f, *, type_errors_ok: bool):
+        """``(True, result)`` or ``(False, exception)``; anything else fails."""
+        try:
+            return True, f()
+        except BaseException as e:  # noqa: BLE001 - the property is about exceptions
+            if not acceptable(e, type_errors_ok):
+                raise AssertionError(
+                    f"raised {type(e).__module__}.{type(e).__name__}: {e}\n"
+                    + "".join(traceback.format_exception(e))
+                ) from None
+            return False, e
+
+    def snapshot(d: Path) -> dict:
+        return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+    def assert_unchanged(d: Path, before: dict, expect: dict) -> None:
+        after = snapshot(d)
+        for name, data in before.items():
+            assert after.get(name) == data, f"committed file {name} changed or vanished"
+        assert set(after) == set(before), f"files left behind: {sorted(set(after) - set(before))}"
+        with ckptstore.open(d) as ck:
+            ck.verify()
+            assert sorted(ck.keys()) == sorted(expect)
+            for k, v in expect.items():
+                assert ck[k].tobytes() == v.tobytes() and ck[k].dtype == v.dtype
+
+    BASE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": np.int64(10),
+            "empty": np.zeros((0, 3), np.float16), "bf": np.ones(5, ml_dtypes.bfloat16)}
+    template = work / "template"
+    ckptstore.save(template, BASE, metadata={"run": "base"})
+
+    def based(tag: str) -> tuple[Path, dict]:
+        d = fresh(tag)
+        shutil.copytree(template, d)
+        return d, snapshot(d)
+
+    def check_saved(d: Path, tensors: dict) -> None:
+        with ckptstore.open(d) as ck:
+            ck.verify()
+            keys = set(ck.keys())
+            assert set(tensors) <= keys, (sorted(tensors), sorted(keys))
+            assert all(k.startswith("optim/") for k in keys - set(tensors)), sorted(keys)
+            for k, v in tensors.items():
+                want = np.array(v, order="C")  # keeps 0-dim arrays 0-dim
+                want = want.astype(want.dtype.newbyteorder("="))
+                got = ck[k]
+                assert got.shape == want.shape, (k, got.shape, want.shape)
+                assert got.dtype == want.dtype, (k, got.dtype, want.dtype)
+                assert got.tobytes() == want.tobytes(), k
+
+    # -- properties ------------------------------------------------------------------
+    @SET
+    @given(st.dictionaries(names, values, max_size=4), metadata, sizes, optimizers,
+           st.sampled_from(["inline", "background", "bogus", 3, None]))
+    def save_hostile(tensors, meta, mss, opt, cleanup):
+        d, before = based("save")
+        note("save", tensors, meta, mss, opt, cleanup)
+        kw = {"metadata": meta, "max_shard_size": mss, "optimizer": opt}
+        if cleanup is not None:
+            kw["cleanup"] = cleanup
+        ok, r = call(lambda: ckptstore.save(d, tensors, **kw), type_errors_ok=True)
+        ckptstore.wait_for_cleanup()
+        if ok:
+            check_saved(d, tensors)
+        else:
+            assert_unchanged(d, before, BASE)
+        shutil.rmtree(d)
+
+    @SET
+    @given(st.one_of(st.dictionaries(names, arrays(), max_size=4)), metadata, sizes)
+    def save_right_types(tensors, meta, mss):
+        # Every argument of the right Python type: only CheckpointError may come out.
+        if not (meta is None or isinstance(meta, dict)):
+            meta = {"m": meta}
+        if not (mss is None or isinstance(mss, (int, np.integer))):
+            mss = None
+        d, before = based("typed")
+        note("save_right_types", tensors, meta, mss)
+        ok, r = call(lambda: ckptstore.save(d, tensors, metadata=meta, max_shard_size=mss), type_errors_ok=False)
+        if ok:
+            check_saved(d, tensors)
+        else:
+            assert_unchanged(d, before, BASE)
+        shutil.rmtree(d)
+
+    # The reader: a checkpoint with every kind of tensor and optimizer state.
+    rdir = work / "reader"
+    ckptstore.save(rdir, BASE, optimizer={
+        "param_groups": [{"params": ["w"], "lr": 1e-3}],
+        "state": {"w": {"step": np.float32(3), "exp_avg": np.full((3, 4), np.nan, np.float32),
+                        "exp_avg_sq": F16Scaled(np.full((3, 4), np.inf, np.float16), np.float32(2.0))}}})
+    rbefore = snapshot(rdir)
+    ints = st.one_of(st.integers(-3, 14), st.sampled_from([2 ** 63, 2 ** 64 - 1]))
+    layouts = st.one_of(st.none(), st.sampled_from(["as_stored", "f32", "bf16", "f16_scaled", "f16_scaled_scalar",
+                                                   "f16_scaled_one", "float32", "bogus", ""]),
+                        st.dictionaries(st.one_of(names, st.tuples(names, names), st.just("*")),
+                                        st.sampled_from(["f32", "bf16", "f16_scaled", "nope"]), max_size=3),
+                        python_values)
+    read_names = st.one_of(st.sampled_from(["w", "step", "empty", "bf", "optim/w/exp_avg", "optim/w/exp_avg_sq.scale"]),
+                           names.filter(lambda s: "\ud800" not in s and "\udcff" not in s))  # KNOWN: surrogates
+
+    @SET
+    @given(st.lists(st.tuples(st.sampled_from(["getitem", "get", "info", "chunks", "contains", "read", "region", "opt", "keys"]),
+                              read_names, st.lists(ints, max_size=3), st.lists(ints, max_size=3), layouts,
+                              st.booleans()), min_size=1, max_size=6))
+    def read_hostile(ops):
+        note("read", ops)
+        with ckptstore.open(rdir) as ck:
+            for op, name, offs, shape, layout, flag in ops:
+                if op == "getitem":
+                    call(lambda: ck[name], type_errors_ok=False)
+                elif op == "get":
+                    call(lambda: ck.get(name, verify=flag, raw=not flag), type_errors_ok=False)
+                elif op == "info":
+                    call(lambda: ck.info(name), type_errors_ok=False)
+                elif op == "chunks":
+                    call(lambda: ck.chunks(name), type_errors_ok=False)
+                elif op == "contains":
+                    call(lambda: name in ck, type_errors_ok=False)
+                elif op == "read":
+                    call(lambda: ck.read([name, "w"], verify=flag), type_errors_ok=False)
+                elif op == "region":
+                    # KNOWN: negative or >= 2**64 offsets/shape raise OverflowError (engine).
+                    offs = [o for o in offs if 0 <= o < 2 ** 64]
+                    shape = [s for s in shape if 0 <= s < 2 ** 64]
+                    ok, r = call(lambda: ck.read_region(name, offs, shape), type_errors_ok=False)
+                    if ok and name == "w":
+                        w = BASE["w"]
+                        box = tuple(slice(o, o + s) for o, s in zip(offs, shape))
+                        np.testing.assert_array_equal(r, w[box])
+                elif op == "opt":
+                    call(lambda: ck.load_optimizer(layout, raw=flag), type_errors_ok=not isinstance(layout, (str, dict, type(None))))
+                else:
+                    assert ck.keys() and ck.metadata is not None
+        assert snapshot(rdir) == rbefore
+
+    @SET
+    @given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=0, max_size=8),
+           st.sampled_from([np.float32, np.float16, np.float64, ml_dtypes.bfloat16]),
+           st.floats(allow_nan=True, allow_infinity=True, width=32), layouts)
+    def optimizer_nan_inf(vals, dt, scale, layout):
+        p = np.zeros(len(vals), np.float32)
+        m = np.array(vals, np.float32).astype(dt)
+        q = np.array(vals, np.float32).astype(np.float16)
+        d = fresh("opt")
+        opt = {"param_groups": [{"params": ["p"], "lr": 0.1}],
+               "state": {"p": {"step": np.float32(scale), "exp_avg": m,
+                               "exp_avg_sq": F16Scaled(q, np.array([scale], np.float32))}}}
+        note("optimizer_nan_inf", vals, dt, scale, layout)
+        ok, _ = call(lambda: ckptstore.save(d, {"p": p}, optimizer=opt), type_errors_ok=False)
+        if not ok:
+            return
+        with ckptstore.open(d) as ck:
+            ck.verify()
+            st_ = ck.load_optimizer()["state"]["p"]
+            assert st_["exp_avg"].tobytes() == m.tobytes()
+            assert st_["exp_avg_sq"].q.tobytes() == q.tobytes()
+            call(lambda: ck.load_optimizer(layout), type_errors_ok=not isinstance(layout, (str, dict, type(None))))
+        shutil.rmtree(d)
+
+    @SET
+    @given(st.lists(st.tuples(names, st.one_of(arrays(), python_values), st.lists(ints, max_size=3),
+                              st.lists(ints, max_size=3), st.booleans()), max_size=3),
+           st.one_of(st.integers(-2, 3), st.sampled_from([2 ** 32, 2 ** 64, -(2 ** 40), "0", None, 1.0])),
+           st.sampled_from(["fresh", "bad", "", "0" * 32, "A" * 32, "\x00" * 32, None]), sizes, metadata)
+    def parts_hostile(items, rank, cid, mss, meta):
+        d, before = based("parts")
+        cid = ckptstore.new_checkpoint_id() if cid == "fresh" else cid
+        tensors = {}
+        for name, v, offs, gshape, as_chunk in items:
+            tensors[name] = Chunk(v, gshape, offs) if as_chunk else v
+        note("parts", tensors, rank, cid, mss, meta)
+        ok, part = call(lambda: ckptstore.write_part(d, cid, rank, tensors, max_shard_size=mss), type_errors_ok=True)
+        # Nothing is committed by write_part: the old checkpoint stays, whatever happened.
+        with ckptstore.open(d) as ck:
+            ck.verify()
+            assert sorted(ck.keys()) == sorted(BASE)
+        parts = [part] if ok else [b"\x00garbage", b""]
+        ok2, _ = call(lambda: ckptstore.commit(d, cid, parts=parts, world_size=1 if ok else None,
+                                               metadata=meta), type_errors_ok=True)
+        if not ok2:
+            for k, v in before.items():
+                assert (d / k).read_bytes() == v, f"{k} changed by a failing commit"
+            with ckptstore.open(d) as ck:
+                ck.verify()
+                assert ck.metadata == {"run": "base"}
+        shutil.rmtree(d)
+
+    @SET
+    @given(st.lists(st.sampled_from(["take", "take_view", "close", "resave", "resave_other", "rmtree", "reopen",
+                                     "del", "gc", "call_closed"]), min_size=1, max_size=10))
+    def lifetime(actions):
+        d = fresh("life")
+        w0 = np.arange(4096, dtype=np.float32).reshape(64, 64)
+        ckptstore.save(d, {"w": w0, "z": np.zeros(0, np.int8), "s": np.float64(np.nan)})
+        ck = ckptstore.open(d)
+        held: list[tuple[np.ndarray, bytes]] = []
+        note("lifetime", actions)
+        gen = 0
+        for a in actions:
+            if a in ("take", "take_view") and ck is not None and not ck.closed:
+                for k in ck.keys():
+                    arr = ck[k]
+                    if a == "take_view" and arr.ndim:
+                        arr = arr[1::3, ::-2] if arr.ndim == 2 else arr[::-1]
+                    held.append((arr, arr.tobytes()))
+            elif a == "close" and ck is not None:
+                ck.close()
+            elif a in ("resave", "resave_other"):
+                gen += 1
+                other = {"w": np.full((64, 64), gen, np.float32)} if a == "resave" else {"q": np.ones(3, np.uint8)}
+                ckptstore.save(d, other)
+            elif a == "rmtree":
+                shutil.rmtree(d, ignore_errors=True)
+            elif a == "reopen":
+                ok, r = call(lambda: ckptstore.open(d), type_errors_ok=False)
+                ck = r if ok else ck
+            elif a == "del":
+                ck = None
+            elif a == "gc":
+                gc.collect()
+            elif a == "call_closed" and ck is not None and ck.closed:
+                for f in (lambda: ck["w"], ck.keys, ck.verify, lambda: ck.metadata, lambda: ck.info("w"),
+                          lambda: ck.read(), lambda: ck.get("w"), lambda: ck.read_region("w", [0, 0], [1, 1]),
+                          ck.load_optimizer, lambda: ck.chunks("w"), lambda: len(ck), lambda: "w" in ck):
+                    try:
+                        f()
+                    except CheckpointError:
+                        pass
+                    except ValueError as e:  # KNOWN: a plain ValueError (engine), not a CheckpointError
+                        assert "closed" in str(e), e
+                    else:
+                        raise AssertionError("a closed checkpoint answered")
+                ck.close()  # idempotent
+            for arr, data in held:
+                assert arr.tobytes() == data, f"a held array changed after {a}"
+        if ck is not None:
+            ck.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+    @SET
+    @given(st.one_of(st.integers(-3, 5), st.sampled_from([2 ** 64, 2 ** 64 - 1, -(2 ** 64), 1.0, "1", None, True])),
+           st.one_of(st.none(), st.integers(-2, 3), st.sampled_from([2 ** 70, 1.5, "2", True])),
+           st.dictionaries(names, values, max_size=2), metadata)
+    def manager_hostile(step, keep, tensors, meta):
+        root = fresh("mgr")
+        note("manager", step, keep, tensors, meta)
+        ok, mgr = call(lambda: ckptstore.CheckpointManager(root, keep_last=keep), type_errors_ok=True)
+        if not ok:
+            return
+        mgr.save(1, BASE)
+        before = snapshot(root)
+        ok, _ = call(lambda: mgr.save(step, tensors, metadata=meta), type_errors_ok=True)
+        if not ok:
+            assert snapshot(root) == before
+            assert mgr.steps() == [1]
+        call(lambda: mgr.lease(step).release(), type_errors_ok=True)
+        call(lambda: mgr.step_dir(step), type_errors_ok=True)
+        mgr.gc()
+        shutil.rmtree(root)
+
+    @SET
+    @given(st.one_of(st.sampled_from(["", "\x00", "a\x00b", "\udcff", "/proc/self/mem", "/dev/null", "/", ".",
+                                      "../../../../../etc", "x" * 5000, 3, None, b"bytes", 1.5]), names))
+    def open_hostile(path):
+        note("open", path)
+        call(lambda: ckptstore.open(path).close(), type_errors_ok=not isinstance(path, str))
+
+    props = {f.__name__: f for f in (save_hostile, save_right_types, read_hostile, optimizer_nan_inf,
+                                      parts_hostile, lifetime, manager_hostile, open_hostile)}
+    props[prop]()
+    ckptstore.wait_for_cleanup()
+    print(f"{prop}: {len(counter) - 1} examples run, {counter[0]} directories")
+
+
+MAX_EXAMPLES = {
+    "save_hostile": 150,
+    "save_right_types": 100,
+    "read_hostile": 100,
+    "optimizer_nan_inf": 60,
+    "parts_hostile": 80,
+    "lifetime": 60,
+    "manager_hostile": 60,
+    "open_hostile": 60,
+}
+
+# ------------------------------------------------------------------------------------
+# The pytest side: one child per property, under a timeout
+# ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prop", sorted(MAX_EXAMPLES))
+def test_hostile(prop, tmp_path):
+
+    last = tmp_path / "last-example.txt"
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    try:
+        p = subprocess.run(
+            [sys.executable, str(HERE), prop, str(tmp_path / "work"), str(last)],
+            capture_output=True, text=True, errors="backslashreplace", timeout=60, env=env,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{prop}: hung (no result in 60 s); last example: "
+                    f"{last.read_text() if last.exists() else '?'}\n{e.stdout}\n{e.stderr}")
+    if p.returncode != 0:
+        pytest.fail(
+            f"{prop}: child exited {p.returncode}"
+            + (" (killed by a signal: a crash)" if p.returncode < 0 else "")
+            + f"\nlast example: {last.read_text(errors='backslashreplace') if last.exists() else '?'}"
+            + f"\n--- stdout ---\n{p.stdout[-8000:]}\n--- stderr ---\n{p.stderr[-8000:]}",
+            pytrace=False,
+        )
+
+
+if __name__ == "__main__":
+    os.makedirs(sys.argv[2], exist_ok=True)
+    _child(sys.argv[1], sys.argv[2], sys.argv[3])
