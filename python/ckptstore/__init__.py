@@ -171,6 +171,30 @@ def _check_shard_size(v: Any) -> None:
         raise InvalidArgumentError(f"max_shard_size must be in [1, 2**64), got {v}")
 
 
+def _fspath(path: Any) -> str:
+    """``os.fspath(path)``, refused with :class:`InvalidArgumentError` when the operating
+    system cannot name it (a lone surrogate that no file system encoding can encode)."""
+    p = os.fspath(path)
+    try:
+        os.fsencode(p)
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"path {p!r} cannot be encoded as a file name") from None
+    return p
+
+
+def _check_id(checkpoint_id: Any) -> Any:
+    """A checkpoint id that is not UTF-8 (a lone surrogate) is an invalid argument (the
+    engine checks the rest: 32 lowercase hex digits)."""
+    if isinstance(checkpoint_id, str):
+        try:
+            checkpoint_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(
+                f"checkpoint id {checkpoint_id!r} is not valid UTF-8"
+            ) from None
+    return checkpoint_id
+
+
 def _metadata_json(metadata: Optional[Mapping[str, Any]]) -> Optional[str]:
     """The manifest's ``metadata`` as JSON text (``None`` stays ``None``)."""
     if metadata is None:
@@ -297,7 +321,7 @@ def save(
     opt = None if optimizer is None else _optimizer_parts(optimizer)
     meta = _metadata_json(metadata)
     _check_shard_size(max_shard_size)
-    return _ckptstore.save(os.fspath(path), entries, meta, max_shard_size, opt, cleanup)
+    return _ckptstore.save(_fspath(path), entries, meta, max_shard_size, opt, cleanup)
 
 
 def wait_for_cleanup() -> int:
@@ -393,7 +417,9 @@ def write_part(
                 n, wire, a = _prepare(name, v)
                 items.append((n, wire, a, None))
     _check_shard_size(max_shard_size)
-    return _ckptstore.write_part(os.fspath(path), checkpoint_id, int(rank), items, max_shard_size)
+    return _ckptstore.write_part(
+        _fspath(path), _check_id(checkpoint_id), int(rank), items, max_shard_size
+    )
 
 
 def commit(
@@ -431,7 +457,7 @@ def commit(
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(f"optimizer section must be JSON: {e}") from e
     return _ckptstore.commit(
-        os.fspath(path), checkpoint_id, plist, world_size, timeout, meta, section
+        _fspath(path), _check_id(checkpoint_id), plist, world_size, timeout, meta, section
     )
 
 
@@ -445,7 +471,7 @@ def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's reader ent
     :class:`CheckpointNotFoundError` when there is nothing to open and
     :class:`CorruptCheckpointError` / :class:`ChecksumError` for damage.
     """
-    return Checkpoint(os.fspath(path))
+    return Checkpoint(_fspath(path))
 
 
 def _check_count(name: str, v: Optional[int]) -> Optional[int]:
@@ -494,7 +520,7 @@ class CheckpointManager:
         keep_every: Optional[int] = None,
     ) -> None:
         self._native = _ckptstore.CheckpointManager(
-            os.fspath(root),
+            _fspath(root),
             _check_count("keep_last", keep_last),
             _check_count("keep_every", keep_every),
         )

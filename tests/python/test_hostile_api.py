@@ -55,10 +55,14 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
     from hypothesis import strategies as st
 
     import ckptstore
+    import ckptstore.torch
     from ckptstore import CheckpointError, Chunk, F16Scaled
+
+    import collections
 
     work = Path(workdir)
     counter = [0]
+    outcomes: collections.Counter = collections.Counter()
 
     def fresh(tag: str) -> Path:
         counter[0] += 1
@@ -68,7 +72,21 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
         counter.append(1)
         # The example about to run, for the parent to show if the child dies.
         with open(last_path, "w", encoding="utf-8", errors="backslashreplace") as f:
-            f.write(repr(what)[:20000])
+            f.write(safe_repr(what)[:20000])
+
+    def safe_repr(x) -> str:
+        # KNOWN (python/ckptstore/_types.py): Chunk.__repr__ raises ValueError when its
+        # array is a ragged list (it calls np.asarray); show the fields instead.
+        if isinstance(x, Chunk):
+            return f"Chunk(array={safe_repr(x.array)}, global_shape={x.global_shape!r}, offsets={x.offsets!r})"
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{safe_repr(k)}: {safe_repr(v)}" for k, v in x.items()) + "}"
+        if isinstance(x, (list, tuple)):
+            return "[" + ", ".join(safe_repr(v) for v in x) + "]"
+        try:
+            return repr(x)
+        except Exception as e:  # noqa: BLE001
+            return f"<{type(x).__name__}: repr raised {e!r}>"
 
     SET = settings(
         derandomize=True,
@@ -162,8 +180,11 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
     def call(f, *, type_errors_ok: bool):
         """``(True, result)`` or ``(False, exception)``; anything else fails."""
         try:
-            return True, f()
+            r = f()
+            outcomes["returned"] += 1
+            return True, r
         except BaseException as e:  # noqa: BLE001 - the property is about exceptions
+            outcomes[type(e).__name__] += 1
             if not acceptable(e, type_errors_ok):
                 raise AssertionError(
                     f"raised {type(e).__module__}.{type(e).__name__}: {e}\n"
@@ -323,7 +344,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
     @given(st.lists(st.tuples(names, st.one_of(arrays(), python_values), st.lists(ints, max_size=3),
                               st.lists(ints, max_size=3), st.booleans()), max_size=3),
            st.one_of(st.integers(-2, 3), st.sampled_from([2 ** 32, 2 ** 64, -(2 ** 40), "0", None, 1.0])),
-           st.sampled_from(["fresh", "bad", "", "0" * 32, "A" * 32, "\x00" * 32, None]), sizes, metadata)
+           st.sampled_from(["fresh", "bad", "", "0" * 32, "A" * 32, "\x00" * 32, "\ud800" * 32, None, 7]), sizes, metadata)
     def parts_hostile(items, rank, cid, mss, meta):
         d, before = based("parts")
         cid = ckptstore.new_checkpoint_id() if cid == "fresh" else cid
@@ -427,22 +448,80 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
         note("open", path)
         call(lambda: ckptstore.open(path).close(), type_errors_ok=not isinstance(path, str))
 
+    def torch_hostile():
+        import torch
+
+        torch_vals = st.one_of(
+            python_values, json_like,
+            st.sampled_from(["f32", "f64", "bf16", "i8", "bool", "c64", "nc", "zero", "0d", "nan"]).map(
+                lambda k: {"f32": lambda: torch.arange(6, dtype=torch.float32).reshape(2, 3),
+                           "f64": lambda: torch.full((3,), float("nan"), dtype=torch.float64),
+                           "bf16": lambda: torch.ones(4, dtype=torch.bfloat16),
+                           "i8": lambda: torch.arange(5, dtype=torch.int8),
+                           "bool": lambda: torch.tensor([True, False]),
+                           "c64": lambda: torch.zeros(2, dtype=torch.complex64),
+                           "nc": lambda: torch.arange(12, dtype=torch.float32).reshape(3, 4).t()[::2],
+                           "zero": lambda: torch.zeros(0, 4),
+                           "0d": lambda: torch.tensor(float("inf")),
+                           "nan": lambda: torch.tensor([float("nan"), float("-inf")]),
+                           # KNOWN: a meta-device tensor in extra raises torch's own
+                           # NotImplementedError ("Cannot copy out of meta tensor") from
+                           # ckptstore.torch._to_numpy; kept out.
+                           }[k]()))
+
+        @SET
+        @given(st.dictionaries(st.one_of(names, st.integers(), st.none()), torch_vals, max_size=3),
+               sizes, st.booleans(), st.sampled_from([(2, 3), (3, 2), (1, 3), (2, 3)]), st.booleans())
+        def run(extra, mss, with_opt, load_shape, strict):
+            # KNOWN (ckptstore.torch.save, python/ckptstore/torch/__init__.py): a negative or
+            # >= 2**64 max_shard_size raises OverflowError, and an extra key with a lone
+            # surrogate UnicodeEncodeError; both kept out here.
+            if isinstance(mss, (int, np.integer)) and not 0 <= mss < 2 ** 64:
+                mss = None
+            extra = {k: v for k, v in extra.items()
+                     if not (isinstance(k, str) and any(0xD800 <= ord(c) < 0xE000 for c in k))}
+            torch.manual_seed(0)
+            model = torch.nn.Linear(3, 2)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            d, before = based("torch")
+            note("torch", extra, mss, with_opt, load_shape, strict)
+            ok, _ = call(lambda: ckptstore.torch.save(d, model, opt if with_opt else None, extra=extra,
+                                                      max_shard_size=mss, cleanup="inline"),
+                         type_errors_ok=True)
+            if not ok:
+                assert_unchanged(d, before, BASE)
+                return
+            other = torch.nn.Linear(load_shape[1], load_shape[0])
+            w_before = other.weight.detach().clone()
+            ok, _ = call(lambda: ckptstore.torch.load(d, other, torch.optim.AdamW(other.parameters()) if with_opt else None,
+                                                      strict=strict), type_errors_ok=False)
+            if not ok:
+                assert torch.equal(other.weight.detach(), w_before), "a failing load changed the model"
+            else:
+                assert torch.equal(other.weight.detach(), model.weight.detach())
+            shutil.rmtree(d)
+
+        run()
+
     props = {f.__name__: f for f in (save_hostile, save_right_types, read_hostile, optimizer_nan_inf,
-                                      parts_hostile, lifetime, manager_hostile, open_hostile)}
+                                      parts_hostile, lifetime, manager_hostile, open_hostile, torch_hostile)}
     props[prop]()
     ckptstore.wait_for_cleanup()
-    print(f"{prop}: {len(counter) - 1} examples run, {counter[0]} directories")
+    print(f"{prop}: {len(counter) - 1} examples run, {counter[0]} directories; calls: {dict(outcomes)}")
 
 
-MAX_EXAMPLES = {
-    "save_hostile": 150,
-    "save_right_types": 100,
-    "read_hostile": 100,
-    "optimizer_nan_inf": 60,
-    "parts_hostile": 80,
-    "lifetime": 60,
-    "manager_hostile": 60,
-    "open_hostile": 60,
+MAX_EXAMPLES = {  # about 2-4 s per property on a 2-core machine
+    "save_hostile": 600,
+    "save_right_types": 400,
+    "read_hostile": 400,
+    "optimizer_nan_inf": 250,
+    "parts_hostile": 300,
+    "lifetime": 200,
+    "manager_hostile": 200,
+    "open_hostile": 200,
+    "torch_hostile": 150,
 }
 
 # ------------------------------------------------------------------------------------
@@ -476,3 +555,92 @@ def test_hostile(prop, tmp_path):
 if __name__ == "__main__":
     os.makedirs(sys.argv[2], exist_ok=True)
     _child(sys.argv[1], sys.argv[2], sys.argv[3])
+
+
+# ------------------------------------------------------------------------------------
+# The findings the properties keep out (engine or torch-helper side, not fixed here):
+# each asserts the documented behaviour and is expected to fail until it is fixed
+# (strict: the day one is fixed, this says so, and its KNOWN exclusion can go).
+# ------------------------------------------------------------------------------------
+
+
+def _closed(tmp):
+    import ckptstore
+
+    ckptstore.save(tmp, {"w": np.ones(2, np.float32)})
+    ck = ckptstore.open(tmp)
+    ck.close()
+    return ck["w"]
+
+
+def _surrogate_lookup(tmp):
+    import ckptstore
+
+    ckptstore.save(tmp, {"w": np.ones(2, np.float32)})
+    return ckptstore.open(tmp)["\udcff"]
+
+
+def _region_negative(tmp):
+    import ckptstore
+
+    ckptstore.save(tmp, {"w": np.ones(2, np.float32)})
+    return ckptstore.open(tmp).read_region("w", [-1], [1])
+
+
+def _region_huge(tmp):
+    import ckptstore
+
+    ckptstore.save(tmp, {"w": np.ones(2, np.float32)})
+    return ckptstore.open(tmp).read_region("w", [0], [2 ** 64])
+
+
+def _torch_negative_shard_size(tmp):
+    import ckptstore.torch
+
+    torch = pytest.importorskip("torch")
+    return ckptstore.torch.save(tmp, torch.nn.Linear(2, 2), max_shard_size=-1, cleanup="inline")
+
+
+def _torch_surrogate_extra(tmp):
+    import ckptstore.torch
+
+    torch = pytest.importorskip("torch")
+    return ckptstore.torch.save(tmp, extra={"\udcff": torch.ones(2)}, cleanup="inline")
+
+
+def _chunk_repr(tmp):
+    import ckptstore
+
+    try:
+        repr(ckptstore.Chunk([[1], [2, 3]], (2,), (0,)))
+    except ValueError as e:  # not a CheckpointError
+        raise AssertionError(f"Chunk.__repr__ raised {e!r}") from e
+    raise ckptstore.CheckpointError("repr works")  # what the xfail wants when fixed
+
+
+def _torch_meta_extra(tmp):
+    import ckptstore.torch
+
+    torch = pytest.importorskip("torch")
+    return ckptstore.torch.save(tmp, extra={"m": torch.empty(3, device="meta")}, cleanup="inline")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(_closed, id="closed-checkpoint-plain-ValueError"),
+        pytest.param(_surrogate_lookup, id="getitem-surrogate-UnicodeEncodeError"),
+        pytest.param(_region_negative, id="read_region-negative-OverflowError"),
+        pytest.param(_region_huge, id="read_region-2**64-OverflowError"),
+        pytest.param(_torch_negative_shard_size, id="torch.save-max_shard_size=-1-OverflowError"),
+        pytest.param(_torch_surrogate_extra, id="torch.save-surrogate-extra-UnicodeEncodeError"),
+        pytest.param(_torch_meta_extra, id="torch.save-meta-tensor-NotImplementedError"),
+        pytest.param(_chunk_repr, id="Chunk-repr-ragged-list-ValueError"),
+    ],
+)
+@pytest.mark.xfail(strict=True, reason="known finding (issue 27): not a CheckpointError")
+def test_known_findings(case, tmp_path):
+    import ckptstore
+
+    with pytest.raises(ckptstore.CheckpointError):
+        case(tmp_path / "ck")
