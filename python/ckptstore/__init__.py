@@ -203,7 +203,7 @@ def _metadata_json(metadata: Optional[Mapping[str, Any]]) -> Optional[str]:
         raise InvalidArgumentError("metadata must be a dict (a JSON object)")
     try:
         return json.dumps(dict(metadata), allow_nan=False)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise InvalidArgumentError(f"metadata must be JSON-serializable: {e}") from e
 
 
@@ -225,7 +225,7 @@ def _optimizer_parts(
         return _optimizer_parts_unchecked(optimizer, prepare)
     except CheckpointError:
         raise
-    except (TypeError, ValueError, LookupError, AttributeError, OverflowError) as e:
+    except (TypeError, ValueError, LookupError, AttributeError, OverflowError, RecursionError) as e:
         raise InvalidArgumentError(f"optimizer state is malformed: {e!r}") from e
 
 
@@ -454,7 +454,7 @@ def commit(
     if optimizer is not None:
         try:
             section = json.dumps(dict(optimizer), allow_nan=False)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise InvalidArgumentError(f"optimizer section must be JSON: {e}") from e
     return _ckptstore.commit(
         _fspath(path), _check_id(checkpoint_id), plist, world_size, timeout, meta, section
