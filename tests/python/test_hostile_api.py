@@ -388,7 +388,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
         shutil.rmtree(d)
 
     @SET
-    @given(st.lists(st.sampled_from(["take", "take_view", "close", "resave", "resave_other", "rmtree", "reopen",
+    @given(st.lists(st.sampled_from(["take", "take_view", "take_read", "close", "resave", "resave_other", "rmtree", "reopen",
                                      "del", "gc", "call_closed"]), min_size=1, max_size=10))
     def lifetime(actions):
         d = fresh("life")
@@ -399,9 +399,12 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
         note("lifetime", actions)
         gen = 0
         for a in actions:
-            if a in ("take", "take_view") and ck is not None and not ck.closed:
-                for k in ck.keys():
-                    arr = ck[k]
+            if a in ("take", "take_view", "take_read") and ck is not None and not ck.closed:
+                if a == "take_read":
+                    got = list(ck.read(verify=True).values()) + [ck.get(k, raw=True) for k in ck.keys()]
+                else:
+                    got = [ck[k] for k in ck.keys()]
+                for arr in got:
                     if a == "take_view" and arr.ndim:
                         arr = arr[1::3, ::-2] if arr.ndim == 2 else arr[::-1]
                     held.append((arr, arr.tobytes()))
