@@ -470,6 +470,62 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
         note("open", path)
         call(lambda: ckptstore.open(path).close(), type_errors_ok=not isinstance(path, str))
 
+    # The copy primitives under the torch loaders (memory safety: a destination of the
+    # wrong size, dtype, layout or writability must be refused, never overrun).
+    @st.composite
+    def dests(draw):
+        n = draw(st.sampled_from([0, 1, 3, 8, 23, 24, 25, 48, 4096]))
+        dt = draw(st.sampled_from([np.uint8, np.uint8, np.uint8, np.float32, np.int8]))
+        kind = draw(st.sampled_from(["plain", "plain", "strided", "readonly", "2d", "mapped"]))
+        if kind == "mapped":
+            return mapped_raw
+        a = np.zeros(n * (2 if kind == "strided" else 1), dt)
+        if kind == "strided":
+            a = a[::2]
+        elif kind == "readonly":
+            a.flags.writeable = False
+        elif kind == "2d" and n % 8 == 0 and n:
+            a = a.reshape(8, -1)
+        return a
+
+    copy_names = st.sampled_from(["w", "step", "empty", "bf", "nope", "", "optim/w/exp_avg"])
+    offsets = st.sampled_from([0, 1, 8, 23, 24, 47, 48, 2 ** 32, 2 ** 64 - 1])  # KNOWN: < 0 overflow
+    mapped_raw = None
+
+    @SET
+    @given(st.lists(st.tuples(st.sampled_from(["copy", "ranges", "fill", "region"]), copy_names, dests(),
+                              offsets, st.lists(st.integers(0, 5), max_size=2),
+                              st.lists(st.integers(0, 5), max_size=2)), min_size=1, max_size=5))
+    def copy_hostile(ops):
+        nonlocal mapped_raw
+        note("copy", ops)
+        with ckptstore.open(rdir) as ck:
+            rr = ckptstore._ckptstore.RegionReader(str(rdir))
+            for op, name, dst, off, roffs, rshape in ops:
+                if dst is None:
+                    dst = mapped_raw = ck.get("w", raw=True)
+                before = dst.tobytes()
+                if op == "copy":
+                    ok, _ = call(lambda: ck.copy_into_unchecked([(name, dst)]), type_errors_ok=True)
+                    if ok:
+                        assert dst.tobytes() == ck.get(name, raw=True).tobytes()
+                elif op == "ranges":
+                    ok, _ = call(lambda: ck.copy_ranges_into_unchecked([(name, off, dst)]), type_errors_ok=True)
+                    if ok:
+                        assert dst.tobytes() == ck.get(name, raw=True).tobytes()[off:off + dst.nbytes]
+                elif op == "fill":
+                    ok, _ = call(lambda: ck.fill_and_verify([(name, dst)], [name]), type_errors_ok=True)
+                    if ok:
+                        assert dst.tobytes() == ck.get(name, raw=True).tobytes()
+                else:
+                    ok, _ = call(lambda: rr.read_into([(name, roffs, rshape, dst)]), type_errors_ok=True)
+                    if ok and name == "w":
+                        box = tuple(slice(o, o + n) for o, n in zip(roffs, rshape))
+                        assert dst.tobytes() == BASE["w"][box].tobytes()
+                if not ok:
+                    assert dst.tobytes() == before, "a refused copy wrote into its destination"
+        assert snapshot(rdir) == rbefore
+
     def torch_hostile():
         import torch
 
@@ -528,7 +584,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
         run()
 
     props = {f.__name__: f for f in (save_hostile, save_right_types, read_hostile, optimizer_nan_inf,
-                                      parts_hostile, lifetime, manager_hostile, open_hostile, torch_hostile)}
+                                      parts_hostile, lifetime, manager_hostile, open_hostile, torch_hostile, copy_hostile)}
     props[prop]()
     ckptstore.wait_for_cleanup()
     print(f"{prop}: {len(counter) - 1} examples run, {counter[0]} directories; calls: {dict(outcomes)}")
@@ -544,6 +600,7 @@ MAX_EXAMPLES = {  # about 2-4 s per property on a 2-core machine
     "manager_hostile": 200,
     "open_hostile": 200,
     "torch_hostile": 150,
+    "copy_hostile": 300,
 }
 
 # ------------------------------------------------------------------------------------
