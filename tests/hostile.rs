@@ -394,3 +394,69 @@ fn manifest_over_cap_is_refused_without_reading_it() {
         "refusing an over-cap manifest grew RSS by {grew} bytes"
     );
 }
+
+/// User JSON nested deeper than a JSON parser reads would be committed in a manifest that
+/// no reader opens (found by tests/python/test_hostile_api.py: a save with 127-level
+/// metadata replaced a good checkpoint with one that did not open). Writers refuse it
+/// before writing anything; at the limit it commits and opens.
+#[test]
+fn deeply_nested_metadata_is_refused_before_anything_changes() {
+    use ckptstore::format::MAX_JSON_DEPTH;
+    fn nested(levels: usize) -> serde_json::Value {
+        let mut v = serde_json::json!(1);
+        for i in 0..levels {
+            v = if i % 2 == 0 {
+                serde_json::json!([v])
+            } else {
+                serde_json::json!({ "k": v })
+            };
+        }
+        v
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let w = [1.0f32, 2.0];
+    let t = [ckptstore::TensorRef::from_slice("w", &[2], &w)];
+    let at_limit = ckptstore::SaveOptions {
+        // The metadata object itself is one level.
+        metadata: serde_json::json!({ "deep": nested(MAX_JSON_DEPTH - 1) }),
+        ..Default::default()
+    };
+    ckptstore::save(dir.path(), &t, &at_limit).unwrap();
+    let ck = ckptstore::Checkpoint::open(dir.path()).unwrap();
+    assert_eq!(ck.metadata(), &at_limit.metadata);
+    drop(ck);
+    let before: Vec<(std::ffi::OsString, Vec<u8>)> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    for levels in [MAX_JSON_DEPTH, 127, 1000] {
+        let over = ckptstore::SaveOptions {
+            metadata: serde_json::json!({ "deep": nested(levels) }),
+            ..Default::default()
+        };
+        match ckptstore::save(dir.path(), &t, &over) {
+            Err(ckptstore::Error::InvalidArgument(m)) => {
+                assert!(m.contains("nests more than"), "{m}")
+            }
+            other => panic!("{levels} levels: {other:?}"),
+        }
+    }
+    let mut after: Vec<(std::ffi::OsString, Vec<u8>)> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    let mut before = before;
+    before.sort();
+    after.sort();
+    assert_eq!(before, after, "a refused save changed the directory");
+    ckptstore::Checkpoint::open(dir.path())
+        .unwrap()
+        .verify()
+        .unwrap();
+}

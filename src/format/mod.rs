@@ -30,6 +30,33 @@ pub const MAX_SHARDS: usize = 1 << 20;
 /// Most tensors one manifest may list (format-spec/manifest.md §Limits).
 pub const MAX_TENSORS: usize = 1 << 24;
 
+/// Deepest nesting of the user JSON a writer stores in a manifest (its `metadata`, each
+/// optimizer group's `hyper`), in levels of arrays and objects (format-spec/manifest.md
+/// §Limits): well inside a JSON parser's own limit (serde_json: 128 levels, the manifest's
+/// own counted), so that a committed manifest always opens.
+pub const MAX_JSON_DEPTH: usize = 64;
+
+/// `v` nests at most [`MAX_JSON_DEPTH`] levels of arrays and objects (walked with an
+/// explicit stack: a value built in memory may be deeper than the call stack allows).
+pub(crate) fn check_json_depth(v: &serde_json::Value) -> Result<(), String> {
+    use serde_json::Value;
+    let mut stack = vec![(v, 1usize)];
+    while let Some((v, depth)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match v {
+            Value::Array(a) => Box::new(a.iter()),
+            Value::Object(o) => Box::new(o.values()),
+            _ => continue,
+        };
+        if depth > MAX_JSON_DEPTH {
+            return Err(format!(
+                "nests more than {MAX_JSON_DEPTH} levels of arrays and objects (a manifest that deep would not open)"
+            ));
+        }
+        stack.extend(children.map(|c| (c, depth + 1)));
+    }
+    Ok(())
+}
+
 /// Check a tensor name against format-spec/shard.md §Tensor names.
 pub(crate) fn check_tensor_name(name: &str) -> Result<(), String> {
     if name.is_empty() {

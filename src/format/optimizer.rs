@@ -46,6 +46,8 @@ pub fn check_section<'t>(
                 format!("group {gi}: hyper is not a JSON object"),
             ));
         }
+        super::check_json_depth(&g.hyper)
+            .map_err(|e| Error::optim("", "", format!("group {gi}: hyper {e}")))?;
         for p in &g.params {
             if p.is_empty() {
                 // O9

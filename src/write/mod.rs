@@ -639,6 +639,8 @@ fn validate_inputs(
             "metadata must be a JSON object".into(),
         ));
     }
+    crate::format::check_json_depth(&opts.metadata)
+        .map_err(|e| Error::InvalidArgument(format!("metadata {e}")))?;
     if opts.max_shard_size == 0 {
         return Err(Error::InvalidArgument(
             "max_shard_size must be positive".into(),

@@ -380,6 +380,8 @@ fn commit_impl<F: Fs>(
             "metadata must be a JSON object".into(),
         ));
     }
+    crate::format::check_json_depth(&opts.metadata)
+        .map_err(|e| Error::InvalidArgument(format!("metadata {e}")))?;
     // C1.
     let mut sorted: Vec<&Part> = parts.iter().collect();
     sorted.sort_by_key(|p| p.rank);

@@ -28,11 +28,14 @@ and pinned by a strict xfail at the end of this file, so that a fix shows):
 * ``ckptstore.torch.save``: a negative or >= 2**64 ``max_shard_size`` raises
   ``OverflowError``, an ``extra`` key with a lone surrogate ``UnicodeEncodeError``, a
   meta-device tensor in ``extra`` torch's ``NotImplementedError``;
-* ``Chunk.__repr__`` raises ``ValueError`` for a ragged-list array;
-* metadata nested 127 levels deep (an optimizer hyperparameter 123-124 levels deep) is
-  accepted by ``save`` (and ``CheckpointManager.save``), committed, and the new manifest
-  then exceeds serde_json's recursion limit: the checkpoint that replaced the old one
-  cannot be opened (``CorruptCheckpointError``). ``commit`` refuses the same metadata.
+* ``Chunk.__repr__`` raises ``ValueError`` for a ragged-list array.
+
+Found and fixed: metadata nested 127 levels deep (an optimizer hyperparameter 123-124
+levels deep) was accepted by ``save`` (and ``CheckpointManager.save``), committed, and the
+new manifest then exceeded serde_json's recursion limit: the checkpoint that replaced the
+old one could not be opened. Writers now refuse user JSON nested deeper than
+``format::MAX_JSON_DEPTH`` (64 levels, format-spec/manifest.md §Limits) before writing
+anything; ``test_deep_json_is_refused_before_anything_changes`` keeps it so.
 """
 
 from __future__ import annotations
@@ -170,11 +173,9 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
             v = {"k": v} if i % 2 else [v]
         return v
 
-    # KNOWN (engine): metadata 127 levels deep (or an optimizer hyperparameter 123-124 deep)
-    # passes save's JSON check, is committed, and the committed manifest then exceeds
-    # serde_json's recursion limit of 128: the new checkpoint cannot be opened
-    # (CorruptCheckpointError) and the old one is gone. Depths 126-127 kept out here.
-    deep = st.sampled_from([1, 50, 125, 128, 129, 200, 5000]).map(lambda n: {"deep": nested(n)})
+    # Around the writers' limit (64) and serde_json's (128, where a manifest once failed to
+    # open after its save had committed it).
+    deep = st.sampled_from([1, 50, 62, 63, 64, 65, 125, 126, 127, 128, 129, 200, 5000]).map(lambda n: {"deep": nested(n)})
     metadata = st.one_of(st.none(), json_like, deep,
                          st.dictionaries(st.text(max_size=4), json_like, max_size=3))
     sizes = st.one_of(st.none(), st.sampled_from([0, -1, 1, 7, 2 ** 63, 2 ** 64 - 1, 2 ** 64, 2 ** 70, -(2 ** 64), True]),
@@ -188,8 +189,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
             {"param_groups": st.one_of(python_values, st.lists(st.one_of(python_values, st.fixed_dictionaries(
                 {"params": st.one_of(python_values, st.lists(st.one_of(names, python_values), max_size=3))},
                 optional={"lr": json_leaf, "betas": st.lists(json_leaf, max_size=2),
-                          # KNOWN: depths 123-124 (see `deep`) kept out
-                          "deep": st.sampled_from([1, 60, 121, 125, 126, 300, 5000]).map(nested)})),
+                          "deep": st.sampled_from([1, 60, 62, 63, 64, 121, 123, 124, 125, 126, 300, 5000]).map(nested)})),
                 max_size=3))},
             optional={
                 "param_shapes": st.one_of(python_values, st.dictionaries(names, st.one_of(python_values, shapes, st.lists(st.integers(-2 ** 65, 2 ** 65), max_size=3)), max_size=3)),
@@ -755,22 +755,25 @@ def _nested(depth: int):
         ),
     ],
 )
-@pytest.mark.xfail(strict=True, reason="known finding (issue 27): save commits a manifest "
-                   "that the reader refuses (serde_json recursion limit)",
-                   raises=__import__("ckptstore").CorruptCheckpointError)
-def test_known_finding_deep_json_commits_unreadable_checkpoint(kw, tmp_path):
+def test_deep_json_is_refused_before_anything_changes(kw, tmp_path):
+    """Found by this file: user JSON nested past the reader's parser limit was committed,
+    replacing a good checkpoint with one that does not open. Refused now, the old one
+    kept whole."""
     import ckptstore
 
     kw = dict(kw)
     if kw.pop("manager", False):
         mgr = ckptstore.CheckpointManager(tmp_path / "run")
-        try:
+        with pytest.raises(ckptstore.CheckpointError, match="nests more than 64 levels"):
             mgr.save(1, {"w": np.ones(1)}, **kw)
-        except ckptstore.CheckpointError:
-            assert mgr.steps() == []
-            return
-        with ckptstore.open(mgr.step_dir(mgr.latest())) as ck:  # committed: it must open
-            ck.verify()
+        assert mgr.steps() == []
+        return
+    ckptstore.save(tmp_path, {"w": np.zeros(1)}, metadata={"run": "old"})
+    with pytest.raises(ckptstore.CheckpointError, match="nests more than 64 levels"):
+        ckptstore.save(tmp_path, {"w": np.ones(1)}, **kw)
+    with ckptstore.open(tmp_path) as ck:
+        ck.verify()
+        assert ck.metadata == {"run": "old"} and ck["w"].tolist() == [0.0]
         return
     ckptstore.save(tmp_path, {"w": np.zeros(1)}, metadata={"run": "old"})
     try:
