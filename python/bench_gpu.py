@@ -173,12 +173,13 @@ def ck_load(path, model, opt, dev) -> None:
 def ck_load_unstaged(path, model, opt, dev) -> None:
     """ckptstore.torch.load with the pinned staging off (every CUDA tensor by ``copy_``
     from pageable memory, as before it existed): what the staging gains."""
-    saved = ct._STAGE_BYTES
-    ct._STAGE_BYTES = 0
+    staging = ct._staging  # the module that owns and reads the setting
+    saved = staging._STAGE_BYTES
+    staging._STAGE_BYTES = 0
     try:
         ct.load(path, model, opt)
     finally:
-        ct._STAGE_BYTES = saved
+        staging._STAGE_BYTES = saved
 
 
 def h2d(nbytes: int, dev: torch.device, repeat: int) -> dict:
@@ -236,7 +237,7 @@ def main() -> None:
         ct.save(paths["ckptstore"], model, opt)
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, paths["torch.load"])
         ways = [("ckptstore", ck_load), ("torch.load", torch_load)]
-        if dev.type == "cuda" and hasattr(ct, "_STAGE_BYTES"):
+        if dev.type == "cuda" and hasattr(getattr(ct, "_staging", None), "_STAGE_BYTES"):
             paths["ck unstaged"] = paths["ckptstore"]
             ways.append(("ck unstaged", ck_load_unstaged))
         if st is not None:

@@ -372,7 +372,8 @@ def test_stage_batches_fit_keep_order_and_align():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("stage", [64 << 20, 4096], ids=["one-batch", "many-batches+fallback"])
 def test_cuda_restore_through_staging(tmp_path, monkeypatch, stage):
-    monkeypatch.setattr(ct, "_STAGE_BYTES", stage)
+    # Patched where it is read (ckptstore.torch._staging), not on ckptstore.torch.
+    monkeypatch.setattr(ct._staging, "_STAGE_BYTES", stage)
     torch.manual_seed(7)
     src = Net(torch.float32).cuda()
     opt = make_optimizer("adam", src, 2)
@@ -382,8 +383,10 @@ def test_cuda_restore_through_staging(tmp_path, monkeypatch, stage):
     opt2 = make_optimizer("adam", dst, 2, lr_scale=3.0)
     train(dst, opt2, [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, 1, seed=9)])
     direct = []
-    real_direct_ok = ct._direct_ok
-    monkeypatch.setattr(ct, "_direct_ok", lambda *a: direct.append(real_direct_ok(*a)) or direct[-1])
+    real_direct_ok = ct._state._direct_ok
+    monkeypatch.setattr(
+        ct._state, "_direct_ok", lambda *a: direct.append(real_direct_ok(*a)) or direct[-1]
+    )
     ct.load(tmp_path / "ck", dst, opt2)
     # CUDA state goes the single-pass way (fresh CUDA tensors filled through pinned staging).
     assert direct == [True]

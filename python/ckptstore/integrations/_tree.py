@@ -65,7 +65,7 @@ class PickleNotAllowedError(InvalidArgumentError):
 
 
 def _torch():
-    from ..torch import _torch as t
+    from ..torch._dtypes import _torch as t
 
     return t()
 
@@ -188,7 +188,7 @@ def _flatten(obj: Any, prepare, allow_pickle: bool) -> Tuple[List[Tuple[str, str
 def _prepare_any(name: str, v: Any) -> Tuple[str, str, np.ndarray]:
     if isinstance(v, np.ndarray):
         return _prepare(name, v)
-    from ..torch import _to_numpy
+    from ..torch._dtypes import _to_numpy
 
     return _to_numpy(name, v)
 
@@ -270,7 +270,7 @@ class _Loader:
             return
         info = self.ck.info(name)
         if kind == "$tensor":
-            from ..torch import _bytes_of, _empty_for
+            from ..torch._dtypes import _bytes_of, _empty_for
 
             t = _empty_for(info)
             self.fills.append((name, _bytes_of(t)))

@@ -63,7 +63,8 @@ import numpy as np
 
 from .. import _ckptstore, commit as _commit, new_checkpoint_id
 from ..errors import CheckpointError, InvalidArgumentError, PartError
-from . import _decode, _encode, _torch, _to_numpy, _torch_of, _wire_of
+from ._dtypes import _to_numpy, _torch, _torch_of, _wire_of
+from ._values import _decode, _encode
 
 __all__ = ["Writer", "Reader", "META_KEY", "BYTES_PREFIX"]
 

@@ -33,17 +33,16 @@ from typing import Any, Mapping, Optional
 
 from .. import _ckptstore
 from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
-from . import (
+from ._dtypes import _torch
+from ._state import (
     _changed_class,
     _check_fit,
-    _optimizer_class,
-    _decode,
-    _encode,
     _encode_groups,
     _group_hyper,
+    _optimizer_class,
     _param_names,
-    _torch,
 )
+from ._values import _decode, _encode
 from .dcp import META_KEY as _DCP_KEY, Reader, Writer
 
 __all__ = ["save", "load", "META_KEY"]
