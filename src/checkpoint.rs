@@ -10,8 +10,10 @@ use rayon::prelude::*;
 mod catalog;
 mod fill;
 pub(crate) mod region;
+pub mod source;
 pub use catalog::Entry;
 pub use region::Region;
+pub use source::{Fetch, ShardSource};
 
 use crate::crc::crc32_parallel;
 use crate::error::{Error, Result};
@@ -62,15 +64,20 @@ pub struct VerifyReport {
     pub checksummed: bool,
 }
 
-/// An open checkpoint: validated structure, shards mapped read-only, no tensor data read.
+/// An open checkpoint: validated structure, no tensor data read.
 ///
-/// Generic over storage so tests and fuzzers can run on `Vec<u8>`; [`Checkpoint::open`]
-/// uses read-only memory maps ([`Map`]).
+/// Generic over where the shard bytes come from ([`ShardSource`]): [`Checkpoint::open`]
+/// maps local shard files read-only ([`Map`]); tests and fuzzers run on `Vec<u8>`; an
+/// object store's checkpoint is downloaded into buffers or read lazily by ranged requests
+/// (`store::s3::RemoteShard`). The catalog, checks and fresh-buffer reads
+/// ([`Checkpoint::read_tensor`], [`Checkpoint::read_region`],
+/// [`Checkpoint::stream_tensors`], [`Checkpoint::verify`]) work over any source;
+/// zero-copy views ([`Checkpoint::tensor`]) need resident bytes (`S: AsRef<[u8]>`).
 #[derive(Debug)]
-pub struct Checkpoint<B: AsRef<[u8]> = Map> {
+pub struct Checkpoint<S = Map> {
     root: PathBuf,
     kind: Kind,
-    shards: Vec<Shard<B>>,
+    shards: Vec<Shard<S>>,
     /// Tensors of foreign stores; native checkpoints keep theirs in the manifest.
     foreign: Vec<TensorInfo>,
     /// Name -> index into `tensors()`, hashing the names in place (no copies).
@@ -404,273 +411,11 @@ pub(crate) fn decode_manifest(bytes: &[u8], file: &str) -> Result<(Manifest, Nam
     })
 }
 
-impl Checkpoint<Map> {
-    /// Stream every tensor, in file order, into a freshly allocated buffer handed to `f`,
-    /// checking each tensor's CRC32 (native checkpoints) before handing it over, and
-    /// releasing the mapped pages it was read from. Resident memory stays bounded by about
-    /// `budget` bytes of mapped pages plus the buffers `f` keeps, however large the
-    /// checkpoint: restore a model larger than memory by moving each tensor on (to a
-    /// device, say) and dropping it.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] if one tensor is larger than half of `budget`;
-    /// [`Error::ChecksumMismatch`] for damaged bytes; any error `f` returns (which stops
-    /// the stream).
-    pub fn stream_tensors(
-        &self,
-        budget: u64,
-        mut f: impl FnMut(&TensorInfo, crate::tensor::Tensor) -> Result<()>,
-    ) -> Result<()> {
-        let mut order: Vec<&TensorInfo> = self.tensors().iter().collect();
-        // A tensor in flight costs its fresh buffer plus, briefly, its mapped pages.
-        if let Some(t) = order.iter().find(|t| t.nbytes().saturating_mul(2) > budget) {
-            return Err(Error::InvalidArgument(format!(
-                "tensor {:?} is {} bytes: streaming it needs twice that (its buffer and its mapped pages), over the budget of {budget} bytes",
-                t.name,
-                t.nbytes()
-            )));
-        }
-        order.sort_by_key(|t| (t.shard, t.offsets[0]));
-        for t in order {
-            let shard = &self.shards[t.shard];
-            shard.bytes.advise_sequential();
-            let v = self.view(t);
-            let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
-            let mut h = crc32fast::Hasher::new();
-            for (src, dst) in v
-                .bytes()
-                .chunks(1 << 20)
-                .zip(out.bytes_mut().chunks_mut(1 << 20))
-            {
-                h.update(src);
-                dst.copy_from_slice(src);
-            }
-            shard
-                .bytes
-                .release(t.offsets[0] as usize, t.nbytes() as usize);
-            self.check_crc(t, h.finalize())?;
-            f(t, out)?;
-        }
-        Ok(())
-    }
-}
-
-impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
-    /// Build a native checkpoint from manifest bytes and the shard files' bytes, given in
-    /// the manifest's shard order. Performs every check [`Checkpoint::open`] does.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::open`]; [`Error::InvalidArgument`] if the number of shards differs
-    /// from the manifest's.
-    pub fn from_parts(manifest_bytes: &[u8], shards: Vec<B>) -> Result<Self> {
-        let (m, by_name) = decode_manifest(manifest_bytes, MANIFEST_FILE)?;
-        if shards.len() != m.shards.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} shard buffers given for a manifest of {} shards",
-                shards.len(),
-                m.shards.len()
-            )));
-        }
-        let shards = m
-            .shards
-            .iter()
-            .zip(shards)
-            .map(|(s, bytes)| Shard {
-                file: s.file.clone(),
-                bytes,
-            })
-            .collect();
-        Self::build_native(PathBuf::new(), m, by_name, shards)
-    }
-
-    /// `by_name` indexes `m.tensors` (built by validation, which refuses a repeated name).
-    fn build_native(
-        root: PathBuf,
-        m: Manifest,
-        by_name: NameIndex,
-        shards: Vec<Shard<B>>,
-    ) -> Result<Self> {
-        // Cheap per-shard checks (format-spec/integrity.md §Open): exact size, the header
-        // length prefix, and the CRC of the header bytes. A header whose CRC matches is the
-        // one written together with this manifest, so it need not be parsed again here;
-        // `verify` parses and cross-checks every header.
-        m.shards
-            .par_iter()
-            .zip(shards.par_iter())
-            .enumerate()
-            .try_for_each(|(i, (entry, shard))| {
-                let bytes = shard.bytes.as_ref();
-                let mismatch = |reason: String| Error::ShardMismatch {
-                    shard: i,
-                    file: entry.file.clone(),
-                    reason,
-                };
-                if bytes.len() as u64 != entry.size {
-                    return Err(mismatch(format!(
-                        "the file is {} bytes but the manifest records {} (truncated or replaced)",
-                        bytes.len(),
-                        entry.size
-                    )));
-                }
-                // size >= 8 + header_size was validated with the manifest.
-                let prefix = bytes.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok());
-                if prefix.map(u64::from_le_bytes) != Some(entry.header_size) {
-                    return Err(mismatch(format!(
-                        "the header length prefix differs from the manifest's {}",
-                        entry.header_size
-                    )));
-                }
-                let hjson = bytes.get(8..8 + entry.header_size as usize).unwrap_or(&[]);
-                let got = crc32fast::hash(hjson);
-                if got != entry.header_crc32 {
-                    return Err(Error::ChecksumMismatch {
-                        what: "shard header".into(),
-                        shard: i,
-                        file: entry.file.clone(),
-                        expected: entry.header_crc32,
-                        got,
-                    });
-                }
-                Ok(())
-            })?;
-
-        let mut counts = vec![0usize; shards.len()];
-        for t in &m.tensors {
-            counts[t.shard] += 1; // shard indexes were validated with the manifest
-        }
-        if let Some(i) = counts.iter().position(|&c| c == 0) {
-            return Err(Error::ShardMismatch {
-                shard: i,
-                file: m.shards[i].file.clone(),
-                reason: "the manifest places no tensor in this shard".into(),
-            });
-        }
-        Ok(Checkpoint {
-            root,
-            kind: Kind::Native,
-            shards,
-            foreign: Vec::new(),
-            by_name,
-            metadata: m.metadata.clone(),
-            chunk_of: std::sync::OnceLock::new(),
-            globals: m
-                .globals
-                .iter()
-                .enumerate()
-                .map(|(i, g)| (g.name.clone(), i))
-                .collect(),
-            manifest: Some(m),
-            data_verified: false,
-        })
-    }
-
-    /// Parse every shard header and check that it describes exactly the tensors the
-    /// manifest places in that shard, with the same dtype, shape and offsets, and carries
-    /// this checkpoint's id (format-spec/integrity.md §Verify).
-    fn check_headers(&self) -> Result<()> {
-        let Some(m) = &self.manifest else {
-            return Ok(());
-        };
-        self.shards.par_iter().enumerate().try_for_each(|(i, shard)| {
-            let file = &shard.file;
-            let mismatch = |reason: String| Error::ShardMismatch { shard: i, file: file.clone(), reason };
-            let h = header::parse(shard.bytes.as_ref()).map_err(|r| Error::header(file, r))?;
-            match h.metadata.get(META_CHECKPOINT_ID) {
-                Some(id) if *id == m.checkpoint_id => {}
-                other => {
-                    return Err(mismatch(format!(
-                        "the shard belongs to checkpoint {other:?}, not {:?} (a shard from another checkpoint?)",
-                        m.checkpoint_id
-                    )))
-                }
-            }
-            let mine: HashMap<&str, &TensorInfo> =
-                self.tensors().iter().filter(|t| t.shard == i).map(|t| (t.name.as_str(), t)).collect();
-            if mine.len() != h.tensors.len() {
-                return Err(mismatch(format!(
-                    "the shard header lists {} tensors but the manifest places {} here",
-                    h.tensors.len(),
-                    mine.len()
-                )));
-            }
-            let ds = h.data_start();
-            for he in &h.tensors {
-                let t = mine.get(he.name.as_str()).ok_or_else(|| {
-                    mismatch(format!("the header lists tensor {:?}, which the manifest does not place here", he.name))
-                })?;
-                let abs = [he.data_offsets[0] + ds, he.data_offsets[1] + ds];
-                if he.dtype != t.dtype || he.shape != t.shape || abs != t.offsets {
-                    return Err(mismatch(format!(
-                        "tensor {:?}: header says {} {:?} at {:?}, manifest says {} {:?} at {:?}",
-                        t.name, he.dtype, he.shape, abs, t.dtype, t.shape, t.offsets
-                    )));
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// Open one safetensors file held in `bytes` (read-only, no checksums).
-    ///
-    /// # Errors
-    /// [`Error::InvalidHeader`] if the header is malformed.
-    pub fn from_safetensors(path: PathBuf, bytes: B) -> Result<Self> {
-        let file = path.display().to_string();
-        let mut ck = Self::from_foreign(path, Kind::Safetensors, vec![Shard { file, bytes }])?;
-        ck.root = ck.root.parent().map(Path::to_path_buf).unwrap_or_default();
-        Ok(ck)
-    }
-
-    fn from_foreign(root: PathBuf, kind: Kind, shards: Vec<Shard<B>>) -> Result<Self> {
-        let headers = shards
-            .par_iter()
-            .map(|s| header::parse(s.bytes.as_ref()).map_err(|r| Error::header(&s.file, r)))
-            .collect::<Result<Vec<_>>>()?;
-        let mut tensors = Vec::new();
-        let mut metadata = serde_json::Map::new();
-        for (i, h) in headers.into_iter().enumerate() {
-            let ds = h.data_start();
-            for (k, v) in h.metadata {
-                metadata.insert(k, serde_json::Value::String(v));
-            }
-            for e in h.tensors {
-                tensors.push(TensorInfo {
-                    name: e.name,
-                    dtype: e.dtype,
-                    shape: e.shape,
-                    shard: i,
-                    offsets: [e.data_offsets[0] + ds, e.data_offsets[1] + ds],
-                    crc32: None,
-                    absmax: None,
-                    blocks: None,
-                });
-            }
-        }
-        let by_name = NameIndex::build(&tensors).map_err(|i| {
-            let t = &tensors[i];
-            Error::header(
-                &shards[t.shard].file,
-                format!("tensor {:?} is also held by another shard file", t.name),
-            )
-        })?;
-        Ok(Checkpoint {
-            root,
-            kind,
-            shards,
-            foreign: tensors,
-            by_name,
-            metadata: metadata.into(),
-            manifest: None,
-            globals: HashMap::new(),
-            chunk_of: std::sync::OnceLock::new(),
-            data_verified: false,
-        })
-    }
-
+impl<S> Checkpoint<S> {
     /// The same checkpoint over another storage type: `f` converts each shard's bytes (for
     /// example into [`crate::store::Storage`], an enum over local maps and downloaded
     /// buffers). `f` must keep the bytes themselves unchanged.
-    pub fn map_storage<C: AsRef<[u8]>>(self, f: impl FnMut(B) -> C) -> Checkpoint<C> {
+    pub fn map_storage<C>(self, f: impl FnMut(S) -> C) -> Checkpoint<C> {
         let mut f = f;
         Checkpoint {
             root: self.root,
@@ -743,7 +488,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     }
 
     /// The shards, in index order.
-    pub fn shards(&self) -> &[Shard<B>] {
+    pub fn shards(&self) -> &[Shard<S>] {
         &self.shards
     }
 
@@ -760,125 +505,8 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
             })
     }
 
-    /// A zero-copy view of a tensor. Does not check its CRC; see [`Checkpoint::verify`] and
-    /// [`Checkpoint::tensor_verified`].
-    ///
-    /// # Errors
-    /// [`Error::TensorNotFound`].
-    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
-        let t = self.info(name)?;
-        Ok(self.view(t))
-    }
-
-    pub(crate) fn view<'a>(&'a self, t: &'a TensorInfo) -> TensorView<'a> {
-        // Offsets were validated against the shard's length when the checkpoint was built.
-        let bytes = self.shards[t.shard]
-            .bytes
-            .as_ref()
-            .get(t.offsets[0] as usize..t.offsets[1] as usize)
-            .unwrap_or(&[]);
-        TensorView::new(&t.name, t.dtype, &t.shape, bytes)
-    }
-
-    /// A zero-copy view of a tensor whose CRC32 was checked just now.
-    ///
-    /// # Errors
-    /// [`Error::TensorNotFound`]; [`Error::ChecksumMismatch`] if the bytes are damaged.
-    pub fn tensor_verified(&self, name: &str) -> Result<TensorView<'_>> {
-        let t = self.info(name)?;
-        let v = self.view(t);
-        if !self.data_verified {
-            self.check_crc(t, crc32_parallel(v.bytes()))?;
-        }
-        Ok(v)
-    }
-
     pub(crate) fn check_crc(&self, t: &TensorInfo, got: u32) -> Result<()> {
         check_crc_in(t, &self.shards[t.shard].file, got)
-    }
-
-    /// Check everything `open` does not: parse every shard header and check it agrees
-    /// with the manifest (names, dtypes, shapes, offsets, checkpoint id), check the
-    /// optimizer section's references, and check the CRC32 of every tensor, rayon-parallel
-    /// across tensors and within large ones.
-    ///
-    /// # Errors
-    /// [`Error::InvalidHeader`] / [`Error::ShardMismatch`] for a header that disagrees with
-    /// the manifest; [`Error::InvalidOptimizerState`] for a broken optimizer section;
-    /// [`Error::ChecksumMismatch`] naming the shard and tensor of the first mismatch in
-    /// manifest order; [`Error::AbsmaxMismatch`] if an F32 tensor's recorded absmax is not
-    /// its data's (checked in the same pass as its CRC). For stores without checksums the structure was validated at open
-    /// and the report says `checksummed: false`.
-    pub fn verify(&self) -> Result<VerifyReport> {
-        self.verify_with_progress(&|_| {})
-    }
-
-    /// [`Checkpoint::verify`], calling `progress` with the byte count of each tensor checked.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::verify`].
-    pub fn verify_with_progress(&self, progress: &(dyn Fn(u64) + Sync)) -> Result<VerifyReport> {
-        self.check_headers()?;
-        self.check_optimizer_section()?;
-        if self.kind != Kind::Native {
-            return Ok(VerifyReport {
-                tensors: 0,
-                bytes: 0,
-                checksummed: false,
-            });
-        }
-        let first_bad = self
-            .tensors()
-            .par_iter()
-            .enumerate()
-            .filter_map(|(i, t)| {
-                let r = self.check_tensor(t);
-                progress(t.nbytes());
-                r.err().map(|e| (i, e))
-            })
-            .min_by_key(|(i, _)| *i);
-        if let Some((_, e)) = first_bad {
-            return Err(e);
-        }
-        Ok(VerifyReport {
-            tensors: self.tensors().len(),
-            bytes: self.tensors().iter().map(TensorInfo::nbytes).sum(),
-            checksummed: true,
-        })
-    }
-
-    /// The CRC32 of one tensor and, where the manifest records one, its absmax: both in
-    /// one pass over the bytes.
-    ///
-    /// With block CRCs (format-spec/integrity.md §Block CRCs) the pass computes each
-    /// block's CRC (and absmax bits), checks every block, and checks that the blocks
-    /// combine to the tensor's `crc32`.
-    fn check_tensor(&self, t: &TensorInfo) -> Result<()> {
-        if self.data_verified {
-            return Ok(());
-        }
-        let v = self.view(t);
-        if let Some(bl) = &t.blocks {
-            let with_abs = t.absmax.is_some();
-            let sums: Vec<(u32, u32)> = v
-                .bytes()
-                .par_chunks(usize::try_from(bl.size).unwrap_or(usize::MAX))
-                .map(|c| unit_sum(c, with_abs))
-                .collect();
-            return check_units(t, &self.shards[t.shard].file, bl.size, &sums);
-        }
-        let Some(recorded) = t.absmax else {
-            return self.check_crc(t, crc32_parallel(v.bytes()));
-        };
-        let (crc, actual) = match v.as_slice::<f32>() {
-            Ok(x) => crate::convert::crc32_and_absmax_f32(v.bytes(), x),
-            Err(_) => (
-                crc32_parallel(v.bytes()),
-                crate::convert::absmax_f32_le_bytes(v.bytes()),
-            ),
-        };
-        self.check_crc(t, crc)?;
-        self.check_absmax(t, recorded, actual)
     }
 
     /// Take the sums of every tensor's pieces, computed while the bytes arrived in this
@@ -921,6 +549,477 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// Total bytes of tensor data.
     pub fn data_bytes(&self) -> u64 {
         self.tensors().iter().map(TensorInfo::nbytes).sum()
+    }
+}
+
+impl<S: ShardSource> Checkpoint<S> {
+    /// Build a native checkpoint from manifest bytes and the shard files' bytes, given in
+    /// the manifest's shard order. Performs every check [`Checkpoint::open`] does.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::open`]; [`Error::InvalidArgument`] if the number of shards differs
+    /// from the manifest's.
+    pub fn from_parts(manifest_bytes: &[u8], shards: Vec<S>) -> Result<Self> {
+        let (m, by_name) = decode_manifest(manifest_bytes, MANIFEST_FILE)?;
+        if shards.len() != m.shards.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} shard buffers given for a manifest of {} shards",
+                shards.len(),
+                m.shards.len()
+            )));
+        }
+        let shards = m
+            .shards
+            .iter()
+            .zip(shards)
+            .map(|(s, bytes)| Shard {
+                file: s.file.clone(),
+                bytes,
+            })
+            .collect();
+        Self::build_native(PathBuf::new(), m, by_name, shards)
+    }
+
+    /// `by_name` indexes `m.tensors` (built by validation, which refuses a repeated name).
+    fn build_native(
+        root: PathBuf,
+        m: Manifest,
+        by_name: NameIndex,
+        shards: Vec<Shard<S>>,
+    ) -> Result<Self> {
+        // Cheap per-shard checks (format-spec/integrity.md §Open): exact size, the header
+        // length prefix, and the CRC of the header bytes. A header whose CRC matches is the
+        // one written together with this manifest, so it need not be parsed again here;
+        // `verify` parses and cross-checks every header.
+        m.shards
+            .par_iter()
+            .zip(shards.par_iter())
+            .enumerate()
+            .try_for_each(|(i, (entry, shard))| {
+                let (len, bytes) = (shard.bytes.len(), shard.bytes.head());
+                let mismatch = |reason: String| Error::ShardMismatch {
+                    shard: i,
+                    file: entry.file.clone(),
+                    reason,
+                };
+                if len != entry.size {
+                    return Err(mismatch(format!(
+                        "the file is {len} bytes but the manifest records {} (truncated or replaced)",
+                        entry.size
+                    )));
+                }
+                // size >= 8 + header_size was validated with the manifest.
+                let prefix = bytes.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok());
+                if prefix.map(u64::from_le_bytes) != Some(entry.header_size) {
+                    return Err(mismatch(format!(
+                        "the header length prefix differs from the manifest's {}",
+                        entry.header_size
+                    )));
+                }
+                let hjson = bytes.get(8..8 + entry.header_size as usize).unwrap_or(&[]);
+                let got = crc32fast::hash(hjson);
+                if got != entry.header_crc32 {
+                    return Err(Error::ChecksumMismatch {
+                        what: "shard header".into(),
+                        shard: i,
+                        file: entry.file.clone(),
+                        expected: entry.header_crc32,
+                        got,
+                    });
+                }
+                Ok(())
+            })?;
+
+        let mut counts = vec![0usize; shards.len()];
+        for t in &m.tensors {
+            counts[t.shard] += 1; // shard indexes were validated with the manifest
+        }
+        if let Some(i) = counts.iter().position(|&c| c == 0) {
+            return Err(Error::ShardMismatch {
+                shard: i,
+                file: m.shards[i].file.clone(),
+                reason: "the manifest places no tensor in this shard".into(),
+            });
+        }
+        Ok(Checkpoint {
+            root,
+            kind: Kind::Native,
+            shards,
+            foreign: Vec::new(),
+            by_name,
+            metadata: m.metadata.clone(),
+            chunk_of: std::sync::OnceLock::new(),
+            globals: m
+                .globals
+                .iter()
+                .enumerate()
+                .map(|(i, g)| (g.name.clone(), i))
+                .collect(),
+            manifest: Some(m),
+            data_verified: false,
+        })
+    }
+
+    /// Parse every shard header and check that it describes exactly the tensors the
+    /// manifest places in that shard, with the same dtype, shape and offsets, and carries
+    /// this checkpoint's id (format-spec/integrity.md §Verify).
+    fn check_headers(&self) -> Result<()> {
+        let Some(m) = &self.manifest else {
+            return Ok(());
+        };
+        self.shards.par_iter().enumerate().try_for_each(|(i, shard)| {
+            let file = &shard.file;
+            let mismatch = |reason: String| Error::ShardMismatch { shard: i, file: file.clone(), reason };
+            let h = header::parse_head(shard.bytes.head(), shard.bytes.len())
+                .map_err(|r| Error::header(file, r))?;
+            match h.metadata.get(META_CHECKPOINT_ID) {
+                Some(id) if *id == m.checkpoint_id => {}
+                other => {
+                    return Err(mismatch(format!(
+                        "the shard belongs to checkpoint {other:?}, not {:?} (a shard from another checkpoint?)",
+                        m.checkpoint_id
+                    )))
+                }
+            }
+            let mine: HashMap<&str, &TensorInfo> =
+                self.tensors().iter().filter(|t| t.shard == i).map(|t| (t.name.as_str(), t)).collect();
+            if mine.len() != h.tensors.len() {
+                return Err(mismatch(format!(
+                    "the shard header lists {} tensors but the manifest places {} here",
+                    h.tensors.len(),
+                    mine.len()
+                )));
+            }
+            let ds = h.data_start();
+            for he in &h.tensors {
+                let t = mine.get(he.name.as_str()).ok_or_else(|| {
+                    mismatch(format!("the header lists tensor {:?}, which the manifest does not place here", he.name))
+                })?;
+                let abs = [he.data_offsets[0] + ds, he.data_offsets[1] + ds];
+                if he.dtype != t.dtype || he.shape != t.shape || abs != t.offsets {
+                    return Err(mismatch(format!(
+                        "tensor {:?}: header says {} {:?} at {:?}, manifest says {} {:?} at {:?}",
+                        t.name, he.dtype, he.shape, abs, t.dtype, t.shape, t.offsets
+                    )));
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Open one safetensors file held in `bytes` (read-only, no checksums).
+    ///
+    /// # Errors
+    /// [`Error::InvalidHeader`] if the header is malformed.
+    pub fn from_safetensors(path: PathBuf, bytes: S) -> Result<Self> {
+        let file = path.display().to_string();
+        let mut ck = Self::from_foreign(path, Kind::Safetensors, vec![Shard { file, bytes }])?;
+        ck.root = ck.root.parent().map(Path::to_path_buf).unwrap_or_default();
+        Ok(ck)
+    }
+
+    fn from_foreign(root: PathBuf, kind: Kind, shards: Vec<Shard<S>>) -> Result<Self> {
+        let headers = shards
+            .par_iter()
+            .map(|s| {
+                header::parse_head(s.bytes.head(), s.bytes.len())
+                    .map_err(|r| Error::header(&s.file, r))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut tensors = Vec::new();
+        let mut metadata = serde_json::Map::new();
+        for (i, h) in headers.into_iter().enumerate() {
+            let ds = h.data_start();
+            for (k, v) in h.metadata {
+                metadata.insert(k, serde_json::Value::String(v));
+            }
+            for e in h.tensors {
+                tensors.push(TensorInfo {
+                    name: e.name,
+                    dtype: e.dtype,
+                    shape: e.shape,
+                    shard: i,
+                    offsets: [e.data_offsets[0] + ds, e.data_offsets[1] + ds],
+                    crc32: None,
+                    absmax: None,
+                    blocks: None,
+                });
+            }
+        }
+        let by_name = NameIndex::build(&tensors).map_err(|i| {
+            let t = &tensors[i];
+            Error::header(
+                &shards[t.shard].file,
+                format!("tensor {:?} is also held by another shard file", t.name),
+            )
+        })?;
+        Ok(Checkpoint {
+            root,
+            kind,
+            shards,
+            foreign: tensors,
+            by_name,
+            metadata: metadata.into(),
+            manifest: None,
+            globals: HashMap::new(),
+            chunk_of: std::sync::OnceLock::new(),
+            data_verified: false,
+        })
+    }
+
+    /// Check everything `open` does not: parse every shard header and check it agrees
+    /// with the manifest (names, dtypes, shapes, offsets, checkpoint id), check the
+    /// optimizer section's references, and check the CRC32 of every tensor, rayon-parallel
+    /// across tensors and within large ones.
+    ///
+    /// # Errors
+    /// [`Error::InvalidHeader`] / [`Error::ShardMismatch`] for a header that disagrees with
+    /// the manifest; [`Error::InvalidOptimizerState`] for a broken optimizer section;
+    /// [`Error::ChecksumMismatch`] naming the shard and tensor of the first mismatch in
+    /// manifest order; [`Error::AbsmaxMismatch`] if an F32 tensor's recorded absmax is not
+    /// its data's (checked in the same pass as its CRC). For stores without checksums the structure was validated at open
+    /// and the report says `checksummed: false`.
+    pub fn verify(&self) -> Result<VerifyReport> {
+        self.verify_with_progress(&|_| {})
+    }
+
+    /// [`Checkpoint::verify`], calling `progress` with the byte count of each tensor checked.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::verify`].
+    pub fn verify_with_progress(&self, progress: &(dyn Fn(u64) + Sync)) -> Result<VerifyReport> {
+        self.check_headers()?;
+        self.check_optimizer_section()?;
+        if self.kind != Kind::Native {
+            return Ok(VerifyReport {
+                tensors: 0,
+                bytes: 0,
+                checksummed: false,
+            });
+        }
+        let first_bad = if self.resident() {
+            self.tensors()
+                .par_iter()
+                .enumerate()
+                .filter_map(|(i, t)| {
+                    let r = self.check_tensor(t);
+                    progress(t.nbytes());
+                    r.err().map(|e| (i, e))
+                })
+                .min_by_key(|(i, _)| *i)
+        } else {
+            // Fetched shards: one tensor at a time (memory stays about one tensor), in
+            // file order, each CRC-checked as its bytes land; the first failure in
+            // manifest order is reported, as for resident shards.
+            let mut bad: Option<(usize, Error)> = None;
+            for (i, t) in self.in_file_order() {
+                if !self.data_verified {
+                    if let Err(e) = self.read_info(t) {
+                        if bad.as_ref().is_none_or(|(j, _)| i < *j) {
+                            bad = Some((i, e));
+                        }
+                    }
+                }
+                progress(t.nbytes());
+            }
+            bad
+        };
+        if let Some((_, e)) = first_bad {
+            return Err(e);
+        }
+        Ok(VerifyReport {
+            tensors: self.tensors().len(),
+            bytes: self.tensors().iter().map(TensorInfo::nbytes).sum(),
+            checksummed: true,
+        })
+    }
+
+    /// The CRC32 of one tensor and, where the manifest records one, its absmax: both in
+    /// one pass over the bytes.
+    ///
+    /// With block CRCs (format-spec/integrity.md §Block CRCs) the pass computes each
+    /// block's CRC (and absmax bits), checks every block, and checks that the blocks
+    /// combine to the tensor's `crc32`.
+    fn check_tensor(&self, t: &TensorInfo) -> Result<()> {
+        if self.data_verified {
+            return Ok(());
+        }
+        let Some(bytes) = self.stored_bytes(t) else {
+            return self.read_info(t).map(drop);
+        };
+        let v = TensorView::new(&t.name, t.dtype, &t.shape, bytes);
+        if let Some(bl) = &t.blocks {
+            let with_abs = t.absmax.is_some();
+            let sums: Vec<(u32, u32)> = v
+                .bytes()
+                .par_chunks(usize::try_from(bl.size).unwrap_or(usize::MAX))
+                .map(|c| unit_sum(c, with_abs))
+                .collect();
+            return check_units(t, &self.shards[t.shard].file, bl.size, &sums);
+        }
+        let Some(recorded) = t.absmax else {
+            return self.check_crc(t, crc32_parallel(v.bytes()));
+        };
+        let (crc, actual) = match v.as_slice::<f32>() {
+            Ok(x) => crate::convert::crc32_and_absmax_f32(v.bytes(), x),
+            Err(_) => (
+                crc32_parallel(v.bytes()),
+                crate::convert::absmax_f32_le_bytes(v.bytes()),
+            ),
+        };
+        self.check_crc(t, crc)?;
+        self.check_absmax(t, recorded, actual)
+    }
+
+    /// Whether every shard's bytes are resident ([`ShardSource::bytes`]): then reads are
+    /// zero-copy views and fresh-buffer reads are copies; otherwise they are fetches.
+    pub fn resident(&self) -> bool {
+        self.shards.iter().all(|s| s.bytes.bytes().is_some())
+    }
+
+    /// The stored bytes of `t` where its shard is resident (offsets were validated against
+    /// the shard's length when the checkpoint was built).
+    pub(crate) fn stored_bytes(&self, t: &TensorInfo) -> Option<&[u8]> {
+        let b = self.shards.get(t.shard)?.bytes.bytes()?;
+        b.get(usize::try_from(t.offsets[0]).ok()?..usize::try_from(t.offsets[1]).ok()?)
+    }
+
+    /// Every tensor with its index in [`Checkpoint::tensors`], in file order (shard, offset).
+    pub(crate) fn in_file_order(&self) -> Vec<(usize, &TensorInfo)> {
+        let mut order: Vec<(usize, &TensorInfo)> = self.tensors().iter().enumerate().collect();
+        order.sort_by_key(|(_, t)| (t.shard, t.offsets[0]));
+        order
+    }
+
+    /// Tensor `name` (a whole stored tensor) in a freshly allocated buffer, its CRC32 (and
+    /// absmax, block CRCs) checked as the bytes were copied or fetched: one pass over the
+    /// bytes, rayon-parallel for resident shards, concurrent ranged requests for fetched
+    /// ones. For a global tensor use [`Checkpoint::read_global`].
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::ChecksumMismatch`] / [`Error::AbsmaxMismatch`]
+    /// naming the tensor, block and shard for damaged bytes (nothing is returned); the
+    /// source's errors for a fetch that fails.
+    pub fn read_tensor(&self, name: &str) -> Result<crate::tensor::Tensor> {
+        self.read_info(self.info(name)?)
+    }
+
+    /// [`Checkpoint::read_tensor`] of a tensor of this checkpoint.
+    pub(crate) fn read_info(&self, t: &TensorInfo) -> Result<crate::tensor::Tensor> {
+        let shard = self
+            .shards
+            .get(t.shard)
+            .ok_or_else(|| Error::TensorNotFound {
+                name: t.name.clone(),
+            })?;
+        let mut out = crate::tensor::Tensor::zeros(t.dtype, &t.shape)?;
+        let step = shard.bytes.fetch_size();
+        let mut jobs = Vec::new();
+        let summed = source::plan_summed_or_plain(
+            t.shard,
+            t.offsets[0],
+            out.bytes_mut(),
+            &[(0, t)],
+            step,
+            &mut jobs,
+        );
+        S::fetch(&self.shards, &mut jobs)?;
+        if !jobs.iter().all(Fetch::is_complete) {
+            return Err(Error::ShardMismatch {
+                shard: t.shard,
+                file: shard.file.clone(),
+                reason: format!("a read of tensor {:?} came back short", t.name),
+            });
+        }
+        let sums = summed
+            .then(|| source::gather_sums(&[t], step, jobs))
+            .flatten();
+        if self.data_verified {
+            return Ok(out);
+        }
+        match sums {
+            Some((units, per)) => check_units(t, &shard.file, units[0], &per[0])?,
+            None => self.check_crc(t, crc32_parallel(out.bytes()))?,
+        }
+        Ok(out)
+    }
+
+    /// Stream every tensor, in file order, into a freshly allocated buffer handed to `f`,
+    /// checking each tensor's CRC32 (native checkpoints) as it is copied or fetched, and
+    /// releasing the shard bytes it was read from (mapped pages). Resident memory stays
+    /// bounded by about `budget` bytes plus the buffers `f` keeps, however large the
+    /// checkpoint: restore a model larger than memory by moving each tensor on (to a
+    /// device, say) and dropping it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if one tensor is larger than `budget` (than half of it
+    /// for resident shards: a tensor in flight costs its buffer and, briefly, its mapped
+    /// pages); [`Error::ChecksumMismatch`] for damaged bytes; the source's errors for a
+    /// fetch that fails; any error `f` returns (which stops the stream).
+    pub fn stream_tensors(
+        &self,
+        budget: u64,
+        mut f: impl FnMut(&TensorInfo, crate::tensor::Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let (factor, why) = if self.resident() {
+            (2, "twice that (its buffer and its mapped pages)")
+        } else {
+            (1, "that (its buffer)")
+        };
+        if let Some(t) = self
+            .tensors()
+            .iter()
+            .find(|t| t.nbytes().saturating_mul(factor) > budget)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {:?} is {} bytes: streaming it needs {why}, over the budget of {budget} bytes",
+                t.name,
+                t.nbytes()
+            )));
+        }
+        for (_, t) in self.in_file_order() {
+            let shard = &self.shards[t.shard];
+            shard.bytes.advise_sequential();
+            let x = self.read_info(t);
+            shard.bytes.release(t.offsets[0], t.nbytes());
+            f(t, x?)?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+    /// A zero-copy view of a tensor. Does not check its CRC; see [`Checkpoint::verify`] and
+    /// [`Checkpoint::tensor_verified`].
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`].
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let t = self.info(name)?;
+        Ok(self.view(t))
+    }
+
+    pub(crate) fn view<'a>(&'a self, t: &'a TensorInfo) -> TensorView<'a> {
+        // Offsets were validated against the shard's length when the checkpoint was built.
+        let bytes = self.shards[t.shard]
+            .bytes
+            .as_ref()
+            .get(t.offsets[0] as usize..t.offsets[1] as usize)
+            .unwrap_or(&[]);
+        TensorView::new(&t.name, t.dtype, &t.shape, bytes)
+    }
+
+    /// A zero-copy view of a tensor whose CRC32 was checked just now.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::ChecksumMismatch`] if the bytes are damaged.
+    pub fn tensor_verified(&self, name: &str) -> Result<TensorView<'_>> {
+        let t = self.info(name)?;
+        let v = self.view(t);
+        if !self.data_verified {
+            self.check_crc(t, crc32_parallel(v.bytes()))?;
+        }
+        Ok(v)
     }
 }
 
@@ -1150,25 +1249,10 @@ impl Checkpoint<Map> {
 impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// Release the mapped pages of tensor `t` from this process (they stay in the page
     /// cache; a later read maps them again). Nothing for storage the process owns.
-    fn release_tensor(&self, t: &TensorInfo) {
+    pub(crate) fn release_tensor(&self, t: &TensorInfo) {
         self.shards[t.shard]
             .bytes
             .release_pages(t.offsets[0] as usize, t.nbytes() as usize);
-    }
-
-    /// [`Checkpoint::load_optimizer`], releasing each source tensor's mapped pages from
-    /// this process once it is converted: the resident memory of a restore stays about the
-    /// size of the loaded state, not that plus the mapped checkpoint. Results are
-    /// bit-identical to `load_optimizer`; a later load from the same `Checkpoint` maps the
-    /// pages again (from the page cache).
-    ///
-    /// # Errors
-    /// As [`Checkpoint::load_optimizer`].
-    pub fn load_optimizer_releasing(
-        &self,
-        layout: &crate::optim::StateLayout,
-    ) -> Result<crate::optim::OptimizerState> {
-        self.load_optimizer_impl(layout, None, Some(&|t| self.release_tensor(t)))
     }
 
     /// Check the CRC32 of every tensor named (rayon-parallel across tensors and within large

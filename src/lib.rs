@@ -51,7 +51,9 @@ pub mod manager;
 // Locations: local paths and object-store URLs.
 pub mod store;
 
-pub use checkpoint::{Checkpoint, Kind, Region, Shard, TensorInfo, VerifyReport};
+pub use checkpoint::{
+    Checkpoint, Fetch, Kind, Region, Shard, ShardSource, TensorInfo, VerifyReport,
+};
 pub use crc::crc32_parallel;
 pub use dtype::DType;
 pub use error::{Error, Result};

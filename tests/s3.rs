@@ -19,7 +19,7 @@ use ckptstore::manager::Retention;
 use ckptstore::optim::{
     OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
 };
-use ckptstore::store::s3::{self, Remote, RemoteCheckpoint, S3Config};
+use ckptstore::store::s3::{self, Remote, S3Config};
 use ckptstore::store::s3_manager::RemoteManager;
 use ckptstore::store::{Location, RemoteUrl};
 use ckptstore::write::parts::new_checkpoint_id;
@@ -140,7 +140,7 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
     }
 
     // The lazy reader fetches single tensors and streams all of them, CRC-checked.
-    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    let rc = s3::open_lazy(&u, &cfg).unwrap();
     assert_eq!(
         rc.read_tensor("big").unwrap().as_slice::<f32>().unwrap(),
         &f.big[..]
@@ -292,7 +292,7 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let (e, s) = err_text(s3::open_with(&a, &cfg));
     assert!(matches!(e, Error::ShardMismatch { .. }), "{s}");
     assert!(s.contains(&key), "{s}");
-    let e = RemoteCheckpoint::open(&a, &cfg)
+    let e = s3::open_lazy(&a, &cfg)
         .and_then(|r| r.read_tensor("big"))
         .unwrap_err();
     assert!(e.to_string().contains(&key), "{e}");
@@ -320,7 +320,7 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
             && e.to_string().contains(&key),
         "{e}"
     );
-    let e = RemoteCheckpoint::open(&a, &cfg)
+    let e = s3::open_lazy(&a, &cfg)
         .unwrap()
         .read_tensor("big")
         .unwrap_err();
@@ -1036,7 +1036,7 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
     .unwrap();
     // The downloaded checkpoint is the reference: the same region read from all the bytes.
     let full = s3::open_with(&u, &cfg).unwrap();
-    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    let rc = s3::open_lazy(&u, &cfg).unwrap();
     assert_eq!(rc.bytes_fetched(), 0);
 
     // Rows of "w" are 4 KiB, 64 to a 256 KiB block: rows [1000, 1100) x columns [10, 20)
@@ -1146,7 +1146,7 @@ fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
     assert_eq!(info.checkpoint_id, id);
     let ck = s3::open_with(&u, &cfg).unwrap();
     ck.verify().unwrap();
-    let rc = RemoteCheckpoint::open(&u, &cfg).unwrap();
+    let rc = s3::open_lazy(&u, &cfg).unwrap();
     for g in globals(world) {
         let whole = global_bytes(&g);
         assert_eq!(

@@ -10,7 +10,7 @@
 //! only ever read.
 //!
 //! On an object store (`s3://bucket/prefix`) the checkpoint is opened lazily
-//! (`ckptstore::store::s3::RemoteCheckpoint`: the manifest and the shard headers) and
+//! (`ckptstore::store::s3::open_lazy`: the manifest and the shard headers) and
 //! `verify_regions` fetches each region with ranged GETs of only the CRC blocks it touches,
 //! checks them, and keeps the checked bytes until `read_into` copies them into the
 //! destination: every destination is written only after every region was checked, and
@@ -18,7 +18,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use ckptstore::store::Location;
 use ckptstore::{Checkpoint, Error, Tensor};
@@ -42,20 +42,104 @@ type Key = (String, Vec<u64>, Vec<u64>);
 /// (`ckptstore._ckptstore.RegionReader(path)`).
 #[pyclass(module = "ckptstore._ckptstore", frozen)]
 pub(crate) struct RegionReader {
-    src: Source,
+    src: Box<dyn Regions>,
     /// Regions whose CRCs (blocks or chunks) this reader has checked.
     verified: Mutex<HashSet<Key>>,
-    /// Remote checkpoints: the checked bytes of each verified region, until `read_into`
-    /// takes them.
+    /// Fetched (remote) checkpoints: the checked bytes of each verified region, until
+    /// `read_into` takes them.
     fetched: Mutex<HashMap<Key, Tensor>>,
 }
 
-/// Where the checkpoint lies.
-enum Source {
-    /// A local directory, memory-mapped read-only.
-    Local(Arc<Checkpoint>),
-    /// An object store, read with ranged GETs.
-    Remote(Arc<ckptstore::store::s3::RemoteCheckpoint>),
+/// What the reader needs of a checkpoint, over any shard source: a memory-mapped local
+/// directory (`Checkpoint<Map>`, resident) or an object store read by ranged GETs
+/// (`Checkpoint<RemoteShard>`, fetched). One object-safe face of the one reader
+/// (`ckptstore::Checkpoint<S>`), so that this class has no per-backend code.
+trait Regions: Send + Sync {
+    fn ck_resident(&self) -> bool;
+    fn ck_verify_region(&self, n: &str, o: &[u64], s: &[u64]) -> Result<(), Error>;
+    fn ck_read_region(&self, n: &str, o: &[u64], s: &[u64]) -> Result<Tensor, Error>;
+    fn ck_read_region_into(
+        &self,
+        n: &str,
+        o: &[u64],
+        s: &[u64],
+        out: &mut [u8],
+    ) -> Result<(), Error>;
+    fn ck_copy_region_unchecked(
+        &self,
+        n: &str,
+        o: &[u64],
+        s: &[u64],
+        out: &mut [u8],
+    ) -> Result<(), Error>;
+    fn ck_shape_of(&self, n: &str) -> Result<(ckptstore::DType, Vec<u64>), Error>;
+    fn ck_chunks(&self, n: &str) -> Result<Vec<ckptstore::Region>, Error>;
+    fn ck_region_byte_ranges(
+        &self,
+        n: &str,
+        o: &[u64],
+        s: &[u64],
+    ) -> Result<Vec<(usize, u64, u64)>, Error>;
+    fn ck_metadata(&self) -> &serde_json::Value;
+    fn ck_checkpoint_id(&self) -> Option<String>;
+    /// The local path of shard `i`, for resident local checkpoints.
+    fn ck_shard_path(&self, i: usize) -> Option<PathBuf>;
+}
+
+impl<S: ckptstore::ShardSource + Send> Regions for Checkpoint<S> {
+    fn ck_resident(&self) -> bool {
+        self.resident()
+    }
+    fn ck_verify_region(&self, n: &str, o: &[u64], s: &[u64]) -> Result<(), Error> {
+        self.verify_region(n, o, s)
+    }
+    fn ck_read_region(&self, n: &str, o: &[u64], s: &[u64]) -> Result<Tensor, Error> {
+        self.read_region(n, o, s)
+    }
+    fn ck_read_region_into(
+        &self,
+        n: &str,
+        o: &[u64],
+        s: &[u64],
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        self.read_region_into(n, o, s, out)
+    }
+    fn ck_copy_region_unchecked(
+        &self,
+        n: &str,
+        o: &[u64],
+        s: &[u64],
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        self.copy_region_unchecked(n, o, s, out)
+    }
+    fn ck_shape_of(&self, n: &str) -> Result<(ckptstore::DType, Vec<u64>), Error> {
+        self.shape_of(n).map(|(d, s)| (d, s.to_vec()))
+    }
+    fn ck_chunks(&self, n: &str) -> Result<Vec<ckptstore::Region>, Error> {
+        self.chunks(n)
+    }
+    fn ck_region_byte_ranges(
+        &self,
+        n: &str,
+        o: &[u64],
+        s: &[u64],
+    ) -> Result<Vec<(usize, u64, u64)>, Error> {
+        self.region_byte_ranges(n, o, s)
+    }
+    fn ck_metadata(&self) -> &serde_json::Value {
+        self.metadata()
+    }
+    fn ck_checkpoint_id(&self) -> Option<String> {
+        self.manifest().map(|m| m.checkpoint_id.clone())
+    }
+    fn ck_shard_path(&self, i: usize) -> Option<PathBuf> {
+        if !self.resident() {
+            return None;
+        }
+        self.shards().get(i).map(|x| self.root().join(&x.file))
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -77,19 +161,20 @@ impl RegionReader {
                 .filter(|k| !done.contains(k) && seen.insert(k.clone()))
                 .collect()
         };
-        match &self.src {
-            Source::Local(ck) => todo
+        let ck = &self.src;
+        if ck.ck_resident() {
+            todo.par_iter()
+                .try_for_each(|(n, o, s)| ck.ck_verify_region(n, o, s))?;
+        } else {
+            // Each read runs its own concurrent ranged GETs; a few regions at a time. The
+            // checked bytes are kept, so destinations are written from the very bytes
+            // that were checked.
+            let got = todo
                 .par_iter()
-                .try_for_each(|(n, o, s)| ck.verify_region(n, o, s))?,
-            Source::Remote(rc) => {
-                // Each read runs its own parallel ranged GETs; a few regions at a time.
-                let got = todo
-                    .par_iter()
-                    .with_max_len(1)
-                    .map(|k| rc.read_region(&k.0, &k.1, &k.2).map(|t| (k.clone(), t)))
-                    .collect::<Result<Vec<_>, Error>>()?;
-                lock(&self.fetched).extend(got);
-            }
+                .with_max_len(1)
+                .map(|k| ck.ck_read_region(&k.0, &k.1, &k.2).map(|t| (k.clone(), t)))
+                .collect::<Result<Vec<_>, Error>>()?;
+            lock(&self.fetched).extend(got);
         }
         lock(&self.verified).extend(todo);
         Ok(())
@@ -105,39 +190,29 @@ impl RegionReader {
         out: &mut [u8],
     ) -> Result<(), Error> {
         let key = (name.to_string(), offsets.to_vec(), shape.to_vec());
-        match &self.src {
-            Source::Local(ck) => {
-                if self.is_verified(&key) {
-                    ck.copy_region_unchecked(name, offsets, shape, out)
-                } else {
-                    ck.read_region_into(name, offsets, shape, out)
-                }
-            }
-            Source::Remote(rc) => {
-                let t = lock(&self.fetched).remove(&key);
-                let t = match t {
-                    Some(t) => t,
-                    None => rc.read_region(name, offsets, shape)?,
-                };
-                let b = t.bytes();
-                if b.len() != out.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "tensor {name:?}: a region of shape {shape:?} is {} bytes, the destination {}",
-                        b.len(),
-                        out.len()
-                    )));
-                }
-                out.copy_from_slice(b);
-                Ok(())
-            }
+        let ck = &self.src;
+        let kept = lock(&self.fetched).remove(&key);
+        let Some(t) = kept else {
+            return if self.is_verified(&key) && ck.ck_resident() {
+                ck.ck_copy_region_unchecked(name, offsets, shape, out)
+            } else {
+                ck.ck_read_region_into(name, offsets, shape, out)
+            };
+        };
+        let b = t.bytes();
+        if b.len() != out.len() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {name:?}: a region of shape {shape:?} is {} bytes, the destination {}",
+                b.len(),
+                out.len()
+            )));
         }
+        out.copy_from_slice(b);
+        Ok(())
     }
 
     fn shape(&self, name: &str) -> Result<(ckptstore::DType, Vec<u64>), Error> {
-        match &self.src {
-            Source::Local(ck) => ck.shape_of(name).map(|(d, s)| (d, s.to_vec())),
-            Source::Remote(rc) => rc.shape_of(name).map(|(d, s)| (d, s.to_vec())),
-        }
+        self.src.ck_shape_of(name)
     }
 }
 
@@ -149,15 +224,13 @@ impl RegionReader {
     #[new]
     fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
         let src = py
-            .detach(|| -> Result<Source, Error> {
+            .detach(|| -> Result<Box<dyn Regions>, Error> {
                 match Location::from_path(&path)? {
-                    Location::Local(p) => Ok(Source::Local(Arc::new(Checkpoint::open(&p)?))),
-                    Location::Remote(u) => Ok(Source::Remote(Arc::new(
-                        ckptstore::store::s3::RemoteCheckpoint::open(
-                            &u,
-                            &ckptstore::store::s3::S3Config::from_env(),
-                        )?,
-                    ))),
+                    Location::Local(p) => Ok(Box::new(Checkpoint::open(&p)?)),
+                    Location::Remote(u) => Ok(Box::new(ckptstore::store::s3::open_lazy(
+                        &u,
+                        &ckptstore::store::s3::S3Config::from_env(),
+                    )?)),
                 }
             })
             .map_err(CkError)?;
@@ -170,26 +243,19 @@ impl RegionReader {
 
     /// The manifest's user metadata as JSON text.
     fn metadata_json(&self) -> PyResult<String> {
-        let m = match &self.src {
-            Source::Local(ck) => ck.metadata(),
-            Source::Remote(rc) => &rc.manifest().metadata,
-        };
-        serde_json::to_string(m).map_err(|e| invalid_arg(e.to_string()))
+        serde_json::to_string(self.src.ck_metadata()).map_err(|e| invalid_arg(e.to_string()))
     }
 
     /// The checkpoint id (ckptstore checkpoints), `None` for foreign stores.
     #[getter]
     fn checkpoint_id(&self) -> Option<String> {
-        match &self.src {
-            Source::Local(ck) => ck.manifest().map(|m| m.checkpoint_id.clone()),
-            Source::Remote(rc) => Some(rc.manifest().checkpoint_id.clone()),
-        }
+        self.src.ck_checkpoint_id()
     }
 
     /// Whether the checkpoint is local (memory-mapped), so that `byte_ranges` name files.
     #[getter]
     fn is_local(&self) -> bool {
-        matches!(self.src, Source::Local(_))
+        self.src.ck_resident()
     }
 
     /// `(wire dtype, shape)` of a global or whole tensor.
@@ -200,11 +266,10 @@ impl RegionReader {
 
     /// `(offsets, shape)` of every stored chunk of `name` (one at the origin for a whole tensor).
     fn chunks(&self, name: &str) -> PyResult<Vec<(Vec<u64>, Vec<u64>)>> {
-        let c = match &self.src {
-            Source::Local(ck) => ck.chunks(name),
-            Source::Remote(rc) => rc.chunks(name),
-        };
-        Ok(c.map_err(CkError)?
+        Ok(self
+            .src
+            .ck_chunks(name)
+            .map_err(CkError)?
             .into_iter()
             .map(|r| (r.offsets, r.shape))
             .collect())
@@ -233,12 +298,13 @@ impl RegionReader {
         &self,
         regions: Vec<(String, Vec<u64>, Vec<u64>)>,
     ) -> PyResult<Vec<(PathBuf, u64, u64)>> {
-        let Source::Local(ck) = &self.src else {
+        let ck = &self.src;
+        if !ck.ck_resident() {
             return Ok(Vec::new());
-        };
+        }
         let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
         for (n, o, s) in &regions {
-            ranges.extend(ck.region_byte_ranges(n, o, s).map_err(CkError)?);
+            ranges.extend(ck.ck_region_byte_ranges(n, o, s).map_err(CkError)?);
         }
         ranges.sort_unstable();
         let mut merged: Vec<(usize, u64, u64)> = Vec::new();
@@ -248,10 +314,9 @@ impl RegionReader {
                 _ => merged.push((sh, b, e)),
             }
         }
-        let shards = ck.shards();
         Ok(merged
             .into_iter()
-            .filter_map(|(sh, b, e)| shards.get(sh).map(|x| (ck.root().join(&x.file), b, e)))
+            .filter_map(|(sh, b, e)| Some((ck.ck_shard_path(sh)?, b, e)))
             .collect())
     }
 

@@ -23,7 +23,7 @@ pub struct Entry<'a> {
     pub global: bool,
 }
 
-impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+impl<S> Checkpoint<S> {
     /// The `chunk_of` table, built on first use.
     fn chunk_of(&self) -> &[u32] {
         self.chunk_of.get_or_init(|| match self.manifest() {

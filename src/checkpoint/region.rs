@@ -3,7 +3,9 @@
 
 use rayon::prelude::*;
 
-use super::Checkpoint;
+use std::borrow::Cow;
+
+use super::{source, Checkpoint, ShardSource};
 use crate::dtype::{checked_nbytes, DType};
 use crate::error::{Error, Result};
 use crate::format::global::GlobalEntry;
@@ -58,71 +60,6 @@ struct Source<'a> {
     pieces: Vec<(Region, &'a TensorInfo)>,
 }
 
-/// What planning a region read needs from a checkpoint: its tensors and globals by name
-/// (a [`Checkpoint`], or a remote checkpoint that holds only the manifest).
-pub(crate) trait Catalog {
-    /// The global tensor called `name`, if there is one.
-    fn global_entry(&self, name: &str) -> Option<&GlobalEntry>;
-    /// The stored tensor called `name`.
-    fn tensor_info(&self, name: &str) -> Result<&TensorInfo>;
-}
-
-impl<B: AsRef<[u8]> + Sync> Catalog for Checkpoint<B> {
-    fn global_entry(&self, name: &str) -> Option<&GlobalEntry> {
-        self.global(name)
-    }
-    fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
-        self.info(name)
-    }
-}
-
-fn source<'a, C: Catalog + ?Sized>(c: &'a C, name: &str) -> Result<Source<'a>> {
-    if let Some(g) = c.global_entry(name) {
-        let pieces = g
-            .chunks
-            .iter()
-            .map(|ch| {
-                // Validated at open (G4): every chunk's tensor exists.
-                let t = c.tensor_info(&ch.tensor)?;
-                Ok((Region::new(&ch.offsets, &ch.shape), t))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        return Ok(Source {
-            name: &g.name,
-            dtype: g.dtype,
-            shape: &g.global_shape,
-            pieces,
-        });
-    }
-    let t = c.tensor_info(name)?;
-    Ok(Source {
-        name: &t.name,
-        dtype: t.dtype,
-        shape: &t.shape,
-        pieces: vec![(Region::new(&vec![0; t.shape.len()], &t.shape), t)],
-    })
-}
-
-/// [`Checkpoint::shape_of`] on any catalog (a remote checkpoint's too).
-pub(crate) fn shape_of<'a, C: Catalog + ?Sized>(
-    c: &'a C,
-    name: &str,
-) -> Result<(DType, &'a [u64])> {
-    match c.global_entry(name) {
-        Some(g) => Ok((g.dtype, &g.global_shape)),
-        None => c.tensor_info(name).map(|t| (t.dtype, t.shape.as_slice())),
-    }
-}
-
-/// [`Checkpoint::chunks`] on any catalog (a remote checkpoint's too).
-pub(crate) fn chunks<C: Catalog + ?Sized>(c: &C, name: &str) -> Result<Vec<Region>> {
-    Ok(source(c, name)?
-        .pieces
-        .into_iter()
-        .map(|(r, _)| r)
-        .collect())
-}
-
 /// Check `region` against `src`'s shape; the stored pieces it intersects, with the
 /// intersections.
 fn plan_region<'s>(src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>> {
@@ -153,7 +90,7 @@ fn plan_region<'s>(src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>
         .collect())
 }
 
-impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+impl<S> Checkpoint<S> {
     /// The global tensors (format-spec/global.md), in manifest order; empty for checkpoints
     /// without any.
     pub fn globals(&self) -> &[GlobalEntry] {
@@ -171,7 +108,10 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`] if neither holds that name.
     pub fn shape_of(&self, name: &str) -> Result<(DType, &[u64])> {
-        shape_of(self, name)
+        match self.global(name) {
+            Some(g) => Ok((g.dtype, &g.global_shape)),
+            None => self.info(name).map(|t| (t.dtype, t.shape.as_slice())),
+        }
     }
 
     /// The chunks of `name` as regions of its global index space, in manifest order: a
@@ -180,27 +120,127 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`].
     pub fn chunks(&self, name: &str) -> Result<Vec<Region>> {
-        chunks(self, name)
+        Ok(self
+            .source(name)?
+            .pieces
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect())
     }
 
     fn source(&self, name: &str) -> Result<Source<'_>> {
-        source(self, name)
+        if let Some(g) = self.global(name) {
+            let pieces = g
+                .chunks
+                .iter()
+                .map(|ch| {
+                    // Validated at open (G4): every chunk's tensor exists.
+                    let t = self.info(&ch.tensor)?;
+                    Ok((Region::new(&ch.offsets, &ch.shape), t))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Source {
+                name: &g.name,
+                dtype: g.dtype,
+                shape: &g.global_shape,
+                pieces,
+            });
+        }
+        let t = self.info(name)?;
+        Ok(Source {
+            name: &t.name,
+            dtype: t.dtype,
+            shape: &t.shape,
+            pieces: vec![(Region::new(&vec![0; t.shape.len()], &t.shape), t)],
+        })
     }
 
-    fn plan_region<'s>(&self, src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>> {
-        plan_region(src, region)
+    /// Where the bytes a read of this region uses lie: `(shard index, begin, end)` absolute
+    /// byte ranges in the shard files, one per block touched (chunks with block CRCs) or
+    /// per chunk, in plan order, adjacent ranges merged. For prefetching (readahead hints,
+    /// ranged GETs).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`], without reading any tensor data.
+    pub fn region_byte_ranges(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+    ) -> Result<Vec<(usize, u64, u64)>> {
+        let src = self.source(name)?;
+        let region = Region::new(offsets, shape);
+        let plan = plan_region(&src, &region)?;
+        let es = src.dtype.size();
+        let mut out: Vec<(usize, u64, u64)> = Vec::new();
+        let mut push = |sh: usize, b: u64, e: u64| match out.last_mut() {
+            Some(last) if last.0 == sh && last.2 == b => last.2 = e,
+            _ => out.push((sh, b, e)),
+        };
+        for (piece, t, lo, hi) in &plan {
+            let base = t.offsets[0];
+            match &t.blocks {
+                None => push(t.shard, base, t.offsets[1]),
+                Some(bl) => {
+                    for i in touched(t, piece, &region, lo, hi, es, bl.size)? {
+                        if let Some((b, e)) = block_range(t, bl.size, i) {
+                            push(t.shard, base + b, base + e);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
+    /// The bytes [`Checkpoint::read_region`] reads for this region: of every chunk it
+    /// intersects, the CRC blocks it touches (format-spec/integrity.md §Block CRCs), or
+    /// the whole chunk where the chunk has no block CRCs. Divided by the region's own
+    /// byte size, the read amplification of a resharding layout.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`], without reading any tensor data.
+    pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64> {
+        // Bounded by the checkpoint's data size, validated at open.
+        Ok(self
+            .region_byte_ranges(name, offsets, shape)?
+            .iter()
+            .map(|(_, b, e)| e - b)
+            .sum())
+    }
+
+    /// The byte size of a region of `name`.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if it overflows.
+    pub fn region_nbytes(&self, name: &str, shape: &[u64]) -> Result<u64> {
+        let (dtype, _) = self.shape_of(name)?;
+        checked_nbytes(dtype, shape)
+            .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))
+    }
+}
+
+/// The bytes of one planned piece of a region read: a window `[base, base + buf.len())`
+/// of the stored tensor's bytes (borrowed from a resident shard, or fetched), and the
+/// blocks to check (`None`: the whole tensor, which has no block CRCs).
+struct Window<'a> {
+    base: u64,
+    buf: Cow<'a, [u8]>,
+    blocks: Option<Vec<u64>>,
+}
+
+impl<S: ShardSource> Checkpoint<S> {
     /// Read the box `[offsets, offsets + shape)` of `name` (a global tensor, or a whole
     /// tensor) into a freshly allocated tensor of shape `shape`, assembling it from the
     /// chunks it intersects. Every chunk read from has its CRC32 checked (whole: see
     /// [`Checkpoint::region_bytes_read`]) before its bytes are used. The checkpoint's
-    /// files are only read.
+    /// files are only read; from fetched shards, only the byte ranges
+    /// [`Checkpoint::region_byte_ranges`] names are fetched.
     ///
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a region of the wrong rank
     /// or out of bounds; [`Error::ChecksumMismatch`] naming the chunk's tensor and shard
-    /// for damaged bytes (nothing is returned).
+    /// for damaged bytes (nothing is returned); the source's errors for a failed fetch.
     ///
     /// # Example
     /// ```
@@ -235,8 +275,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         shape: &[u64],
         out: &mut [u8],
     ) -> Result<()> {
-        self.verify_region(name, offsets, shape)?;
-        self.copy_region_unchecked(name, offsets, shape, out)
+        self.region_op(name, offsets, shape, Some(out), true)
     }
 
     /// Check the CRC32s of everything a read of this region uses (in parallel), reading
@@ -248,18 +287,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     /// # Errors
     /// As [`Checkpoint::read_region`].
     pub fn verify_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<()> {
-        let src = self.source(name)?;
-        let region = Region::new(offsets, shape);
-        let plan = self.plan_region(&src, &region)?;
-        let es = src.dtype.size();
-        plan.par_iter().try_for_each(|(piece, t, lo, hi)| {
-            let v = self.view(t);
-            let Some(bl) = &t.blocks else {
-                return self.check_crc(t, crate::crc::crc32_parallel(v.bytes()));
-            };
-            let blocks = touched(t, piece, &region, lo, hi, es, bl.size)?;
-            blocks.par_iter().try_for_each(|&i| self.check_block(t, i))
-        })
+        self.region_op(name, offsets, shape, None, true)
     }
 
     /// Copy the region into `out` (exactly its bytes) **without checking any CRC**: the
@@ -277,61 +305,7 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         shape: &[u64],
         out: &mut [u8],
     ) -> Result<()> {
-        let src = self.source(name)?;
-        let region = Region::new(offsets, shape);
-        let plan = self.plan_region(&src, &region)?;
-        let want = checked_nbytes(src.dtype, shape)
-            .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))?;
-        if want != out.len() as u64 {
-            return Err(Error::InvalidArgument(format!(
-                "tensor {name:?}: a region of shape {shape:?} is {want} bytes, the destination {}",
-                out.len()
-            )));
-        }
-        let es = src.dtype.size();
-        for (piece, t, lo, hi) in &plan {
-            let v = self.view(t);
-            copy_box(v.bytes(), 0, piece, out, &region, lo, hi, es).ok_or_else(|| bad_piece(t))?;
-        }
-        Ok(())
-    }
-
-    /// Where the bytes a read of this region uses lie: `(shard index, begin, end)` absolute
-    /// byte ranges in the shard files, one per block touched (chunks with block CRCs) or
-    /// per chunk, in plan order, adjacent ranges merged. For prefetching (readahead hints,
-    /// ranged GETs).
-    ///
-    /// # Errors
-    /// As [`Checkpoint::read_region`], without reading any tensor data.
-    pub fn region_byte_ranges(
-        &self,
-        name: &str,
-        offsets: &[u64],
-        shape: &[u64],
-    ) -> Result<Vec<(usize, u64, u64)>> {
-        let src = self.source(name)?;
-        let region = Region::new(offsets, shape);
-        let plan = self.plan_region(&src, &region)?;
-        let es = src.dtype.size();
-        let mut out: Vec<(usize, u64, u64)> = Vec::new();
-        let mut push = |sh: usize, b: u64, e: u64| match out.last_mut() {
-            Some(last) if last.0 == sh && last.2 == b => last.2 = e,
-            _ => out.push((sh, b, e)),
-        };
-        for (piece, t, lo, hi) in &plan {
-            let base = t.offsets[0];
-            match &t.blocks {
-                None => push(t.shard, base, t.offsets[1]),
-                Some(bl) => {
-                    for i in touched(t, piece, &region, lo, hi, es, bl.size)? {
-                        if let Some((b, e)) = block_range(t, bl.size, i) {
-                            push(t.shard, base + b, base + e);
-                        }
-                    }
-                }
-            }
-        }
-        Ok(out)
+        self.region_op(name, offsets, shape, Some(out), false)
     }
 
     /// The whole of `name` (a global tensor assembled from its chunks, or a whole tensor),
@@ -345,56 +319,162 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         self.read_region(name, &vec![0; shape.len()], &shape)
     }
 
-    /// The bytes [`Checkpoint::read_region`] reads for this region: of every chunk it
-    /// intersects, the CRC blocks it touches (format-spec/integrity.md §Block CRCs), or
-    /// the whole chunk where the chunk has no block CRCs. Divided by the region's own
-    /// byte size, the read amplification of a resharding layout.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::read_region`], without reading any tensor data.
-    pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64> {
-        // Bounded by the checkpoint's data size, validated at open.
-        Ok(self
-            .region_byte_ranges(name, offsets, shape)?
-            .iter()
-            .map(|(_, b, e)| e - b)
-            .sum())
-    }
-
-    /// Check block `i` of `t` against its recorded CRC32.
-    fn check_block(&self, t: &TensorInfo, i: u64) -> Result<()> {
-        let Some(bl) = &t.blocks else {
-            return Ok(());
-        };
-        let v = self.view(t);
-        let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
-        let bytes = v
-            .bytes()
-            .get(b as usize..e as usize)
-            .ok_or_else(|| bad_piece(t))?;
-        let expected = *bl.crc32.get(i as usize).ok_or_else(|| bad_piece(t))?;
-        let got = crc32fast::hash(bytes);
-        if got != expected {
-            return Err(Error::ChecksumMismatch {
-                what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
-                shard: t.shard,
-                file: self.shards[t.shard].file.clone(),
-                expected,
-                got,
-            });
+    /// The one region read: plan the region, get the bytes it uses ([`Checkpoint::windows`]),
+    /// check them if `check`, then copy the box into `out` if given (checked for size
+    /// before anything is read).
+    fn region_op(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+        out: Option<&mut [u8]>,
+        check: bool,
+    ) -> Result<()> {
+        let src = self.source(name)?;
+        let region = Region::new(offsets, shape);
+        let plan = plan_region(&src, &region)?;
+        if let Some(out) = &out {
+            let want = checked_nbytes(src.dtype, shape).ok_or_else(|| {
+                Error::InvalidArgument(format!("region shape {shape:?} overflows"))
+            })?;
+            if want != out.len() as u64 {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor {name:?}: a region of shape {shape:?} is {want} bytes, the destination {}",
+                    out.len()
+                )));
+            }
+        }
+        let es = src.dtype.size();
+        let wins = self.windows(&plan, &region, es)?;
+        if check {
+            wins.par_iter()
+                .zip(plan.par_iter())
+                .try_for_each(|(w, (_, t, _, _))| self.check_window(t, w))?;
+        }
+        if let Some(dst) = out {
+            for (w, (piece, t, lo, hi)) in wins.iter().zip(&plan) {
+                let base = usize::try_from(w.base).map_err(|_| too_big(t))?;
+                copy_box(&w.buf, base, piece, dst, &region, lo, hi, es)
+                    .ok_or_else(|| bad_piece(t))?;
+            }
         }
         Ok(())
     }
 
-    /// The byte size of a region of `name`.
-    ///
-    /// # Errors
-    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if it overflows.
-    pub fn region_nbytes(&self, name: &str, shape: &[u64]) -> Result<u64> {
-        let (dtype, _) = self.shape_of(name)?;
-        checked_nbytes(dtype, shape)
-            .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))
+    /// The bytes each planned piece uses: the whole stored tensor borrowed where its shard
+    /// is resident; fetched otherwise, exactly the blocks the region touches (adjacent
+    /// ones merged), or the whole tensor where it has no block CRCs.
+    fn windows<'a>(
+        &'a self,
+        plan: &[Step<'a>],
+        region: &Region,
+        es: usize,
+    ) -> Result<Vec<Window<'a>>> {
+        let mut wins = Vec::with_capacity(plan.len());
+        // Per window: the `(begin, end)` ranges of the tensor's bytes to fetch.
+        let mut fetch: Vec<Vec<(u64, u64)>> = Vec::new();
+        for (piece, t, lo, hi) in plan {
+            let blocks = match &t.blocks {
+                None => None,
+                Some(bl) => Some(touched(t, piece, region, lo, hi, es, bl.size)?),
+            };
+            if let Some(bytes) = self.stored_bytes(t) {
+                wins.push(Window {
+                    base: 0,
+                    buf: Cow::Borrowed(bytes),
+                    blocks,
+                });
+                fetch.push(Vec::new());
+                continue;
+            }
+            let mut ranges: Vec<(u64, u64)> = Vec::new();
+            match (&blocks, &t.blocks) {
+                (Some(blocks), Some(bl)) => {
+                    for &i in blocks {
+                        let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
+                        match ranges.last_mut() {
+                            Some(last) if last.1 == b => last.1 = e,
+                            _ => ranges.push((b, e)),
+                        }
+                    }
+                }
+                _ => ranges.push((0, t.nbytes())),
+            }
+            let base = ranges.first().map_or(0, |r| r.0);
+            let end = ranges.last().map_or(0, |r| r.1);
+            let len = usize::try_from(end - base).map_err(|_| too_big(t))?;
+            wins.push(Window {
+                base,
+                buf: Cow::Owned(vec![0; len]),
+                blocks,
+            });
+            fetch.push(ranges);
+        }
+        if fetch.iter().all(Vec::is_empty) {
+            return Ok(wins);
+        }
+        let mut jobs = Vec::new();
+        for ((w, ranges), (_, t, _, _)) in wins.iter_mut().zip(&fetch).zip(plan) {
+            let Cow::Owned(buf) = &mut w.buf else {
+                continue;
+            };
+            let step = self.shards[t.shard].bytes.fetch_size();
+            let mut rest: &mut [u8] = buf;
+            let mut at = w.base;
+            for &(b, e) in ranges {
+                // Ranges are increasing, inside the window: these fit.
+                let (_, r) = std::mem::take(&mut rest).split_at_mut((b - at) as usize);
+                let (dst, r) = r.split_at_mut((e - b) as usize);
+                source::plan_plain(t.shard, t.offsets[0] + b, dst, step, &mut jobs);
+                rest = r;
+                at = e;
+            }
+        }
+        S::fetch(&self.shards, &mut jobs)?;
+        if let Some(j) = jobs.iter().find(|j| !j.is_complete()) {
+            let shard = j.shard();
+            return Err(Error::ShardMismatch {
+                shard,
+                file: self.shards[shard].file.clone(),
+                reason: format!("a read of bytes {:?} came back short", j.range()),
+            });
+        }
+        drop(jobs);
+        Ok(wins)
     }
+
+    /// Check a window's blocks (or its whole tensor) against the recorded CRC32s.
+    fn check_window(&self, t: &TensorInfo, w: &Window<'_>) -> Result<()> {
+        let file = || self.shards[t.shard].file.clone();
+        let (Some(blocks), Some(bl)) = (&w.blocks, &t.blocks) else {
+            return self.check_crc(t, crate::crc::crc32_parallel(&w.buf));
+        };
+        blocks.par_iter().try_for_each(|&i| {
+            let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
+            let bytes = b
+                .checked_sub(w.base)
+                .and_then(|x| usize::try_from(x).ok())
+                .zip(e.checked_sub(w.base).and_then(|x| usize::try_from(x).ok()))
+                .and_then(|(x, y)| w.buf.get(x..y))
+                .ok_or_else(|| bad_piece(t))?;
+            let expected = *bl.crc32.get(i as usize).ok_or_else(|| bad_piece(t))?;
+            let got = crc32fast::hash(bytes);
+            if got != expected {
+                return Err(Error::ChecksumMismatch {
+                    what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
+                    shard: t.shard,
+                    file: file(),
+                    expected,
+                    got,
+                });
+            }
+            Ok(())
+        })
+    }
+}
+
+fn too_big(t: &TensorInfo) -> Error {
+    Error::InvalidArgument(format!("tensor {:?} does not fit in memory", t.name))
 }
 
 fn bad_piece(t: &TensorInfo) -> Error {
@@ -557,133 +637,4 @@ fn touched_blocks(
         Some(())
     })?;
     Some(out)
-}
-
-/// One planned piece of a fetched region read: a window `[base, base + buf.len())` of the
-/// stored tensor's bytes, the ranges of it to fetch, and the blocks to check (`None`: the
-/// whole tensor, which has no block CRCs).
-struct Window {
-    base: u64,
-    buf: Vec<u8>,
-    ranges: Vec<(u64, u64)>,
-    blocks: Option<Vec<u64>>,
-}
-
-/// A region read for a reader without the shard bytes at hand (a remote checkpoint): plan
-/// it from `c`, hand `fetch` exactly the byte ranges [`Checkpoint::region_byte_ranges`]
-/// names (as `(shard index, absolute begin, destination)`, adjacent blocks of one tensor
-/// merged), check the CRC32 of every block (or whole chunk) fetched, then assemble the
-/// region in a fresh tensor. `file_of` names a shard in errors.
-///
-/// # Errors
-/// As [`Checkpoint::read_region`]; any error of `fetch`.
-pub(crate) fn read_region_fetching<C: Catalog + ?Sized>(
-    c: &C,
-    name: &str,
-    offsets: &[u64],
-    shape: &[u64],
-    file_of: impl Fn(usize) -> String + Sync,
-    fetch: impl FnOnce(Vec<(usize, u64, &mut [u8])>) -> Result<()>,
-) -> Result<Tensor> {
-    let src = source(c, name)?;
-    let region = Region::new(offsets, shape);
-    let plan = plan_region(&src, &region)?;
-    let es = src.dtype.size();
-    let mut out = Tensor::zeros(src.dtype, shape)?;
-    let too_big = |t: &TensorInfo| {
-        Error::InvalidArgument(format!("tensor {:?} does not fit in memory", t.name))
-    };
-    let mut wins = Vec::with_capacity(plan.len());
-    for (piece, t, lo, hi) in &plan {
-        let w = match &t.blocks {
-            None => Window {
-                base: 0,
-                buf: vec![0; usize::try_from(t.nbytes()).map_err(|_| too_big(t))?],
-                ranges: vec![(0, t.nbytes())],
-                blocks: None,
-            },
-            Some(bl) => {
-                let blocks = touched(t, piece, &region, lo, hi, es, bl.size)?;
-                let mut ranges: Vec<(u64, u64)> = Vec::new();
-                for &i in &blocks {
-                    let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
-                    match ranges.last_mut() {
-                        Some(last) if last.1 == b => last.1 = e,
-                        _ => ranges.push((b, e)),
-                    }
-                }
-                let base = ranges.first().map_or(0, |r| r.0);
-                let end = ranges.last().map_or(0, |r| r.1);
-                let len = usize::try_from(end - base).map_err(|_| too_big(t))?;
-                Window {
-                    base,
-                    buf: vec![0; len],
-                    ranges,
-                    blocks: Some(blocks),
-                }
-            }
-        };
-        wins.push(w);
-    }
-    let mut jobs = Vec::new();
-    for (w, (_, t, _, _)) in wins.iter_mut().zip(&plan) {
-        let mut rest: &mut [u8] = &mut w.buf;
-        let mut at = w.base;
-        for &(b, e) in &w.ranges {
-            // Ranges are increasing, inside the window: these fit.
-            let (_, r) = std::mem::take(&mut rest).split_at_mut((b - at) as usize);
-            let (dst, r) = r.split_at_mut((e - b) as usize);
-            jobs.push((t.shard, t.offsets[0] + b, dst));
-            rest = r;
-            at = e;
-        }
-    }
-    fetch(jobs)?;
-    wins.par_iter()
-        .zip(plan.par_iter())
-        .try_for_each(|(w, (_, t, _, _))| {
-            let Some(blocks) = &w.blocks else {
-                let got = crate::crc::crc32_parallel(&w.buf);
-                return match t.crc32 {
-                    Some(expected) if expected != got => Err(Error::ChecksumMismatch {
-                        what: format!("tensor {:?}", t.name),
-                        shard: t.shard,
-                        file: file_of(t.shard),
-                        expected,
-                        got,
-                    }),
-                    _ => Ok(()),
-                };
-            };
-            let bs = t.blocks.as_ref().map_or(0, |bl| bl.size);
-            blocks.par_iter().try_for_each(|&i| {
-                let (b, e) = block_range(t, bs, i).ok_or_else(|| bad_piece(t))?;
-                let bytes = w
-                    .buf
-                    .get((b - w.base) as usize..(e - w.base) as usize)
-                    .ok_or_else(|| bad_piece(t))?;
-                let expected = t
-                    .blocks
-                    .as_ref()
-                    .and_then(|bl| bl.crc32.get(i as usize).copied())
-                    .ok_or_else(|| bad_piece(t))?;
-                let got = crc32fast::hash(bytes);
-                if got != expected {
-                    return Err(Error::ChecksumMismatch {
-                        what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
-                        shard: t.shard,
-                        file: file_of(t.shard),
-                        expected,
-                        got,
-                    });
-                }
-                Ok(())
-            })
-        })?;
-    let dst = out.bytes_mut();
-    for (w, (piece, t, lo, hi)) in wins.iter().zip(&plan) {
-        let base = usize::try_from(w.base).map_err(|_| too_big(t))?;
-        copy_box(&w.buf, base, piece, dst, &region, lo, hi, es).ok_or_else(|| bad_piece(t))?;
-    }
-    Ok(out)
 }

@@ -107,6 +107,20 @@ impl<'de> Deserialize<'de> for RawHeader {
 /// # Panics
 /// Never, for any input.
 pub fn parse(file: &[u8]) -> Result<Header, String> {
+    parse_head(file, file.len() as u64)
+}
+
+/// [`parse`] for a file of `file_len` bytes of which `head` holds the first ones, at least
+/// the 8-byte length and the header JSON (a shard fetched by ranged reads: its header was
+/// read, its data was not). The data offsets are checked against `file_len`.
+///
+/// # Errors
+/// As [`parse`]; also when `head` ends before the header does.
+///
+/// # Panics
+/// Never, for any input.
+pub fn parse_head(head: &[u8], file_len: u64) -> Result<Header, String> {
+    let file = head;
     let prefix: [u8; 8] = file
         .get(..8)
         .and_then(|b| b.try_into().ok())
@@ -122,7 +136,6 @@ pub fn parse(file: &[u8]) -> Result<Header, String> {
             "header length {header_size} exceeds the {MAX_HEADER_SIZE}-byte cap"
         ));
     }
-    let file_len = file.len() as u64;
     let data_start = 8u64
         .checked_add(header_size)
         .filter(|&e| e <= file_len)
@@ -130,8 +143,9 @@ pub fn parse(file: &[u8]) -> Result<Header, String> {
             format!("header length {header_size} runs past the end of the {file_len}-byte file")
         })?;
     // data_start <= file.len(), so these conversions and slices are in bounds.
-    let json = file
-        .get(8..data_start as usize)
+    let json = usize::try_from(data_start)
+        .ok()
+        .and_then(|e| file.get(8..e))
         .ok_or_else(|| "header out of bounds".to_string())?;
     if json.first() != Some(&b'{') {
         return Err("header JSON does not start with '{'".into());

@@ -13,7 +13,7 @@ use crate::dtype::{checked_numel, DType};
 pub struct Manifest {
     /// Always `"ckptstore"`.
     pub format: String,
-    /// Format version; see [`VERSION`].
+    /// Format version; see [`crate::format::manifest::VERSION`].
     pub version: u64,
     /// Features a reader must implement to read this checkpoint correctly.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

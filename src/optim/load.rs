@@ -151,7 +151,7 @@ struct Job<'a> {
     target: Target,
 }
 
-impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// Load the checkpoint's optimizer state in `layout`, into freshly allocated buffers.
     ///
     /// Rayon-parallel across tensors and within large ones. The source mapping is only
@@ -180,6 +180,18 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
         pool: &BufferPool,
     ) -> Result<OptimizerState> {
         self.load_optimizer_impl(layout, Some(pool), None)
+    }
+
+    /// [`Checkpoint::load_optimizer`], releasing each source tensor's mapped pages from
+    /// this process once it is converted: the resident memory of a restore stays about the
+    /// size of the loaded state, not that plus the mapped checkpoint. Results are
+    /// bit-identical to `load_optimizer`; a later load from the same `Checkpoint` maps the
+    /// pages again (from the page cache).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::load_optimizer`].
+    pub fn load_optimizer_releasing(&self, layout: &StateLayout) -> Result<OptimizerState> {
+        self.load_optimizer_impl(layout, None, Some(&|t| self.release_tensor(t)))
     }
 
     /// `release(t)` is called once tensor `t` of the checkpoint has been read.

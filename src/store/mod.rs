@@ -41,6 +41,11 @@ impl crate::mmap::ReleasePages for Storage {
             m.release(offset, len);
         }
     }
+    fn advise_sequential(&self) {
+        if let Storage::Mapped(m) = self {
+            m.advise_sequential();
+        }
+    }
 }
 
 impl AsRef<[u8]> for Storage {

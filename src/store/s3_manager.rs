@@ -5,7 +5,7 @@
 //!
 //! Unlike a local root there are no reader leases: readers of [`RemoteManager::open`]
 //! download the whole step at open, so retention cannot pull bytes from under them; a
-//! lazy reader ([`super::s3::RemoteCheckpoint`]) of a step deleted meanwhile gets an error
+//! lazy reader ([`super::s3::open_lazy`]) of a step deleted meanwhile gets an error
 //! naming the missing object, never other bytes.
 
 use crate::checkpoint::Checkpoint;

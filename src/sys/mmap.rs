@@ -66,11 +66,17 @@ pub trait ReleasePages {
     /// Release what backs `[offset, offset + len)` where that is possible; never changes
     /// the bytes a later read sees.
     fn release_pages(&self, offset: usize, len: usize);
+
+    /// Hint that the whole storage will be read sequentially soon (mapped files).
+    fn advise_sequential(&self) {}
 }
 
 impl ReleasePages for Map {
     fn release_pages(&self, offset: usize, len: usize) {
         self.release(offset, len);
+    }
+    fn advise_sequential(&self) {
+        Map::advise_sequential(self);
     }
 }
 

@@ -285,7 +285,7 @@ pub struct SaveOptions {
     /// Block size of the per-block CRC32s recorded for tensors larger than one block
     /// (format-spec/integrity.md §Block CRCs), which let region reads check only the
     /// blocks they touch; `0` records none. A power of two in `[4096, 2^30]`; default
-    /// [`crate::crc::DEFAULT_BLOCK_SIZE`] (256 KiB).
+    /// `DEFAULT_BLOCK_SIZE` (256 KiB).
     pub block_size: u64,
     /// When the files the new checkpoint no longer references (the previous checkpoint's
     /// shards) are removed: before `save` returns (default) or on a background thread
