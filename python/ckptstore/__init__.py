@@ -461,17 +461,22 @@ def commit(
     )
 
 
-def open(path: PathLike) -> Checkpoint:  # noqa: A001 - the package's reader entry point
+def open(path: PathLike, *, lazy: bool = False) -> Checkpoint:  # noqa: A001 - the reader entry point
     """Open a checkpoint: a ckptstore directory, a ``.safetensors`` file, a directory
-    holding ``model.safetensors``, or a Hugging Face sharded directory
-    (``model.safetensors.index.json``).
+    holding ``model.safetensors``, a Hugging Face sharded directory
+    (``model.safetensors.index.json``), or an ``s3://bucket/prefix`` URL.
 
     Validates the structure (manifest CRC, every byte range, shard sizes and header
-    CRCs) and maps the shards read-only; reads no tensor data. Raises
+    CRCs) and maps the shards read-only; reads no tensor data. An object-store checkpoint
+    is downloaded at open (every tensor CRC-checked as it lands), or, with ``lazy=True``,
+    only its manifest and shard headers are fetched and every read fetches the byte ranges
+    it needs (``ck[name]``, ``read``, ``read_region``, ``read_into``, ``verify``, CRC-checked
+    into fresh arrays; for checkpoints larger than memory and for reading a few tensors).
+    Local checkpoints are memory-mapped either way. Raises
     :class:`CheckpointNotFoundError` when there is nothing to open and
     :class:`CorruptCheckpointError` / :class:`ChecksumError` for damage.
     """
-    return Checkpoint(_fspath(path))
+    return Checkpoint(_fspath(path), lazy=bool(lazy))
 
 
 def _check_count(name: str, v: Optional[int]) -> Optional[int]:

@@ -133,10 +133,31 @@ class OwnedBuffer:
     """The base object of arrays returned by ``load_optimizer``: owns their buffer."""
 
 class Checkpoint:
-    """An open checkpoint (ckptstore directory, ``.safetensors`` file or Hugging Face
-    sharded directory), its shards mapped read-only."""
+    """An open checkpoint (ckptstore directory, ``.safetensors`` file, Hugging Face
+    sharded directory or ``s3://`` URL): its shards mapped read-only, downloaded, or, with
+    ``lazy=True`` on an object store, fetched by ranged GETs when read."""
 
-    def __init__(self, path: Union[str, os.PathLike[str]]) -> None: ...
+    def __init__(self, path: Union[str, os.PathLike[str]], *, lazy: bool = False) -> None: ...
+    @property
+    def resident(self) -> bool:
+        """Whether the shard bytes are in memory (False: opened lazily from a store)."""
+    @property
+    def is_local(self) -> bool: ...
+    def metadata_json(self) -> str:
+        """The manifest's user metadata as JSON text."""
+    def shape_of(self, name: str) -> tuple[str, list[int]]:
+        """``(wire dtype, shape)`` of a global or whole tensor."""
+    def verify_regions(self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
+        """Check the CRC32 of everything these boxes read (``ChecksumError``), once each."""
+    def byte_ranges(
+        self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+    ) -> list[tuple[Path, int, int]]:
+        """``(shard file, begin, end)`` of the bytes these boxes read (empty when lazy)."""
+    def read_into(
+        self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
+    ) -> None:
+        """Copy each box ``(name, offsets, shape)`` into its writable, C-contiguous 1-D
+        uint8 array of exactly the box's bytes, CRC-checked first; in parallel."""
     def keys(self) -> list[str]:
         """Tensor names, in manifest (or header) order."""
     def __len__(self) -> int: ...
@@ -222,28 +243,5 @@ class Checkpoint:
         tb: Optional[TracebackType],
     ) -> bool: ...
 
-class RegionReader:
-    """An open checkpoint that reads boxes of stored tensors into caller-owned buffers (the
-    storage layer of ``ckptstore.torch.dcp.Reader``); every stored tensor read from is
-    CRC-checked once per reader before its bytes are copied."""
-
-    def __init__(self, path: Union[str, os.PathLike[str]]) -> None: ...
-    def metadata_json(self) -> str:
-        """The manifest's user metadata as JSON text."""
-    @property
-    def checkpoint_id(self) -> Optional[str]: ...
-    def shape_of(self, name: str) -> tuple[str, list[int]]:
-        """``(wire dtype, shape)`` of a global or whole tensor."""
-    def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
-        """``(offsets, shape)`` of every stored chunk of ``name``."""
-    def verify_regions(self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
-        """Check the CRC32 of every stored tensor these boxes read from (``ChecksumError``)."""
-    def byte_ranges(
-        self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]
-    ) -> list[tuple[Path, int, int]]:
-        """``(shard file, begin, end)`` of the stored tensors these boxes read from."""
-    def read_into(
-        self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
-    ) -> None:
-        """Copy each box ``(name, offsets, shape)`` into its writable, C-contiguous 1-D
-        uint8 array of exactly the box's bytes; in parallel, interpreter released."""
+def RegionReader(path: Union[str, os.PathLike[str]]) -> Checkpoint:
+    """The old region reader: ``Checkpoint(path, lazy=True)``, which has all its methods."""

@@ -7,13 +7,29 @@ use std::sync::Arc;
 use ckptstore::optim::{ScaleShape, StateLayout, StateValue, Target, Tensor};
 use ckptstore::{Error, Kind};
 
-/// A checkpoint open from a path (memory-mapped) or an `s3://` URL (downloaded).
+/// A checkpoint whose shard bytes are in memory: open from a path (memory-mapped) or an
+/// `s3://` URL (downloaded).
 type Checkpoint = ckptstore::Checkpoint<ckptstore::store::Storage>;
+
+use crate::reader::{Reader, Regions};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
+use rayon::prelude::*;
 
 use crate::dtypes::{array_over, descr, uint8};
+
+/// One read: the stored tensor's name, the box `[offsets, offsets + shape)` of its global
+/// index space, and the destination buffer (the box's elements, row-major).
+type Request<'py> = (
+    String,
+    Vec<u64>,
+    Vec<u64>,
+    numpy::PyReadwriteArray1<'py, u8>,
+);
+
+/// A request ready for the engine: name, offsets, shape and the destination bytes.
+type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
 use crate::errors::{invalid_arg, CkError};
 
 /// Keeps an open checkpoint (its read-only memory maps) alive: the `base` of every array
@@ -128,17 +144,47 @@ fn parse_layout(layout: Option<&Bound<'_, PyAny>>, counters: Vec<String>) -> PyR
 /// `ck[name]` returns a **read-only, zero-copy** numpy array over the mapped file. The
 /// array keeps the mapping alive: it stays valid after the `Checkpoint` is closed or
 /// garbage-collected. Use `np.array(ck[name])` for a writable copy.
+///
+/// Opened with `lazy=True` from an object store, the shards are not downloaded: reads
+/// fetch the byte ranges they need, CRC-checked as they land, into fresh writable arrays
+/// (`ck[name]`, `read`, `read_region`, `read_into`, `verify`); the zero-copy staging
+/// primitives and `load_optimizer` need the bytes in memory and raise there.
 #[pyclass(module = "ckptstore", name = "Checkpoint")]
 pub(crate) struct PyCheckpoint {
-    inner: Option<(Arc<Checkpoint>, Py<MappedCheckpoint>)>,
+    inner: Option<Inner>,
+    /// Region reads into caller-owned buffers (`verify_regions`, `read_into`).
+    regions: Regions,
+}
+
+/// An open checkpoint: the one reader over any shard source, and the same checkpoint typed
+/// as resident (with the `base` its zero-copy arrays keep alive) when its bytes are in
+/// memory.
+struct Inner {
+    any: Arc<dyn Reader>,
+    resident: Option<(Arc<Checkpoint>, Py<MappedCheckpoint>)>,
 }
 
 impl PyCheckpoint {
-    fn open_parts(&self) -> PyResult<(&Arc<Checkpoint>, &Py<MappedCheckpoint>)> {
+    fn inner(&self) -> PyResult<&Inner> {
         self.inner
             .as_ref()
-            .map(|(a, b)| (a, b))
             .ok_or_else(|| PyValueError::new_err("the checkpoint is closed"))
+    }
+
+    /// The reader, over any shard source.
+    fn reader(&self) -> PyResult<&Arc<dyn Reader>> {
+        Ok(&self.inner()?.any)
+    }
+
+    /// The checkpoint with its bytes in memory, for `what`; raises for a lazily opened one.
+    fn open_parts_for(&self, what: &str) -> PyResult<(&Arc<Checkpoint>, &Py<MappedCheckpoint>)> {
+        match &self.inner()?.resident {
+            Some((a, b)) => Ok((a, b)),
+            None => Err(invalid_arg(format!(
+                "{what} needs the shard bytes in memory; this checkpoint was opened with \
+                 lazy=True (shards fetched on read): open it with lazy=False"
+            ))),
+        }
     }
 
     fn view_array(
@@ -148,10 +194,17 @@ impl PyCheckpoint {
         verify: bool,
         raw: bool,
     ) -> PyResult<Py<PyAny>> {
-        let (ck, base) = self.open_parts()?;
-        if ck.entry(name).map_err(CkError)?.global {
-            return read_global(py, ck, name, raw);
+        let any = self.reader()?;
+        if any.entry(name).map_err(CkError)?.global {
+            return read_global(py, any, name, raw);
         }
+        let Some((ck, base)) = &self.inner()?.resident else {
+            // Fetched shards: a fresh array, CRC-checked as its bytes landed.
+            let any = any.clone();
+            let n = name.to_string();
+            let t = py.detach(move || any.read_tensor(&n)).map_err(CkError)?;
+            return owned_array(py, t, raw);
+        };
         if verify {
             let ck = ck.clone();
             let n = name.to_string();
@@ -194,13 +247,31 @@ impl PyCheckpoint {
 
 #[pymethods]
 impl PyCheckpoint {
-    /// Open the checkpoint at `path` (see `ckptstore.open`).
+    /// Open the checkpoint at `path` (see `ckptstore.open`); `lazy=True` opens an
+    /// object-store checkpoint without downloading its shards.
     #[new]
-    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        let ck = Arc::new(py.detach(|| crate::remote::open(&path)).map_err(CkError)?);
-        let base = Py::new(py, MappedCheckpoint { ck: ck.clone() })?;
+    #[pyo3(signature = (path, *, lazy = false))]
+    fn new(py: Python<'_>, path: PathBuf, lazy: bool) -> PyResult<Self> {
+        let inner = match py
+            .detach(|| crate::remote::open_any(&path, lazy))
+            .map_err(CkError)?
+        {
+            crate::remote::Opened::Resident(ck) => {
+                let ck: Arc<Checkpoint> = Arc::from(ck);
+                let base = Py::new(py, MappedCheckpoint { ck: ck.clone() })?;
+                Inner {
+                    any: ck.clone(),
+                    resident: Some((ck, base)),
+                }
+            }
+            crate::remote::Opened::Fetched(any) => Inner {
+                any,
+                resident: None,
+            },
+        };
         Ok(PyCheckpoint {
-            inner: Some((ck, base)),
+            inner: Some(inner),
+            regions: Regions::default(),
         })
     }
 
@@ -208,16 +279,16 @@ impl PyCheckpoint {
     /// of a multi-rank checkpoint once, by its global name (never its stored chunks: see
     /// `chunks(name)`).
     fn keys(&self) -> PyResult<Vec<String>> {
-        let (ck, _) = self.open_parts()?;
+        let ck = self.reader()?;
         Ok(ck.entries().iter().map(|e| e.name.to_string()).collect())
     }
 
     fn __len__(&self) -> PyResult<usize> {
-        Ok(self.open_parts()?.0.entry_count())
+        Ok(self.reader()?.entry_count())
     }
 
     fn __contains__(&self, name: &str) -> PyResult<bool> {
-        Ok(self.open_parts()?.0.entry(name).is_ok())
+        Ok(self.reader()?.entry(name).is_ok())
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -253,10 +324,31 @@ impl PyCheckpoint {
         verify: bool,
         raw: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let (ck, base) = self.open_parts()?;
+        let any = self.reader()?;
         let names = match names {
             Some(n) => n,
-            None => ck.entries().iter().map(|e| e.name.to_string()).collect(),
+            None => any.entries().iter().map(|e| e.name.to_string()).collect(),
+        };
+        let Some((ck, base)) = &self.inner()?.resident else {
+            // Fetched shards: every tensor into a fresh array, CRC-checked as it landed,
+            // all read before anything is returned.
+            let any = any.clone();
+            let ns = names.clone();
+            let ts = py
+                .detach(move || {
+                    ns.par_iter()
+                        .map(|n| match any.entry(n)?.global {
+                            true => any.read_global(n),
+                            false => any.read_tensor(n),
+                        })
+                        .collect::<Result<Vec<_>, Error>>()
+                })
+                .map_err(CkError)?;
+            let out = PyDict::new(py);
+            for (n, t) in names.iter().zip(ts) {
+                out.set_item(n, owned_array(py, t, raw)?)?;
+            }
+            return Ok(out);
         };
         let mut whole = Vec::with_capacity(names.len());
         for n in &names {
@@ -274,7 +366,7 @@ impl PyCheckpoint {
         let mut assembled = Vec::new();
         for n in &names {
             if ck.entry(n).map_err(CkError)?.global {
-                assembled.push((n, read_global(py, ck, n, raw)?));
+                assembled.push((n, read_global(py, any, n, raw)?));
             }
         }
         let out = PyDict::new(py);
@@ -302,8 +394,7 @@ impl PyCheckpoint {
         offsets: Vec<u64>,
         shape: Vec<u64>,
     ) -> PyResult<Py<PyAny>> {
-        let (ck, _) = self.open_parts()?;
-        let ck = ck.clone();
+        let ck = self.reader()?.clone();
         let t = py
             .detach(move || ck.read_region(name, &offsets, &shape))
             .map_err(CkError)?;
@@ -313,7 +404,7 @@ impl PyCheckpoint {
     /// `ck.chunks(name) -> list[(offsets, shape)]`: how `name` is stored, as boxes of its
     /// global index space (one box at the origin for a whole tensor).
     fn chunks(&self, name: &str) -> PyResult<Vec<(Vec<u64>, Vec<u64>)>> {
-        let (ck, _) = self.open_parts()?;
+        let ck = self.reader()?;
         Ok(ck
             .chunks(name)
             .map_err(CkError)?
@@ -325,7 +416,7 @@ impl PyCheckpoint {
     /// `ck.globals() -> dict[str, (dtype, global_shape)]`: the global tensors (stored in
     /// chunks), by name.
     fn globals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (ck, _) = self.open_parts()?;
+        let ck = self.reader()?;
         let d = PyDict::new(py);
         for g in ck.globals() {
             d.set_item(&g.name, (g.dtype.name(), g.global_shape.clone()))?;
@@ -339,7 +430,7 @@ impl PyCheckpoint {
     /// `crc32` (None for foreign stores); those three are None for a global tensor (see
     /// `chunks(name)`).
     fn info<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
-        let (ck, _) = self.open_parts()?;
+        let ck = self.reader()?;
         let e = ck.entry(name).map_err(CkError)?;
         let d = PyDict::new(py);
         d.set_item("dtype", e.dtype.name())?;
@@ -356,7 +447,7 @@ impl PyCheckpoint {
         } else {
             let t = ck.info(name).map_err(CkError)?;
             d.set_item("shard", t.shard)?;
-            d.set_item("file", &ck.shards()[t.shard].file)?;
+            d.set_item("file", ck.shard_file(t.shard))?;
             d.set_item("crc32", t.crc32)?;
         }
         Ok(d)
@@ -366,41 +457,37 @@ impl PyCheckpoint {
     /// safetensors `__metadata__` strings).
     #[getter]
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        json_to_py(py, self.open_parts()?.0.metadata())
+        json_to_py(py, self.reader()?.metadata())
     }
 
     /// "ckptstore", "safetensors" (a single file) or "hf-sharded".
     #[getter]
     fn kind(&self) -> PyResult<&'static str> {
-        Ok(kind_name(self.open_parts()?.0.kind()))
+        Ok(kind_name(self.reader()?.kind()))
     }
 
     /// The checkpoint id (ckptstore checkpoints only; None otherwise).
     #[getter]
     fn checkpoint_id(&self) -> PyResult<Option<String>> {
-        Ok(self
-            .open_parts()?
-            .0
-            .manifest()
-            .map(|m| m.checkpoint_id.clone()))
+        Ok(self.reader()?.manifest().map(|m| m.checkpoint_id.clone()))
     }
 
     /// The directory the checkpoint was opened from (a single file's directory).
     #[getter]
     fn path(&self) -> PyResult<PathBuf> {
-        Ok(self.open_parts()?.0.root().to_path_buf())
+        Ok(self.reader()?.root().to_path_buf())
     }
 
     /// Paths of the shard files, in shard order.
     #[getter]
     fn shard_files(&self) -> PyResult<Vec<PathBuf>> {
-        let (ck, _) = self.open_parts()?;
-        Ok(ck
-            .shards()
-            .iter()
-            .map(|s| match ck.kind() {
-                Kind::Safetensors => PathBuf::from(&s.file),
-                _ => ck.root().join(&s.file),
+        let ck = self.reader()?;
+        Ok((0..ck.shard_count())
+            .filter_map(|i| ck.shard_file(i))
+            .map(|f| match ck.kind() {
+                Kind::Safetensors => PathBuf::from(f),
+                _ if !ck.resident() => PathBuf::from(f), // an object URL
+                _ => ck.root().join(f),
             })
             .collect())
     }
@@ -408,15 +495,14 @@ impl PyCheckpoint {
     /// Total bytes of tensor data.
     #[getter]
     fn nbytes(&self) -> PyResult<u64> {
-        Ok(self.open_parts()?.0.data_bytes())
+        Ok(self.reader()?.data_bytes())
     }
 
     /// True if the checkpoint holds an optimizer section.
     #[getter]
     fn has_optimizer(&self) -> PyResult<bool> {
         Ok(self
-            .open_parts()?
-            .0
+            .reader()?
             .manifest()
             .is_some_and(|m| m.optimizer.is_some()))
     }
@@ -426,7 +512,7 @@ impl PyCheckpoint {
     /// Returns `{"tensors": n, "bytes": n, "checksummed": bool}`; raises `ChecksumError` or
     /// `CorruptCheckpointError` naming the file, shard and tensor.
     fn verify<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let ck = self.open_parts()?.0.clone();
+        let ck = self.reader()?.clone();
         let r = py.detach(move || ck.verify()).map_err(CkError)?;
         let d = PyDict::new(py);
         d.set_item("tensors", r.tensors)?;
@@ -467,7 +553,7 @@ impl PyCheckpoint {
         release: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let layout = parse_layout(layout, counters)?;
-        let ck = self.open_parts()?.0.clone();
+        let ck = self.open_parts_for("load_optimizer")?.0.clone();
         let st = py
             .detach(move || {
                 if release {
@@ -517,7 +603,7 @@ impl PyCheckpoint {
     /// before reading anything for an unknown name, `ChecksumError` for damaged bytes.
     #[pyo3(signature = (names, *, release = false))]
     fn verify_tensors(&self, py: Python<'_>, names: Vec<String>, release: bool) -> PyResult<()> {
-        let ck = self.open_parts()?.0.clone();
+        let ck = self.open_parts_for("verify_tensors")?.0.clone();
         py.detach(move || {
             let ns: Vec<&str> = names.iter().map(String::as_str).collect();
             ck.verify_tensors(&ns, release)
@@ -539,7 +625,7 @@ impl PyCheckpoint {
         pairs: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
         release: bool,
     ) -> PyResult<()> {
-        let ck = self.open_parts()?.0.clone();
+        let ck = self.open_parts_for("copy_into_unchecked")?.0.clone();
         let mut names = Vec::with_capacity(pairs.len());
         let mut arrays = Vec::with_capacity(pairs.len());
         for (n, a) in pairs {
@@ -576,7 +662,7 @@ impl PyCheckpoint {
         py: Python<'_>,
         items: Vec<(String, u64, numpy::PyReadwriteArray1<'_, u8>)>,
     ) -> PyResult<()> {
-        let ck = self.open_parts()?.0.clone();
+        let ck = self.open_parts_for("copy_ranges_into_unchecked")?.0.clone();
         let mut names = Vec::with_capacity(items.len());
         let mut offsets = Vec::with_capacity(items.len());
         let mut arrays = Vec::with_capacity(items.len());
@@ -638,7 +724,7 @@ impl PyCheckpoint {
         verify: Vec<String>,
         release: bool,
     ) -> PyResult<()> {
-        let ck = self.open_parts()?.0.clone();
+        let ck = self.open_parts_for("fill_and_verify")?.0.clone();
         let (names, mut arrays): (Vec<String>, Vec<_>) = fills.into_iter().unzip();
         let dsts = writable_bytes("fill_and_verify", &names, &mut arrays)?;
         py.detach(move || {
@@ -659,7 +745,7 @@ impl PyCheckpoint {
     /// checkpoint holds no optimizer state. Raises `OptimizerStateError` for a broken
     /// section.
     fn optimizer_plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let ck = self.open_parts()?.0;
+        let ck = self.reader()?;
         let Some(sec) = ck.manifest().and_then(|m| m.optimizer.as_ref()) else {
             return Ok(None);
         };
@@ -708,6 +794,103 @@ impl PyCheckpoint {
         Ok(Some(out))
     }
 
+    /// Whether the shard bytes are in memory (memory-mapped or downloaded): then
+    /// `byte_ranges` name local files and the zero-copy primitives work; `False` for an
+    /// object-store checkpoint opened with `lazy=True`.
+    #[getter]
+    fn resident(&self) -> PyResult<bool> {
+        Ok(self.reader()?.resident())
+    }
+
+    /// The old name of `resident` (the DCP reader's "is the checkpoint local").
+    #[getter]
+    fn is_local(&self) -> PyResult<bool> {
+        self.resident()
+    }
+
+    /// The manifest's user metadata as JSON text.
+    fn metadata_json(&self) -> PyResult<String> {
+        serde_json::to_string(self.reader()?.metadata()).map_err(|e| invalid_arg(e.to_string()))
+    }
+
+    /// `(wire dtype, shape)` of a global or whole tensor.
+    fn shape_of(&self, name: &str) -> PyResult<(String, Vec<u64>)> {
+        let (d, s) = self.reader()?.shape_of(name).map_err(CkError)?;
+        Ok((d.name().to_string(), s))
+    }
+
+    /// `verify_regions([(name, offsets, shape), ...])`: check the CRC32s of everything
+    /// these regions read (the blocks they touch, or whole chunks without block CRCs; each
+    /// region once per checkpoint object, in parallel, interpreter released). Raises
+    /// `ChecksumError` naming the damaged tensor (and block) and its shard. From fetched
+    /// shards the checked bytes are kept until `read_into` copies them.
+    fn verify_regions(
+        &self,
+        py: Python<'_>,
+        regions: Vec<(String, Vec<u64>, Vec<u64>)>,
+    ) -> PyResult<()> {
+        let ck = self.reader()?;
+        py.detach(|| self.regions.verify(ck.as_ref(), regions))
+            .map_err(CkError)?;
+        Ok(())
+    }
+
+    /// `byte_ranges([(name, offsets, shape), ...]) -> [(file, begin, end)]`: where the
+    /// bytes these boxes read lie (blocks or whole chunks; merged per file where they
+    /// touch or overlap): the shard file's path and the byte range, for the caller to
+    /// prefetch. Fetched shards have no files to prefetch: the list is empty (their reads
+    /// fetch exactly these ranges).
+    fn byte_ranges(
+        &self,
+        regions: Vec<(String, Vec<u64>, Vec<u64>)>,
+    ) -> PyResult<Vec<(PathBuf, u64, u64)>> {
+        let ck = self.reader()?;
+        if !ck.resident() {
+            return Ok(Vec::new());
+        }
+        let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
+        for (n, o, s) in &regions {
+            ranges.extend(ck.region_byte_ranges(n, o, s).map_err(CkError)?);
+        }
+        ranges.sort_unstable();
+        let mut merged: Vec<(usize, u64, u64)> = Vec::new();
+        for (sh, b, e) in ranges {
+            match merged.last_mut() {
+                Some(last) if last.0 == sh && b <= last.2 => last.2 = last.2.max(e),
+                _ => merged.push((sh, b, e)),
+            }
+        }
+        let files = self.shard_files()?;
+        Ok(merged
+            .into_iter()
+            .filter_map(|(sh, b, e)| Some((files.get(sh)?.clone(), b, e)))
+            .collect())
+    }
+
+    /// `read_into([(name, offsets, shape, out), ...])`: copy each box into `out`, a
+    /// writable, C-contiguous 1-D `uint8` array of exactly the box's bytes (the memory of
+    /// the destination tensor), every stored tensor read from CRC-checked first (once per
+    /// checkpoint object: see `verify_regions`). Requests run in parallel with the
+    /// interpreter released; the destinations must not overlap.
+    fn read_into(&self, py: Python<'_>, mut requests: Vec<Request<'_>>) -> PyResult<()> {
+        let ck = self.reader()?;
+        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(requests.len());
+        for (name, offsets, shape, out) in requests.iter_mut() {
+            let buf = out.as_slice_mut().map_err(|_| {
+                invalid_arg(format!(
+                    "tensor {name:?}: the destination must be C-contiguous"
+                ))
+            })?;
+            jobs.push((name.as_str(), offsets.as_slice(), shape.as_slice(), buf));
+        }
+        py.detach(|| {
+            jobs.par_iter_mut()
+                .try_for_each(|(n, o, s, buf)| self.regions.copy(ck.as_ref(), n, o, s, buf))
+        })
+        .map_err(CkError)?;
+        Ok(())
+    }
+
     /// Drop this object's hold on the mapping. Arrays already handed out stay valid (each
     /// holds the mapping itself); further calls on this object raise `ValueError`.
     fn close(&mut self) {
@@ -733,7 +916,7 @@ impl PyCheckpoint {
     fn __repr__(&self) -> String {
         match &self.inner {
             None => "<ckptstore.Checkpoint (closed)>".into(),
-            Some((ck, _)) => format!(
+            Some(Inner { any: ck, .. }) => format!(
                 "<ckptstore.Checkpoint {:?} kind={} tensors={} bytes={}>",
                 ck.root().display().to_string(),
                 kind_name(ck.kind()),
@@ -747,14 +930,13 @@ impl PyCheckpoint {
 /// Check the CRC32 of every named tensor, in parallel; the first failure in `names` order.
 /// The whole global tensor `name` in a fresh writable array (its `raw` bytes when `raw`),
 /// every chunk CRC-checked, the interpreter released while it reads.
-fn read_global(py: Python<'_>, ck: &Arc<Checkpoint>, name: &str, raw: bool) -> PyResult<Py<PyAny>> {
+fn read_global(py: Python<'_>, ck: &Arc<dyn Reader>, name: &str, raw: bool) -> PyResult<Py<PyAny>> {
     let ck = ck.clone();
     let t = py.detach(move || ck.read_global(name)).map_err(CkError)?;
     owned_array(py, t, raw)
 }
 
 fn verify_many(ck: &Checkpoint, names: &[String]) -> Result<(), Error> {
-    use rayon::prelude::*;
     let first_bad = names
         .par_iter()
         .enumerate()
@@ -782,4 +964,13 @@ fn writable_bytes<'a>(
             })
         })
         .collect()
+}
+
+/// `RegionReader(path)`: the old name of the region reader, now `ckptstore.Checkpoint`
+/// opened with `lazy=True` (`ckptstore.open(path, lazy=True)`), which has every method the
+/// region reader had.
+#[pyfunction]
+#[pyo3(name = "RegionReader")]
+pub(crate) fn region_reader(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
+    PyCheckpoint::new(py, path, true)
 }

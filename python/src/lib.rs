@@ -18,7 +18,7 @@ mod errors;
 mod manager;
 mod optim;
 mod parts;
-mod region;
+mod reader;
 mod remote;
 mod save;
 
@@ -40,7 +40,7 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyStepLease>()?;
     m.add_class::<MappedCheckpoint>()?;
     m.add_class::<OwnedBuffer>()?;
-    m.add_class::<region::RegionReader>()?;
+    m.add_function(wrap_pyfunction!(checkpoint::region_reader, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -9,9 +9,24 @@ use ckptstore::optim::OptimizerStateRef;
 use ckptstore::store::{self, Location, Storage};
 use ckptstore::{Checkpoint, CommitInfo, Result, SaveOptions, TensorRef};
 
-/// Open the checkpoint at a path or URL: local ones memory-mapped, remote ones downloaded.
-pub(crate) fn open(path: &Path) -> Result<Checkpoint<Storage>> {
-    store::open(&Location::from_path(path)?)
+/// A checkpoint opened by [`open_any`].
+pub(crate) enum Opened {
+    /// Shard bytes in memory: memory-mapped, or downloaded.
+    Resident(Box<Checkpoint<Storage>>),
+    /// An object-store checkpoint whose shards are fetched on read.
+    Fetched(std::sync::Arc<dyn crate::reader::Reader>),
+}
+
+/// Open the checkpoint at a path or URL; with `lazy`, an object-store checkpoint's shards
+/// are fetched by ranged GETs when read instead of downloaded now (local checkpoints are
+/// memory-mapped either way: nothing is read at open).
+pub(crate) fn open_any(path: &Path, lazy: bool) -> Result<Opened> {
+    match Location::from_path(path)? {
+        Location::Remote(u) if lazy => Ok(Opened::Fetched(std::sync::Arc::new(
+            store::s3::open_lazy(&u, &store::s3::S3Config::from_env())?,
+        ))),
+        loc => Ok(Opened::Resident(Box::new(store::open(&loc)?))),
+    }
 }
 
 /// Save plain tensors at a path or URL.
