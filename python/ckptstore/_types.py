@@ -59,8 +59,12 @@ class Chunk:
         object.__setattr__(self, "offsets", tuple(int(d) for d in self.offsets))
 
     def __repr__(self) -> str:
-        a = np.asarray(self.array) if not hasattr(self.array, "shape") else self.array
+        # Never raises, whatever `array` is (a ragged list has no shape).
+        try:
+            shape = repr(tuple(np.shape(self.array)))
+        except (ValueError, TypeError):
+            shape = f"<{type(self.array).__name__} without a shape>"
         return (
-            f"Chunk(shape={tuple(a.shape)}, offsets={self.offsets}, "
+            f"Chunk(shape={shape}, offsets={self.offsets}, "
             f"global_shape={self.global_shape})"
         )

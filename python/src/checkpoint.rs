@@ -12,16 +12,24 @@ use ckptstore::{Error, Kind};
 type Checkpoint = ckptstore::Checkpoint<ckptstore::store::Storage>;
 
 use crate::reader::{Reader, Regions};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use rayon::prelude::*;
 
+use crate::args::{indexes, Index, Name};
 use crate::dtypes::{array_over, descr, uint8};
 
 /// One read: the stored tensor's name, the box `[offsets, offsets + shape)` of its global
 /// index space, and the destination buffer (the box's elements, row-major).
 type Request<'py> = (
+    Name,
+    Vec<Index>,
+    Vec<Index>,
+    numpy::PyReadwriteArray1<'py, u8>,
+);
+
+/// A request with its name and indexes decoded.
+type Decoded<'py> = (
     String,
     Vec<u64>,
     Vec<u64>,
@@ -168,7 +176,7 @@ impl PyCheckpoint {
     fn inner(&self) -> PyResult<&Inner> {
         self.inner
             .as_ref()
-            .ok_or_else(|| PyValueError::new_err("the checkpoint is closed"))
+            .ok_or_else(|| invalid_arg("the checkpoint is closed"))
     }
 
     /// The reader, over any shard source.
@@ -287,8 +295,13 @@ impl PyCheckpoint {
         Ok(self.reader()?.entry_count())
     }
 
-    fn __contains__(&self, name: &str) -> PyResult<bool> {
-        Ok(self.reader()?.entry(name).is_ok())
+    fn __contains__(&self, name: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let ck = self.reader()?;
+        // A name that is not a str, or not UTF-8, is in no checkpoint.
+        let Ok(s) = name.cast::<pyo3::types::PyString>() else {
+            return Ok(false);
+        };
+        Ok(s.to_cow().is_ok_and(|n| ck.entry(&n).is_ok()))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -299,8 +312,8 @@ impl PyCheckpoint {
     /// see `get(name, verify=True)`); for a global tensor of a multi-rank checkpoint, the
     /// whole tensor assembled from its chunks into a fresh writable array, every chunk
     /// CRC-checked. Raises `TensorNotFoundError` (a `KeyError`).
-    fn __getitem__(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
-        self.view_array(py, name, false, false)
+    fn __getitem__(&self, py: Python<'_>, name: Name) -> PyResult<Py<PyAny>> {
+        self.view_array(py, &name.0, false, false)
     }
 
     /// `ck.get(name, verify=False, raw=False)`: like `ck[name]`; with `verify=True` the
@@ -308,8 +321,8 @@ impl PyCheckpoint {
     /// array is the tensor's little-endian bytes as a 1-D `uint8` array (for frameworks
     /// whose dtypes numpy lacks).
     #[pyo3(signature = (name, *, verify = false, raw = false))]
-    fn get(&self, py: Python<'_>, name: &str, verify: bool, raw: bool) -> PyResult<Py<PyAny>> {
-        self.view_array(py, name, verify, raw)
+    fn get(&self, py: Python<'_>, name: Name, verify: bool, raw: bool) -> PyResult<Py<PyAny>> {
+        self.view_array(py, &name.0, verify, raw)
     }
 
     /// `ck.read(names=None, *, verify=True, raw=False) -> dict[str, ndarray]`: zero-copy
@@ -320,13 +333,13 @@ impl PyCheckpoint {
     fn read<'py>(
         &self,
         py: Python<'py>,
-        names: Option<Vec<String>>,
+        names: Option<Vec<Name>>,
         verify: bool,
         raw: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let any = self.reader()?;
-        let names = match names {
-            Some(n) => n,
+        let names: Vec<String> = match names {
+            Some(n) => n.into_iter().map(|n| n.0).collect(),
             None => any.entries().iter().map(|e| e.name.to_string()).collect(),
         };
         let Some((ck, base)) = &self.inner()?.resident else {
@@ -390,23 +403,24 @@ impl PyCheckpoint {
     fn read_region(
         &self,
         py: Python<'_>,
-        name: &str,
-        offsets: Vec<u64>,
-        shape: Vec<u64>,
+        name: Name,
+        offsets: Vec<Index>,
+        shape: Vec<Index>,
     ) -> PyResult<Py<PyAny>> {
         let ck = self.reader()?.clone();
+        let (offsets, shape) = (indexes(offsets), indexes(shape));
         let t = py
-            .detach(move || ck.read_region(name, &offsets, &shape))
+            .detach(move || ck.read_region(&name.0, &offsets, &shape))
             .map_err(CkError)?;
         owned_array(py, t, false)
     }
 
     /// `ck.chunks(name) -> list[(offsets, shape)]`: how `name` is stored, as boxes of its
     /// global index space (one box at the origin for a whole tensor).
-    fn chunks(&self, name: &str) -> PyResult<Vec<(Vec<u64>, Vec<u64>)>> {
+    fn chunks(&self, name: Name) -> PyResult<Vec<(Vec<u64>, Vec<u64>)>> {
         let ck = self.reader()?;
         Ok(ck
-            .chunks(name)
+            .chunks(&name.0)
             .map_err(CkError)?
             .into_iter()
             .map(|r| (r.offsets, r.shape))
@@ -429,7 +443,8 @@ impl PyCheckpoint {
     /// (how many), and for a whole tensor `shard` (index), `file` (shard file name) and
     /// `crc32` (None for foreign stores); those three are None for a global tensor (see
     /// `chunks(name)`).
-    fn info<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
+    fn info<'py>(&self, py: Python<'py>, name: Name) -> PyResult<Bound<'py, PyDict>> {
+        let name = name.0.as_str();
         let ck = self.reader()?;
         let e = ck.entry(name).map_err(CkError)?;
         let d = PyDict::new(py);
@@ -602,10 +617,10 @@ impl PyCheckpoint {
     /// tensor's mapped pages leave the process afterwards. Raises `TensorNotFoundError`
     /// before reading anything for an unknown name, `ChecksumError` for damaged bytes.
     #[pyo3(signature = (names, *, release = false))]
-    fn verify_tensors(&self, py: Python<'_>, names: Vec<String>, release: bool) -> PyResult<()> {
+    fn verify_tensors(&self, py: Python<'_>, names: Vec<Name>, release: bool) -> PyResult<()> {
         let ck = self.open_parts_for("verify_tensors")?.0.clone();
         py.detach(move || {
-            let ns: Vec<&str> = names.iter().map(String::as_str).collect();
+            let ns: Vec<&str> = names.iter().map(|n| n.0.as_str()).collect();
             ck.verify_tensors(&ns, release)
         })
         .map_err(CkError)?;
@@ -622,13 +637,13 @@ impl PyCheckpoint {
     fn copy_into_unchecked(
         &self,
         py: Python<'_>,
-        pairs: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
+        pairs: Vec<(Name, numpy::PyReadwriteArray1<'_, u8>)>,
         release: bool,
     ) -> PyResult<()> {
         let ck = self.open_parts_for("copy_into_unchecked")?.0.clone();
         let mut names = Vec::with_capacity(pairs.len());
         let mut arrays = Vec::with_capacity(pairs.len());
-        for (n, a) in pairs {
+        for (Name(n), a) in pairs {
             let info = ck.info(&n).map_err(CkError)?;
             let len = a.len()?;
             if len as u64 != info.nbytes() {
@@ -660,15 +675,15 @@ impl PyCheckpoint {
     fn copy_ranges_into_unchecked(
         &self,
         py: Python<'_>,
-        items: Vec<(String, u64, numpy::PyReadwriteArray1<'_, u8>)>,
+        items: Vec<(Name, Index, numpy::PyReadwriteArray1<'_, u8>)>,
     ) -> PyResult<()> {
         let ck = self.open_parts_for("copy_ranges_into_unchecked")?.0.clone();
         let mut names = Vec::with_capacity(items.len());
         let mut offsets = Vec::with_capacity(items.len());
         let mut arrays = Vec::with_capacity(items.len());
         for (n, off, a) in items {
-            names.push(n);
-            offsets.push(off);
+            names.push(n.0);
+            offsets.push(off.0);
             arrays.push(a);
         }
         let dsts = writable_bytes("copy_ranges_into", &names, &mut arrays)?;
@@ -691,7 +706,7 @@ impl PyCheckpoint {
     fn copy_into(
         &self,
         py: Python<'_>,
-        pairs: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
+        pairs: Vec<(Name, numpy::PyReadwriteArray1<'_, u8>)>,
         release: bool,
     ) -> PyResult<()> {
         self.copy_into_unchecked(py, pairs, release)
@@ -701,7 +716,7 @@ impl PyCheckpoint {
     fn copy_ranges_into(
         &self,
         py: Python<'_>,
-        items: Vec<(String, u64, numpy::PyReadwriteArray1<'_, u8>)>,
+        items: Vec<(Name, Index, numpy::PyReadwriteArray1<'_, u8>)>,
     ) -> PyResult<()> {
         self.copy_ranges_into_unchecked(py, items)
     }
@@ -720,12 +735,14 @@ impl PyCheckpoint {
     fn fill_and_verify(
         &self,
         py: Python<'_>,
-        fills: Vec<(String, numpy::PyReadwriteArray1<'_, u8>)>,
-        verify: Vec<String>,
+        fills: Vec<(Name, numpy::PyReadwriteArray1<'_, u8>)>,
+        verify: Vec<Name>,
         release: bool,
     ) -> PyResult<()> {
         let ck = self.open_parts_for("fill_and_verify")?.0.clone();
-        let (names, mut arrays): (Vec<String>, Vec<_>) = fills.into_iter().unzip();
+        let (names, mut arrays): (Vec<String>, Vec<_>) =
+            fills.into_iter().map(|(n, a)| (n.0, a)).unzip();
+        let verify: Vec<String> = verify.into_iter().map(|n| n.0).collect();
         let dsts = writable_bytes("fill_and_verify", &names, &mut arrays)?;
         py.detach(move || {
             let fills: Vec<(&str, &mut [u8])> =
@@ -814,8 +831,8 @@ impl PyCheckpoint {
     }
 
     /// `(wire dtype, shape)` of a global or whole tensor.
-    fn shape_of(&self, name: &str) -> PyResult<(String, Vec<u64>)> {
-        let (d, s) = self.reader()?.shape_of(name).map_err(CkError)?;
+    fn shape_of(&self, name: Name) -> PyResult<(String, Vec<u64>)> {
+        let (d, s) = self.reader()?.shape_of(&name.0).map_err(CkError)?;
         Ok((d.name().to_string(), s))
     }
 
@@ -827,9 +844,13 @@ impl PyCheckpoint {
     fn verify_regions(
         &self,
         py: Python<'_>,
-        regions: Vec<(String, Vec<u64>, Vec<u64>)>,
+        regions: Vec<(Name, Vec<Index>, Vec<Index>)>,
     ) -> PyResult<()> {
         let ck = self.reader()?;
+        let regions = regions
+            .into_iter()
+            .map(|(n, o, s)| (n.0, indexes(o), indexes(s)))
+            .collect();
         py.detach(|| self.regions.verify(ck.as_ref(), regions))
             .map_err(CkError)?;
         Ok(())
@@ -842,9 +863,13 @@ impl PyCheckpoint {
     /// fetch exactly these ranges).
     fn byte_ranges(
         &self,
-        regions: Vec<(String, Vec<u64>, Vec<u64>)>,
+        regions: Vec<(Name, Vec<Index>, Vec<Index>)>,
     ) -> PyResult<Vec<(PathBuf, u64, u64)>> {
         let ck = self.reader()?;
+        let regions: Vec<(String, Vec<u64>, Vec<u64>)> = regions
+            .into_iter()
+            .map(|(n, o, s)| (n.0, indexes(o), indexes(s)))
+            .collect();
         if !ck.resident() {
             return Ok(Vec::new());
         }
@@ -874,8 +899,12 @@ impl PyCheckpoint {
     /// interpreter released; the destinations must not overlap.
     fn read_into(&self, py: Python<'_>, mut requests: Vec<Request<'_>>) -> PyResult<()> {
         let ck = self.reader()?;
-        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(requests.len());
-        for (name, offsets, shape, out) in requests.iter_mut() {
+        let mut owned: Vec<Decoded<'_>> = requests
+            .drain(..)
+            .map(|(n, o, s, a)| (n.0, indexes(o), indexes(s), a))
+            .collect();
+        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(owned.len());
+        for (name, offsets, shape, out) in owned.iter_mut() {
             let buf = out.as_slice_mut().map_err(|_| {
                 invalid_arg(format!(
                     "tensor {name:?}: the destination must be C-contiguous"

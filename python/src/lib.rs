@@ -12,6 +12,7 @@
 //! * `load_optimizer` returns freshly allocated, writable arrays that own the engine's
 //!   buffers (no copy on the way to Python).
 
+mod args;
 mod checkpoint;
 mod dtypes;
 mod errors;

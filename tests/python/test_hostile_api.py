@@ -19,16 +19,17 @@ before running it) instead of killing pytest.
 Known findings kept out of the properties (each marked ``KNOWN`` where it is excluded,
 and pinned by a strict xfail at the end of this file, so that a fix shows):
 
-* a closed ``Checkpoint`` raises a plain ``ValueError("the checkpoint is closed")``, not a
-  ``CheckpointError`` (engine, python/src);
-* ``Checkpoint.__getitem__``/``get``/``info``/``chunks`` of a name with a lone surrogate
-  raise ``UnicodeEncodeError`` (engine);
-* ``read_region``, ``copy_ranges_into_unchecked`` and ``RegionReader.read_into`` with a
-  negative (or >= 2**64) offset or shape raise ``OverflowError`` (engine);
 * ``ckptstore.torch.save``: a negative or >= 2**64 ``max_shard_size`` raises
   ``OverflowError``, an ``extra`` key with a lone surrogate ``UnicodeEncodeError``, a
-  meta-device tensor in ``extra`` torch's ``NotImplementedError``;
-* ``Chunk.__repr__`` raises ``ValueError`` for a ragged-list array.
+  meta-device tensor in ``extra`` torch's ``NotImplementedError``.
+
+Found and fixed in the bindings (python/src/args.rs; ``test_fixed_findings`` keeps them):
+a closed ``Checkpoint`` raised a plain ``ValueError`` (now ``InvalidArgumentError``, still a
+``ValueError``); a tensor name with a lone surrogate raised ``UnicodeEncodeError`` (now
+``TensorNotFoundError``: stored names are UTF-8, and ``in`` is ``False``); a negative or
+>= 2**64 offset or shape in ``read_region``, ``copy_ranges_into_unchecked``,
+``verify_regions`` and ``read_into`` raised ``OverflowError`` (now
+``InvalidArgumentError``); ``Chunk.__repr__`` raised ``ValueError`` for a ragged-list array.
 
 Found and fixed: metadata nested 127 levels deep (an optimizer hyperparameter 123-124
 levels deep) was accepted by ``save`` (and ``CheckpointManager.save``), committed, and the
@@ -88,8 +89,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
             f.write(safe_repr(what)[:20000])
 
     def safe_repr(x, depth: int = 0) -> str:
-        # KNOWN (python/ckptstore/_types.py): Chunk.__repr__ raises ValueError when its
-        # array is a ragged list (it calls np.asarray); show the fields instead.
+        # Chunk.__repr__ shows only the shape: show the array's contents too.
         if depth > 30:
             return "..."
         if isinstance(x, Chunk):
@@ -308,7 +308,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
                                         st.sampled_from(["f32", "bf16", "f16_scaled", "nope"]), max_size=3),
                         python_values)
     read_names = st.one_of(st.sampled_from(["w", "step", "empty", "bf", "optim/w/exp_avg", "optim/w/exp_avg_sq.scale"]),
-                           names.filter(lambda s: "\ud800" not in s and "\udcff" not in s))  # KNOWN: surrogates
+                           names)
 
     @SET
     @given(st.lists(st.tuples(st.sampled_from(["getitem", "get", "info", "chunks", "contains", "read", "region", "opt", "keys"]),
@@ -331,9 +331,6 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
                 elif op == "read":
                     call(lambda: ck.read([name, "w"], verify=flag), type_errors_ok=False)
                 elif op == "region":
-                    # KNOWN: negative or >= 2**64 offsets/shape raise OverflowError (engine).
-                    offs = [o for o in offs if 0 <= o < 2 ** 64]
-                    shape = [s for s in shape if 0 <= s < 2 ** 64]
                     ok, r = call(lambda: ck.read_region(name, offs, shape), type_errors_ok=False)
                     if ok and name == "w":
                         w = BASE["w"]
@@ -441,8 +438,6 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
                         f()
                     except CheckpointError:
                         pass
-                    except ValueError as e:  # KNOWN: a plain ValueError (engine), not a CheckpointError
-                        assert "closed" in str(e), e
                     else:
                         raise AssertionError("a closed checkpoint answered")
                 ck.close()  # idempotent
@@ -499,7 +494,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
         return a
 
     copy_names = st.sampled_from(["w", "step", "empty", "bf", "nope", "", "optim/w/exp_avg"])
-    offsets = st.sampled_from([0, 1, 8, 23, 24, 47, 48, 2 ** 32, 2 ** 64 - 1])  # KNOWN: < 0 overflow
+    offsets = st.sampled_from([-1, 0, 1, 8, 23, 24, 47, 48, 2 ** 32, 2 ** 64 - 1, 2 ** 64])
     mapped_raw = None
 
     @SET
@@ -717,14 +712,9 @@ def _torch_meta_extra(tmp):
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(_closed, id="closed-checkpoint-plain-ValueError"),
-        pytest.param(_surrogate_lookup, id="getitem-surrogate-UnicodeEncodeError"),
-        pytest.param(_region_negative, id="read_region-negative-OverflowError"),
-        pytest.param(_region_huge, id="read_region-2**64-OverflowError"),
         pytest.param(_torch_negative_shard_size, id="torch.save-max_shard_size=-1-OverflowError"),
         pytest.param(_torch_surrogate_extra, id="torch.save-surrogate-extra-UnicodeEncodeError"),
         pytest.param(_torch_meta_extra, id="torch.save-meta-tensor-NotImplementedError"),
-        pytest.param(_chunk_repr, id="Chunk-repr-ragged-list-ValueError"),
     ],
 )
 @pytest.mark.xfail(strict=True, reason="known finding (issue 27): not a CheckpointError",
@@ -733,6 +723,50 @@ def test_known_findings(case, tmp_path):
     import ckptstore
 
     with pytest.raises(ckptstore.CheckpointError):
+        case(tmp_path / "ck")
+
+
+def _contains_surrogate(tmp):
+    import ckptstore
+
+    ckptstore.save(tmp, {"w": np.ones(2, np.float32)})
+    ck = ckptstore.open(tmp)
+    assert "\udcff" not in ck and 3 not in ck
+    raise ckptstore.CheckpointError("in is False")
+
+
+def _ranges_negative(tmp):
+    import ckptstore
+
+    ckptstore.save(tmp, {"w": np.ones(2, np.float32)})
+    return ckptstore.open(tmp).copy_ranges_into_unchecked([("w", -1, np.zeros(4, np.uint8))])
+
+
+def _read_into_huge(tmp):
+    import ckptstore
+
+    ckptstore.save(tmp, {"w": np.ones(2, np.float32)})
+    return ckptstore.open(tmp).read_into([("w", [2 ** 64], [1], np.zeros(4, np.uint8))])
+
+
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        pytest.param(_closed, "InvalidArgumentError", id="closed-checkpoint"),
+        pytest.param(_surrogate_lookup, "TensorNotFoundError", id="getitem-surrogate"),
+        pytest.param(_contains_surrogate, "CheckpointError", id="contains-surrogate"),
+        pytest.param(_region_negative, "InvalidArgumentError", id="read_region-negative"),
+        pytest.param(_region_huge, "InvalidArgumentError", id="read_region-2**64"),
+        pytest.param(_ranges_negative, "InvalidArgumentError", id="copy_ranges-negative"),
+        pytest.param(_read_into_huge, "InvalidArgumentError", id="read_into-2**64"),
+        pytest.param(_chunk_repr, "CheckpointError", id="Chunk-repr-ragged-list"),
+    ],
+)
+def test_fixed_findings(case, error, tmp_path):
+    """The findings fixed in the bindings: each raises the `ckptstore` exception named."""
+    import ckptstore
+
+    with pytest.raises(getattr(ckptstore, error)):
         case(tmp_path / "ck")
 
 
