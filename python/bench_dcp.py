@@ -34,19 +34,11 @@ from datetime import timedelta
 
 # Import the installed ckptstore, not the source tree next to this script (no native module).
 _here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _here)
+from bench_util import evict, files_of, raw_read  # noqa: E402  (stdlib only, so imported first)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 LAYERS = 8
-
-
-def _bench_torch():
-    """python/bench_torch.py's file helpers (files_of, evict, raw_read), one copy of them."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_torch", os.path.join(_here, "bench_torch.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def free_port() -> int:
@@ -125,7 +117,6 @@ def worker(rank, world, port, args, q):
     }
     times = {m: {"save": [], "load": []} for m in methods}
     times["raw"] = {"save": [], "load": []}
-    bt = _bench_torch()
     dropped = None
 
     def make_cold():
@@ -133,7 +124,7 @@ def worker(rank, world, port, args, q):
         if rank == 0:
             if args.cold:
                 for m in methods:
-                    bt.evict(os.path.join(args.dir, m))
+                    evict(os.path.join(args.dir, m))
             if args.drop_caches:
                 nonlocal dropped
                 dropped = drop_caches()
@@ -167,11 +158,11 @@ def worker(rank, world, port, args, q):
                     raise AssertionError(f"{m}: {k} differs after load")
             del dst
         # The device's limit: plain reads of the same bytes (ckptstore's files), half per rank.
-        mine = bt.files_of(os.path.join(args.dir, "ckptstore"))[rank::world]
+        mine = files_of(os.path.join(args.dir, "ckptstore"))[rank::world]
         make_cold()
         t0 = time.perf_counter()
         for f in mine:
-            bt.raw_read(f)
+            raw_read(f)
         dist.barrier()
         times["raw"]["load"].append(time.perf_counter() - t0)
     if rank == 0:

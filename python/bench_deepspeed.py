@@ -41,10 +41,19 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import (  # noqa: E402  (the shared file and timing helpers)
+    evict_checked,
+    fsync_path,
+    keep_best,
+    raw_read,
+    run_json,
+    status_kib,
+)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # DeepSpeed JIT-builds its CPU comm op with ninja: the interpreter's bin dir on PATH.
@@ -83,47 +92,6 @@ def train_step(engine, width: int) -> None:
     loss = engine(x).pow(2).mean()
     engine.backward(loss)
     engine.step()
-
-
-def files_of(path: str) -> list:
-    out = []
-    for root, _dirs, names in os.walk(path):
-        out += [os.path.join(root, n) for n in names]
-    return sorted(out)
-
-
-def evict(path: str) -> None:
-    for p in files_of(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def fsync_tree(path: str) -> None:
-    for p in files_of(path) + [path]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def read_all(path: str) -> None:
-    for p in files_of(path):
-        with open(p, "rb") as f:
-            while f.read(16 << 20):
-                pass
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def state_tensors(engine) -> list:
@@ -229,7 +197,7 @@ def main() -> None:
             t1 = time.perf_counter()
             best(way, t1 - t0)
             if way == "torch":
-                fsync_tree(d)
+                fsync_path(d)
                 best("torch+fsync", time.perf_counter() - t0)
             if way == "ckptstore_nb":
                 engine.checkpoint_engine.wait()
@@ -273,26 +241,15 @@ def main() -> None:
         for _r in range(args.repeat):
             for way, d in dirs.items():
                 if cache == "cold":
-                    evict(d)
-                    if shutil.which("fincore"):
-                        o = subprocess.run(["fincore", "-b", "-n", "-o", "RES"] + files_of(d),
-                                           capture_output=True, text=True).stdout.split()
-                        cached = sum(int(x) for x in o if x.isdigit())
-                        if cached > nbytes // 100:
-                            raise SystemExit(f"eviction did not take: {cached} bytes of {d} cached")
+                    evict_checked(d, nbytes)
                 else:
-                    read_all(d)
-                p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", way, "--load-dir", d,
-                                    "--layers", str(args.layers), "--width", str(args.width),
-                                    "--stage", str(args.stage), "--spawn-time", repr(time.time())],
-                                   capture_output=True, text=True, env=child_env)
-                if p.returncode != 0:
-                    raise SystemExit(f"{way} ({cache}) failed:\n{p.stderr[-3000:]}")
-                r = json.loads(p.stdout.strip().splitlines()[-1])
+                    raw_read(d)
+                r = run_json([sys.executable, os.path.abspath(__file__), "--child", way, "--load-dir", d,
+                              "--layers", str(args.layers), "--width", str(args.width),
+                              "--stage", str(args.stage), "--spawn-time", repr(time.time())],
+                             f"{way} ({cache}) failed", env=child_env)
                 print(f"  resume {cache} {way}: {json.dumps({k: round(v, 3) for k, v in r.items()})}", flush=True)
-                b = out.setdefault((cache, way), dict(r))
-                for k, v in r.items():
-                    b[k] = min(b[k], v)
+                keep_best(out, (cache, way), r)
     for cache in ("cold", "warm"):
         t, c = out[(cache, "torch")], out[(cache, "ckptstore")]
         print(f"resume {cache}: " + ", ".join(

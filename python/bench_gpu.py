@@ -33,7 +33,6 @@ Usage (ratios > 1 mean ckptstore is faster; ``--json`` also writes every figure)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -44,6 +43,9 @@ import time
 # Run from a checkout, this script's folder holds the package *source* (without the built
 # extension): import the installed package instead (`pip install ./python`).
 _here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _here)
+from bench_util import evict, files_of, raw_read  # noqa: E402  (stdlib only, so imported first)
+from bench_util import fsync_path as fsync_all  # noqa: E402
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 import torch  # noqa: E402
@@ -60,22 +62,6 @@ except ImportError:  # reported, and that way skipped
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _bench_torch():
-    """python/bench_torch.py, loaded by path (this folder is off ``sys.path``): the file
-    helpers are shared, not copied."""
-    spec = importlib.util.spec_from_file_location("bench_torch", os.path.join(_here, "bench_torch.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_bt = _bench_torch()
-files_of = _bt.files_of
-fsync_all = _bt.fsync_path
-evict = _bt.evict
-raw_read = _bt.raw_read
 
 
 def build(layers: int, width: int, dev: torch.device):

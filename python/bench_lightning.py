@@ -27,7 +27,7 @@ Measured:
   calls ``fit(ckpt_path=...)``; timed from the ``fit`` call to the end of the first resumed
   training step (``resume``), and the whole process from its start to its exit
   (``process``: Lightning's import included). ``cold``: the checkpoint files are evicted from the
-  page cache first (posix_fadvise DONTNEED, python/bench_torch.py's ``evict``); ``warm``: read
+  page cache first (posix_fadvise DONTNEED, python/bench_util.py's ``evict``); ``warm``: read
   once before. Best of ``--repeat``.
 
 Ratios are the default's time over ckptstore's (> 1: ckptstore faster), or for memory
@@ -43,7 +43,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +62,18 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from ckptstore.integrations.lightning import CheckpointIO  # noqa: E402
 
 sys.path.insert(0, _here)
-from bench_torch import evict, files_of, raw_read  # noqa: E402  (the page-cache helpers)
+from bench_util import (  # noqa: E402  (the shared file and timing helpers)
+    copy_seconds,
+    evict,
+    files_of,
+    fsync_file,
+    keep_best,
+    raw_read,
+    remove,
+    run_json,
+    state_bytes,
+    status_kib,
+)
 
 
 class Net(L.LightningModule):
@@ -91,36 +101,6 @@ def trainer(max_steps: int, io=None, callbacks=()) -> L.Trainer:
         callbacks=list(callbacks), logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )
-
-
-def status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def state_bytes(model, opt) -> int:
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for s in opt.state.values():
-        n += sum(t.numel() * t.element_size() for t in s.values() if torch.is_tensor(t))
-    return n
-
-
-def fsync_file(p: str) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove(p: str) -> None:
-    if os.path.isdir(p):
-        shutil.rmtree(p)
-    elif os.path.exists(p):
-        os.remove(p)
 
 
 # ---- the resume child --------------------------------------------------------------------
@@ -164,21 +144,16 @@ def resume_bench(paths: dict, args, nbytes: int) -> dict:
                 else:
                     raw_read(path)
                 t0 = time.perf_counter()
-                out = subprocess.run(
+                r = run_json(
                     [sys.executable, os.path.abspath(__file__), "--child", kind, path,
                      "--layers", str(args.layers), "--width", str(args.width)],
-                    capture_output=True, text=True,
+                    f"resume child {kind} failed",
                 )
                 wall = time.perf_counter() - t0
-                if out.returncode != 0:
-                    raise SystemExit(f"resume child {kind} failed:\n{out.stderr[-3000:]}")
-                r = json.loads(out.stdout.strip().splitlines()[-1])
                 assert r["global_step"] == 2, r
                 r["wall_s"] = wall
                 print(f"  resume {cache} {kind}: {json.dumps(r)}", flush=True)
-                best = res.setdefault((cache, kind), r)
-                for k in ("resume_s", "load_s", "wall_s"):
-                    best[k] = min(best[k], r[k])
+                keep_best(res, (cache, kind), r, ("resume_s", "load_s", "wall_s"))
     return res
 
 
@@ -270,17 +245,7 @@ def main() -> None:
     blocked["ckptstore_async_reused"] = {"blocked_s": min(steady[1:]), "done_s": float("nan")}
     # One copy of the state at memory speed (preallocated buffers: no page faults).
     tensors = list(model.state_dict().values()) + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    bufs = [torch.empty_like(t) for t in tensors]
-    for b, t in zip(bufs, tensors):
-        b.copy_(t)
-    copies = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for b, t in zip(bufs, tensors):
-            b.copy_(t)
-        copies.append(time.perf_counter() - t0)
-    del bufs
-    blocked["copy_once"] = {"blocked_s": min(copies), "done_s": float("nan")}
+    blocked["copy_once"] = {"blocked_s": copy_seconds(tensors), "done_s": float("nan")}
 
     # -- host memory over many async saves ----------------------------------------------
     for way in ("ckptstore_async", "lightning_async"):

@@ -26,19 +26,13 @@ import time
 # Run as `python python/bench_manager.py`: the installed package, not the source tree
 # beside this file (which lacks the compiled extension).
 _here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _here)
+from bench_util import parse_size, state_bytes  # noqa: E402  (stdlib only, so imported first)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 import torch  # noqa: E402
 
 import ckptstore.torch as ct  # noqa: E402
-
-
-def parse_size(s: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for u, m in units.items():
-        if s.endswith(u):
-            return int(float(s[: -len(u)]) * m)
-    return int(s)
 
 
 def make(size: int, device: str, width: int):
@@ -60,13 +54,6 @@ def train_step(model, opt, x):
     opt.step()
     if x.is_cuda:
         torch.cuda.synchronize()
-
-
-def state_bytes(model, opt) -> int:
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for s in opt.state.values():
-        n += sum(t.numel() * t.element_size() for t in s.values() if torch.is_tensor(t))
-    return n
 
 
 def timed(fn) -> float:

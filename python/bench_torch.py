@@ -57,21 +57,24 @@ import time
 # Run from a checkout, this script's folder holds the package *source* (without the built
 # extension): import the installed package instead (`pip install ./python`).
 _here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _here)
+from bench_util import (  # noqa: E402  (the shared helpers; stdlib only, so imported first)
+    evict,
+    evict_checked,
+    fsync_path,
+    keep_best,
+    parse_size,
+    raw_read,
+    remove,
+    state_bytes,
+    status_kib,
+)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 import torch  # noqa: E402
 
 import ckptstore  # noqa: E402
 import ckptstore.torch as ct  # noqa: E402
-
-
-def parse_size(s: str) -> int:
-    s = s.strip()
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    for u, m in units.items():
-        if s.lower().endswith(u):
-            return int(float(s[: -len(u)]) * m)
-    return int(s)
 
 
 def build(total_bytes: int, seed: int = 0):
@@ -96,13 +99,6 @@ def fresh_like(model, opt):
     return m, torch.optim.Adam(m.parameters(), lr=0.5)
 
 
-def state_bytes(model, opt) -> int:
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for s in opt.state.values():
-        n += sum(t.numel() * t.element_size() for t in s.values() if torch.is_tensor(t))
-    return n
-
-
 @torch.no_grad()
 def touch(model, opt) -> None:
     """Write every restored tensor once, in place (as the first optimizer step does):
@@ -113,27 +109,6 @@ def touch(model, opt) -> None:
         for t in s.values():
             if torch.is_tensor(t) and t.dtype != torch.bool:
                 t.mul_(1)
-
-
-def fsync_path(path: str) -> None:
-    """fsync every file under ``path`` (or the file) and its directory."""
-    for p in files_of(path) + [path if os.path.isdir(path) else os.path.dirname(path)]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def evict(path: str) -> None:
-    """Drop every file under ``path`` (or the file) from the page cache, after an fsync."""
-    for p in files_of(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # ---- the three ways --------------------------------------------------------------------
@@ -208,33 +183,6 @@ def check_equal(model, opt, model2, opt2) -> None:
 # ---- --restore: fresh process per measurement -------------------------------------------
 
 
-def files_of(path: str) -> list:
-    if os.path.isfile(path):
-        return [path]
-    out = []
-    for root, _, fs in os.walk(path):
-        out += [os.path.join(root, f) for f in fs]
-    return sorted(out)
-
-
-def raw_read(path: str) -> int:
-    n = 0
-    buf = bytearray(8 << 20)
-    for p in files_of(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            off = 0
-            while True:
-                r = os.preadv(fd, [buf], off)
-                if r <= 0:
-                    break
-                off += r
-            n += off
-        finally:
-            os.close(fd)
-    return n
-
-
 def mlp(layers: int, width: int):
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
@@ -263,15 +211,6 @@ def prev_load(path, model, opt) -> None:
 
 
 def child(way: str, path: str, layers: int, width: int) -> None:
-    def status_kib(key: str) -> int:
-        # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over exec from the
-        # forking parent (this benchmark's big process), VmHWM is this process's own peak.
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-        return 0
-
     def rss_kib() -> int:
         return status_kib("VmRSS")
 
@@ -346,7 +285,7 @@ def restore_bench(args) -> None:
         "dcp": os.path.join(base, "dcp"),
     }
     for p in paths.values():
-        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+        remove(p)
     ct.save(paths["ckptstore"], model, opt)
     torch_save(paths["torch"], model, opt)
     st_save(paths["safetensors"], model, opt)
@@ -372,14 +311,7 @@ def restore_bench(args) -> None:
             for way, kind in ways:
                 path = paths[kind]
                 if cache == "cold":
-                    for f in files_of(path):
-                        evict(f)
-                    if shutil.which("fincore"):
-                        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES"] + files_of(path),
-                                             capture_output=True, text=True).stdout.split()
-                        cached = sum(int(x) for x in out if x.isdigit())
-                        if cached > nbytes // 100:
-                            raise SystemExit(f"eviction did not take: {cached} bytes of {path} cached")
+                    evict_checked(path, nbytes)
                 else:
                     raw_read(path)
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", way, path,
@@ -390,12 +322,8 @@ def restore_bench(args) -> None:
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 print(f"  run {cache} {way}: {json.dumps(r)}", flush=True)
-                k = (cache, way)
-                b = res.setdefault(k, r)
-                for key in ("load_s", "first_step_s"):
-                    b[key] = min(b[key], r[key])
-                b["peak_after_load_kib"] = min(b["peak_after_load_kib"], r["peak_after_load_kib"])
-                b["rss_before_kib"] = r["rss_before_kib"] if b is r else b["rss_before_kib"]
+                # rss_before_kib: the first run's.
+                keep_best(res, (cache, way), r, ("load_s", "first_step_s", "peak_after_load_kib"))
     gib = nbytes / 2**30
     opt_bytes = nbytes * 2 / 3
     for cache in ("cold", "hot"):
@@ -539,10 +467,7 @@ def main() -> None:
         path = os.path.join(base, fname)
         t_save, t_sync, t_load, t_touch = [], [], [], []
         for _ in range(args.repeat):
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
+            remove(path)
             gc.collect()
             t0 = time.perf_counter()
             save(path, model, opt)
@@ -567,10 +492,7 @@ def main() -> None:
             del model2, opt2
         results[name] = {k: statistics.median(v) for k, v in
                          (("save", t_save), ("save+fsync", t_sync), ("load", t_load), ("load+write", t_touch))}
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
+        remove(path)
 
     cols = ["save", "save+fsync", "load", "load+write"]
     ref = results["ckptstore"]

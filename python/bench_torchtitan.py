@@ -41,6 +41,9 @@ import time
 import torch
 import torch.nn as nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import copy_seconds, evict, raw_read, status_kib  # noqa: E402  (shared helpers)
+
 
 def _quiet() -> None:
     import logging
@@ -118,45 +121,7 @@ def copy_once(model, opt) -> float:
     for o in opt.optimizers:
         for st in o.state.values():
             ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    bufs = [torch.empty_like(t) for t in ts]
-    for b, t in zip(bufs, ts):  # fault the buffers in first: a reused snapshot's floor
-        b.copy_(t)
-    t0 = time.perf_counter()
-    for b, t in zip(bufs, ts):
-        b.copy_(t)
-    return time.perf_counter() - t0
-
-
-def files_of(folder: str) -> list:
-    out = []
-    for root, _, names in os.walk(folder):
-        out += [os.path.join(root, n) for n in names]
-    return out
-
-
-def evict(folder: str) -> None:
-    for f in files_of(folder):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm(folder: str) -> None:
-    for f in files_of(folder):
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
-
-
-def status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
+    return copy_seconds(ts, repeat=1)  # buffers faulted in first: a reused snapshot's floor
 
 
 def child(args) -> None:
@@ -263,7 +228,7 @@ def main() -> None:
                 r["copy_once"] = statistics.median(copy_once(model, opt) for _ in range(3))
             del model, opt, mgr
             for cache in ("cold", "warm"):
-                (evict if cache == "cold" else warm)(folder)
+                (evict if cache == "cold" else raw_read)(folder)
                 r[f"resume_{cache}"] = spawn(args, way, folder, [])
             results[f"{mode}_{way}"] = r
             floor = f"; copy once {r['copy_once']:.3f} s" if "copy_once" in r else ""

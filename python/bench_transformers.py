@@ -19,7 +19,7 @@ states: 0.76 GiB of model + optimizer state), trained on the CPU (``use_cpu=True
   the first resumed optimizer step (imports, model construction, ``train(resume_from_
   checkpoint=...)``, the step), and the part from the ``train`` call to the end of that
   step. ``cold``: the checkpoint's files are evicted from the page cache first
-  (``posix_fadvise(DONTNEED)`` after an fsync, ``bench_torch.evict``); ``hot``: read once
+  (``posix_fadvise(DONTNEED)`` after an fsync, ``bench_util.evict``); ``hot``: read once
   first. Best of ``--repeat``, each figure on its own. ``restore``: from the ``train`` call to
   ``on_train_begin`` (model, optimizer and scheduler restored; the Trainer's own setup,
   about 0.3 s of ``gc.collect`` among it, included for both).
@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,16 @@ from ckptstore.integrations.transformers import Trainer as CkTrainer  # noqa: E4
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _here)
-import bench_torch as bt  # noqa: E402  (its page-cache helpers)
+from bench_util import (  # noqa: E402  (the shared file and timing helpers)
+    copy_seconds,
+    evict,
+    files_of,
+    fsync_path,
+    keep_best,
+    raw_read,
+    run_json,
+    state_bytes,
+)
 
 SEQ = 32
 
@@ -96,8 +104,8 @@ def timed(cls, fsync: bool):
             super()._save_checkpoint(model, trial)
             if fsync:
                 d = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-                bt.fsync_path(d)
-                bt.fsync_path(self.args.output_dir)
+                fsync_path(d)
+                fsync_path(self.args.output_dir)
             self.save_times.append(time.perf_counter() - t0)
 
     return Timed
@@ -115,13 +123,6 @@ def trainer_for(way: str, out: str, max_steps: int, save_steps: int, small: bool
         disable_tqdm=True, **kw)
     return timed(cls, way == "stock+fsync")(model=model, args=args,
                                             train_dataset=Tokens(model.config.vocab_size), **extra)
-
-
-def state_bytes(trainer) -> int:
-    n = sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
-    for st in trainer.optimizer.state.values():
-        n += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
-    return n
 
 
 def child(way: str, path: str, small: bool) -> None:
@@ -175,22 +176,15 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         tr = trainer_for(way, out, a.saves, 1, a.small)
         tr.train()
-        nbytes = state_bytes(tr)
+        nbytes = state_bytes(tr.model, tr.optimizer)
         blocked[way] = statistics.median(tr.save_times)
         if tr.snapshot_times:
             snapshot[way] = statistics.median(tr.snapshot_times)
         if memcpy is None:  # the state copied once into existing buffers, best of 3
             src = list(tr.model.state_dict().values()) + [
                 t for st in tr.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-            dst = [torch.empty_like(t) for t in src]
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for d, x in zip(dst, src):
-                    d.copy_(x)
-                best = min(best, time.perf_counter() - t0)
-            memcpy = best
-            del src, dst
+            memcpy = copy_seconds(src)
+            del src
         last[way] = os.path.join(out, f"checkpoint-{a.saves}")
         print(f"save {way}: blocked {[round(t, 3) for t in tr.save_times]} s", flush=True)
         del tr
@@ -206,21 +200,16 @@ def main() -> None:
             for way in ("stock", "ckptstore"):
                 path = last[way]
                 if cache == "cold":
-                    for f in bt.files_of(path):
-                        bt.evict(f)
+                    for f in files_of(path):
+                        evict(f)
                 else:
-                    bt.raw_read(path)
+                    raw_read(path)
                 env = dict(os.environ, BENCH_T_SPAWN=repr(time.time()))
-                r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", way, path]
-                                   + (["--small"] if a.small else []),
-                                   capture_output=True, text=True, env=env)
-                if r.returncode != 0:
-                    raise SystemExit(f"{way} {cache} resume failed:\n{r.stderr[-3000:]}")
-                got = json.loads(r.stdout.strip().splitlines()[-1])
+                got = run_json([sys.executable, os.path.abspath(__file__), "--child", way, path]
+                               + (["--small"] if a.small else []),
+                               f"{way} {cache} resume failed", env=env)
                 print(f"  resume {cache} {way}: {got}", flush=True)
-                best = resume.setdefault((cache, way), dict(got))
-                for key, v in got.items():
-                    best[key] = min(best[key], v)
+                keep_best(resume, (cache, way), got)
 
     print("\n| figure | stock | stock+fsync | ckptstore | stock / ckptstore | stock+fsync / ckptstore |")
     print("| --- | --- | --- | --- | --- | --- |")
