@@ -210,6 +210,9 @@ impl Checkpoint<Map> {
                 let file = File::open(&p).map_err(|e| missing(e, "open"))?;
                 Ok(Shard { file: s.file.clone(), bytes: Map::open(&file, &p)? })
             })
+            .collect::<Vec<_>>()
+            // The first failure in shard order (rayon's own would be the first in time).
+            .into_iter()
             .collect::<Result<Vec<_>>>()?;
         Checkpoint::build_native(root.to_path_buf(), m, by_name, shards)
     }
@@ -239,6 +242,9 @@ impl Checkpoint<Map> {
                     bytes: open_map(&root.join(f))?,
                 })
             })
+            .collect::<Vec<_>>()
+            // The first failure in shard order (rayon's own would be the first in time).
+            .into_iter()
             .collect::<Result<Vec<_>>>()?;
         let mut ck = Checkpoint::from_foreign(root.to_path_buf(), Kind::HfSharded, shards)?;
         // The index must name exactly the tensors the files hold, each in its file.
@@ -595,7 +601,7 @@ impl<S: ShardSource> Checkpoint<S> {
             .par_iter()
             .zip(shards.par_iter())
             .enumerate()
-            .try_for_each(|(i, (entry, shard))| {
+            .map(|(i, (entry, shard))| {
                 let (len, bytes) = (shard.bytes.len(), shard.bytes.head());
                 let mismatch = |reason: String| Error::ShardMismatch {
                     shard: i,
@@ -628,7 +634,11 @@ impl<S: ShardSource> Checkpoint<S> {
                     });
                 }
                 Ok(())
-            })?;
+            })
+            .collect::<Vec<_>>()
+            // The first failure in shard order, whichever thread found it first.
+            .into_iter()
+            .collect::<Result<()>>()?;
 
         let mut counts = vec![0usize; shards.len()];
         for t in &m.tensors {
@@ -667,7 +677,7 @@ impl<S: ShardSource> Checkpoint<S> {
         let Some(m) = &self.manifest else {
             return Ok(());
         };
-        self.shards.par_iter().enumerate().try_for_each(|(i, shard)| {
+        let found: Vec<Result<()>> = self.shards.par_iter().enumerate().map(|(i, shard)| {
             let file = &shard.file;
             let mismatch = |reason: String| Error::ShardMismatch { shard: i, file: file.clone(), reason };
             let h = header::parse_head(shard.bytes.head(), shard.bytes.len())
@@ -704,7 +714,9 @@ impl<S: ShardSource> Checkpoint<S> {
                 }
             }
             Ok(())
-        })
+        }).collect();
+        // The first failure in shard order.
+        found.into_iter().collect()
     }
 
     /// Open one safetensors file held in `bytes` (read-only, no checksums).
@@ -725,6 +737,9 @@ impl<S: ShardSource> Checkpoint<S> {
                 header::parse_head(s.bytes.head(), s.bytes.len())
                     .map_err(|r| Error::header(&s.file, r))
             })
+            .collect::<Vec<_>>()
+            // The first failure in shard order (rayon's own would be the first in time).
+            .into_iter()
             .collect::<Result<Vec<_>>>()?;
         let mut tensors = Vec::new();
         let mut metadata = serde_json::Map::new();

@@ -130,6 +130,10 @@ fn replay_fuzz_regressions() {
             replay_manifest(&data);
         } else if name.starts_with("open_verify_load-") {
             replay_open(&data);
+        } else if name.starts_with("fetched-") {
+            // Resident and fetched shards give the same answers (and replay_open's).
+            fuzz_support::check_fetched_like_resident(&data);
+            replay_open(&data);
         } else {
             replay_header(&data);
             replay_manifest(&data);

@@ -158,6 +158,148 @@ pub fn fix_up<'a>(
     Cow::Owned(manifest::encode(&m))
 }
 
+/// A shard served only by ranged fetches (`ShardSource::bytes` is `None`), as an object
+/// store serves it: the `fetched` target reads the same checkpoint through it and through
+/// resident bytes and requires the same answers. `head` is what a lazy open fetched: the
+/// first `8 + header_size` bytes the manifest records (clamped to the file).
+pub struct Fetched {
+    all: Vec<u8>,
+    head: Vec<u8>,
+    /// Each fetch's bytes are written in pieces of this size (a body stream's chunks).
+    chunk: usize,
+}
+
+impl Fetched {
+    /// A fetched shard over `all`, whose manifest records a header of `header_size` bytes.
+    pub fn new(all: Vec<u8>, header_size: u64, chunk: usize) -> Fetched {
+        let n = usize::try_from(header_size)
+            .ok()
+            .and_then(|h| h.checked_add(8))
+            .unwrap_or(usize::MAX)
+            .min(all.len());
+        Fetched {
+            head: all[..n].to_vec(),
+            all,
+            chunk: chunk.max(1),
+        }
+    }
+}
+
+impl ckptstore::ShardSource for Fetched {
+    fn len(&self) -> u64 {
+        self.all.len() as u64
+    }
+    fn bytes(&self) -> Option<&[u8]> {
+        None
+    }
+    fn head(&self) -> &[u8] {
+        &self.head
+    }
+    fn fetch_size(&self) -> u64 {
+        1 << 16
+    }
+    fn fetch(
+        shards: &[ckptstore::Shard<Self>],
+        jobs: &mut [ckptstore::Fetch<'_>],
+    ) -> ckptstore::Result<()> {
+        for j in jobs {
+            let s = &shards
+                .get(j.shard())
+                .ok_or_else(|| ckptstore::Error::InvalidArgument("no such shard".into()))?
+                .bytes;
+            let r = j.range();
+            let bytes = usize::try_from(r.start)
+                .ok()
+                .zip(usize::try_from(r.end).ok())
+                .and_then(|(a, b)| s.all.get(a..b))
+                .ok_or_else(|| {
+                    ckptstore::Error::InvalidArgument("range out of the shard".into())
+                })?;
+            for c in bytes.chunks(s.chunk) {
+                j.write(c)
+                    .map_err(|_| ckptstore::Error::InvalidArgument("overflow".into()))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `fetched` target's check, shared with the regression replay (tests/hostile.rs):
+/// `data` (framed as for `open_verify_load`; the flags' high bits pick the fetched
+/// source's write-chunk size) read through resident bytes and through [`Fetched`] shards
+/// gives the same answers. Panics on a difference.
+pub fn check_fetched_like_resident(data: &[u8]) {
+    use ckptstore::{Checkpoint, Result, Tensor};
+    fn same(a: Result<Tensor>, b: Result<Tensor>, what: &str) {
+        match (a, b) {
+            (Ok(x), Ok(y)) => assert!(x.bytes() == y.bytes(), "{what}: different bytes"),
+            (Err(x), Err(y)) => assert_eq!(x.to_string(), y.to_string(), "{what}"),
+            (x, y) => panic!("{what}: resident {:?}, fetched {:?}", x.err(), y.err()),
+        }
+    }
+    let f = unframe(data);
+    let manifest = fix_up(f.flags, f.manifest, &f.shards);
+    let chunk = [1usize, 7, 4096, 1 << 20][usize::from(f.flags >> 6)];
+    let resident: Vec<Vec<u8>> = f.shards.iter().map(|s| s.to_vec()).collect();
+    // The header sizes a lazy open would fetch come from the manifest (when it decodes).
+    let sizes: Vec<u64> = manifest::decode(&manifest)
+        .map(|m| m.shards.iter().map(|s| s.header_size).collect())
+        .unwrap_or_default();
+    let fetched: Vec<Fetched> = f
+        .shards
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Fetched::new(s.to_vec(), sizes.get(i).copied().unwrap_or(0), chunk))
+        .collect();
+    let (a, b) = match (
+        Checkpoint::from_parts(&manifest, resident),
+        Checkpoint::from_parts(&manifest, fetched),
+    ) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(x), Err(y)) => {
+            assert_eq!(x.to_string(), y.to_string(), "open");
+            return;
+        }
+        (x, y) => panic!("open: resident {:?}, fetched {:?}", x.err(), y.err()),
+    };
+    for t in a.tensors() {
+        same(a.read_tensor(&t.name), b.read_tensor(&t.name), &t.name);
+    }
+    for g in a.globals() {
+        same(a.read_global(&g.name), b.read_global(&g.name), &g.name);
+        // A box from the middle of the global shape to its end.
+        let off: Vec<u64> = g.global_shape.iter().map(|d| d / 2).collect();
+        let shape: Vec<u64> = g
+            .global_shape
+            .iter()
+            .zip(&off)
+            .map(|(d, o)| d - o)
+            .collect();
+        same(
+            a.read_region(&g.name, &off, &shape),
+            b.read_region(&g.name, &off, &shape),
+            &g.name,
+        );
+    }
+    let mut sa = Vec::new();
+    let ra = a.stream_tensors(u64::MAX, |t, x| {
+        sa.push((t.name.clone(), x.bytes().to_vec()));
+        Ok(())
+    });
+    let mut sb = Vec::new();
+    let rb = b.stream_tensors(u64::MAX, |t, x| {
+        sb.push((t.name.clone(), x.bytes().to_vec()));
+        Ok(())
+    });
+    assert!(sa == sb, "streams differ");
+    assert_eq!(ra.map_err(|e| e.to_string()), rb.map_err(|e| e.to_string()));
+    assert_eq!(
+        a.verify().map_err(|e| e.to_string()),
+        b.verify().map_err(|e| e.to_string()),
+        "verify"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

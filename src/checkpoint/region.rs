@@ -347,9 +347,13 @@ impl<S: ShardSource> Checkpoint<S> {
         let es = src.dtype.size();
         let wins = self.windows(&plan, &region, es)?;
         if check {
+            // The first failure in plan order (rayon's own would be the first in time).
             wins.par_iter()
                 .zip(plan.par_iter())
-                .try_for_each(|(w, (_, t, _, _))| self.check_window(t, w))?;
+                .map(|(w, (_, t, _, _))| self.check_window(t, w))
+                .collect::<Vec<_>>()
+                .into_iter()
+                .collect::<Result<()>>()?;
         }
         if let Some(dst) = out {
             for (w, (piece, t, lo, hi)) in wins.iter().zip(&plan) {
@@ -449,27 +453,32 @@ impl<S: ShardSource> Checkpoint<S> {
         let (Some(blocks), Some(bl)) = (&w.blocks, &t.blocks) else {
             return self.check_crc(t, crate::crc::crc32_parallel(&w.buf));
         };
-        blocks.par_iter().try_for_each(|&i| {
-            let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
-            let bytes = b
-                .checked_sub(w.base)
-                .and_then(|x| usize::try_from(x).ok())
-                .zip(e.checked_sub(w.base).and_then(|x| usize::try_from(x).ok()))
-                .and_then(|(x, y)| w.buf.get(x..y))
-                .ok_or_else(|| bad_piece(t))?;
-            let expected = *bl.crc32.get(i as usize).ok_or_else(|| bad_piece(t))?;
-            let got = crc32fast::hash(bytes);
-            if got != expected {
-                return Err(Error::ChecksumMismatch {
-                    what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
-                    shard: t.shard,
-                    file: file(),
-                    expected,
-                    got,
-                });
-            }
-            Ok(())
-        })
+        let found: Vec<Result<()>> = blocks
+            .par_iter()
+            .map(|&i| {
+                let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
+                let bytes = b
+                    .checked_sub(w.base)
+                    .and_then(|x| usize::try_from(x).ok())
+                    .zip(e.checked_sub(w.base).and_then(|x| usize::try_from(x).ok()))
+                    .and_then(|(x, y)| w.buf.get(x..y))
+                    .ok_or_else(|| bad_piece(t))?;
+                let expected = *bl.crc32.get(i as usize).ok_or_else(|| bad_piece(t))?;
+                let got = crc32fast::hash(bytes);
+                if got != expected {
+                    return Err(Error::ChecksumMismatch {
+                        what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
+                        shard: t.shard,
+                        file: file(),
+                        expected,
+                        got,
+                    });
+                }
+                Ok(())
+            })
+            .collect();
+        // The first damaged block in order.
+        found.into_iter().collect()
     }
 }
 

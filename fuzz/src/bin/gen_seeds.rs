@@ -20,8 +20,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ckptstore::format::{header, manifest};
-use ckptstore::write::parts::{self, PartItem};
 use ckptstore::optim::{OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateValue, Tensor};
+use ckptstore::write::parts::{self, PartItem};
 use ckptstore::{save, Checkpoint, DType, SaveOptions, TensorRef};
 use ckptstore_fuzz::{frame, FIX_ALL};
 
@@ -338,6 +338,7 @@ fn main() -> Res<()> {
         corpus.join("manifest"),
         corpus.join("open_verify_load"),
     );
+    let fetched = corpus.join("fetched");
     let mut counts = [0usize; 3];
     for s in &saved {
         for (i, b) in s.shards.iter().enumerate() {
@@ -362,6 +363,14 @@ fn main() -> Res<()> {
             &format!("seed-{}-fix", s.name),
             &frame(FIX_ALL, &s.manifest, &s.shards),
         )?;
+        // The `fetched` target reads the same framing; the high flag bits pick its chunk.
+        for (fix, tag) in [(0u8, ""), (FIX_ALL | 0x80, "-fix")] {
+            write(
+                &fetched,
+                &format!("seed-{}{tag}", s.name),
+                &frame(fix, &s.manifest, &s.shards),
+            )?;
+        }
         counts[2] += 2;
     }
     let part_dir = corpus.join("part");
