@@ -662,7 +662,7 @@ class CheckpointManager(BaseCheckpointManager):
         """Check names, read every tensor through the Reader (CRC-checked, ranks agreeing,
         before any destination is written), then apply each component's state."""
         try:
-            meta = json.loads(_ckptstore.RegionReader(path).metadata_json())
+            meta = json.loads(_ckptstore.Checkpoint(path, lazy=True).metadata_json())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: the manifest's metadata is not JSON: {e}") from e
         dcp_items = (meta.get(META_KEY) or {}).get("items") if isinstance(meta, dict) else None

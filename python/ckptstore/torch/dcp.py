@@ -332,7 +332,7 @@ class Reader(StorageReader):
 
     def _open(self) -> Any:
         if self._rr is None:
-            rr = _ckptstore.RegionReader(self.path)
+            rr = _ckptstore.Checkpoint(self.path, lazy=True)
             want = self.expect_checkpoint_id
             if want is not None and rr.checkpoint_id != want:
                 raise CheckpointError(

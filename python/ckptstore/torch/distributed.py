@@ -140,7 +140,7 @@ def _broadcast_meta(path: Any, process_group: Any) -> tuple[dict, str]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0:
         try:
             # The manifest only (a remote checkpoint is not downloaded here).
-            rr = _ckptstore.RegionReader(os.fspath(path))
+            rr = _ckptstore.Checkpoint(os.fspath(path), lazy=True)
             obj[0] = (json.loads(rr.metadata_json()), rr.checkpoint_id, None)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
             obj[0] = (None, None, f"{type(e).__name__}: {e}")
