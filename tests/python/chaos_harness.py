@@ -675,29 +675,16 @@ class Chaos:
 
 def start_s3s(work: Path) -> Tuple[subprocess.Popen, Path, Dict[str, str]]:
     """An s3s-fs server on a free loopback port (as tests/python/test_s3.py starts it)."""
-    exe = os.environ.get("CKPT_S3S_FS") or shutil.which("s3s-fs") or str(Path.home() / ".cargo/bin/s3s-fs")
-    if not os.access(exe, os.X_OK):
-        raise ChaosFailure("s3s-fs is missing: `cargo install s3s-fs@0.14.1 --locked --features binary`")
+    import ckpt_helpers
+
     data = work / "s3data"
     shutil.rmtree(data, ignore_errors=True)
     (data / "bkt").mkdir(parents=True)
-    port = free_port()
     key, secret = "ckpttestkey", "ckpttestsecret0123456789"
-    proc = subprocess.Popen(
-        [exe, "--host", "127.0.0.1", "--port", str(port), "--access-key", key, "--secret-key", secret, str(data)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise ChaosFailure("s3s-fs did not start")
-            time.sleep(0.02)
+    try:
+        proc, port = ckpt_helpers.start_s3s_fs(str(data), key, secret)
+    except ckpt_helpers.S3sFsError as e:
+        raise ChaosFailure(str(e)) from e
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": key,

@@ -191,3 +191,48 @@ def stored_tensor(ckpt_dir: Path, prefix: str) -> tuple[Path, str, int]:
             if name != "__metadata__" and name.startswith(prefix):
                 return shard, name, 8 + n + entry["data_offsets"][0]
     raise AssertionError(f"no stored tensor starting with {prefix!r} in {ckpt_dir}")
+
+
+# ---- s3s-fs, the S3 server of the object-storage tests -------------------------------------
+
+S3S_FS_MISSING = (
+    "the S3 tests need the s3s-fs server: "
+    "`cargo install s3s-fs@0.14.1 --locked --features binary` (scripts/test.sh does)"
+)
+
+
+class S3sFsError(RuntimeError):
+    """s3s-fs is not installed, or did not start."""
+
+
+def start_s3s_fs(data: str, key: str, secret: str, timeout: float = 30.0):
+    """Start s3s-fs serving the directory ``data`` (a bucket is a subdirectory) on a free
+    loopback port; returns ``(process, port)`` once the port accepts connections. The
+    executable is ``$CKPT_S3S_FS``, else ``s3s-fs`` on PATH, else ``~/.cargo/bin/s3s-fs``.
+    Raises :class:`S3sFsError` when it is missing or does not listen within ``timeout``."""
+    import shutil
+    import socket
+    import time
+
+    exe = os.environ.get("CKPT_S3S_FS") or shutil.which("s3s-fs") or str(Path.home() / ".cargo/bin/s3s-fs")
+    if not os.access(exe, os.X_OK):
+        raise S3sFsError(S3S_FS_MISSING)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [exe, "--host", "127.0.0.1", "--port", str(port), "--access-key", key, "--secret-key", secret, str(data)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout
+    while True:  # ready when the port accepts connections
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise S3sFsError(f"s3s-fs did not listen on port {port} within {timeout:.0f} s")
+            time.sleep(0.02)

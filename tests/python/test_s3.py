@@ -6,55 +6,25 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import ckptstore
+import ckpt_helpers as h
 
 KEY, SECRET = "ckpttestkey", "ckpttestsecret0123456789"
-
-
-def _s3s_fs() -> str:
-    env = os.environ.get("CKPT_S3S_FS")
-    if env:
-        return env
-    found = shutil.which("s3s-fs") or str(Path.home() / ".cargo/bin/s3s-fs")
-    if not os.access(found, os.X_OK):
-        pytest.fail(
-            "the S3 tests need the s3s-fs server: "
-            "`cargo install s3s-fs@0.14.1 --locked --features binary` (scripts/test.sh does)",
-            pytrace=False,
-        )
-    return found
 
 
 @pytest.fixture(scope="module")
 def s3():
     data = tempfile.mkdtemp()
     os.mkdir(os.path.join(data, "bkt"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [_s3s_fs(), "--host", "127.0.0.1", "--port", str(port),
-         "--access-key", KEY, "--secret-key", SECRET, data],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:  # ready when the port accepts connections
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None, "s3s-fs exited at start"
-            assert time.monotonic() < deadline, "s3s-fs did not listen within 30 s"
-            time.sleep(0.02)
+    try:
+        proc, port = h.start_s3s_fs(data, KEY, SECRET)
+    except h.S3sFsError as e:
+        pytest.fail(str(e), pytrace=False)
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": KEY,
