@@ -9,45 +9,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ckptstore::write::parts::{self, CommitOptions, PartItem};
-use ckptstore::{Checkpoint, Error, Fetch, SaveOptions, Shard, ShardSource, TensorRef};
+use ckptstore::{Checkpoint, Error, SaveOptions, TensorRef};
 use proptest::prelude::*;
 
-/// A shard read only by ranged fetches: `bytes()` is `None`; the header is what an open
-/// fetched first.
-struct Fetched {
-    all: Vec<u8>,
-    head: Vec<u8>,
-    /// Bytes fetched, shared by the shards of one checkpoint.
-    fetched: Arc<AtomicU64>,
-    /// Cut every fetch's bytes into writes of this size (a body stream's chunks).
-    chunk: usize,
-}
-
-impl ShardSource for Fetched {
-    fn len(&self) -> u64 {
-        self.all.len() as u64
-    }
-    fn bytes(&self) -> Option<&[u8]> {
-        None
-    }
-    fn head(&self) -> &[u8] {
-        &self.head
-    }
-    fn fetch_size(&self) -> u64 {
-        100_000
-    }
-    fn fetch(shards: &[Shard<Self>], jobs: &mut [Fetch<'_>]) -> ckptstore::Result<()> {
-        for j in jobs {
-            let s = &shards[j.shard()].bytes;
-            let r = j.range();
-            s.fetched.fetch_add(r.end - r.start, Ordering::Relaxed);
-            for c in s.all[r.start as usize..r.end as usize].chunks(s.chunk) {
-                j.write(c).expect("no overflow");
-            }
-        }
-        Ok(())
-    }
-}
+// The fetch-only shard source of the `fetched` fuzz target (fuzz/src/lib.rs).
+#[path = "../fuzz/src/lib.rs"]
+#[allow(dead_code)]
+mod fuzz_support;
+use fuzz_support::Fetched;
 
 /// A checkpoint directory written by two ranks: a global tensor `w` of `rows x cols` F32
 /// split by rows, a replicated 0-dim `step`, and whole tensors `bias` and `h` (F16).
@@ -127,12 +96,7 @@ fn both(
     let sources = files
         .iter()
         .zip(&m.shards)
-        .map(|(f, e)| Fetched {
-            all: f.clone(),
-            head: f[..8 + e.header_size as usize].to_vec(),
-            fetched: Arc::clone(&fetched),
-            chunk,
-        })
+        .map(|(f, e)| Fetched::new(f.clone(), e.header_size, chunk).counting(Arc::clone(&fetched)))
         .collect();
     let resident = Checkpoint::from_parts(&manifest, files).unwrap();
     let lazy = Checkpoint::from_parts(&manifest, sources).unwrap();

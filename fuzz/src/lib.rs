@@ -167,6 +167,8 @@ pub struct Fetched {
     head: Vec<u8>,
     /// Each fetch's bytes are written in pieces of this size (a body stream's chunks).
     chunk: usize,
+    /// Bytes fetched, counted where shards share a counter ([`Fetched::counting`]).
+    fetched: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl Fetched {
@@ -181,7 +183,14 @@ impl Fetched {
             head: all[..n].to_vec(),
             all,
             chunk: chunk.max(1),
+            fetched: None,
         }
+    }
+
+    /// The same shard, adding the bytes of every fetch to `counter`.
+    pub fn counting(mut self, counter: std::sync::Arc<std::sync::atomic::AtomicU64>) -> Fetched {
+        self.fetched = Some(counter);
+        self
     }
 }
 
@@ -208,6 +217,9 @@ impl ckptstore::ShardSource for Fetched {
                 .ok_or_else(|| ckptstore::Error::InvalidArgument("no such shard".into()))?
                 .bytes;
             let r = j.range();
+            if let Some(c) = &s.fetched {
+                c.fetch_add(r.end - r.start, std::sync::atomic::Ordering::Relaxed);
+            }
             let bytes = usize::try_from(r.start)
                 .ok()
                 .zip(usize::try_from(r.end).ok())
