@@ -16,20 +16,19 @@ that every run draws the same examples) under a timeout, so that a segfault or a
 fails the test with the example that caused it (the child writes each example to a file
 before running it) instead of killing pytest.
 
-Known findings kept out of the properties (each marked ``KNOWN`` where it is excluded,
-and pinned by a strict xfail at the end of this file, so that a fix shows):
-
-* ``ckptstore.torch.save``: a negative or >= 2**64 ``max_shard_size`` raises
-  ``OverflowError``, an ``extra`` key with a lone surrogate ``UnicodeEncodeError``, a
-  meta-device tensor in ``extra`` torch's ``NotImplementedError``.
-
-Found and fixed in the bindings (python/src/args.rs; ``test_fixed_findings`` keeps them):
+Found and fixed (``test_fixed_findings`` keeps them fixed; the properties no longer keep
+them out). In the bindings (python/src/args.rs):
 a closed ``Checkpoint`` raised a plain ``ValueError`` (now ``InvalidArgumentError``, still a
 ``ValueError``); a tensor name with a lone surrogate raised ``UnicodeEncodeError`` (now
 ``TensorNotFoundError``: stored names are UTF-8, and ``in`` is ``False``); a negative or
 >= 2**64 offset or shape in ``read_region``, ``copy_ranges_into_unchecked``,
 ``verify_regions`` and ``read_into`` raised ``OverflowError`` (now
 ``InvalidArgumentError``); ``Chunk.__repr__`` raised ``ValueError`` for a ragged-list array.
+In ``ckptstore.torch.save``: a negative or >= 2**64 ``max_shard_size`` raised
+``OverflowError`` (now ``InvalidArgumentError``), a tensor in ``extra`` under a key with a lone
+surrogate ``UnicodeEncodeError`` (now ``InvalidArgumentError``, for any value under such a key;
+a tensor name that is not UTF-8 is ``InvalidTensorError``), a meta-device tensor torch's
+``NotImplementedError`` (now ``InvalidTensorError``).
 
 Found and fixed: metadata nested 127 levels deep (an optimizer hyperparameter 123-124
 levels deep) was accepted by ``save`` (and ``CheckpointManager.save``), committed, and the
@@ -536,7 +535,7 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
 
         torch_vals = st.one_of(
             python_values, json_like,
-            st.sampled_from(["f32", "f64", "bf16", "i8", "bool", "c64", "nc", "zero", "0d", "nan"]).map(
+            st.sampled_from(["f32", "f64", "bf16", "i8", "bool", "c64", "nc", "zero", "0d", "nan", "meta"]).map(
                 lambda k: {"f32": lambda: torch.arange(6, dtype=torch.float32).reshape(2, 3),
                            "f64": lambda: torch.full((3,), float("nan"), dtype=torch.float64),
                            "bf16": lambda: torch.ones(4, dtype=torch.bfloat16),
@@ -547,22 +546,13 @@ def _child(prop: str, workdir: str, last_path: str) -> None:  # noqa: C901 - one
                            "zero": lambda: torch.zeros(0, 4),
                            "0d": lambda: torch.tensor(float("inf")),
                            "nan": lambda: torch.tensor([float("nan"), float("-inf")]),
-                           # KNOWN: a meta-device tensor in extra raises torch's own
-                           # NotImplementedError ("Cannot copy out of meta tensor") from
-                           # ckptstore.torch._to_numpy; kept out.
+                           "meta": lambda: torch.empty(3, device="meta"),
                            }[k]()))
 
         @SET
         @given(st.dictionaries(st.one_of(names, st.integers(), st.none()), torch_vals, max_size=3),
                sizes, st.booleans(), st.sampled_from([(2, 3), (3, 2), (1, 3), (2, 3)]), st.booleans())
         def run(extra, mss, with_opt, load_shape, strict):
-            # KNOWN (ckptstore.torch.save, python/ckptstore/torch/__init__.py): a negative or
-            # >= 2**64 max_shard_size raises OverflowError, and an extra key with a lone
-            # surrogate UnicodeEncodeError; both kept out here.
-            if isinstance(mss, (int, np.integer)) and not 0 <= mss < 2 ** 64:
-                mss = None
-            extra = {k: v for k, v in extra.items()
-                     if not (isinstance(k, str) and any(0xD800 <= ord(c) < 0xE000 for c in k))}
             torch.manual_seed(0)
             model = torch.nn.Linear(3, 2)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -642,9 +632,8 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------------------------
-# The findings the properties keep out (engine or torch-helper side, not fixed here):
-# each asserts the documented behaviour and is expected to fail until it is fixed
-# (strict: the day one is fixed, this says so, and its KNOWN exclusion can go).
+# The findings the properties found (engine and torch-helper side), each fixed: every one
+# raises the ckptstore exception named in test_fixed_findings.
 # ------------------------------------------------------------------------------------
 
 
@@ -699,7 +688,7 @@ def _chunk_repr(tmp):
         repr(ckptstore.Chunk([[1], [2, 3]], (2,), (0,)))
     except ValueError as e:  # not a CheckpointError
         raise AssertionError(f"Chunk.__repr__ raised {e!r}") from e
-    raise ckptstore.CheckpointError("repr works")  # what the xfail wants when fixed
+    raise ckptstore.CheckpointError("repr works")  # what test_fixed_findings expects
 
 
 def _torch_meta_extra(tmp):
@@ -709,21 +698,6 @@ def _torch_meta_extra(tmp):
     return ckptstore.torch.save(tmp, extra={"m": torch.empty(3, device="meta")}, cleanup="inline")
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(_torch_negative_shard_size, id="torch.save-max_shard_size=-1-OverflowError"),
-        pytest.param(_torch_surrogate_extra, id="torch.save-surrogate-extra-UnicodeEncodeError"),
-        pytest.param(_torch_meta_extra, id="torch.save-meta-tensor-NotImplementedError"),
-    ],
-)
-@pytest.mark.xfail(strict=True, reason="known finding (issue 27): not a CheckpointError",
-                   raises=(ValueError, OverflowError, NotImplementedError, AssertionError))
-def test_known_findings(case, tmp_path):
-    import ckptstore
-
-    with pytest.raises(ckptstore.CheckpointError):
-        case(tmp_path / "ck")
 
 
 def _contains_surrogate(tmp):
@@ -760,6 +734,9 @@ def _read_into_huge(tmp):
         pytest.param(_ranges_negative, "InvalidArgumentError", id="copy_ranges-negative"),
         pytest.param(_read_into_huge, "InvalidArgumentError", id="read_into-2**64"),
         pytest.param(_chunk_repr, "CheckpointError", id="Chunk-repr-ragged-list"),
+        pytest.param(_torch_negative_shard_size, "InvalidArgumentError", id="torch.save-max_shard_size=-1"),
+        pytest.param(_torch_surrogate_extra, "InvalidArgumentError", id="torch.save-surrogate-extra"),
+        pytest.param(_torch_meta_extra, "InvalidTensorError", id="torch.save-meta-tensor"),
     ],
 )
 def test_fixed_findings(case, error, tmp_path):

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from .. import _ckptstore, open as _open
+from .. import _check_shard_size, _ckptstore, _fspath, open as _open
 from ..errors import IncompatibleStateError
 
 # The helpers, one module a job. Their names are imported here too (re-exported), for the
@@ -103,8 +103,9 @@ def save(
     :func:`ckptstore.wait_for_cleanup` waits for all and runs at exit). ``"inline"``
     removes them before returning. See :func:`ckptstore.save`.
     """
+    _check_shard_size(max_shard_size)
     entries, metadata, optim = _build_items(model, optimizer, extra, _to_numpy)
-    return _ckptstore.save(os.fspath(path), entries, metadata, max_shard_size, optim, cleanup)
+    return _ckptstore.save(_fspath(path), entries, metadata, max_shard_size, optim, cleanup)
 
 
 # ---- load --------------------------------------------------------------------------------

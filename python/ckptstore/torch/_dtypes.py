@@ -52,11 +52,17 @@ def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
         from .. import _prepare
 
         return _prepare(name, t)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidTensorError(f"tensor name {name!r} is not valid UTF-8") from None
     if not isinstance(t, torch.Tensor):
         from .. import _prepare
 
         return _prepare(name, np.asarray(t))
     t = t.detach()
+    if t.device.type == "meta":
+        raise InvalidTensorError(f"tensor {name!r} is on the meta device: it holds no data to store")
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_conj() or t.is_neg():

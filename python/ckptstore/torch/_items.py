@@ -69,6 +69,10 @@ def _build_items(
     for k, v in (extra or {}).items():
         if not isinstance(k, str):
             raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
+        try:
+            k.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(f"extra key {k!r} is not valid UTF-8") from None
         if isinstance(v, (torch.Tensor, np.ndarray)):
             entries.append(prepare(EXTRA_PREFIX + k, v))
             meta["extra_tensors"].append(k)
