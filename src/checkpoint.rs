@@ -9,9 +9,11 @@ use rayon::prelude::*;
 
 mod catalog;
 mod fill;
+mod pread;
 pub(crate) mod region;
 pub mod source;
 pub use catalog::Entry;
+pub use pread::{FileShard, ReadAt};
 pub use region::Region;
 pub use source::{Fetch, ShardSource};
 
@@ -153,17 +155,7 @@ impl Checkpoint<Map> {
             // A save that commits while we open may remove the shards of the manifest we
             // read (format-spec/durability.md §Readers): if a shard is missing, read the
             // manifest again and retry, a bounded number of times.
-            let mut attempts = 0;
-            loop {
-                match Self::open_native(path, &manifest_path) {
-                    Err(Error::ShardMismatch { ref reason, .. })
-                        if reason == SHARD_MISSING && attempts < 3 =>
-                    {
-                        attempts += 1;
-                    }
-                    r => return r,
-                }
-            }
+            return open_native_retrying(path, &manifest_path, &|f, p, _| Map::open(&f, p));
         }
         let index = path.join(HF_INDEX_FILE);
         if index.exists() {
@@ -180,41 +172,6 @@ impl Checkpoint<Map> {
                 "no {MANIFEST_FILE} (ckptstore), {HF_INDEX_FILE} (Hugging Face) or model.safetensors in the directory"
             ),
         })
-    }
-
-    fn open_native(root: &Path, manifest_path: &Path) -> Result<Self> {
-        let bytes = read_capped(manifest_path, crate::format::MAX_MANIFEST_SIZE)?;
-        let (m, by_name) = decode_manifest(&bytes, MANIFEST_FILE)?;
-        let shards = m
-            .shards
-            .par_iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let p = root.join(&s.file);
-                let missing = |e: std::io::Error, op| match e.kind() {
-                    std::io::ErrorKind::NotFound => Error::ShardMismatch {
-                        shard: i,
-                        file: s.file.clone(),
-                        reason: SHARD_MISSING.into(),
-                    },
-                    _ => Error::io(op, &p, e),
-                };
-                let lmeta = std::fs::symlink_metadata(&p).map_err(|e| missing(e, "stat"))?;
-                if !lmeta.file_type().is_file() {
-                    return Err(Error::ShardMismatch {
-                        shard: i,
-                        file: s.file.clone(),
-                        reason: "not a regular file (ckptstore never writes links or directories as shards)".into(),
-                    });
-                }
-                let file = File::open(&p).map_err(|e| missing(e, "open"))?;
-                Ok(Shard { file: s.file.clone(), bytes: Map::open(&file, &p)? })
-            })
-            .collect::<Vec<_>>()
-            // The first failure in shard order (rayon's own would be the first in time).
-            .into_iter()
-            .collect::<Result<Vec<_>>>()?;
-        Checkpoint::build_native(root.to_path_buf(), m, by_name, shards)
     }
 
     fn open_hf(root: &Path, index_path: &Path) -> Result<Self> {
@@ -280,6 +237,73 @@ impl Checkpoint<Map> {
         }
         Ok(ck)
     }
+}
+
+/// Open the ckptstore directory `root` (its manifest at `manifest_path`) with `open_shard`
+/// making each shard's source from its opened file (path, and the header size the manifest
+/// records). A save that commits while we open may remove the shards of the manifest we
+/// read (format-spec/durability.md §Readers): if a shard is missing, read the manifest
+/// again and retry, a bounded number of times.
+pub(crate) fn open_native_retrying<S: ShardSource + Send>(
+    root: &Path,
+    manifest_path: &Path,
+    open_shard: &(dyn Fn(File, &Path, u64) -> Result<S> + Sync),
+) -> Result<Checkpoint<S>> {
+    let mut attempts = 0;
+    loop {
+        match open_native(root, manifest_path, open_shard) {
+            Err(Error::ShardMismatch { ref reason, .. })
+                if reason == SHARD_MISSING && attempts < 3 =>
+            {
+                attempts += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
+fn open_native<S: ShardSource + Send>(
+    root: &Path,
+    manifest_path: &Path,
+    open_shard: &(dyn Fn(File, &Path, u64) -> Result<S> + Sync),
+) -> Result<Checkpoint<S>> {
+    let bytes = read_capped(manifest_path, crate::format::MAX_MANIFEST_SIZE)?;
+    let (m, by_name) = decode_manifest(&bytes, MANIFEST_FILE)?;
+    let shards = m
+        .shards
+        .par_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let p = root.join(&s.file);
+            let missing = |e: std::io::Error, op| match e.kind() {
+                std::io::ErrorKind::NotFound => Error::ShardMismatch {
+                    shard: i,
+                    file: s.file.clone(),
+                    reason: SHARD_MISSING.into(),
+                },
+                _ => Error::io(op, &p, e),
+            };
+            let lmeta = std::fs::symlink_metadata(&p).map_err(|e| missing(e, "stat"))?;
+            if !lmeta.file_type().is_file() {
+                return Err(Error::ShardMismatch {
+                    shard: i,
+                    file: s.file.clone(),
+                    reason:
+                        "not a regular file (ckptstore never writes links or directories as shards)"
+                            .into(),
+                });
+            }
+            let file = File::open(&p).map_err(|e| missing(e, "open"))?;
+            Ok(Shard {
+                file: s.file.clone(),
+                bytes: open_shard(file, &p, s.header_size)?,
+            })
+        })
+        .collect::<Vec<_>>()
+        // The first failure in shard order (rayon's own would be the first in time).
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
+    Checkpoint::build_native(root.to_path_buf(), m, by_name, shards)
 }
 
 /// The CRC32 of `bytes` and, if `with_abs`, the largest `|x|` bits of them read as
