@@ -20,10 +20,16 @@ use crate::write::{CommitInfo, SaveOptions, TensorRef};
 
 pub use crate::location::{IntoLocation, Location, RemoteUrl};
 
+pub mod fs;
+pub(crate) mod local;
+mod object;
 #[cfg(feature = "s3")]
 pub mod s3;
 #[cfg(feature = "s3")]
 pub mod s3_manager;
+
+pub use local::{LocalPut, LocalStore};
+pub use object::{Put, Store};
 
 /// The shard bytes of a checkpoint opened through [`open`]: a read-only map of a local
 /// file, or a buffer downloaded from an object store.

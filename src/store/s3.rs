@@ -5,8 +5,8 @@
 //! `s3://bucket/prefix/`, shard objects named uniquely per checkpoint id
 //! (`shard-<id>-<i>.safetensors`), then `ckpt-manifest.json`, PUT last: the commit.
 //!
-//! **Save** runs the engine's own commit protocol (`write::save_with_fs`) over an object
-//! store [`Fs`]: each shard streams into a multipart upload (parts uploaded concurrently
+//! **Save** runs the engine's own commit protocol (`write`) over [`Remote`] as the writer's
+//! [`Store`]: each shard streams into a multipart upload (parts uploaded concurrently
 //! while the writer computes every tensor's CRC32 from the same bytes), and the manifest is
 //! one PUT after every shard upload has completed. An error or a dropped save aborts its
 //! multipart uploads and deletes the shard objects it completed; a killed process leaves
@@ -15,7 +15,7 @@
 //! its id: format-spec/s3.md §Uploads).
 //!
 //! **Multi-rank** checkpoints ([`write_part`], [`commit`], [`commit_rendezvous`]) run the
-//! local multi-rank protocol over the same [`Fs`].
+//! local multi-rank protocol over the same [`Store`].
 //! Nothing relies on conditional PUT: one writer per prefix (format-spec/s3.md §Writers).
 //!
 //! **Open** GETs the manifest once, then downloads every shard with parallel ranged GETs
@@ -31,11 +31,10 @@
 //! `CKPT_S3_MAX_RETRIES` and `CKPT_S3_RETRY_TIMEOUT_S` for the retry policy (transient
 //! errors: connection failures, 5xx, throttling, retried with exponential backoff).
 
-use std::collections::HashMap;
 use std::io::{self, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -47,16 +46,15 @@ use object_store::{
     PutPayload, RetryConfig,
 };
 
-use super::RemoteUrl;
+use super::{Put, RemoteUrl, Store};
 use crate::checkpoint::{
     decode_manifest, source, Checkpoint, Fetch, Shard, ShardSource, TensorInfo,
 };
 use crate::error::{Error, Result};
 use crate::format::manifest::{Manifest, OptimizerSection, MANIFEST_FILE};
 use crate::format::MAX_MANIFEST_SIZE;
-use crate::write::fs::Fs;
 use crate::write::parts::{self, CommitOptions, Part, PartItem};
-use crate::write::{self, CommitInfo, SaveOptions, TensorRef, TEMP_PREFIX};
+use crate::write::{self, CommitInfo, SaveOptions, TensorRef};
 
 /// How to reach the object store and how hard to try.
 #[derive(Debug, Clone)]
@@ -538,7 +536,7 @@ impl Remote {
 /// The name prefix of upload journal objects: `.ckpt-tmp-upload-<32 hex>`, one per
 /// multipart upload in progress (format-spec/s3.md §Uploads). A temporary-file name, so
 /// every engine cleanup (`gc`, a save's start, a commit's cleanup) deletes it, through
-/// [`Remote::delete`] / the object-store `Fs`, which abort the upload first.
+/// [`Remote::delete`] (also [`Store::delete`]), which aborts the upload first.
 const UPLOAD_JOURNAL_PREFIX: &str = ".ckpt-tmp-upload-";
 
 fn is_upload_journal(name: &str) -> bool {
@@ -828,8 +826,8 @@ pub fn save_with_section(
 /// prefix are deleted.
 ///
 /// # Errors
-/// The input errors of [`crate::save`]; [`Error::Io`] naming the object URL when an upload
-/// fails (its cause says why: server down after retries, access denied, missing bucket).
+/// The input errors of [`crate::save`]; [`Error::Remote`] naming the object URL when an
+/// upload fails (its cause says why: server down after retries, access denied, missing bucket).
 /// After an error no new manifest is committed, this save's multipart uploads are aborted
 /// and its completed shard objects deleted (best effort: a server that went away keeps
 /// them until the next save or `ckpt gc`).
@@ -857,39 +855,7 @@ pub fn save_remote(
     // One listing first: a missing bucket or bad credentials fail here, in those words,
     // before anything is uploaded (some servers create buckets on PUT).
     r.probe()?;
-    let fs = ObjectFs::new(r);
-    let dir = PathBuf::from(r.url.to_string());
-    write::save_impl(&fs, &dir, tensors, opts, optimizer).map_err(|e| fs_err(r, e))
-}
-
-/// The writer reports failures of the object-store [`Fs`] as I/O errors on "paths" that
-/// are object URLs: say them in the store's terms, naming the final key; errors about
-/// shards name the object URL.
-fn fs_err(r: &Remote, e: Error) -> Error {
-    match e {
-        Error::Io { op, path, source } => {
-            let url = path.display().to_string();
-            let url = match url.rsplit_once('/') {
-                Some((dir, name)) => match streamed_target(name) {
-                    Some(target) => format!("{dir}/{target}"),
-                    None => url,
-                },
-                None => url,
-            };
-            // A write can only miss an object's *bucket*.
-            let no_bucket = source
-                .get_ref()
-                .and_then(|e| e.downcast_ref::<object_store::Error>())
-                .is_some_and(|e| matches!(e, object_store::Error::NotFound { .. }));
-            let reason = if no_bucket {
-                format!("the bucket {:?} does not exist ({source})", r.url.bucket)
-            } else {
-                explain(source.to_string(), &r.url.bucket)
-            };
-            Error::Remote { op, url, reason }
-        }
-        other => name_keys(other, &r.url),
-    }
+    write::save_impl(r, tensors, opts, optimizer)
 }
 
 // ---- multi-rank checkpoints (format-spec/s3.md §Multi-rank) ------------------------------
@@ -929,21 +895,7 @@ pub fn write_part_remote(
     opts: &SaveOptions,
 ) -> Result<Part> {
     r.probe()?;
-    let name = write::part_file_name(checkpoint_id, rank);
-    let exists = r.block_on(r.store.head(&r.path(&name)));
-    match exists {
-        Ok(_) => {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} already wrote its part of checkpoint {checkpoint_id} ({})",
-                r.url.child(&name)
-            )))
-        }
-        Err(e) if is_not_found(&e) => {}
-        Err(e) => return Err(remote_err("HEAD", &r.url.child(&name), &e)),
-    }
-    let fs = ObjectFs::new(r);
-    let dir = PathBuf::from(r.url.to_string());
-    parts::write_part_with_fs(&fs, &dir, checkpoint_id, rank, items, opts).map_err(|e| fs_err(r, e))
+    parts::write_part_impl(r, checkpoint_id, rank, items, opts, true, || Ok(()))
 }
 
 /// Commit the parts of checkpoint `checkpoint_id` under `url` (configured from the
@@ -984,9 +936,7 @@ pub fn commit_remote(
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
     r.probe()?;
-    let fs = ObjectFs::new(r);
-    let dir = PathBuf::from(r.url.to_string());
-    parts::commit_with_fs(&fs, &dir, checkpoint_id, parts, opts).map_err(|e| fs_err(r, e))
+    parts::commit_impl(r, checkpoint_id, parts, opts, || Ok(()))
 }
 
 /// Wait for the part objects of ranks `0..world_size` under `url`, then commit them
@@ -1093,62 +1043,117 @@ pub fn gc_prefix(r: &Remote) -> Result<Vec<String>> {
     Ok(deleted)
 }
 
-/// The object-store [`Fs`]: the engine's commit protocol with objects for files.
+/// The object store as the writer's [`Store`]: the engine's commit protocol with objects
+/// for files (format-spec/s3.md §Save).
 ///
-/// * A shard's temporary file (`.ckpt-tmp-shard-...`) streams straight into the shard's
-///   final key: the name is unique to the checkpoint id and no manifest names it yet, so
-///   nobody reads it before the commit. `sync` completes the upload; the rename is a no-op.
-/// * Other files (the manifest, part descriptors) are buffered; the rename PUTs them to
-///   their final key in one request, which for the manifest is the commit.
-/// * `sync_dir` is a no-op: a completed PUT is durable on the server.
-struct ObjectFs<'r> {
-    r: &'r Remote,
-    /// Buffered small files, synced and waiting for their rename, by temporary name.
-    pending: Mutex<HashMap<String, Vec<u8>>>,
-}
+/// * A streamed object ([`Store::put_streamed`]: a shard) goes straight to its final key:
+///   the name is unique to the checkpoint id and no manifest names it yet, so nobody reads
+///   it before the commit. Up to one part it is buffered and PUT by [`Put::finish`]; beyond,
+///   it is a multipart upload (journaled, §Uploads) that `finish` completes.
+/// * A small object ([`Store::put`]: the manifest, a part descriptor) is one PUT, which for
+///   the manifest is the commit.
+/// * [`Store::barrier`] does nothing: a completed PUT is durable on the server.
+impl Store for Remote {
+    type Put<'a> = ObjectPut<'a>;
 
-impl<'r> ObjectFs<'r> {
-    fn new(r: &'r Remote) -> Self {
-        ObjectFs {
-            r,
-            pending: Mutex::new(HashMap::new()),
+    fn list(&self) -> Result<Vec<String>> {
+        Ok(Remote::list(self)?
+            .objects
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect())
+    }
+
+    fn exists(&self, name: &str) -> Result<bool> {
+        match self.block_on(self.store.head(&self.path(name))) {
+            Ok(_) => Ok(true),
+            Err(e) if is_not_found(&e) => Ok(false),
+            Err(e) => Err(remote_err("HEAD", &self.url.child(name), &e)),
         }
     }
 
-    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    fn read_prefix(&self, name: &str, max: u64) -> Result<(u64, Vec<u8>)> {
+        let key = self.path(name);
+        let url = self.url.child(name);
+        self.block_on(async {
+            let meta = self
+                .store
+                .head(&key)
+                .await
+                .map_err(|e| remote_err("HEAD", &url, &e))?;
+            let n = max.min(meta.size);
+            let b = if n == 0 {
+                Vec::new()
+            } else {
+                self.store
+                    .get_range(&key, 0..n)
+                    .await
+                    .map_err(|e| remote_err("GET", &url, &e))?
+                    .to_vec()
+            };
+            Ok((meta.size, b))
+        })
+    }
+
+    fn put_streamed(&self, name: &str, _staging: &str) -> Result<ObjectPut<'_>> {
+        Ok(ObjectPut {
+            r: self,
+            name: name.to_string(),
+            key: self.path(name),
+            part_size: self.cfg.part_size.max(5 << 20),
+            concurrency: self.cfg.upload_concurrency.max(1),
+            state: PutState::Buffer(Vec::new()),
+        })
+    }
+
+    fn put(&self, name: &str, _staging: &str, bytes: &[u8]) -> Result<()> {
+        self.put_small(name, bytes.to_vec())
+    }
+
+    fn barrier(&self, _context: &'static str) -> Result<()> {
+        Ok(())
+    }
+
+    fn delete(&self, name: &str) -> Result<()> {
+        Remote::delete(self, name)
+    }
+
+    fn location(&self) -> PathBuf {
+        PathBuf::from(self.url.to_string())
+    }
+
+    fn describe(&self, name: &str) -> String {
+        self.url.child(name).to_string()
     }
 }
 
-fn file_name(path: &Path) -> io::Result<String> {
-    path.file_name()
-        .and_then(|n| n.to_str())
-        .map(str::to_string)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no object name"))
+/// The error of a write request `op` on `url`: as [`remote_err`], except that a write can
+/// only miss an object's *bucket*, which it then says.
+fn write_err(op: &'static str, r: &Remote, url: &RemoteUrl, e: &object_store::Error) -> Error {
+    if matches!(e, object_store::Error::NotFound { .. }) {
+        return Error::Remote {
+            op,
+            url: url.to_string(),
+            reason: format!("the bucket {:?} does not exist ({e})", r.url.bucket),
+        };
+    }
+    remote_err(op, url, e)
 }
 
-/// The final name a streamed temporary shard goes to, if `name` is one.
-fn streamed_target(name: &str) -> Option<&str> {
-    name.strip_prefix(TEMP_PREFIX)
-        .filter(|n| n.starts_with("shard-") && n.ends_with(".safetensors"))
-}
-
-fn to_io(e: object_store::Error) -> io::Error {
-    io::Error::other(e)
-}
-
-/// A file being written to the object store.
-struct ObjectFile {
+/// An object being written to an object store ([`Store::put_streamed`] on a [`Remote`]):
+/// buffered up to one part, then a multipart upload with parts uploaded concurrently while
+/// the writer produces the next ones. [`Put::finish`] PUTs the buffer or completes the
+/// upload; a drop without it aborts the upload and deletes its journal.
+pub struct ObjectPut<'r> {
+    r: &'r Remote,
     name: String,
     key: ObjPath,
-    r: Remote,
     part_size: usize,
     concurrency: usize,
-    streamed: bool,
-    state: FileState,
+    state: PutState,
 }
 
-enum FileState {
+enum PutState {
     Buffer(Vec<u8>),
     Multipart(Upload),
     Done,
@@ -1169,14 +1174,38 @@ struct Upload {
     done: Vec<PartId>,
 }
 
-impl ObjectFile {
+/// A failed request of an upload, with what was being done, carried through [`Write`]'s
+/// `io::Error` to [`Put::write_error`].
+#[derive(Debug)]
+struct UploadError {
+    op: &'static str,
+    source: object_store::Error,
+}
+
+impl std::fmt::Display for UploadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.op, self.source)
+    }
+}
+
+impl std::error::Error for UploadError {}
+
+fn upload_io(op: &'static str, source: object_store::Error) -> io::Error {
+    io::Error::other(UploadError { op, source })
+}
+
+impl ObjectPut<'_> {
+    fn url(&self) -> RemoteUrl {
+        self.r.url.child(&self.name)
+    }
+
     /// Start the multipart upload: create it, then PUT its journal (format-spec/s3.md
     /// §Uploads) so that an interrupted save's upload can be aborted later.
     fn start_upload(&self) -> io::Result<Upload> {
-        let r = &self.r;
+        let r = self.r;
         let id = r
             .block_on(r.mp.create_multipart(&self.key))
-            .map_err(to_io)?;
+            .map_err(|e| upload_io("create multipart upload", e))?;
         let journal = format!("{UPLOAD_JOURNAL_PREFIX}{}", journal_suffix()?);
         let body = serde_json::to_vec(&UploadJournal {
             key: self.key.to_string(),
@@ -1185,7 +1214,7 @@ impl ObjectFile {
         .map_err(io::Error::other)?;
         if let Err(e) = r.block_on(r.store.put(&r.path(&journal), PutPayload::from(body))) {
             let _ = r.block_on(r.mp.abort_multipart(&self.key, &id));
-            return Err(to_io(e));
+            return Err(upload_io("PUT upload journal", e));
         }
         Ok(Upload {
             id,
@@ -1200,7 +1229,10 @@ impl ObjectFile {
     /// Wait for the oldest part in flight.
     fn wait_oldest(r: &Remote, up: &mut Upload) -> io::Result<()> {
         if let Some(h) = up.in_flight.pop_front() {
-            let part = r.block_on(h).map_err(io::Error::other)?.map_err(to_io)?;
+            let part = r
+                .block_on(h)
+                .map_err(io::Error::other)?
+                .map_err(|e| upload_io("upload part", e))?;
             up.done.push(part);
         }
         Ok(())
@@ -1226,42 +1258,22 @@ impl ObjectFile {
         Ok(())
     }
 
-    fn finish(&mut self) -> io::Result<Option<Vec<u8>>> {
-        match std::mem::replace(&mut self.state, FileState::Done) {
-            FileState::Buffer(b) if !self.streamed => Ok(Some(b)),
-            FileState::Buffer(b) => {
-                self.r
-                    .block_on(self.r.store.put(&self.key, PutPayload::from(b)))
-                    .map_err(to_io)?;
-                Ok(None)
-            }
-            FileState::Multipart(mut up) => {
-                let r = &self.r;
-                let res = (|| {
-                    if !up.buf.is_empty() || up.next == 0 {
-                        Self::send_part(r, &self.key, self.part_size, self.concurrency, &mut up)?;
-                    }
-                    while !up.in_flight.is_empty() {
-                        Self::wait_oldest(r, &mut up)?;
-                    }
-                    let parts = std::mem::take(&mut up.done);
-                    r.block_on(r.mp.complete_multipart(&self.key, &up.id, parts))
-                        .map_err(to_io)?;
-                    // The upload is complete: its journal goes (a journal left behind names
-                    // an upload the store no longer has, which `gc` takes as aborted).
-                    r.block_on(r.store.delete(&r.path(&up.journal)))
-                        .map_err(to_io)
-                })();
-                match res {
-                    Ok(()) => Ok(None),
-                    Err(e) => {
-                        abort_upload(r, &self.key, up);
-                        Err(e)
-                    }
-                }
-            }
-            FileState::Done => Ok(None),
+    /// Send the last part, wait for every part, complete the upload, delete its journal.
+    fn complete(&self, up: &mut Upload) -> io::Result<()> {
+        let r = self.r;
+        if !up.buf.is_empty() || up.next == 0 {
+            Self::send_part(r, &self.key, self.part_size, self.concurrency, up)?;
         }
+        while !up.in_flight.is_empty() {
+            Self::wait_oldest(r, up)?;
+        }
+        let parts = std::mem::take(&mut up.done);
+        r.block_on(r.mp.complete_multipart(&self.key, &up.id, parts))
+            .map_err(|e| upload_io("complete multipart upload", e))?;
+        // The upload is complete: its journal goes (a journal left behind names an upload
+        // the store no longer has, which `gc` takes as aborted).
+        r.block_on(r.store.delete(&r.path(&up.journal)))
+            .map_err(|e| upload_io("DELETE upload journal", e))
     }
 }
 
@@ -1281,12 +1293,12 @@ fn abort_upload(r: &Remote, key: &ObjPath, up: Upload) {
     }
 }
 
-impl Write for ObjectFile {
+impl Write for ObjectPut<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         loop {
             match &mut self.state {
-                FileState::Buffer(b) => {
-                    if !self.streamed || b.len() + buf.len() <= self.part_size {
+                PutState::Buffer(b) => {
+                    if b.len() + buf.len() <= self.part_size {
                         b.extend_from_slice(buf);
                         return Ok(buf.len());
                     }
@@ -1295,9 +1307,9 @@ impl Write for ObjectFile {
                     let mut up = self.start_upload()?;
                     up.buf = first;
                     up.buf.reserve(self.part_size.saturating_sub(up.buf.len()));
-                    self.state = FileState::Multipart(up);
+                    self.state = PutState::Multipart(up);
                 }
-                FileState::Multipart(up) => {
+                PutState::Multipart(up) => {
                     let mut rest = buf;
                     while !rest.is_empty() {
                         let room = self.part_size.saturating_sub(up.buf.len());
@@ -1306,7 +1318,7 @@ impl Write for ObjectFile {
                         rest = &rest[n..];
                         if up.buf.len() >= self.part_size {
                             Self::send_part(
-                                &self.r,
+                                self.r,
                                 &self.key,
                                 self.part_size,
                                 self.concurrency,
@@ -1316,7 +1328,7 @@ impl Write for ObjectFile {
                     }
                     return Ok(buf.len());
                 }
-                FileState::Done => {
+                PutState::Done => {
                     return Err(io::Error::other(format!(
                         "{} is already complete",
                         self.name
@@ -1331,109 +1343,48 @@ impl Write for ObjectFile {
     }
 }
 
-impl Drop for ObjectFile {
-    fn drop(&mut self) {
-        // An upload never completed: abort it so the server frees its parts.
-        if let FileState::Multipart(up) = std::mem::replace(&mut self.state, FileState::Done) {
-            abort_upload(&self.r, &self.key, up);
+impl Put for ObjectPut<'_> {
+    fn write_error(&self, e: io::Error) -> Error {
+        let url = self.url();
+        match e.get_ref().and_then(|i| i.downcast_ref::<UploadError>()) {
+            Some(u) => write_err(u.op, self.r, &url, &u.source),
+            None => Error::Remote {
+                op: "write",
+                url: url.to_string(),
+                reason: explain(e.to_string(), &self.r.url.bucket),
+            },
+        }
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<()> {
+        match std::mem::replace(&mut self.state, PutState::Done) {
+            PutState::Buffer(b) => {
+                let r = self.r;
+                r.block_on(r.store.put(&self.key, PutPayload::from(b)))
+                    .map(|_| ())
+                    .map_err(|e| write_err("PUT", r, &self.url(), &e))
+            }
+            PutState::Multipart(mut up) => match self.complete(&mut up) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    abort_upload(self.r, &self.key, up);
+                    Err(self.write_error(e))
+                }
+            },
+            PutState::Done => Ok(()),
         }
     }
 }
 
-impl Fs for ObjectFs<'_> {
-    type File = ObjectFile;
-
-    fn create(&self, path: &Path) -> io::Result<ObjectFile> {
-        let name = file_name(path)?;
-        let (key, streamed) = match streamed_target(&name) {
-            Some(target) => (self.r.path(target), true),
-            None => (self.r.path(&name), false),
-        };
-        Ok(ObjectFile {
-            name,
-            key,
-            r: self.r.clone(),
-            part_size: self.r.cfg.part_size.max(5 << 20),
-            concurrency: self.r.cfg.upload_concurrency.max(1),
-            streamed,
-            state: FileState::Buffer(Vec::new()),
-        })
-    }
-
-    fn sync(&self, file: &mut ObjectFile, _path: &Path) -> io::Result<()> {
-        if let Some(bytes) = file.finish()? {
-            self.pending().insert(file.name.clone(), bytes);
+impl Drop for ObjectPut<'_> {
+    fn drop(&mut self) {
+        // An upload never completed: abort it so the server frees its parts.
+        if let PutState::Multipart(up) = std::mem::replace(&mut self.state, PutState::Done) {
+            abort_upload(self.r, &self.key, up);
         }
-        Ok(())
-    }
-
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        let (from, to) = (file_name(from)?, file_name(to)?);
-        let buffered = self.pending().remove(&from);
-        if let Some(bytes) = buffered {
-            return self
-                .r
-                .block_on(self.r.store.put(&self.r.path(&to), PutPayload::from(bytes)))
-                .map(|_| ())
-                .map_err(to_io);
-        }
-        if streamed_target(&from) == Some(to.as_str()) {
-            return Ok(()); // already at its final key
-        }
-        self.r
-            .block_on(self.r.store.rename(&self.r.path(&from), &self.r.path(&to)))
-            .map_err(to_io)
-    }
-
-    fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
-        Ok(())
-    }
-
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        let name = file_name(path)?;
-        self.pending().remove(&name);
-        if is_upload_journal(&name) {
-            // An interrupted save's upload: abort it before its journal goes.
-            self.r.abort_journaled(&name).map_err(io::Error::other)?;
-        }
-        let key = self.r.path(streamed_target(&name).unwrap_or(&name));
-        match self.r.block_on(self.r.store.delete(&key)) {
-            Ok(()) => Ok(()),
-            Err(e) if is_not_found(&e) => Ok(()),
-            Err(e) => Err(to_io(e)),
-        }
-    }
-
-    fn list(&self, _dir: &Path) -> io::Result<Vec<String>> {
-        self.r
-            .list()
-            .map(|l| l.objects.into_iter().map(|(n, _)| n).collect())
-            .map_err(io::Error::other)
-    }
-
-    fn read_prefix(&self, path: &Path, max: u64) -> io::Result<(u64, Vec<u8>)> {
-        let name = file_name(path)?;
-        let key = self.r.path(&name);
-        self.r.block_on(async {
-            let meta = self.r.store.head(&key).await.map_err(|e| {
-                if is_not_found(&e) {
-                    io::Error::new(io::ErrorKind::NotFound, e)
-                } else {
-                    to_io(e)
-                }
-            })?;
-            let n = max.min(meta.size);
-            let b = if n == 0 {
-                Vec::new()
-            } else {
-                self.r
-                    .store
-                    .get_range(&key, 0..n)
-                    .await
-                    .map_err(to_io)?
-                    .to_vec()
-            };
-            Ok((meta.size, b))
-        })
     }
 }
