@@ -50,10 +50,13 @@ impl<F: Fs> Store for LocalStore<'_, F> {
     where
         Self: 'a;
 
+    /// A missing directory holds no objects, as a prefix without objects does.
     fn list(&self) -> Result<Vec<String>> {
-        self.fs
-            .list(&self.dir)
-            .map_err(|e| Error::io("list", &self.dir, e))
+        match self.fs.list(&self.dir) {
+            Ok(names) => Ok(names),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(Error::io("list", &self.dir, e)),
+        }
     }
 
     fn exists(&self, name: &str) -> Result<bool> {

@@ -972,53 +972,13 @@ pub fn commit_rendezvous_remote(
     timeout: Duration,
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    if world_size == 0 {
-        return Err(Error::InvalidArgument("world_size must be positive".into()));
-    }
-    if !write::is_id(checkpoint_id) {
-        return Err(Error::InvalidArgument(format!(
-            "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits"
-        )));
-    }
-    let deadline = std::time::Instant::now().checked_add(timeout);
-    let names: Vec<String> = (0..world_size)
-        .map(|rank| write::part_file_name(checkpoint_id, rank))
-        .collect();
-    loop {
-        let listed: std::collections::HashSet<String> =
-            r.list()?.objects.into_iter().map(|(n, _)| n).collect();
-        let missing: Vec<u32> = (0..world_size)
-            .filter(|&rank| !listed.contains(&names[rank as usize]))
-            .collect();
-        if missing.is_empty() {
-            break;
-        }
-        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-            return Err(Error::MissingParts {
-                dir: PathBuf::from(r.url.to_string()),
-                checkpoint_id: checkpoint_id.to_string(),
-                missing,
-            });
-        }
-        std::thread::sleep(parts::POLL.max(Duration::from_millis(50)));
-    }
-    let mut got = Vec::with_capacity(names.len());
-    for name in &names {
-        let url = r.url.child(name).to_string();
-        let bytes = r
-            .get_small(name, MAX_MANIFEST_SIZE)?
-            .ok_or_else(|| Error::InvalidPart {
-                part: url.clone(),
-                reason: "the object was listed but is gone (another writer under this prefix?)"
-                    .into(),
-            })?;
-        got.push(parts::decode_part(&bytes, &url)?);
-    }
-    let opts = CommitOptions {
-        world_size: Some(world_size),
-        ..opts.clone()
+    r.probe()?;
+    let wait = parts::Rendezvous {
+        world_size,
+        timeout,
+        poll: parts::POLL.max(Duration::from_millis(50)),
     };
-    commit_remote(r, checkpoint_id, &got, &opts)
+    parts::commit_rendezvous_impl(r, checkpoint_id, &wait, opts, || Ok(()))
 }
 
 /// Delete, under `url`, every engine object no committed manifest names (shards of

@@ -765,7 +765,66 @@ pub fn commit_rendezvous(
     timeout: Duration,
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    let dir = &crate::location::local_path(dir.as_ref(), "write::parts::commit_rendezvous")?;
+    let dir = crate::location::local_path(dir.as_ref(), "write::parts::commit_rendezvous")?;
+    let store = LocalStore::std(&dir);
+    let lock = || local::lock_dir(&dir, Lock::Exclusive);
+    let wait = Rendezvous {
+        world_size,
+        timeout,
+        poll: POLL,
+    };
+    commit_rendezvous_impl(&store, checkpoint_id, &wait, opts, lock)
+}
+
+/// The bytes of part descriptor `name`, refused unread beyond its first MiB when it is over
+/// [`MAX_MANIFEST_SIZE`] (a descriptor names less than the manifest merged from it); one
+/// read for a descriptor of up to 1 MiB.
+fn read_descriptor<S: Store>(store: &S, name: &str) -> Result<Vec<u8>> {
+    const FIRST: u64 = 1 << 20;
+    let (size, bytes) = store.read_prefix(name, FIRST)?;
+    if size > MAX_MANIFEST_SIZE {
+        return Err(Error::InvalidPart {
+            part: store.describe(name),
+            reason: format!(
+                "the descriptor is {size} bytes, over the {MAX_MANIFEST_SIZE}-byte cap"
+            ),
+        });
+    }
+    if size <= bytes.len() as u64 {
+        return Ok(bytes);
+    }
+    Ok(store.read_prefix(name, size)?.1)
+}
+
+/// How a rendezvous waits for the part descriptors.
+pub(crate) struct Rendezvous {
+    /// The ranks `0..world_size` whose parts are waited for.
+    pub(crate) world_size: u32,
+    /// The longest wait (a zero timeout looks once).
+    pub(crate) timeout: Duration,
+    /// The pause between two looks.
+    pub(crate) poll: Duration,
+}
+
+/// The coordinator's rendezvous over `store` (format-spec/global.md §The commit,
+/// format-spec/s3.md §Multi-rank): list the store until the part descriptors
+/// `part-<id>-r<rank>.json` of every rank `0..world_size` are there (a rank publishes its
+/// part only after all its shards), read and decode each, then [`commit_impl`] them with
+/// `world_size` (`lock` as there).
+///
+/// # Errors
+/// [`Error::MissingParts`] naming the store's location and the ranks whose part is still
+/// missing at the timeout (nothing is committed); [`Error::InvalidPart`] naming a
+/// descriptor that does not decode or is over [`MAX_MANIFEST_SIZE`]; otherwise as
+/// [`commit_impl`].
+pub(crate) fn commit_rendezvous_impl<S: Store, G>(
+    store: &S,
+    checkpoint_id: &str,
+    wait: &Rendezvous,
+    opts: &CommitOptions,
+    lock: impl FnOnce() -> Result<G>,
+) -> Result<CommitInfo> {
+    let world_size = wait.world_size;
     if world_size == 0 {
         return Err(Error::InvalidArgument("world_size must be positive".into()));
     }
@@ -774,32 +833,34 @@ pub fn commit_rendezvous(
             "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits"
         )));
     }
-    let deadline = Instant::now().checked_add(timeout);
-    let expired = || deadline.is_some_and(|d| Instant::now() >= d);
-    let opts = CommitOptions {
-        world_size: Some(world_size),
-        ..opts.clone()
-    };
+    let deadline = Instant::now().checked_add(wait.timeout);
+    let names: Vec<String> = (0..world_size)
+        .map(|r| part_file_name(checkpoint_id, r))
+        .collect();
     loop {
+        let listed: HashSet<String> = store.list()?.into_iter().collect();
         let missing: Vec<u32> = (0..world_size)
-            .filter(|&r| !dir.join(part_file_name(checkpoint_id, r)).is_file())
+            .filter(|&r| !listed.contains(&names[r as usize]))
             .collect();
         if missing.is_empty() {
-            let mut parts = Vec::with_capacity(world_size as usize);
-            for r in 0..world_size {
-                let name = part_file_name(checkpoint_id, r);
-                let path = dir.join(&name);
-                let bytes = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
-                parts.push(decode_part(&bytes, &name)?);
-            }
-            return commit(dir, checkpoint_id, &parts, &opts);
-        } else if expired() {
+            break;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(Error::MissingParts {
-                dir: dir.to_path_buf(),
+                dir: store.location(),
                 checkpoint_id: checkpoint_id.to_string(),
                 missing,
             });
         }
-        std::thread::sleep(POLL);
+        std::thread::sleep(wait.poll);
     }
+    let parts = names
+        .iter()
+        .map(|name| decode_part(&read_descriptor(store, name)?, &store.describe(name)))
+        .collect::<Result<Vec<Part>>>()?;
+    let opts = CommitOptions {
+        world_size: Some(world_size),
+        ..opts.clone()
+    };
+    commit_impl(store, checkpoint_id, &parts, &opts, lock)
 }
