@@ -13,7 +13,7 @@
 
 use crate::checkpoint::Checkpoint;
 // `Error` is named by the docs in every build, by code only in builds without `s3`.
-#[cfg_attr(feature = "s3", allow(unused_imports))]
+#[cfg(any(doc, not(feature = "s3")))]
 use crate::error::Error;
 use crate::error::Result;
 use crate::format::manifest::OptimizerSection;
