@@ -6,7 +6,10 @@ Dependencies run one way: each module uses only those listed before it.
 
 1. The base: [`error`], [`location`] (paths and URLs), [`dtype`], [`view`], [`tensor`] (owned tensors and the buffer pool).
 2. [`format`](mod@format): bytes on disk (shard header, manifest, optimizer-section and global-tensor rules).
-3. `sys` (private: the only `unsafe` code; public face [`mmap`]) and [`convert`] (kernels).
+3. `sys` (private: the only `unsafe` code; public face [`mmap`]) and [`convert`] (kernels);
+   the storage seam under the writer: [`store::Store`] and [`store::Put`], the local directory
+   [`store::LocalStore`] over [`store::fs`] (its S3 implementation, `store::s3::Remote`,
+   lives with the locations of floor 7).
 4. [`write`](mod@write) and [`checkpoint`]: whole checkpoints, written (single- and multi-rank) and read.
 5. [`optim`]: optimizer state on top of checkpoints.
 6. [`manager`]: steps of a training run.

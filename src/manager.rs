@@ -23,6 +23,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::format::manifest::MANIFEST_FILE;
 use crate::optim::{OptimizerState, OptimizerStateRef, StateLayout};
+use crate::store::local::{self, Lock};
 use crate::write::{self, CommitInfo, SaveOptions, TensorRef, LOCK_FILE};
 use crate::DType;
 
@@ -296,7 +297,7 @@ impl CheckpointManager {
             ));
         }
         let root = crate::location::local_path(root.as_ref(), "CheckpointManager::new")?;
-        write::prepare_dir(&root)?;
+        local::prepare_dir(&root)?;
         Ok(CheckpointManager {
             root,
             retention,
@@ -513,13 +514,14 @@ impl CheckpointManager {
             // An uncommitted leftover (a gc that stopped half-way): clear it first.
             remove_step_dir(&final_dir, false).map_err(|e| Error::io("remove", &final_dir, e))?;
         }
-        write::prepare_dir(&tmp)?;
+        local::prepare_dir(&tmp)?;
         // The writer lock is held until the rename: gc never removes a directory whose
         // lock is held, so it cannot take this one for an interrupted save (nor before it is
         // held: the root lock covers the creation).
         let lock = write::lock_dir(&tmp)?;
         drop(root_lock);
-        let info = match write::save_impl(&write::fs::StdFs, &tmp, &tensors, opts, section) {
+        let store = crate::store::LocalStore::std(&tmp);
+        let info = match write::save_impl(&store, &tensors, opts, section) {
             Ok(info) => info,
             Err(e) => {
                 // Nothing was committed: the directory is ours (we hold its lock) and holds
@@ -538,15 +540,7 @@ impl CheckpointManager {
 
     /// Take the root's lock (blocking; held only for short steps, see [`ROOT_LOCK`]).
     fn lock_root(&self) -> Result<File> {
-        let path = self.root.join(ROOT_LOCK);
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| Error::io("open lock file", &path, e))?;
-        f.lock().map_err(|e| Error::io("lock", &path, e))?;
-        Ok(f)
+        local::lock_file(&self.root.join(ROOT_LOCK), Lock::Exclusive)
     }
 
     /// Remove the directories of interrupted saves (`.tmp-step-` directories, and `step-`

@@ -783,7 +783,33 @@ fn rendezvous_times_out_naming_the_missing_rank() {
             checkpoint_id,
             dir: d,
         }) => {
-            assert_eq!((missing, checkpoint_id, d), (vec![1], id, dir.clone()))
+            assert_eq!((missing, checkpoint_id, &d), (vec![1], id.clone(), &dir))
+        }
+        other => panic!("{other:?}"),
+    }
+    unchanged(&dir, &old);
+    // A directory the ranks have not created yet holds no parts: the same error, and the
+    // rendezvous creates nothing.
+    let later = dir.join("not-yet");
+    match commit_rendezvous(&later, &id, 2, Duration::ZERO, &CommitOptions::default()) {
+        Err(Error::MissingParts {
+            missing, dir: d, ..
+        }) => {
+            assert_eq!((missing, &d), (vec![0, 1], &later))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!later.exists());
+    // A descriptor over the format's size cap is refused (a sparse file: it is not read
+    // whole).
+    std::fs::File::create(dir.join(part_file_name(&id, 1)))
+        .unwrap()
+        .set_len(ckptstore::format::MAX_MANIFEST_SIZE + 1)
+        .unwrap();
+    match commit_rendezvous(&dir, &id, 3, Duration::ZERO, &CommitOptions::default()) {
+        Err(Error::InvalidPart { part, reason }) => {
+            assert_eq!(part, part_file_name(&id, 1));
+            assert!(reason.contains("cap"), "{reason}");
         }
         other => panic!("{other:?}"),
     }

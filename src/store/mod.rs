@@ -12,7 +12,10 @@
 //! both. The object layout is in format-spec/s3.md.
 
 use crate::checkpoint::Checkpoint;
-use crate::error::{Error, Result};
+// `Error` is named by the docs in every build, by code only in builds without `s3`.
+#[cfg(any(doc, not(feature = "s3")))]
+use crate::error::Error;
+use crate::error::Result;
 use crate::format::manifest::OptimizerSection;
 use crate::mmap::Map;
 use crate::write::parts::{CommitOptions, Part, PartItem};
@@ -20,10 +23,16 @@ use crate::write::{CommitInfo, SaveOptions, TensorRef};
 
 pub use crate::location::{IntoLocation, Location, RemoteUrl};
 
+pub mod fs;
+pub(crate) mod local;
+mod object;
 #[cfg(feature = "s3")]
 pub mod s3;
 #[cfg(feature = "s3")]
 pub mod s3_manager;
+
+pub use local::{LocalPut, LocalStore};
+pub use object::{Put, Store};
 
 /// The shard bytes of a checkpoint opened through [`open`]: a read-only map of a local
 /// file, or a buffer downloaded from an object store.
@@ -275,32 +284,17 @@ fn no_s3(u: &RemoteUrl) -> Error {
 }
 
 /// Write one small file `name` beside a checkpoint (an index, say) durably: a local
-/// temporary file, fsync, rename, directory fsync; on an object store, one PUT.
+/// temporary file, fsync, rename, directory fsync; on an object store, one PUT (the
+/// [`Store::put`] and [`Store::barrier`] of the location's store).
 ///
 /// # Errors
 /// [`Error::Io`] / [`Error::Remote`] naming the file or object.
 pub fn put_file(location: &Location, name: &str, bytes: &[u8]) -> Result<()> {
     match location {
         Location::Local(dir) => {
-            use std::io::Write;
-            let tmp = dir.join(format!("{}{name}", crate::write::TEMP_PREFIX));
-            let target = dir.join(name);
-            let r = (|| {
-                let mut f =
-                    std::fs::File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-                f.write_all(bytes)
-                    .map_err(|e| Error::io("write", &tmp, e))?;
-                f.sync_all().map_err(|e| Error::io("fsync", &tmp, e))?;
-                drop(f);
-                std::fs::rename(&tmp, &target).map_err(|e| Error::io("rename", &target, e))?;
-                std::fs::File::open(dir)
-                    .and_then(|d| d.sync_all())
-                    .map_err(|e| Error::io("fsync", dir, e))
-            })();
-            if r.is_err() {
-                let _ = std::fs::remove_file(&tmp);
-            }
-            r
+            let store = LocalStore::std(dir);
+            store.put(name, &format!("{}{name}", crate::write::TEMP_PREFIX), bytes)?;
+            store.barrier("fsync directory")
         }
         #[cfg(feature = "s3")]
         Location::Remote(u) => {

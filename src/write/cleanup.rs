@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
-use super::fs::StdFs;
 use super::Sweep;
+use crate::store::LocalStore;
 
 /// One background cleanup of this process.
 struct Pending {
@@ -54,7 +54,7 @@ pub(crate) fn spawn(dir: &Path, lock: File, sweep: Sweep) {
                 h = cv.wait(h).unwrap_or_else(PoisonError::into_inner);
             }
             drop(h);
-            sweep.run(&StdFs, &path)
+            sweep.run(&LocalStore::std(path))
         });
     if let Ok(handle) = started {
         PENDING

@@ -10,7 +10,7 @@ pub mod pause;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -26,8 +26,10 @@ use crate::format::{
     check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS,
     MAX_TENSORS_PER_SHARD, META_CHECKPOINT_ID,
 };
+use crate::store::fs::Fs;
+use crate::store::local::{self, Lock};
+use crate::store::{LocalStore, Put, Store};
 use crate::view::Element;
-use fs::{Fs, StdFs};
 
 pub(crate) use crate::format::names::{engine_file_id, is_id};
 pub use crate::format::names::{
@@ -38,7 +40,7 @@ pub use crate::format::names::{
 pub const DEFAULT_MAX_SHARD_SIZE: u64 = 4 << 30;
 /// Size of the chunks in which data is checksummed and written.
 const CHUNK: usize = 8 << 20;
-/// Bytes written between two write-back hints ([`fs::Fs::start_writeback`]).
+/// Bytes written between two write-back hints ([`Put::start_writeback`]).
 const WRITEBACK_BYTES: u64 = 8 << 20;
 
 /// A tensor handed to the writer: borrowed bytes, contiguous or strided.
@@ -434,135 +436,89 @@ pub(crate) fn save_locked(
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
     let sizes = validate_inputs(tensors, opts, optimizer.as_ref())?;
-    prepare_dir(dir)?;
+    local::prepare_dir(dir)?;
     let lock = lock_dir(dir)?;
+    let store = LocalStore::std(dir);
     // Under the lock every temporary file belongs to a save that has ended: free its space
     // before writing ours (format-spec/durability.md §Cleanup).
-    let leftovers = remove_leftover_temps(&StdFs, dir);
-    let (mut info, sweep) = commit(&StdFs, dir, tensors, &sizes, opts, optimizer)?;
+    let leftovers = remove_leftover_temps(&store);
+    let (mut info, sweep) = commit(&store, tensors, &sizes, opts, optimizer)?;
     info.removed += leftovers;
     match opts.cleanup {
         Cleanup::Background => cleanup::spawn(dir, lock, sweep),
-        _ => info.removed += sweep.run(&StdFs, dir),
+        _ => info.removed += sweep.run(&store),
     }
     Ok(info)
 }
 
-/// Remove the temporary files (`.ckpt-tmp-*`) of earlier saves from `dir`; returns how many
-/// were removed. Call only while holding the writer lock of `dir` (then no other save is
-/// running, so every temporary file belongs to one that ended). Failures are ignored: they
-/// leave garbage, never damage (no manifest names a temporary file).
-pub(crate) fn remove_leftover_temps<F: Fs>(fs: &F, dir: &Path) -> usize {
-    let Ok(entries) = fs.list(dir) else {
+/// Remove the temporary objects (`.ckpt-tmp-*`) of earlier saves from `store`; returns how
+/// many were removed. Call only while no other writer runs there (a local directory: holding
+/// its writer lock; an object store: one writer per prefix), so that every temporary object
+/// belongs to one that ended. Failures are ignored: they leave garbage, never damage (no
+/// manifest names a temporary object).
+pub(crate) fn remove_leftover_temps<S: Store>(store: &S) -> usize {
+    let Ok(entries) = store.list() else {
         return 0;
     };
     entries
         .iter()
         .filter(|n| n.starts_with(TEMP_PREFIX))
-        .filter(|n| fs.remove(&dir.join(n)).is_ok())
+        .filter(|n| store.delete(n).is_ok())
         .count()
 }
 
-/// The files this save has created and not yet committed, removed when dropped unless
-/// [`Created::commit`]ed: after any error (or panic) before the manifest rename, a save
-/// leaves no file of its own behind (format-spec/durability.md §Cleanup). Only paths whose
-/// `create` succeeded are recorded (`create` fails on an existing file), so a file this
-/// save did not create is never removed.
-struct Created<'f, F: Fs> {
-    fs: &'f F,
-    paths: Mutex<Vec<PathBuf>>,
+/// The objects this save has published and not yet committed, deleted when dropped unless
+/// [`Created::commit`]ed: after any error (or panic) before the manifest is published, a
+/// save leaves no object of its own behind (format-spec/durability.md §Cleanup). An object
+/// still being written is its [`Put`]'s, which aborts it when dropped unfinished. Only
+/// names this save published are recorded, so an object it did not write is never deleted.
+struct Created<'s, S: Store> {
+    store: &'s S,
+    names: Mutex<Vec<String>>,
     committed: bool,
 }
 
-impl<'f, F: Fs> Created<'f, F> {
-    fn new(fs: &'f F) -> Self {
+impl<'s, S: Store> Created<'s, S> {
+    fn new(store: &'s S) -> Self {
         Created {
-            fs,
-            paths: Mutex::new(Vec::new()),
+            store,
+            names: Mutex::new(Vec::new()),
             committed: false,
         }
     }
 
-    fn paths(&self) -> std::sync::MutexGuard<'_, Vec<PathBuf>> {
-        self.paths.lock().unwrap_or_else(|p| p.into_inner())
+    /// `name` was published by this save.
+    fn published(&self, name: &str) {
+        self.names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(name.to_string());
     }
 
-    /// `path` was created by this save.
-    fn created(&self, path: &Path) {
-        self.paths().push(path.to_path_buf());
-    }
-
-    /// `from`, created by this save, was renamed to `to`.
-    fn renamed(&self, from: &Path, to: &Path) {
-        for p in self.paths().iter_mut().filter(|p| *p == from) {
-            *p = to.to_path_buf();
-        }
-    }
-
-    /// The manifest rename is done: the files belong to the new checkpoint now.
+    /// The manifest is published: the objects belong to the new checkpoint now.
     fn commit(mut self) {
         self.committed = true;
     }
 }
 
-impl<F: Fs> Drop for Created<'_, F> {
+impl<S: Store> Drop for Created<'_, S> {
     fn drop(&mut self) {
         if self.committed {
             return;
         }
-        for p in self.paths().drain(..) {
-            let _ = self.fs.remove(&p);
+        let names = std::mem::take(self.names.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for n in names {
+            let _ = self.store.delete(&n);
         }
     }
 }
 
-/// Create `dir` (and its parents) if missing, making the new entry durable.
-pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
-    if dir.is_dir() {
-        return Ok(());
-    }
-    // The directories about to be created, deepest first.
-    let missing: Vec<&Path> = dir
-        .ancestors()
-        .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
-        .collect();
-    std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
-    // Each new directory's entry lives in its parent: fsync those parents.
-    for d in missing.iter().rev() {
-        let parent = match d.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        StdFs
-            .sync_dir(parent)
-            .map_err(|e| Error::io("fsync directory", parent, e))?;
-    }
-    Ok(())
-}
-
-/// Take the exclusive writer lock of `dir` (format-spec/durability.md §Writers): one save
-/// at a time per directory, across processes. Released when the returned file is dropped.
+/// Take the exclusive writer lock of `dir` for a save (format-spec/durability.md §Writers):
+/// one save at a time per directory, across processes; this process's background cleanup of
+/// `dir` is waited for first. Released when the returned file is dropped.
 pub(crate) fn lock_dir(dir: &Path) -> Result<std::fs::File> {
     cleanup::wait_in(dir);
-    let path = dir.join(LOCK_FILE);
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| Error::io("open lock file", &path, e))?;
-    match f.try_lock() {
-        Ok(()) => Ok(f),
-        Err(std::fs::TryLockError::WouldBlock) => Err(Error::io(
-            "lock",
-            &path,
-            std::io::Error::new(
-                std::io::ErrorKind::WouldBlock,
-                "another save into this directory is in progress; wait for it or choose another directory",
-            ),
-        )),
-        Err(std::fs::TryLockError::Error(e)) => Err(Error::io("lock", &path, e)),
-    }
+    local::lock_dir(dir, Lock::TryExclusive)
 }
 
 struct PlannedShard<'t, 'a> {
@@ -693,29 +649,27 @@ pub fn save_with_fs<F: Fs>(
     tensors: &[TensorRef<'_>],
     opts: &SaveOptions,
 ) -> Result<CommitInfo> {
-    save_impl(fs, dir, tensors, opts, None)
+    save_impl(&LocalStore::new(fs, dir), tensors, opts, None)
 }
 
-/// Validation, then the commit protocol, through `fs`.
-pub(crate) fn save_impl<F: Fs>(
-    fs: &F,
-    dir: &Path,
+/// Validation, then the commit protocol, over `store`, cleanup inline.
+pub(crate) fn save_impl<S: Store>(
+    store: &S,
     tensors: &[TensorRef<'_>],
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
     let sizes = validate_inputs(tensors, opts, optimizer.as_ref())?;
-    let (mut info, sweep) = commit(fs, dir, tensors, &sizes, opts, optimizer)?;
-    info.removed += sweep.run(fs, dir);
+    let (mut info, sweep) = commit(store, tensors, &sizes, opts, optimizer)?;
+    info.removed += sweep.run(store);
     Ok(info)
 }
 
 /// The protocol (format-spec/durability.md) on validated input: draw the id, plan the
 /// shards and check the plan against the format's limits (step 0), then steps 1-4.
 /// Returns what was committed (`removed` 0) and step 5's work, for the caller to run.
-fn commit<F: Fs>(
-    fs: &F,
-    dir: &Path,
+fn commit<S: Store>(
+    store: &S,
     tensors: &[TensorRef<'_>],
     sizes: &[u64],
     opts: &SaveOptions,
@@ -725,9 +679,9 @@ fn commit<F: Fs>(
     let planned = plan_shards(&id, tensors, sizes, opts)?;
     pause::point(pause::Point::BeforeShards);
     // From here until the manifest rename, an error removes every file this save created.
-    let created = Created::new(fs);
+    let created = Created::new(store);
     // Steps 1-2.
-    let (shards, infos) = write_shards(fs, &created, dir, tensors, &planned, opts, &|i| {
+    let (shards, infos) = write_shards(store, &created, tensors, &planned, opts, &|i| {
         shard_file_name(&id, i)
     })?;
     // 3. The manifest.
@@ -748,7 +702,7 @@ fn commit<F: Fs>(
     };
     let bytes = encode_checked(&m)?;
     // Steps 3-4.
-    let sweep = commit_manifest(fs, dir, created, &bytes, &m)?;
+    let sweep = commit_manifest(store, created, &bytes, &m)?;
     let info = CommitInfo {
         checkpoint_id: id,
         shards: m.shards.len(),
@@ -798,15 +752,14 @@ fn plan_shards<'t, 'a>(
     Ok(Planned { shards, headers })
 }
 
-/// Steps 1-2: write the planned shards (rayon-parallel) to temporary files, fsync, rename
-/// each to `shard_name(index)`, then fsync the directory. Returns the shard entries and the
-/// tensors' manifest entries in the caller's order (`shard` indexes into the returned
-/// shards). Every file created is recorded in `created`.
-#[allow(clippy::too_many_arguments)]
-fn write_shards<F: Fs>(
-    fs: &F,
-    created: &Created<'_, F>,
-    dir: &Path,
+/// Steps 1-2: write the planned shards (rayon-parallel) and publish each as
+/// `shard_name(index)` (locally: temporary file, fsync, rename), then the store's barrier
+/// (locally: fsync the directory). Returns the shard entries and the tensors' manifest
+/// entries in the caller's order (`shard` indexes into the returned shards). Every shard
+/// published is recorded in `created`.
+fn write_shards<S: Store>(
+    store: &S,
+    created: &Created<'_, S>,
     tensors: &[TensorRef<'_>],
     planned: &Planned<'_, '_>,
     opts: &SaveOptions,
@@ -817,26 +770,10 @@ fn write_shards<F: Fs>(
         .shards
         .par_iter()
         .enumerate()
-        .map(|(i, s)| {
-            write_shard(
-                fs,
-                created,
-                dir,
-                shard_name(i),
-                s,
-                &planned.headers[i],
-                opts,
-            )
-        })
+        .map(|(i, s)| write_shard(store, created, shard_name(i), s, &planned.headers[i], opts))
         .collect::<Result<_>>()?;
     // 2. Make the renames durable before the manifest can reference them.
-    fs.sync_dir(dir).map_err(|e| {
-        Error::io(
-            "fsync directory (before commit; the old checkpoint stays)",
-            dir,
-            e,
-        )
-    })?;
+    store.barrier("fsync directory (before commit; the old checkpoint stays)")?;
     let mut entries = Vec::with_capacity(written.len());
     let mut by_name: BTreeMap<&str, TensorInfo> = BTreeMap::new();
     for (si, (s, (entry, crcs))) in planned.shards.iter().zip(written).enumerate() {
@@ -883,44 +820,28 @@ fn encode_checked(m: &Manifest) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Create `tmp` (recorded in `created`, so an error removes it), write `bytes` and fsync:
-/// the first half of writing a small file durably; the caller renames it into place.
-fn write_synced<F: Fs>(fs: &F, created: &Created<'_, F>, tmp: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = fs.create(tmp).map_err(|e| Error::io("create", tmp, e))?;
-    created.created(tmp);
-    f.write_all(bytes).map_err(|e| Error::io("write", tmp, e))?;
-    fs.sync(&mut f, tmp).map_err(|e| Error::io("fsync", tmp, e))
-}
-
 /// Steps 3-4 of the protocol, shared by [`save`] and [`parts::commit`]: write `bytes` (the
-/// encoding of `m`) to a temporary file, fsync, rename it over the manifest (the commit
-/// point), fsync the directory. Until the rename, an error drops `created` and so removes
-/// every file it records. Returns step 5, the cleanup, for the caller to run (inline or on
-/// a background thread, [`Cleanup`]).
-fn commit_manifest<F: Fs>(
-    fs: &F,
-    dir: &Path,
-    created: Created<'_, F>,
+/// encoding of `m`) as the manifest (locally: temporary file, fsync), publish it (the
+/// rename: the commit point), then the store's barrier (the directory fsync). Until the
+/// manifest is published, an error drops `created` and so deletes every object it records.
+/// Returns step 5, the cleanup, for the caller to run (inline or on a background thread,
+/// [`Cleanup`]).
+fn commit_manifest<S: Store>(
+    store: &S,
+    created: Created<'_, S>,
     bytes: &[u8],
     m: &Manifest,
 ) -> Result<Sweep> {
-    let id = &m.checkpoint_id;
-    let tmp = dir.join(format!("{TEMP_PREFIX}{id}-manifest"));
-    write_synced(fs, &created, &tmp, bytes)?;
-    let target = dir.join(MANIFEST_FILE);
+    let staging = format!("{TEMP_PREFIX}{}-manifest", m.checkpoint_id);
+    let mut put = store.put_streamed(MANIFEST_FILE, &staging)?;
+    put.append(bytes)?;
+    put.sync()?;
     pause::point(pause::Point::BeforeManifestRename);
-    fs.rename(&tmp, &target)
-        .map_err(|e| Error::io("rename", &tmp, e))?;
+    put.finish()?;
     created.commit();
     pause::point(pause::Point::AfterManifestRename);
     // 4. The commit point: the new manifest's directory entry is durable.
-    fs.sync_dir(dir).map_err(|e| {
-        Error::io(
-            "fsync directory (at the commit point; old or new checkpoint, undetermined)",
-            dir,
-            e,
-        )
-    })?;
+    store.barrier("fsync directory (at the commit point; old or new checkpoint, undetermined)")?;
     pause::point(pause::Point::BeforeCleanup);
     Ok(Sweep::after(m))
 }
@@ -943,9 +864,9 @@ impl Sweep {
         }
     }
 
-    /// Remove the files; returns how many were removed.
-    pub(crate) fn run<F: Fs>(&self, fs: &F, dir: &Path) -> usize {
-        let Ok(entries) = fs.list(dir) else {
+    /// Delete the objects; returns how many were deleted.
+    pub(crate) fn run<S: Store>(&self, store: &S) -> usize {
+        let Ok(entries) = store.list() else {
             return 0;
         };
         entries
@@ -954,7 +875,7 @@ impl Sweep {
             .filter(|name| {
                 engine_file_id(name) != Some(self.id.as_str()) || name.starts_with("part-")
             })
-            .filter(|name| fs.remove(&dir.join(name)).is_ok())
+            .filter(|name| store.delete(name).is_ok())
             .count()
     }
 }
@@ -973,10 +894,11 @@ fn shard_header(id: &str, index: usize, s: &PlannedShard<'_, '_>) -> Vec<u8> {
     header::emit(&s.entries, &meta)
 }
 
-fn write_shard<F: Fs>(
-    fs: &F,
-    created: &Created<'_, F>,
-    dir: &Path,
+/// Step 1 for one planned shard: write it (header, then each tensor's bytes, summing CRCs
+/// on the way) and publish it as `name`.
+fn write_shard<S: Store>(
+    store: &S,
+    created: &Created<'_, S>,
     name: String,
     s: &PlannedShard<'_, '_>,
     head: &[u8],
@@ -984,11 +906,8 @@ fn write_shard<F: Fs>(
 ) -> Result<(ShardEntry, Vec<TensorSums>)> {
     let header_size = head.len() as u64 - 8;
     let header_crc32 = crc32fast::hash(&head[8..]);
-    let tmp: PathBuf = dir.join(format!("{TEMP_PREFIX}{name}"));
-    let mut f = fs.create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-    created.created(&tmp);
-    let io = |e| Error::io("write", &tmp, e);
-    f.write_all(head).map_err(io)?;
+    let mut f = store.put_streamed(&name, &format!("{TEMP_PREFIX}{name}"))?;
+    f.append(head)?;
     let mut size = head.len() as u64;
     let mut written_back = 0u64;
     let mut crcs = Vec::with_capacity(s.tensors.len());
@@ -999,7 +918,7 @@ fn write_shard<F: Fs>(
         // skip that element, so chunks are whole elements (CHUNK is a multiple of 8).
         let f32_tensor = t.dtype == DType::F32;
         let mut absbits = 0u32;
-        t.for_each_chunk(&mut |chunk| {
+        let written = t.for_each_chunk(&mut |chunk| {
             h.update(chunk);
             if f32_tensor {
                 absbits = absbits.max(crate::convert::absbits_le_bytes(chunk));
@@ -1007,18 +926,18 @@ fn write_shard<F: Fs>(
             f.write_all(chunk)?;
             size += chunk.len() as u64;
             // Let the device work while the next chunks are checksummed and copied, in
-            // large requests; the fsync below still makes it all durable
+            // large requests; the sync below still makes it all durable
             // (format-spec/durability.md §Operations).
             if size - written_back >= WRITEBACK_BYTES {
-                fs.start_writeback(&mut f, written_back, size - written_back);
+                f.start_writeback(written_back, size - written_back);
                 written_back = size;
             }
             if let Some(p) = &opts.progress {
                 p(chunk.len() as u64);
             }
             Ok(())
-        })
-        .map_err(io)?;
+        });
+        written.map_err(|e| f.write_error(e))?;
         let absmax = if f32_tensor {
             crate::convert::absmax_from_bits(absbits)
         } else {
@@ -1027,13 +946,8 @@ fn write_shard<F: Fs>(
         let (crc, blocks) = h.finish();
         crcs.push((crc, absmax, blocks));
     }
-    fs.sync(&mut f, &tmp)
-        .map_err(|e| Error::io("fsync", &tmp, e))?;
-    drop(f);
-    let fin = dir.join(&name);
-    fs.rename(&tmp, &fin)
-        .map_err(|e| Error::io("rename", &tmp, e))?;
-    created.renamed(&tmp, &fin);
+    f.finish()?;
+    created.published(&name);
     Ok((
         ShardEntry {
             file: name,

@@ -6,11 +6,10 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::fs::{Fs, StdFs};
 use super::{
-    commit_manifest, encode_checked, is_id, part_file_name, pause, plan_shards, prepare_dir,
-    random_id, rank_shard_file_name, remove_leftover_temps, validate_inputs, write_shards,
-    write_synced, CommitInfo, Created, SaveOptions, TensorRef, LOCK_FILE, TEMP_PREFIX,
+    commit_manifest, encode_checked, is_id, part_file_name, pause, plan_shards, random_id,
+    rank_shard_file_name, remove_leftover_temps, validate_inputs, write_shards, CommitInfo,
+    Created, SaveOptions, TensorRef, TEMP_PREFIX,
 };
 use crate::dtype::{checked_nbytes, DType};
 use crate::error::{Error, Result};
@@ -20,6 +19,9 @@ use crate::format::optimizer::check_section;
 pub use crate::format::part::{chunk_tensor_name, Part, PartChunk, PART_FORMAT, PART_VERSION};
 pub(crate) use crate::format::part::{decode_part, decode_reason};
 use crate::format::{check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK};
+use crate::store::fs::Fs;
+use crate::store::local::{self, Lock};
+use crate::store::{LocalStore, Store};
 
 /// How often [`commit_rendezvous`] looks for the part files.
 pub(crate) const POLL: Duration = Duration::from_millis(20);
@@ -77,7 +79,19 @@ pub fn write_part(
     opts: &SaveOptions,
 ) -> Result<Part> {
     let dir = crate::location::local_path(dir.as_ref(), "write::parts::write_part")?;
-    write_part_impl(&StdFs, &dir, checkpoint_id, rank, items, opts, true)
+    let lock = || {
+        local::prepare_dir(&dir)?;
+        local::lock_dir(&dir, Lock::Shared)
+    };
+    write_part_impl(
+        &LocalStore::std(&dir),
+        checkpoint_id,
+        rank,
+        items,
+        opts,
+        true,
+        lock,
+    )
 }
 
 /// [`write_part`] through a substitute file system, into an existing directory, without the
@@ -93,19 +107,21 @@ pub fn write_part_with_fs<F: Fs>(
     items: &[PartItem<'_>],
     opts: &SaveOptions,
 ) -> Result<Part> {
-    write_part_impl(fs, dir, checkpoint_id, rank, items, opts, false)
+    let store = LocalStore::new(fs, dir);
+    write_part_impl(&store, checkpoint_id, rank, items, opts, false, || Ok(()))
 }
 
-/// [`write_part`] through `fs`; `locked`: create the directory, hold the shared writer lock
-/// and refuse a part already written (the real file system only).
-fn write_part_impl<F: Fs>(
-    fs: &F,
-    dir: &Path,
+/// [`write_part`] over `store`. After validation, `lock` is called and held until the end
+/// (a local directory: create it, take the shared writer lock); `refuse_existing`: refuse a
+/// part already written.
+pub(crate) fn write_part_impl<S: Store, G>(
+    store: &S,
     checkpoint_id: &str,
     rank: u32,
     items: &[PartItem<'_>],
     opts: &SaveOptions,
-    locked: bool,
+    refuse_existing: bool,
+    lock: impl FnOnce() -> Result<G>,
 ) -> Result<Part> {
     if !is_id(checkpoint_id) {
         return Err(Error::InvalidArgument(format!(
@@ -115,22 +131,17 @@ fn write_part_impl<F: Fs>(
     let (stored, chunks) = part_tensors(items, rank)?;
     let sizes = validate_inputs(&stored, opts, None)?;
     let part_name = part_file_name(checkpoint_id, rank);
-    let _lock = if locked {
-        prepare_dir(dir)?;
-        Some(lock_dir_wait(dir, true)?)
-    } else {
-        None
-    };
-    if locked && dir.join(&part_name).exists() {
+    let _lock = lock()?;
+    if refuse_existing && store.exists(&part_name)? {
         return Err(Error::InvalidArgument(format!(
             "rank {rank} already wrote its part of checkpoint {checkpoint_id} ({})",
-            dir.join(&part_name).display()
+            store.location().join(&part_name).display()
         )));
     }
     let planned = plan_shards(checkpoint_id, &stored, &sizes, opts)?;
     // From here, an error removes every file this call created.
-    let created = Created::new(fs);
-    let (shards, tensors) = write_shards(fs, &created, dir, &stored, &planned, opts, &|k| {
+    let created = Created::new(store);
+    let (shards, tensors) = write_shards(store, &created, &stored, &planned, opts, &|k| {
         rank_shard_file_name(checkpoint_id, rank, k)
     })?;
     pause::point(pause::Point::BeforePart);
@@ -142,14 +153,9 @@ fn write_part_impl<F: Fs>(
         chunks,
     };
     let bytes = part.to_bytes();
-    let tmp = dir.join(format!("{TEMP_PREFIX}{part_name}"));
-    write_synced(fs, &created, &tmp, &bytes)?;
-    let fin = dir.join(&part_name);
-    fs.rename(&tmp, &fin)
-        .map_err(|e| Error::io("rename", &tmp, e))?;
-    created.renamed(&tmp, &fin);
-    fs.sync_dir(dir)
-        .map_err(|e| Error::io("fsync directory (after the part descriptor)", dir, e))?;
+    store.put(&part_name, &format!("{TEMP_PREFIX}{part_name}"), &bytes)?;
+    created.published(&part_name);
+    store.barrier("fsync directory (after the part descriptor)")?;
     created.commit();
     Ok(part)
 }
@@ -250,22 +256,6 @@ fn part_tensors<'a>(
     Ok((stored, chunks))
 }
 
-/// Hold the directory's writer lock file (format-spec/durability.md §Writers), waiting for
-/// it: shared for a rank (ranks write concurrently; no save or commit runs meanwhile),
-/// exclusive for the committer (it waits for ranks still finishing, whose parts it may
-/// already see, and for a save in progress). Released when the file is dropped.
-fn lock_dir_wait(dir: &Path, shared: bool) -> Result<std::fs::File> {
-    let path = dir.join(LOCK_FILE);
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| Error::io("open lock file", &path, e))?;
-    if shared { f.lock_shared() } else { f.lock() }.map_err(|e| Error::io("lock", &path, e))?;
-    Ok(f)
-}
-
 /// Options for [`commit`] and [`commit_rendezvous`].
 #[derive(Debug, Clone)]
 pub struct CommitOptions {
@@ -343,7 +333,9 @@ pub fn commit(
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
     let dir = crate::location::local_path(dir.as_ref(), "write::parts::commit")?;
-    commit_impl(&StdFs, &dir, checkpoint_id, parts, opts, true)
+    commit_impl(&LocalStore::std(&dir), checkpoint_id, parts, opts, || {
+        local::lock_dir(&dir, Lock::Exclusive)
+    })
 }
 
 /// [`commit`] through a substitute file system, without the writer lock (the caller
@@ -358,17 +350,18 @@ pub fn commit_with_fs<F: Fs>(
     parts: &[Part],
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    commit_impl(fs, dir, checkpoint_id, parts, opts, false)
+    let store = LocalStore::new(fs, dir);
+    commit_impl(&store, checkpoint_id, parts, opts, || Ok(()))
 }
 
-/// [`commit`] through `fs`; `locked`: take the exclusive writer lock after C1.
-fn commit_impl<F: Fs>(
-    fs: &F,
-    dir: &Path,
+/// [`commit`] over `store`; `lock` is called after C1 and held until the end (a local
+/// directory: the exclusive writer lock).
+pub(crate) fn commit_impl<S: Store, G>(
+    store: &S,
     checkpoint_id: &str,
     parts: &[Part],
     opts: &CommitOptions,
-    locked: bool,
+    lock: impl FnOnce() -> Result<G>,
 ) -> Result<CommitInfo> {
     if !is_id(checkpoint_id) {
         return Err(Error::InvalidArgument(format!(
@@ -385,18 +378,14 @@ fn commit_impl<F: Fs>(
     // C1.
     let mut sorted: Vec<&Part> = parts.iter().collect();
     sorted.sort_by_key(|p| p.rank);
-    check_parts(dir, checkpoint_id, &sorted, opts.world_size)?;
-    let _lock = if locked {
-        Some(lock_dir_wait(dir, false)?)
-    } else {
-        None
-    };
+    check_parts(&store.location(), checkpoint_id, &sorted, opts.world_size)?;
+    let _lock = lock()?;
     // Under the exclusive lock every temporary file belongs to a writer that has ended: a
     // commit of this id that crashed left its temporary manifest, whose name a retry of
     // the commit would otherwise find taken (format-spec/global.md §The commit).
-    let leftovers = remove_leftover_temps(fs, dir);
+    let leftovers = remove_leftover_temps(store);
     // C2.
-    check_shards(fs, dir, &sorted)?;
+    check_shards(store, &sorted)?;
     // C3, C4.
     let mut m = merge(checkpoint_id, &sorted, &opts.metadata)?;
     if let Some(sec) = &opts.optimizer {
@@ -429,14 +418,14 @@ fn commit_impl<F: Fs>(
             overlapping_ranks(&m, &sorted).unwrap_or_else(|| Error::InvalidManifest {
                 file: format!(
                     "{} (merged from the parts of checkpoint {checkpoint_id}; not written)",
-                    dir.join(manifest::MANIFEST_FILE).display()
+                    store.location().join(manifest::MANIFEST_FILE).display()
                 ),
                 reason: decode_reason(e),
             }),
         );
     }
     // C6: steps 3-5 of a save.
-    let removed = commit_manifest(fs, dir, Created::new(fs), &bytes, &m)?.run(fs, dir);
+    let removed = commit_manifest(store, Created::new(store), &bytes, &m)?.run(store);
     Ok(CommitInfo {
         checkpoint_id: checkpoint_id.to_string(),
         shards: m.shards.len(),
@@ -491,25 +480,24 @@ fn check_parts(dir: &Path, id: &str, sorted: &[&Part], world_size: Option<u32>) 
 
 /// C2: every shard file the parts list is this id's and rank's, present, of the recorded
 /// size, with the recorded header length and header CRC (only the header is read).
-fn check_shards<F: Fs>(fs: &F, dir: &Path, sorted: &[&Part]) -> Result<()> {
+fn check_shards<S: Store>(store: &S, sorted: &[&Part]) -> Result<()> {
     let mut index = 0usize;
     for p in sorted {
         for (k, s) in p.shards.iter().enumerate() {
             let mismatch = |reason: String| Error::ShardMismatch {
                 shard: index,
-                file: s.file.clone(),
+                file: store.describe(&s.file),
                 reason: format!("rank {}'s shard {k}: {reason}", p.rank),
             };
             let want = rank_shard_file_name(&p.checkpoint_id, p.rank, k);
             if s.file != want {
                 return Err(mismatch(format!("the part names it, expected {want:?}")));
             }
-            let path = dir.join(&s.file);
             // At most the header a valid entry can have: never more than the format's cap.
             let max = s.header_size.min(MAX_HEADER_SIZE).saturating_add(8);
-            let (len, head) = fs
-                .read_prefix(&path, max)
-                .map_err(|e| mismatch(format!("cannot open {}: {e}", path.display())))?;
+            let (len, head) = store
+                .read_prefix(&s.file, max)
+                .map_err(|e| mismatch(cannot_open(e)))?;
             if len != s.size {
                 return Err(mismatch(format!(
                     "the file is {len} bytes but the part records {}",
@@ -534,7 +522,7 @@ fn check_shards<F: Fs>(fs: &F, dir: &Path, sorted: &[&Part]) -> Result<()> {
                 .ok_or_else(|| {
                     Error::io(
                         "read",
-                        &path,
+                        store.location().join(&s.file),
                         std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
                     )
                 })?;
@@ -550,7 +538,7 @@ fn check_shards<F: Fs>(fs: &F, dir: &Path, sorted: &[&Part]) -> Result<()> {
                 return Err(Error::ChecksumMismatch {
                     what: format!("shard header (rank {})", p.rank),
                     shard: index,
-                    file: s.file.clone(),
+                    file: store.describe(&s.file),
                     expected: s.header_crc32,
                     got,
                 });
@@ -559,6 +547,15 @@ fn check_shards<F: Fs>(fs: &F, dir: &Path, sorted: &[&Part]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Why a shard could not be read, in C2's words: "cannot open PATH: CAUSE".
+fn cannot_open(e: Error) -> String {
+    match e {
+        Error::Io { path, source, .. } => format!("cannot open {}: {source}", path.display()),
+        Error::Remote { url, reason, .. } => format!("cannot open {url}: {reason}"),
+        other => format!("cannot open: {other}"),
+    }
 }
 
 /// C3, C4: the merged manifest of parts sorted by rank.
@@ -768,7 +765,66 @@ pub fn commit_rendezvous(
     timeout: Duration,
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    let dir = &crate::location::local_path(dir.as_ref(), "write::parts::commit_rendezvous")?;
+    let dir = crate::location::local_path(dir.as_ref(), "write::parts::commit_rendezvous")?;
+    let store = LocalStore::std(&dir);
+    let lock = || local::lock_dir(&dir, Lock::Exclusive);
+    let wait = Rendezvous {
+        world_size,
+        timeout,
+        poll: POLL,
+    };
+    commit_rendezvous_impl(&store, checkpoint_id, &wait, opts, lock)
+}
+
+/// The bytes of part descriptor `name`, refused unread beyond its first MiB when it is over
+/// [`MAX_MANIFEST_SIZE`] (a descriptor names less than the manifest merged from it); one
+/// read for a descriptor of up to 1 MiB.
+fn read_descriptor<S: Store>(store: &S, name: &str) -> Result<Vec<u8>> {
+    const FIRST: u64 = 1 << 20;
+    let (size, bytes) = store.read_prefix(name, FIRST)?;
+    if size > MAX_MANIFEST_SIZE {
+        return Err(Error::InvalidPart {
+            part: store.describe(name),
+            reason: format!(
+                "the descriptor is {size} bytes, over the {MAX_MANIFEST_SIZE}-byte cap"
+            ),
+        });
+    }
+    if size <= bytes.len() as u64 {
+        return Ok(bytes);
+    }
+    Ok(store.read_prefix(name, size)?.1)
+}
+
+/// How a rendezvous waits for the part descriptors.
+pub(crate) struct Rendezvous {
+    /// The ranks `0..world_size` whose parts are waited for.
+    pub(crate) world_size: u32,
+    /// The longest wait (a zero timeout looks once).
+    pub(crate) timeout: Duration,
+    /// The pause between two looks.
+    pub(crate) poll: Duration,
+}
+
+/// The coordinator's rendezvous over `store` (format-spec/global.md §The commit,
+/// format-spec/s3.md §Multi-rank): list the store until the part descriptors
+/// `part-<id>-r<rank>.json` of every rank `0..world_size` are there (a rank publishes its
+/// part only after all its shards), read and decode each, then [`commit_impl`] them with
+/// `world_size` (`lock` as there).
+///
+/// # Errors
+/// [`Error::MissingParts`] naming the store's location and the ranks whose part is still
+/// missing at the timeout (nothing is committed); [`Error::InvalidPart`] naming a
+/// descriptor that does not decode or is over [`MAX_MANIFEST_SIZE`]; otherwise as
+/// [`commit_impl`].
+pub(crate) fn commit_rendezvous_impl<S: Store, G>(
+    store: &S,
+    checkpoint_id: &str,
+    wait: &Rendezvous,
+    opts: &CommitOptions,
+    lock: impl FnOnce() -> Result<G>,
+) -> Result<CommitInfo> {
+    let world_size = wait.world_size;
     if world_size == 0 {
         return Err(Error::InvalidArgument("world_size must be positive".into()));
     }
@@ -777,32 +833,34 @@ pub fn commit_rendezvous(
             "checkpoint id {checkpoint_id:?} is not 32 lowercase hex digits"
         )));
     }
-    let deadline = Instant::now().checked_add(timeout);
-    let expired = || deadline.is_some_and(|d| Instant::now() >= d);
-    let opts = CommitOptions {
-        world_size: Some(world_size),
-        ..opts.clone()
-    };
+    let deadline = Instant::now().checked_add(wait.timeout);
+    let names: Vec<String> = (0..world_size)
+        .map(|r| part_file_name(checkpoint_id, r))
+        .collect();
     loop {
+        let listed: HashSet<String> = store.list()?.into_iter().collect();
         let missing: Vec<u32> = (0..world_size)
-            .filter(|&r| !dir.join(part_file_name(checkpoint_id, r)).is_file())
+            .filter(|&r| !listed.contains(&names[r as usize]))
             .collect();
         if missing.is_empty() {
-            let mut parts = Vec::with_capacity(world_size as usize);
-            for r in 0..world_size {
-                let name = part_file_name(checkpoint_id, r);
-                let path = dir.join(&name);
-                let bytes = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
-                parts.push(decode_part(&bytes, &name)?);
-            }
-            return commit(dir, checkpoint_id, &parts, &opts);
-        } else if expired() {
+            break;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(Error::MissingParts {
-                dir: dir.to_path_buf(),
+                dir: store.location(),
                 checkpoint_id: checkpoint_id.to_string(),
                 missing,
             });
         }
-        std::thread::sleep(POLL);
+        std::thread::sleep(wait.poll);
     }
+    let parts = names
+        .iter()
+        .map(|name| decode_part(&read_descriptor(store, name)?, &store.describe(name)))
+        .collect::<Result<Vec<Part>>>()?;
+    let opts = CommitOptions {
+        world_size: Some(world_size),
+        ..opts.clone()
+    };
+    commit_impl(store, checkpoint_id, &parts, &opts, lock)
 }
