@@ -48,7 +48,7 @@ fn main() -> ckptstore::Result<()> {
     };
     let mib: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1024);
     let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
-    let cfg = S3Config::from_env();
+    let cfg = S3Config::try_from_env()?;
     let bytes = mib << 20;
 
     // 16 F32 tensors, deterministic data; one shard (the default 4 GiB shard size).

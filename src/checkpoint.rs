@@ -547,6 +547,7 @@ impl<S> Checkpoint<S> {
     /// Only for storage that owns its bytes: nothing can change them after this.
     ///
     /// [`data_verified`]: Checkpoint::data_verified
+    #[cfg_attr(not(feature = "s3"), allow(dead_code))] // the object-store download calls it
     pub(crate) fn accept_unit_sums(&mut self, units: &[u64], sums: &[Vec<(u32, u32)>]) {
         let ts = self.tensors();
         let ok =

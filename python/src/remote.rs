@@ -23,7 +23,7 @@ pub(crate) enum Opened {
 pub(crate) fn open_any(path: &Path, lazy: bool) -> Result<Opened> {
     match Location::from_path(path)? {
         Location::Remote(u) if lazy => Ok(Opened::Fetched(std::sync::Arc::new(
-            store::s3::open_lazy(&u, &store::s3::S3Config::from_env())?,
+            store::s3::open_lazy(&u, &store::s3::S3Config::try_from_env()?)?,
         ))),
         loc => Ok(Opened::Resident(Box::new(store::open(&loc)?))),
     }

@@ -298,7 +298,7 @@ pub fn put_file(location: &Location, name: &str, bytes: &[u8]) -> Result<()> {
         }
         #[cfg(feature = "s3")]
         Location::Remote(u) => {
-            s3::Remote::new(u, &s3::S3Config::from_env())?.put_small(name, bytes.to_vec())
+            s3::Remote::new(u, &s3::S3Config::try_from_env()?)?.put_small(name, bytes.to_vec())
         }
         #[cfg(not(feature = "s3"))]
         Location::Remote(u) => Err(no_s3(u)),

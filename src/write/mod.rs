@@ -837,7 +837,37 @@ fn commit_manifest<S: Store>(
     put.append(bytes)?;
     put.sync()?;
     pause::point(pause::Point::BeforeManifestRename);
-    put.finish()?;
+    if let Err(e) = put.finish() {
+        // The publish failed, but it may have happened: an object store applies a PUT
+        // whose answer is then lost. Our files must go only if our manifest is not the
+        // committed one (they would be the data of the checkpoint now committed), so read
+        // back what is there.
+        return match store.read_prefix(MANIFEST_FILE, bytes.len() as u64 + 1) {
+            Ok((len, got)) if len == bytes.len() as u64 && got == bytes => {
+                // It landed: this checkpoint is committed; go on from the commit point.
+                created.commit();
+                pause::point(pause::Point::AfterManifestRename);
+                store.barrier(
+                    "fsync directory (at the commit point; old or new checkpoint, undetermined)",
+                )?;
+                pause::point(pause::Point::BeforeCleanup);
+                Ok(Sweep::after(m))
+            }
+            // Another manifest (the old checkpoint) or none: ours did not land; `created`
+            // drops here and removes our files.
+            Ok(_) => Err(e),
+            Err(Error::Io { ref source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                Err(e)
+            }
+            Err(Error::NotFound { .. }) => Err(e),
+            Err(_) => {
+                // Cannot tell: keep our files (a later save or `gc` sweeps them once a
+                // commit decides); the error says the publish failed.
+                created.commit();
+                Err(e)
+            }
+        };
+    }
     created.commit();
     pause::point(pause::Point::AfterManifestRename);
     // 4. The commit point: the new manifest's directory entry is durable.

@@ -82,7 +82,7 @@ fn remote_manager(
 ) -> Result<ckptstore::store::s3_manager::RemoteManager> {
     ckptstore::store::s3_manager::RemoteManager::new(
         u,
-        &ckptstore::store::s3::S3Config::from_env(),
+        &ckptstore::store::s3::S3Config::try_from_env()?,
         retention,
     )
 }

@@ -42,6 +42,16 @@ pub(super) fn remote_err(op: &'static str, url: &RemoteUrl, e: &object_store::Er
         }
         _ => e.to_string(),
     };
+    // The causes, which the outer message often hides (a timeout, a reset connection).
+    let mut text = text;
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text = format!("{text}: {c_text}");
+        }
+        cause = c.source();
+    }
     Error::Remote {
         op,
         url: url.to_string(),
@@ -221,11 +231,16 @@ impl Store for Remote {
         let key = self.path(name);
         let url = self.url.child(name);
         self.block_on(async {
-            let meta = self
-                .store
-                .head(&key)
-                .await
-                .map_err(|e| remote_err("HEAD", &url, &e))?;
+            let meta = self.store.head(&key).await.map_err(|e| {
+                if is_not_found(&e) {
+                    Error::NotFound {
+                        path: PathBuf::from(url.to_string()),
+                        reason: "no such object".into(),
+                    }
+                } else {
+                    remote_err("HEAD", &url, &e)
+                }
+            })?;
             let n = max.min(meta.size);
             let b = if n == 0 {
                 Vec::new()

@@ -120,18 +120,55 @@ impl Default for S3Config {
 }
 
 impl S3Config {
-    /// The defaults, with the retry policy from `CKPT_S3_MAX_RETRIES` and
-    /// `CKPT_S3_RETRY_TIMEOUT_S` where set; endpoint and credentials are read from the
-    /// `AWS_*` variables when the store is built.
-    pub fn from_env() -> Self {
+    /// The defaults, with the policy the environment sets (endpoint and credentials are
+    /// read from the `AWS_*` variables when the store is built):
+    ///
+    /// * `CKPT_S3_MAX_RETRIES`: retries of a failed request (an integer >= 0; `n` retries
+    ///   is up to `n + 1` attempts; 0 disables retries). Default 10.
+    /// * `CKPT_S3_RETRY_TIMEOUT_S`: seconds after the first attempt past which no retry
+    ///   starts (a decimal >= 0; 0 disables retries). Default 180.
+    /// * `CKPT_S3_REQUEST_TIMEOUT_S`: seconds one request may take, a stalled connection
+    ///   included, before it fails (and is retried, as a transient error, within the two
+    ///   limits above) (a decimal > 0). Default 120.
+    ///
+    /// What is retried: connection failures, timeouts, 5xx and throttling answers of any
+    /// request, and a body cut short of a GET (`object_store` retries the rest of the
+    /// body); a body cut short of another request fails it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the variable for a value that is not of its form
+    /// (a negative number, a word, a fraction of retries): a typo never silently becomes
+    /// the default.
+    pub fn try_from_env() -> Result<Self> {
         let mut c = S3Config::default();
-        if let Some(n) = env_num("CKPT_S3_MAX_RETRIES") {
-            c.max_retries = n as usize;
+        if let Some(n) = env_parse("CKPT_S3_MAX_RETRIES", "an integer >= 0", |v| {
+            v.parse::<usize>().ok()
+        })? {
+            c.max_retries = n;
         }
-        if let Some(s) = env_num("CKPT_S3_RETRY_TIMEOUT_S") {
-            c.retry_timeout = Duration::from_secs(s);
+        if let Some(d) = env_parse(
+            "CKPT_S3_RETRY_TIMEOUT_S",
+            "a number of seconds >= 0",
+            seconds,
+        )? {
+            c.retry_timeout = d;
         }
-        c
+        if let Some(d) = env_parse(
+            "CKPT_S3_REQUEST_TIMEOUT_S",
+            "a number of seconds > 0",
+            |v| seconds(v).filter(|d| !d.is_zero()),
+        )? {
+            c.request_timeout = d;
+        }
+        Ok(c)
+    }
+
+    /// [`S3Config::try_from_env`], with the defaults in place of any value it refuses.
+    #[deprecated(
+        note = "use try_from_env, which refuses invalid CKPT_S3_* values instead of ignoring them"
+    )]
+    pub fn from_env() -> Self {
+        Self::try_from_env().unwrap_or_default()
     }
 
     fn build(&self, bucket: &str) -> Result<Arc<AmazonS3>> {
@@ -190,8 +227,24 @@ fn install_tls_provider() {
     });
 }
 
-fn env_num(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.trim().parse().ok()
+/// The variable `name` parsed by `parse`; `None` when it is unset or empty.
+fn env_parse<T>(name: &str, form: &str, parse: impl Fn(&str) -> Option<T>) -> Result<Option<T>> {
+    let Ok(v) = std::env::var(name) else {
+        return Ok(None);
+    };
+    let v = v.trim();
+    if v.is_empty() {
+        return Ok(None);
+    }
+    parse(v).map(Some).ok_or_else(|| {
+        Error::InvalidArgument(format!("{name}={v:?} is not valid: it must be {form}"))
+    })
+}
+
+/// A non-negative, finite number of seconds (`"90"`, `"1.5"`).
+fn seconds(v: &str) -> Option<Duration> {
+    let x: f64 = v.parse().ok()?;
+    (0.0..1e12).contains(&x).then(|| Duration::from_secs_f64(x))
 }
 
 /// The internal runtime: a few worker threads drive the HTTP connections; callers block.

@@ -135,7 +135,7 @@ fn name_keys(e: Error, url: &RemoteUrl) -> Error {
 /// # Errors
 /// As [`open_with`].
 pub fn open(url: &RemoteUrl) -> Result<Checkpoint<Vec<u8>>> {
-    open_with(url, &S3Config::from_env())
+    open_with(url, &S3Config::try_from_env()?)
 }
 
 /// Open the checkpoint under `url`: one GET of the manifest, then every shard downloaded

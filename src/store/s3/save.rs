@@ -17,7 +17,7 @@ use crate::write::{self, CommitInfo, SaveOptions, TensorRef};
 /// # Errors
 /// As [`save_with`].
 pub fn save(url: &RemoteUrl, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
-    save_with(url, tensors, opts, None, &S3Config::from_env())
+    save_with(url, tensors, opts, None, &S3Config::try_from_env()?)
 }
 
 /// [`save`] with an optimizer section.
@@ -30,7 +30,7 @@ pub fn save_with_section(
     opts: &SaveOptions,
     optimizer: Option<OptimizerSection>,
 ) -> Result<CommitInfo> {
-    save_with(url, tensors, opts, optimizer, &S3Config::from_env())
+    save_with(url, tensors, opts, optimizer, &S3Config::try_from_env()?)
 }
 
 /// Save tensors as one committed checkpoint under `url` with the engine's commit protocol
@@ -83,7 +83,7 @@ pub fn write_part(
     items: &[PartItem<'_>],
     opts: &SaveOptions,
 ) -> Result<Part> {
-    let r = Remote::new(url, &S3Config::from_env())?;
+    let r = Remote::new(url, &S3Config::try_from_env()?)?;
     write_part_remote(&r, checkpoint_id, rank, items, opts)
 }
 
@@ -120,7 +120,7 @@ pub fn commit(
     parts: &[Part],
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    let r = Remote::new(url, &S3Config::from_env())?;
+    let r = Remote::new(url, &S3Config::try_from_env()?)?;
     commit_remote(&r, checkpoint_id, parts, opts)
 }
 
@@ -162,7 +162,7 @@ pub fn commit_rendezvous(
     timeout: Duration,
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    let r = Remote::new(url, &S3Config::from_env())?;
+    let r = Remote::new(url, &S3Config::try_from_env()?)?;
     commit_rendezvous_remote(&r, checkpoint_id, world_size, timeout, opts)
 }
 

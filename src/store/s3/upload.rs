@@ -101,6 +101,8 @@ struct Upload {
     in_flight: std::collections::VecDeque<tokio::task::JoinHandle<object_store::Result<PartId>>>,
     /// Parts uploaded, in index order.
     done: Vec<PartId>,
+    /// Bytes handed to parts so far.
+    sent: u64,
 }
 
 /// A failed request of an upload, with what was being done, carried through [`Write`]'s
@@ -165,6 +167,7 @@ impl<'r> ObjectPut<'r> {
             next: 0,
             in_flight: Default::default(),
             done: Vec::new(),
+            sent: 0,
         })
     }
 
@@ -192,6 +195,7 @@ impl<'r> ObjectPut<'r> {
             Self::wait_oldest(r, up)?;
         }
         let data = std::mem::replace(&mut up.buf, Vec::with_capacity(part_size));
+        up.sent += data.len() as u64;
         let (mp, key, id, idx) = (Arc::clone(&r.mp), key.clone(), up.id.clone(), up.next);
         up.next += 1;
         up.in_flight.push_back(
@@ -210,12 +214,23 @@ impl<'r> ObjectPut<'r> {
             Self::wait_oldest(r, up)?;
         }
         let parts = std::mem::take(&mut up.done);
-        r.block_on(r.mp.complete_multipart(&self.key, &up.id, parts))
-            .map_err(|e| upload_io("complete multipart upload", e))?;
-        // The upload is complete: its journal goes (a journal left behind names an upload
-        // the store no longer has, which `gc` takes as aborted).
-        r.block_on(r.store.delete(&r.path(&up.journal)))
-            .map_err(|e| upload_io("DELETE upload journal", e))
+        if let Err(e) = r.block_on(r.mp.complete_multipart(&self.key, &up.id, parts)) {
+            // The server may have completed the upload and lost its answer (a retry of
+            // the completion then finds the upload gone): an object of exactly the bytes
+            // sent under the key is this upload's result, since one writer owns the
+            // prefix and the key is unique to this checkpoint (format-spec/s3.md).
+            let landed = r
+                .block_on(r.store.head(&self.key))
+                .is_ok_and(|meta| meta.size == up.sent);
+            if !landed {
+                return Err(upload_io("complete multipart upload", e));
+            }
+        }
+        // The upload is complete: its journal goes, best effort (a journal left behind
+        // names an upload the store no longer has, which `gc` takes as done): the object
+        // is published whatever this answer says.
+        let _ = r.block_on(r.store.delete(&r.path(&up.journal)));
+        Ok(())
     }
 }
 
