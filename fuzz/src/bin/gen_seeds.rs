@@ -384,9 +384,10 @@ fn main() -> Res<()> {
     counts[0] += 1;
 
     println!(
-        "gen_seeds: {} header, {} manifest, {} open_verify_load, {} part seeds in {}",
+        "gen_seeds: {} header, {} manifest, {} open_verify_load, {} fetched, {} part seeds in {}",
         counts[0],
         counts[1],
+        counts[2],
         counts[2],
         part_seeds.len(),
         corpus.display()
