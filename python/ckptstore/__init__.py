@@ -135,15 +135,21 @@ def wire_dtype(dtype: Any) -> str:
         ) from None
 
 
+def _check_utf8(text: str, what: str, error: type) -> None:
+    """Raise ``error`` when ``text`` is not valid UTF-8 (a lone surrogate): names and ids are
+    stored as UTF-8, so such text can name nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{what} {text!r} is not valid UTF-8") from None
+
+
 def _prepare(name: str, value: Any) -> tuple[str, str, np.ndarray]:
     """``(name, wire dtype, array)`` in the form the engine takes without copying: native
     byte order and non-negative whole-element strides (copied only when not so)."""
     if not isinstance(name, str):
         raise InvalidTensorError(f"tensor names must be strings, got {name!r}")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidTensorError(f"tensor name {name!r} is not valid UTF-8") from None
+    _check_utf8(name, "tensor name", InvalidTensorError)
     try:
         a = value if isinstance(value, np.ndarray) else np.asarray(value)
     except (TypeError, ValueError) as e:
@@ -186,12 +192,7 @@ def _check_id(checkpoint_id: Any) -> Any:
     """A checkpoint id that is not UTF-8 (a lone surrogate) is an invalid argument (the
     engine checks the rest: 32 lowercase hex digits)."""
     if isinstance(checkpoint_id, str):
-        try:
-            checkpoint_id.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidArgumentError(
-                f"checkpoint id {checkpoint_id!r} is not valid UTF-8"
-            ) from None
+        _check_utf8(checkpoint_id, "checkpoint id", InvalidArgumentError)
     return checkpoint_id
 
 

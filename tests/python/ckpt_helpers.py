@@ -236,3 +236,12 @@ def start_s3s_fs(data: str, key: str, secret: str, timeout: float = 30.0):
                 proc.wait()
                 raise S3sFsError(f"s3s-fs did not listen on port {port} within {timeout:.0f} s")
             time.sleep(0.02)
+
+
+def restore_env(old: dict) -> None:
+    """Put back environment variables saved as ``{name: value or None}`` (None: unset)."""
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -127,11 +127,7 @@ def net() -> Iterator[Net]:
         yield Net(data, port, proxy)
     finally:
         proxy.stop()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        h.restore_env(old)
         proc.kill()
         proc.wait()
         shutil.rmtree(data, ignore_errors=True)

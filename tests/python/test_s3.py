@@ -38,11 +38,7 @@ def s3():
     try:
         yield data
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        h.restore_env(old)
         proc.kill()
         proc.wait()
         shutil.rmtree(data, ignore_errors=True)

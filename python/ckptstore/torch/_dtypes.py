@@ -52,10 +52,9 @@ def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
         from .. import _prepare
 
         return _prepare(name, t)
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidTensorError(f"tensor name {name!r} is not valid UTF-8") from None
+    from .. import _check_utf8
+
+    _check_utf8(name, "tensor name", InvalidTensorError)
     if not isinstance(t, torch.Tensor):
         from .. import _prepare
 

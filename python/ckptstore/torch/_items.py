@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from .. import _optimizer_parts
+from .. import _check_utf8, _optimizer_parts
 from ..errors import InvalidArgumentError, InvalidTensorError
 from ._dtypes import _torch
 from ._state import _encode_groups, _optimizer_class, _param_names
@@ -69,10 +69,7 @@ def _build_items(
     for k, v in (extra or {}).items():
         if not isinstance(k, str):
             raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
-        try:
-            k.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidArgumentError(f"extra key {k!r} is not valid UTF-8") from None
+        _check_utf8(k, "extra key", InvalidArgumentError)
         if isinstance(v, (torch.Tensor, np.ndarray)):
             entries.append(prepare(EXTRA_PREFIX + k, v))
             meta["extra_tensors"].append(k)
