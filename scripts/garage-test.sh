@@ -179,9 +179,15 @@ until_ok 60 "$GARAGE" -c "$W/node3.toml" status
 until_ok 180 via 3 ls s3://ckpt/run
 via 1 pack "$W/src5.safetensors" --out s3://ckpt/run/step-00000005 --max-shard-size 16MiB >/dev/null
 via 3 diff "$W/src5.safetensors" s3://ckpt/run/step-00000005 >/dev/null || fail "restore step 5 through node 3"
-via 1 gc s3://ckpt/run --keep 1 >/dev/null
-via 2 ls s3://ckpt/run --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert [s["step"] for s in d["steps"]]==[5], d' \
-  || fail "ls after the last gc"
+# Right after node 3 rejoined, a delete that the cluster answers with an error leaves its
+# step for the next gc (gc never fails a run for garbage), and a listing through another node
+# may still show a deleted object: gc again (idempotent) until a listing shows only step 5,
+# within a bound; what must hold is that retention converges, never that it removes step 5.
+keeps_only_5() {
+  via 1 gc s3://ckpt/run --keep 1 >/dev/null &&
+  via 2 ls s3://ckpt/run --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert [s["step"] for s in d["steps"]]==[5], d'
+}
+until_ok 60 keeps_only_5
 if [ "${GARAGE_BENCH_MIB:-0}" -gt 0 ]; then
   step "benchmark: ${GARAGE_BENCH_MIB} MiB through node 1 (examples/s3_bench, ratios against raw object_store)"
   cargo build --release --example s3_bench >/dev/null
