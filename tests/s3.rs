@@ -296,6 +296,16 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
         .and_then(|r| r.read_tensor("big"))
         .unwrap_err();
     assert!(e.to_string().contains(&key), "{e}");
+    // A ranged read past the shorter object's end is a short shard, said in the shard's
+    // terms (s3s-fs answers with the object's size; S3 and Garage answer 416 InvalidRange).
+    ra.put_small(&shard, original[..64].to_vec()).unwrap();
+    let e = s3::open_lazy(&a, &cfg)
+        .and_then(|r| r.read_tensor("big"))
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::ShardMismatch { .. }) && e.to_string().contains("manifest records"),
+        "{e}"
+    );
 
     // Longer than recorded (an object whose size lies).
     let mut longer = original.clone();

@@ -59,6 +59,31 @@ pub(super) fn remote_err(op: &'static str, url: &RemoteUrl, e: &object_store::Er
     }
 }
 
+/// Whether the store refused a ranged GET because the range lies past the object's end
+/// (HTTP 416, S3's `InvalidRange`): a short object, said in the shard's terms by the reader.
+///
+/// Decided from the status line and error code the server sent, found in the causes, never
+/// from the whole message: that also holds the URL, the elapsed time and the object's name,
+/// whose digits may spell `416` (a stalled GET that timed out after `1.000416932s` was once
+/// reported as a short object).
+pub(super) fn is_range_not_satisfiable(e: &object_store::Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        // A transport failure (timeout, reset, refused) carries no status.
+        if c.downcast_ref::<object_store::client::HttpError>()
+            .is_some()
+        {
+            return false;
+        }
+        let text = c.to_string();
+        if text.contains("status code: 416 ") || text.contains("<Code>InvalidRange</Code>") {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 pub(super) fn is_not_found(e: &object_store::Error) -> bool {
     matches!(e, object_store::Error::NotFound { .. }) && !e.to_string().contains("NoSuchBucket")
 }
@@ -296,4 +321,66 @@ pub(super) fn write_err(
         };
     }
     remote_err(op, url, e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_range_not_satisfiable;
+    use object_store::client::{HttpError, HttpErrorKind};
+
+    /// An error shaped like object_store's retry error: its text holds the whole story,
+    /// its source the reason.
+    #[derive(Debug)]
+    struct Outer(String, Option<Box<dyn std::error::Error + Send + Sync>>);
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    fn generic(e: Outer) -> object_store::Error {
+        object_store::Error::Generic {
+            store: "S3",
+            source: Box::new(e),
+        }
+    }
+
+    #[test]
+    fn a_timeout_whose_text_holds_416_is_not_a_short_object() {
+        // The message a clean-clone CI run once misread: `416` in the elapsed time.
+        let timeout = HttpError::new(HttpErrorKind::Timeout, std::io::Error::other("timed out"));
+        let e = generic(Outer(
+            "Error performing GET http://127.0.0.1:41679/bkt/Range/shard-416.safetensors \
+             in 1.000416932s - HTTP error: error sending request"
+                .into(),
+            Some(Box::new(timeout)),
+        ));
+        assert!(!is_range_not_satisfiable(&e));
+    }
+
+    #[test]
+    fn a_416_status_or_invalid_range_code_is_a_short_object() {
+        for text in [
+            "Error performing GET http://h/b/k in 3ms - Server returned non-2xx status code: \
+             416 Range Not Satisfiable: ",
+            "Error performing GET http://h/b/k in 3ms - Server returned error response: \
+             <Error><Code>InvalidRange</Code></Error>",
+        ] {
+            assert!(
+                is_range_not_satisfiable(&generic(Outer(text.into(), None))),
+                "{text}"
+            );
+        }
+        let other = "Error performing GET http://h/b/k in 3ms - Server returned non-2xx status \
+                     code: 500 Internal Server Error: ";
+        assert!(!is_range_not_satisfiable(&generic(Outer(
+            other.into(),
+            None
+        ))));
+    }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use futures::{StreamExt, TryStreamExt};
 use object_store::{GetOptions, GetRange, ObjectStore};
 
-use super::client::{is_not_found, remote_err};
+use super::client::{is_not_found, is_range_not_satisfiable, remote_err};
 use super::{Remote, S3Config};
 use crate::checkpoint::{source, Checkpoint, Fetch, Shard, ShardSource, TensorInfo};
 use crate::error::{Error, Result};
@@ -52,10 +52,9 @@ impl Remote {
             Err(e) if is_not_found(&e) => return Err(mismatch("the object is missing".into())),
             Err(e) => {
                 // A range past the end of a short object: say so in the shard's terms.
-                let text = e.to_string();
-                if text.contains("416") || text.contains("InvalidRange") || text.contains("Range") {
+                if is_range_not_satisfiable(&e) {
                     return Err(mismatch(format!(
-                        "the object is shorter than the {object_size} bytes the manifest records (truncated or replaced): {text}"
+                        "the object is shorter than the {object_size} bytes the manifest records (truncated or replaced): {e}"
                     )));
                 }
                 return Err(remote_err("GET", &url, &e));
