@@ -63,7 +63,8 @@ pub fn new_checkpoint_id() -> Result<String> {
 /// commit runs meanwhile. `opts.metadata` is not used (the commit's metadata is).
 ///
 /// Everything is validated before the disk is touched; after an error the files this call
-/// created are removed.
+/// created are removed. Temporary files that an earlier attempt of this rank and id left
+/// (killed, or its removals failed) are removed first, so the rank can be retried.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a malformed id or a part already written for this rank;
@@ -79,19 +80,14 @@ pub fn write_part(
     opts: &SaveOptions,
 ) -> Result<Part> {
     let dir = crate::location::local_path(dir.as_ref(), "write::parts::write_part")?;
+    let store = LocalStore::std(&dir);
     let lock = || {
         local::prepare_dir(&dir)?;
-        local::lock_dir(&dir, Lock::Shared)
+        let held = local::lock_dir(&dir, Lock::Shared)?;
+        remove_own_leftover_temps(&store, checkpoint_id, rank);
+        Ok(held)
     };
-    write_part_impl(
-        &LocalStore::std(&dir),
-        checkpoint_id,
-        rank,
-        items,
-        opts,
-        true,
-        lock,
-    )
+    write_part_impl(&store, checkpoint_id, rank, items, opts, true, lock)
 }
 
 /// [`write_part`] through a substitute file system, into an existing directory, without the
@@ -108,7 +104,38 @@ pub fn write_part_with_fs<F: Fs>(
     opts: &SaveOptions,
 ) -> Result<Part> {
     let store = LocalStore::new(fs, dir);
-    write_part_impl(&store, checkpoint_id, rank, items, opts, false, || Ok(()))
+    let lock = || {
+        remove_own_leftover_temps(&store, checkpoint_id, rank);
+        Ok(())
+    };
+    write_part_impl(&store, checkpoint_id, rank, items, opts, false, lock)
+}
+
+/// Remove the temporary files that an earlier `write_part` of this rank and id left in a
+/// local directory (`.ckpt-tmp-shard-<id>-r<rank>-<k>.safetensors`,
+/// `.ckpt-tmp-part-<id>-r<rank>.json`): it was killed, or it failed and its own removals
+/// failed too (a device that fails every operation for a while). `create` refuses an
+/// existing name, so without this every retry of the same rank and id would fail on them
+/// with "create ...: File exists" (tests/disk_full_parts.rs). A rank holds the lock
+/// only shared, so unlike a save's step 0.3b it removes no other writer's temporary files:
+/// these names are unique to (id, rank), and only this rank of this id writes them. An
+/// object store has no temporary objects (its puts ignore the staging name). Failures are
+/// ignored: the retry's `create` then reports the file in its way.
+fn remove_own_leftover_temps<S: Store>(store: &S, checkpoint_id: &str, rank: u32) {
+    let shard_prefix = format!("{TEMP_PREFIX}shard-{checkpoint_id}-r{rank}-");
+    let part_tmp = format!("{TEMP_PREFIX}{}", part_file_name(checkpoint_id, rank));
+    let Ok(entries) = store.list() else {
+        return;
+    };
+    for n in entries {
+        let own_shard = n
+            .strip_prefix(&shard_prefix)
+            .and_then(|r| r.strip_suffix(".safetensors"))
+            .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()));
+        if own_shard || n == part_tmp {
+            let _ = store.delete(&n);
+        }
+    }
 }
 
 /// [`write_part`] over `store`. After validation, `lock` is called and held until the end
@@ -495,9 +522,19 @@ fn check_shards<S: Store>(store: &S, sorted: &[&Part]) -> Result<()> {
             }
             // At most the header a valid entry can have: never more than the format's cap.
             let max = s.header_size.min(MAX_HEADER_SIZE).saturating_add(8);
-            let (len, head) = store
-                .read_prefix(&s.file, max)
-                .map_err(|e| mismatch(cannot_open(e)))?;
+            let (len, head) = match store.read_prefix(&s.file, max) {
+                Ok(r) => r,
+                // A shard that is there but cannot be read (EIO, a failing device) is an
+                // I/O error with its errno, not a mismatch: the part may be sound and a
+                // retried commit succeed. A missing file is a mismatch.
+                Err(e @ Error::Io { .. })
+                    if !matches!(&e, Error::Io { source, .. }
+                        if source.kind() == std::io::ErrorKind::NotFound) =>
+                {
+                    return Err(e)
+                }
+                Err(e) => return Err(mismatch(cannot_open(e))),
+            };
             if len != s.size {
                 return Err(mismatch(format!(
                     "the file is {len} bytes but the part records {}",
