@@ -1,7 +1,8 @@
 //! A URL is never taken as a local path by the Rust API (issue 23, finding 1): the root
 //! verbs (`ckptstore::save`, `ckptstore::open`) take a location and send `s3://` to the
 //! object store; the local-only verbs (`Checkpoint::open`, `write::save`, `write::parts`,
-//! `CheckpointManager::new`) refuse URL text with `UnsupportedUrl` naming themselves.
+//! `CheckpointManager::step_dir`) refuse URL text with `UnsupportedUrl` naming themselves,
+//! and the manager, like the root verbs, takes `s3://` roots to the object store.
 //! Before the fix both `ckptstore::save("s3://bucket/run", ..)` and
 //! `Checkpoint::open("s3://bucket/run")` reported success on a local directory
 //! `s3:/bucket/run`.
@@ -71,10 +72,13 @@ fn the_rust_api_never_takes_a_url_as_a_local_path() {
         parts::commit(url, &id, &[], &CommitOptions::default()),
         "commit",
     );
-    refused(
-        CheckpointManager::new(url, Retention::keep_last(1)),
-        "CheckpointManager::new",
-    );
+    // The manager takes a location: its steps go to the object store.
+    let mgr = CheckpointManager::new("s3://bkt/run/mgr", Retention::keep_last(1)).unwrap();
+    mgr.save(5, &t, None, &SaveOptions::default()).unwrap();
+    assert_eq!(mgr.steps().unwrap(), [5]);
+    let ck = ckptstore::open("s3://bkt/run/mgr/step-00000005").unwrap();
+    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap(), &w[..]);
+    refused(mgr.step_dir(5), "CheckpointManager::step_dir");
 
     // Nothing was created in the working directory (before: `s3:/bkt/run/one`).
     let names: Vec<_> = std::fs::read_dir(cwd.path())

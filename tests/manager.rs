@@ -71,7 +71,7 @@ fn gc_never_deletes_a_step_a_reader_holds() {
     let report = mgr.gc().unwrap();
     assert_eq!(report.deleted, vec![1]);
     assert_eq!(mgr.steps().unwrap(), vec![3]);
-    assert!(!mgr.step_dir(1).exists());
+    assert!(!mgr.step_dir(1).unwrap().exists());
 }
 
 #[test]
@@ -80,7 +80,7 @@ fn gc_removes_only_engine_files_and_interrupted_saves() {
     let mgr = CheckpointManager::new(root.path(), Retention::keep_last(1)).unwrap();
     let v = w(1);
     save_w(&mgr, 1, &v);
-    std::fs::write(mgr.step_dir(1).join("notes.txt"), b"mine").unwrap();
+    std::fs::write(mgr.step_dir(1).unwrap().join("notes.txt"), b"mine").unwrap();
     std::fs::write(root.path().join("README"), b"mine too").unwrap();
     // An interrupted save: a temporary step directory with a partial shard.
     let tmp = root.path().join(".tmp-step-2-00ff00ff00ff00ff");
@@ -92,10 +92,10 @@ fn gc_removes_only_engine_files_and_interrupted_saves() {
     assert!(!tmp.exists(), "the interrupted save is cleaned up");
     // Step 1 lost its checkpoint files, but the user's file (and so the directory) stays.
     assert_eq!(
-        std::fs::read(mgr.step_dir(1).join("notes.txt")).unwrap(),
+        std::fs::read(mgr.step_dir(1).unwrap().join("notes.txt")).unwrap(),
         b"mine"
     );
-    assert!(!mgr.step_dir(1).join("ckpt-manifest.json").exists());
+    assert!(!mgr.step_dir(1).unwrap().join("ckpt-manifest.json").exists());
     assert_eq!(
         std::fs::read(root.path().join("README")).unwrap(),
         b"mine too"
@@ -137,7 +137,7 @@ fn async_errors_surface_from_wait_and_nothing_appears() {
     let root = tempfile::tempdir().unwrap();
     let mgr = CheckpointManager::new(root.path(), Retention::default()).unwrap();
     // Make the step's final name unusable: a regular file where the directory would go.
-    std::fs::write(mgr.step_dir(5), b"in the way").unwrap();
+    std::fs::write(mgr.step_dir(5).unwrap(), b"in the way").unwrap();
     let v = w(5);
     let h = mgr
         .save_async(
@@ -336,7 +336,7 @@ fn write_rank(
         offsets: vec![u64::from(rank) * 2, 0],
     };
     write_part(
-        mgr.step_dir(step),
+        mgr.step_dir(step).unwrap(),
         id,
         rank,
         &[chunk],
@@ -373,14 +373,14 @@ fn multi_rank_steps_commit_once_and_retention_spares_a_save_in_progress() {
     let id40 = new_checkpoint_id().unwrap();
     let p0 = write_rank(&mgr, 40, &id40, 0);
     mgr.gc().unwrap();
-    assert!(mgr.step_dir(40).join(p0.file_name()).is_file());
+    assert!(mgr.step_dir(40).unwrap().join(p0.file_name()).is_file());
     assert_eq!(mgr.latest().unwrap(), Some(30));
     // Rank 1 dies; the job goes on and commits step 50: step 40's leftovers go.
     let id50 = new_checkpoint_id().unwrap();
     let parts: Vec<_> = (0..2).map(|r| write_rank(&mgr, 50, &id50, r)).collect();
     mgr.commit_parts(50, &id50, &parts, &CommitOptions::default())
         .unwrap();
-    assert!(!mgr.step_dir(40).exists());
+    assert!(!mgr.step_dir(40).unwrap().exists());
     assert_eq!(mgr.steps().unwrap(), vec![30, 50]);
 }
 
@@ -394,7 +394,7 @@ fn gc_sweeps_kept_steps_of_what_a_killed_commit_left() {
     use ckptstore::write::parts::{new_checkpoint_id, CommitOptions};
     let root = tempfile::tempdir().unwrap();
     let mgr = CheckpointManager::new(root.path(), Retention::keep_last(2)).unwrap();
-    let dir = mgr.step_dir(10);
+    let dir = mgr.step_dir(10).unwrap();
     // An earlier attempt at step 10 died after writing rank 0's part.
     let dead = new_checkpoint_id().unwrap();
     let dead_part = write_rank(&mgr, 10, &dead, 0);

@@ -15,12 +15,12 @@ use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 
 use ckptstore::format::manifest::MANIFEST_FILE;
+use ckptstore::manager::CheckpointManager;
 use ckptstore::manager::Retention;
 use ckptstore::optim::{
     OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
 };
 use ckptstore::store::s3::{self, Remote, S3Config};
-use ckptstore::store::s3_manager::RemoteManager;
 use ckptstore::store::{Location, RemoteUrl};
 use ckptstore::write::parts::new_checkpoint_id;
 use ckptstore::{Checkpoint, CommitOptions, DType, Error, Part, PartItem, SaveOptions, TensorRef};
@@ -213,9 +213,8 @@ fn optimizer_loads_and_conversions_match_local_and_manager_retention() {
         .unwrap();
     let lck = Checkpoint::open(local.path()).unwrap();
 
-    let mgr = RemoteManager::new(
-        &url("mgr"),
-        &cfg,
+    let mgr = CheckpointManager::remote(
+        Remote::new(&url("mgr"), &cfg).unwrap(),
         Retention {
             keep_last: 2,
             keep_every: Some(100),
@@ -223,13 +222,14 @@ fn optimizer_loads_and_conversions_match_local_and_manager_retention() {
     )
     .unwrap();
     for step in [100u64, 150, 200, 250] {
-        mgr.save_optimizer(step, &opt, &model, &SaveOptions::default())
+        mgr.save(step, &model, Some(&opt), &SaveOptions::default())
             .unwrap();
     }
     // Retention: the newest two, and multiples of 100.
     assert_eq!(mgr.steps().unwrap(), [100, 200, 250]);
     assert_eq!(mgr.latest().unwrap(), Some(250));
-    let (step, rck) = mgr.open_latest().unwrap().unwrap();
+    let rck = mgr.open_latest().unwrap().unwrap();
+    let step = rck.step();
     assert_eq!(step, 250);
     for layout in [
         StateLayout::default(),
@@ -249,13 +249,95 @@ fn optimizer_loads_and_conversions_match_local_and_manager_retention() {
         vec![0; 16],
     )
     .unwrap();
-    let mgr1 = RemoteManager::new(&url("mgr"), &cfg, Retention::keep_last(1)).unwrap();
+    let mgr1 = CheckpointManager::remote(
+        Remote::new(&url("mgr"), &cfg).unwrap(),
+        Retention::keep_last(1),
+    )
+    .unwrap();
     let rep = mgr1.gc().unwrap();
     assert_eq!(rep.deleted, [100, 200]);
     assert_eq!(rep.interrupted_removed, 1);
     assert_eq!(mgr1.steps().unwrap(), [250]);
     assert_eq!(r.get_small("notes.txt", 100).unwrap().unwrap(), b"mine");
     assert!(r300.list().unwrap().objects.is_empty());
+}
+
+/// The one manager on an object store: background saves (the buffers may change as soon
+/// as `save_async` returns), retention, a lease, `restore_latest`, and the multi-rank commit
+/// of a step.
+#[test]
+fn manager_async_saves_restore_and_commit_parts_on_s3() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = srv.config();
+    let (opt, mut w) = adam_state();
+    let mgr = CheckpointManager::remote(
+        Remote::new(&url("amgr"), &cfg).unwrap(),
+        Retention::keep_last(2),
+    )
+    .unwrap()
+    .with_max_in_flight(2);
+    assert_eq!(
+        mgr.step_location(3),
+        Location::Remote(url("amgr/step-00000003"))
+    );
+    assert!(matches!(mgr.step_dir(3), Err(Error::UnsupportedUrl { .. })));
+    let mut handles = Vec::new();
+    for step in 1..=3u64 {
+        w[0] = step as f32;
+        let model = [TensorRef::from_slice("w", &[16, 16], &w)];
+        handles.push(
+            mgr.save_async(step, &model, Some(&opt), SaveOptions::default())
+                .unwrap(),
+        );
+        w[0] = -1.0; // the snapshot is the save's own
+    }
+    for h in handles {
+        h.wait().unwrap();
+    }
+    mgr.gc().unwrap();
+    assert_eq!(mgr.steps().unwrap(), [2, 3]);
+    let ck = mgr.open(3).unwrap();
+    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap()[0], 3.0);
+    assert!(matches!(mgr.lease(1), Err(Error::NotFound { .. })));
+    let mut live = adam_state().0;
+    live.state.clear();
+    assert_eq!(
+        mgr.restore_latest(&mut live, &StateLayout::default())
+            .unwrap(),
+        Some(3)
+    );
+    assert_eq!(format!("{:?}", live.state), format!("{:?}", opt.state));
+
+    // Two ranks write their parts under the step's prefix; the manager commits them.
+    let step_url = match mgr.step_location(4) {
+        Location::Remote(u) => u,
+        Location::Local(_) => unreachable!(),
+    };
+    let id = new_checkpoint_id().unwrap();
+    let halves = [data(8, 40), data(8, 41)];
+    let parts: Vec<Part> = (0..2u32)
+        .map(|rank| {
+            let item = PartItem::Chunk {
+                tensor: TensorRef::from_slice("g", &[8], &halves[rank as usize]),
+                global_shape: vec![16],
+                offsets: vec![u64::from(rank) * 8],
+            };
+            s3::write_part_remote(
+                &Remote::new(&step_url, &cfg).unwrap(),
+                &id,
+                rank,
+                &[item],
+                &SaveOptions::default(),
+            )
+            .unwrap()
+        })
+        .collect();
+    mgr.commit_parts(4, &id, &parts, &CommitOptions::default())
+        .unwrap();
+    assert_eq!(mgr.steps().unwrap(), [3, 4]);
+    let g = mgr.open(4).unwrap().read_global("g").unwrap();
+    let want: Vec<f32> = halves.concat();
+    assert_eq!(g.as_slice::<f32>().unwrap(), &want[..]);
 }
 
 /// Save two checkpoints under different prefixes for the damage tests.
@@ -718,9 +800,13 @@ fn cli_on_s3_urls() {
     );
 
     // ls / gc on a manager root on S3.
-    let mgr = RemoteManager::new(&url("cli/run"), &srv.config(), Retention::keep_last(5)).unwrap();
+    let mgr = CheckpointManager::remote(
+        Remote::new(&url("cli/run"), &srv.config()).unwrap(),
+        Retention::keep_last(5),
+    )
+    .unwrap();
     for step in [10u64, 20, 30] {
-        mgr.save(step, &f.tensors(), &opts()).unwrap();
+        mgr.save(step, &f.tensors(), None, &opts()).unwrap();
     }
     let ls: serde_json::Value = serde_json::from_str(&ok(&ckpt(
         cwd.path(),

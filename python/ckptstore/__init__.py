@@ -497,12 +497,16 @@ def _check_step(step: Any) -> int:
 
 
 class CheckpointManager:
-    """The steps of a training run under one root directory: ``ROOT/step-<step>/`` holds
-    one normal checkpoint per step (the engine's manager, format-spec/durability.md
-    §Manager; ``ckpt ls`` and ``ckpt gc`` read the same layout).
+    """The steps of a training run under one root, a directory or an ``s3://`` prefix:
+    ``ROOT/step-<step>/`` holds one normal checkpoint per step (the engine's manager,
+    format-spec/durability.md and s3.md §Manager; ``ckpt ls`` and ``ckpt gc`` read the same
+    layout).
 
-    A step directory exists only once committed: an interrupted save leaves a
-    ``.tmp-step-`` directory that :meth:`steps` ignores and the next save removes.
+    A step counts once its manifest is committed: in a directory an interrupted save
+    leaves a ``.tmp-step-`` directory that :meth:`steps` ignores and the next save removes.
+    On an object store there are no locks: leases only check that the step is committed
+    (readers download it whole), and :meth:`gc` sees only this process's saves in flight,
+    so run one writer per root.
     ``keep_last``: retention keeps the newest ``keep_last`` committed steps (``None``:
     every step); ``keep_every``: it also keeps every step that is a multiple of it.
     Retention runs after each save and never deletes a step that a reader holds through
@@ -532,12 +536,12 @@ class CheckpointManager:
         )
 
     @property
-    def root(self) -> "os.PathLike[str]":
-        """The root directory (a ``pathlib.Path``)."""
+    def root(self) -> "os.PathLike[str] | str":
+        """The root: a ``pathlib.Path``, or the URL (``str``) of an object-store root."""
         return self._native.root
 
-    def step_dir(self, step: int) -> "os.PathLike[str]":
-        """The directory of ``step`` (whether or not it exists)."""
+    def step_dir(self, step: int) -> "os.PathLike[str] | str":
+        """Where ``step`` lives (whether or not it exists): its directory, or its URL."""
         return self._native.step_dir(_check_step(step))
 
     def steps(self) -> list[int]:

@@ -12,15 +12,17 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use ckptstore::manager::{CheckpointManager, Retention, StepLease};
+use ckptstore::store::Location;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use pyo3::IntoPyObjectExt;
 
 use crate::errors::{invalid_arg, CkError};
 use crate::save::{commit_info, entry_refs, optimizer_ref, save_options, Entry, StateEntry};
 
-/// Steps of a training run under one root directory (`ROOT/step-<step>/`, each a normal
-/// checkpoint), with retention applied after every save and leases that keep garbage
-/// collection away from steps being read.
+/// Steps of a training run under one root, a local directory or an `s3://` prefix
+/// (`ROOT/step-<step>/`, each a normal checkpoint), with retention applied after every save
+/// and leases that keep garbage collection away from steps being read (local roots).
 #[pyclass(module = "ckptstore._ckptstore", name = "CheckpointManager", frozen)]
 pub(crate) struct PyCheckpointManager {
     inner: CheckpointManager,
@@ -28,7 +30,7 @@ pub(crate) struct PyCheckpointManager {
 
 #[pymethods]
 impl PyCheckpointManager {
-    /// A manager over `root` (created if missing). `keep_last`: how many of the newest
+    /// A manager over `root`, a directory (created if missing) or an `s3://` URL. `keep_last`: how many of the newest
     /// committed steps retention keeps (`None`: every step); `keep_every`: also keep every
     /// step that is a multiple of it.
     #[new]
@@ -57,15 +59,15 @@ impl PyCheckpointManager {
         Ok(PyCheckpointManager { inner })
     }
 
-    /// The root directory.
+    /// The root: a `pathlib.Path`, or the URL text of an object-store root.
     #[getter]
-    fn root(&self) -> PathBuf {
-        self.inner.root().to_path_buf()
+    fn root<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        location_py(py, &self.inner.location())
     }
 
-    /// The directory of `step` (whether or not it exists).
-    fn step_dir(&self, step: u64) -> PathBuf {
-        self.inner.step_dir(step)
+    /// Where `step` lives (whether or not it exists): its directory, or its URL text.
+    fn step_dir<'py>(&self, py: Python<'py>, step: u64) -> PyResult<Bound<'py, PyAny>> {
+        location_py(py, &self.inner.step_location(step))
     }
 
     /// The committed steps, ascending.
@@ -87,7 +89,7 @@ impl PyCheckpointManager {
             .map(|e| {
                 let d = PyDict::new(py);
                 d.set_item("step", e.step)?;
-                d.set_item("path", e.path)?;
+                d.set_item("path", location_py(py, &e.location)?)?;
                 d.set_item("committed", e.committed)?;
                 d.set_item("bytes", e.bytes)?;
                 Ok(d)
@@ -113,7 +115,7 @@ impl PyCheckpointManager {
         let lease = py.detach(|| self.inner.lease(step)).map_err(CkError)?;
         Ok(PyStepLease {
             step,
-            path: lease.path().to_path_buf(),
+            location: lease.location().clone(),
             lease: Mutex::new(Some(lease)),
         })
     }
@@ -150,7 +152,7 @@ impl PyCheckpointManager {
 #[pyclass(module = "ckptstore._ckptstore", name = "StepLease", frozen)]
 pub(crate) struct PyStepLease {
     step: u64,
-    path: PathBuf,
+    location: Location,
     lease: Mutex<Option<StepLease>>,
 }
 
@@ -162,10 +164,11 @@ impl PyStepLease {
         self.step
     }
 
-    /// The step's directory (open it with `ckptstore.open` while the lease is held).
+    /// The step's directory, or its URL text on an object store (open it with
+    /// `ckptstore.open` while the lease is held).
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
+    fn path<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        location_py(py, &self.location)
     }
 
     /// True while the lease is held.
@@ -196,8 +199,17 @@ impl PyStepLease {
         format!(
             "StepLease(step={}, path={:?}, held={})",
             self.step,
-            self.path.display().to_string(),
+            self.location.to_string(),
             self.held()
         )
+    }
+}
+
+/// A location for Python: a `pathlib.Path`, or the URL text (a `Path` would fold `s3://`
+/// into `s3:/`).
+fn location_py<'py>(py: Python<'py>, loc: &Location) -> PyResult<Bound<'py, PyAny>> {
+    match loc {
+        Location::Local(p) => p.into_bound_py_any(py),
+        Location::Remote(u) => u.to_string().into_bound_py_any(py),
     }
 }

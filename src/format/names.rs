@@ -29,6 +29,12 @@ pub fn is_engine_file(name: &str) -> bool {
     name.starts_with(TEMP_PREFIX) || engine_file_id(name).is_some()
 }
 
+/// True for a part descriptor `part-<id>-r<rank>.json` (format-spec/global.md §Parts): a
+/// directory or prefix holding one may be a multi-rank save whose commit is still to come.
+pub fn is_part_file(name: &str) -> bool {
+    name.starts_with("part-") && engine_file_id(name).is_some()
+}
+
 /// `s` is 32 lowercase hex digits (a checkpoint id).
 pub(crate) fn is_id(s: &str) -> bool {
     s.len() == 32

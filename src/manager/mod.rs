@@ -1,38 +1,54 @@
 //! A checkpoint manager for training loops: one committed checkpoint per step under a root
-//! directory, `latest()`, retention with garbage collection that never pulls a checkpoint
-//! from under a reader, and asynchronous saves with a bounded number in flight.
+//! (a local directory or an object-store prefix), `latest()`, retention with garbage
+//! collection that never pulls a checkpoint from under a reader, and asynchronous saves
+//! with a bounded number in flight.
 //!
-//! Layout (format-spec/durability.md §Manager): `ROOT/step-<step, 8+ digits>/` is a normal
-//! ckptstore checkpoint directory. A step is written into `ROOT/.tmp-step-<step>-<id>/` and
-//! renamed into place once its own manifest is committed, then `ROOT` is fsynced: a step
-//! directory exists only when committed, and an interrupted save leaves only a `.tmp-step-`
-//! directory that `steps()` ignores and the next save (before writing) or `gc()` removes; a
-//! save that fails removes its own.
+//! One [`CheckpointManager`] serves every store; what depends on the store lives behind a
+//! small private seam (`StepStore`), implemented for a local directory (`local.rs`) and an
+//! object-store prefix (`remote.rs`). The retention rule, the async machinery, restores and
+//! multi-rank commits are written once, here.
 //!
-//! Readers opened through [`CheckpointManager::open`] hold a shared lock on the step's
-//! `.ckpt-lock`; garbage collection takes that lock exclusively before deleting a step and
-//! skips steps it cannot lock. So a step a live reader has open is never deleted; it goes at
-//! the first `gc()` after the reader is dropped.
+//! Layout (format-spec/durability.md §Manager, format-spec/s3.md §Manager):
+//! `ROOT/step-<step, 8+ digits>/` is a normal ckptstore checkpoint. A step counts as
+//! committed once its own manifest is.
+//!
+//! * **Local directory.** A step is written into `ROOT/.tmp-step-<step>-<id>/` and renamed
+//!   into place once its manifest is committed, then `ROOT` is fsynced: a step directory
+//!   exists only when committed, and an interrupted save leaves only a `.tmp-step-`
+//!   directory that `steps()` ignores and the next save (before writing) or `gc()` removes;
+//!   a save that fails removes its own. Readers opened through [`CheckpointManager::open`]
+//!   hold a shared lock on the step's `.ckpt-lock`; garbage collection takes that lock
+//!   exclusively before deleting a step and skips steps it cannot lock. So a step a live
+//!   reader has open is never deleted; it goes at the first `gc()` after the reader is
+//!   dropped.
+//! * **Object store.** A step is written under its prefix with the object-store commit
+//!   protocol (the manifest object last). Nothing locks a prefix: there are no reader
+//!   leases (readers of [`CheckpointManager::open`] download the whole step at open, so
+//!   retention cannot pull bytes from under them; a lazy reader of a step deleted meanwhile
+//!   gets an error naming the missing object, never other bytes), and `gc` skips the steps
+//!   this manager is saving but cannot see saves of other processes: run one writer per
+//!   root.
 
-use std::fs::{File, OpenOptions};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::format::manifest::MANIFEST_FILE;
+use crate::format::manifest::OptimizerSection;
+use crate::location::{IntoLocation, Location};
 use crate::optim::{OptimizerState, OptimizerStateRef, StateLayout};
-use crate::store::local::{self, Lock};
-use crate::write::{self, CommitInfo, SaveOptions, TensorRef, LOCK_FILE};
+use crate::store::Storage;
+use crate::write::parts::{CommitOptions, Part};
+use crate::write::{CommitInfo, SaveOptions, TensorRef};
 use crate::DType;
 
+mod local;
+#[cfg(feature = "s3")]
+mod remote;
+
 const STEP_PREFIX: &str = "step-";
-const TMP_STEP_PREFIX: &str = ".tmp-step-";
-/// The root's lock: held (briefly) while a save creates and locks its `.tmp-step-`
-/// directory, and while interrupted saves are removed, so that a directory just created is
-/// never taken for an interrupted one before its writer has locked it.
-const ROOT_LOCK: &str = ".ckpt-manager-lock";
 
 /// Which steps garbage collection keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,12 +83,22 @@ impl Default for Retention {
 pub struct StepEntry {
     /// The step number.
     pub step: u64,
-    /// The directory.
-    pub path: PathBuf,
-    /// True if the directory holds a committed manifest.
+    /// Its directory (a `.tmp-step-` one for an interrupted local save) or prefix URL.
+    pub location: Location,
+    /// True if it holds a committed manifest.
     pub committed: bool,
-    /// Bytes of the files in the directory.
+    /// Bytes of the files (objects) directly in it.
     pub bytes: u64,
+}
+
+impl StepEntry {
+    /// The directory of a local step (`None` for a step on an object store).
+    pub fn path(&self) -> Option<&Path> {
+        match &self.location {
+            Location::Local(p) => Some(p),
+            Location::Remote(_) => None,
+        }
+    }
 }
 
 /// What [`CheckpointManager::gc`] did.
@@ -90,11 +116,12 @@ pub struct GcReport {
     pub swept: usize,
 }
 
-/// A checkpoint opened through the manager: holds a shared lock on its step so that
-/// garbage collection leaves it alone while it lives. Dereferences to [`Checkpoint`].
+/// A checkpoint opened through the manager: holds its step's lease
+/// ([`CheckpointManager::lease`]) while it lives. Dereferences to [`Checkpoint`] over
+/// [`Storage`]: memory maps of a local step, buffers downloaded from an object store.
 #[derive(Debug)]
 pub struct LeasedCheckpoint {
-    ckpt: Checkpoint,
+    ckpt: Checkpoint<Storage>,
     lease: StepLease,
 }
 
@@ -105,14 +132,23 @@ impl LeasedCheckpoint {
     }
 }
 
-/// A shared hold on a committed step (see [`CheckpointManager::lease`]): while it lives,
-/// garbage collection does not delete the step. Readers that open the step's directory by
-/// themselves (another binding, another reader API) hold one around their reads.
+impl std::ops::Deref for LeasedCheckpoint {
+    type Target = Checkpoint<Storage>;
+    fn deref(&self) -> &Checkpoint<Storage> {
+        &self.ckpt
+    }
+}
+
+/// A hold on a committed step (see [`CheckpointManager::lease`]). In a local root it is a
+/// shared lock on the step's `.ckpt-lock`, and while it lives garbage collection (of any
+/// process) does not delete the step; readers that open the step's directory by themselves
+/// (another binding, another reader API) hold one around their reads. An object store has
+/// no locks: there the lease only says that the step was committed when it was taken.
 #[derive(Debug)]
 pub struct StepLease {
     step: u64,
-    path: PathBuf,
-    _lock: File,
+    location: Location,
+    _lock: Option<std::fs::File>,
 }
 
 impl StepLease {
@@ -121,20 +157,97 @@ impl StepLease {
         self.step
     }
 
-    /// The step's directory.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The step's directory or prefix URL.
+    pub fn location(&self) -> &Location {
+        &self.location
+    }
+
+    /// The step's directory (`None` on an object store).
+    pub fn path(&self) -> Option<&Path> {
+        match &self.location {
+            Location::Local(p) => Some(p),
+            Location::Remote(_) => None,
+        }
     }
 }
 
-impl std::ops::Deref for LeasedCheckpoint {
-    type Target = Checkpoint;
-    fn deref(&self) -> &Checkpoint {
-        &self.ckpt
-    }
+/// What a manager needs from the store its steps live in: listing steps, saving one,
+/// holding, opening and deleting one. The retention rule, async saves, restores and
+/// multi-rank commits are written once on top, in [`CheckpointManager`].
+trait StepStore: Send + Sync + std::fmt::Debug {
+    /// The root directory or prefix URL.
+    fn root(&self) -> Location;
+
+    /// Where step `step` lives once committed.
+    fn step_location(&self, step: u64) -> Location;
+
+    /// Every step, committed or not, and leftovers of interrupted saves, by step.
+    fn list(&self) -> Result<Vec<StepEntry>>;
+
+    /// A lease on committed step `step`; [`Error::NotFound`] if it is not committed.
+    fn lease(&self, step: u64) -> Result<StepLease>;
+
+    /// Open the step `lease` holds.
+    fn open(&self, lease: &StepLease) -> Result<Checkpoint<Storage>>;
+
+    /// Save one step, committed and durable when this returns `Ok`; an existing committed
+    /// `step` is replaced atomically or kept.
+    fn save(
+        &self,
+        step: u64,
+        tensors: &[TensorRef<'_>],
+        section: Option<OptimizerSection>,
+        opts: &SaveOptions,
+    ) -> Result<CommitInfo>;
+
+    /// Commit the ranks' parts written under `step_location(step)`.
+    fn commit_parts(
+        &self,
+        step: u64,
+        checkpoint_id: &str,
+        parts: &[Part],
+        opts: &CommitOptions,
+    ) -> Result<CommitInfo>;
+
+    /// Delete a committed step retention does not keep: `Ok(false)` if a lease holds it.
+    fn delete(&self, entry: &StepEntry) -> Result<bool>;
+
+    /// Remove from a kept, committed step the engine files its manifest does not name;
+    /// how many.
+    fn sweep(&self, entry: &StepEntry) -> Result<usize>;
+
+    /// Remove the leftovers of interrupted saves among `entries` (those [`interrupted`]
+    /// picks), except `skip`; how many were removed.
+    fn remove_interrupted(&self, entries: &[StepEntry], skip: &Skip) -> Result<usize>;
 }
 
-/// A directory of per-step checkpoints with retention and async saves.
+/// What the removal of interrupted saves leaves alone: steps this manager is saving now,
+/// and locations of steps retention has just deleted (a user's file kept the directory).
+#[derive(Debug, Default)]
+struct Skip {
+    saving: BTreeSet<u64>,
+    deleted: Vec<Location>,
+}
+
+/// The uncommitted entries that are leftovers of interrupted saves and may be removed.
+/// An uncommitted step newer than every committed one that holds part descriptors
+/// (`has_parts`) may be a multi-rank save whose ranks have written their parts and whose
+/// commit is still to come (format-spec/global.md): it is kept until a newer step commits.
+fn interrupted<'a>(
+    entries: &'a [StepEntry],
+    skip: &'a Skip,
+    has_parts: impl Fn(&StepEntry) -> bool + 'a,
+) -> impl Iterator<Item = &'a StepEntry> + 'a {
+    let newest = entries.iter().filter(|e| e.committed).map(|e| e.step).max();
+    entries
+        .iter()
+        .filter(|e| !e.committed)
+        .filter(|e| !skip.saving.contains(&e.step) && !skip.deleted.contains(&e.location))
+        .filter(move |e| !(newest.is_none_or(|n| e.step > n) && has_parts(e)))
+}
+
+/// The steps of a training run under a local directory or an object-store prefix, with
+/// retention and async saves.
 ///
 /// # Example
 /// ```
@@ -157,8 +270,10 @@ impl std::ops::Deref for LeasedCheckpoint {
 /// ```
 #[derive(Debug, Clone)]
 pub struct CheckpointManager {
-    root: PathBuf,
+    steps: Arc<dyn StepStore>,
     retention: Retention,
+    /// Steps this manager is saving now (garbage collection leaves them alone).
+    saving: Arc<Mutex<Vec<u64>>>,
     in_flight: Arc<(Mutex<usize>, Condvar)>,
     pool: BufferPool,
     max_in_flight: usize,
@@ -273,38 +388,81 @@ pub(crate) fn parse_step(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.metadata().ok())
-        .filter(|m| m.is_file())
-        .map(|m| m.len())
-        .sum()
+fn check_retention(retention: &Retention) -> Result<()> {
+    if retention.keep_last == 0 || retention.keep_every == Some(0) {
+        return Err(Error::InvalidArgument(
+            "retention must keep at least one step (keep_last >= 1, keep_every >= 1)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Marks a step as being saved by this manager while it lives.
+struct Saving(Arc<Mutex<Vec<u64>>>, u64);
+
+impl Saving {
+    fn new(set: &Arc<Mutex<Vec<u64>>>, step: u64) -> Saving {
+        set.lock().unwrap_or_else(|p| p.into_inner()).push(step);
+        Saving(Arc::clone(set), step)
+    }
+}
+
+impl Drop for Saving {
+    fn drop(&mut self) {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = v.iter().position(|&s| s == self.1) {
+            v.swap_remove(i);
+        }
+    }
 }
 
 impl CheckpointManager {
-    /// A manager over `root` (created if missing), at most one save in flight.
+    /// A manager over `root`, a local directory (created if missing) or an object-store
+    /// prefix (`s3://bucket/run`, configured from the environment as
+    /// [`crate::store::s3::S3Config::try_from_env`]; no request is made yet); at most one
+    /// save in flight.
     ///
     /// # Errors
-    /// [`Error::Io`] if `root` cannot be created; [`Error::InvalidArgument`] for
-    /// `keep_last == 0` or `keep_every == Some(0)`.
-    pub fn new(root: impl AsRef<Path>, retention: Retention) -> Result<Self> {
-        if retention.keep_last == 0 || retention.keep_every == Some(0) {
-            return Err(Error::InvalidArgument(
-                "retention must keep at least the last step".into(),
-            ));
-        }
-        let root = crate::location::local_path(root.as_ref(), "CheckpointManager::new")?;
-        local::prepare_dir(&root)?;
-        Ok(CheckpointManager {
-            root,
+    /// [`Error::InvalidArgument`] for `keep_last == 0` or `keep_every == Some(0)`;
+    /// [`Error::UnsupportedUrl`] for a URL this build cannot serve; [`Error::Io`] if a
+    /// local `root` cannot be created; [`Error::InvalidArgument`] or [`Error::Remote`] for
+    /// an invalid object-store configuration.
+    pub fn new(root: impl IntoLocation, retention: Retention) -> Result<Self> {
+        check_retention(&retention)?;
+        let steps: Arc<dyn StepStore> = match root.into_location()? {
+            Location::Local(p) => Arc::new(local::LocalSteps::new(&p)?),
+            #[cfg(feature = "s3")]
+            Location::Remote(u) => Arc::new(remote::RemoteSteps::new(
+                crate::store::s3::Remote::new(&u, &crate::store::s3::S3Config::try_from_env()?)?,
+            )),
+            #[cfg(not(feature = "s3"))]
+            Location::Remote(u) => return Err(crate::store::no_s3(&u)),
+        };
+        Ok(Self::over(steps, retention))
+    }
+
+    /// A manager over the prefix of a connected object store (its own configuration).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for `keep_last == 0` or `keep_every == Some(0)`.
+    #[cfg(feature = "s3")]
+    pub fn remote(root: crate::store::s3::Remote, retention: Retention) -> Result<Self> {
+        check_retention(&retention)?;
+        Ok(Self::over(
+            Arc::new(remote::RemoteSteps::new(root)),
             retention,
+        ))
+    }
+
+    fn over(steps: Arc<dyn StepStore>, retention: Retention) -> Self {
+        CheckpointManager {
+            steps,
+            retention,
+            saving: Arc::default(),
             in_flight: Arc::new((Mutex::new(0), Condvar::new())),
             pool: Arc::default(),
             max_in_flight: 1,
-        })
+        }
     }
 
     /// Allow up to `n` saves in flight (default 1): `save_async` blocks while `n` are.
@@ -313,117 +471,104 @@ impl CheckpointManager {
         self
     }
 
-    /// The root directory.
-    pub fn root(&self) -> &Path {
-        &self.root
+    /// The root directory or prefix URL.
+    pub fn location(&self) -> Location {
+        self.steps.root()
     }
 
-    /// The directory of `step`.
-    pub fn step_dir(&self, step: u64) -> PathBuf {
-        self.root.join(step_name(step))
-    }
-
-    /// Every step directory, committed or not, and leftover interrupted saves, sorted by step.
+    /// The root directory of a local manager.
     ///
     /// # Errors
-    /// [`Error::Io`] if the root cannot be listed.
+    /// [`Error::UnsupportedUrl`] for a manager on an object store.
+    pub fn root(&self) -> Result<PathBuf> {
+        Ok(self
+            .location()
+            .local("CheckpointManager::root")?
+            .to_path_buf())
+    }
+
+    /// Where `step` lives once committed: its directory or prefix URL.
+    pub fn step_location(&self, step: u64) -> Location {
+        self.steps.step_location(step)
+    }
+
+    /// The directory of `step` in a local manager (for ranks writing their parts,
+    /// [`crate::write::parts::write_part`]).
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedUrl`] for a manager on an object store (use
+    /// [`CheckpointManager::step_location`]).
+    pub fn step_dir(&self, step: u64) -> Result<PathBuf> {
+        Ok(self
+            .step_location(step)
+            .local("CheckpointManager::step_dir")?
+            .to_path_buf())
+    }
+
+    /// Every step, committed or not, and leftovers of interrupted saves, sorted by step.
+    ///
+    /// # Errors
+    /// [`Error::Io`] or [`Error::Remote`] if the root cannot be listed.
     pub fn list(&self) -> Result<Vec<StepEntry>> {
-        let rd = std::fs::read_dir(&self.root).map_err(|e| Error::io("list", &self.root, e))?;
-        let mut out = Vec::new();
-        for e in rd.flatten() {
-            let Ok(name) = e.file_name().into_string() else {
-                continue;
-            };
-            let path = e.path();
-            if !path.is_dir() {
-                continue;
-            }
-            if let Some(step) = parse_step(&name) {
-                let committed = path.join(MANIFEST_FILE).is_file();
-                out.push(StepEntry {
-                    step,
-                    bytes: dir_bytes(&path),
-                    path,
-                    committed,
-                });
-            } else if let Some(rest) = name.strip_prefix(TMP_STEP_PREFIX) {
-                if let Some(step) = rest.split('-').next().and_then(|s| s.parse().ok()) {
-                    out.push(StepEntry {
-                        step,
-                        bytes: dir_bytes(&path),
-                        path,
-                        committed: false,
-                    });
-                }
-            }
-        }
-        out.sort_by(|a, b| (a.step, &a.path).cmp(&(b.step, &b.path)));
-        Ok(out)
+        self.steps.list()
     }
 
     /// The committed steps, ascending.
     ///
     /// # Errors
-    /// [`Error::Io`] if the root cannot be listed.
+    /// As [`CheckpointManager::list`].
     pub fn steps(&self) -> Result<Vec<u64>> {
-        Ok(self
+        let mut v: Vec<u64> = self
             .list()?
             .into_iter()
             .filter(|e| e.committed)
             .map(|e| e.step)
-            .collect())
+            .collect();
+        v.dedup();
+        Ok(v)
     }
 
     /// The newest committed step.
     ///
     /// # Errors
-    /// [`Error::Io`] if the root cannot be listed.
+    /// As [`CheckpointManager::list`].
     pub fn latest(&self) -> Result<Option<u64>> {
         Ok(self.steps()?.last().copied())
     }
 
-    /// Open a committed step, holding it against garbage collection while the returned
-    /// checkpoint lives.
+    /// Open a committed step, holding its lease while the returned checkpoint lives: local
+    /// steps are memory-mapped (and kept from garbage collection), steps on an object store
+    /// downloaded whole.
     ///
     /// # Errors
-    /// [`Error::NotFound`] if the step is not committed; the errors of [`Checkpoint::open`].
+    /// [`Error::NotFound`] if the step is not committed; the errors of [`crate::open`].
     pub fn open(&self, step: u64) -> Result<LeasedCheckpoint> {
         let lease = self.lease(step)?;
-        let ckpt = Checkpoint::open(&lease.path)?;
+        let ckpt = self.steps.open(&lease)?;
         Ok(LeasedCheckpoint { ckpt, lease })
     }
 
-    /// Hold committed step `step` against garbage collection (a shared lock on its
-    /// `.ckpt-lock`) without opening it: for readers that open the directory by other
-    /// means. The step is checked to be committed once the lock is held, so a step that
-    /// `gc` deleted in between is reported as not found.
+    /// Open the newest committed step: `None` if there is none.
+    ///
+    /// # Errors
+    /// As [`CheckpointManager::open`].
+    pub fn open_latest(&self) -> Result<Option<LeasedCheckpoint>> {
+        match self.latest()? {
+            Some(s) => Ok(Some(self.open(s)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Hold committed step `step` against garbage collection without opening it
+    /// ([`StepLease`]): for readers that open it by other means. The step is checked to
+    /// be committed once the lease is held, so a step that `gc` deleted in between is
+    /// reported as not found.
     ///
     /// # Errors
     /// [`Error::NotFound`] if the step is not committed; [`Error::Io`] if the lock cannot
-    /// be taken.
+    /// be taken; [`Error::Remote`].
     pub fn lease(&self, step: u64) -> Result<StepLease> {
-        let dir = self.step_dir(step);
-        let lock_path = dir.join(LOCK_FILE);
-        let not_found = || Error::NotFound {
-            path: dir.clone(),
-            reason: format!("step {step} is not committed"),
-        };
-        let lock = OpenOptions::new()
-            .read(true)
-            .open(&lock_path)
-            .map_err(|_| not_found())?;
-        lock.lock_shared()
-            .map_err(|e| Error::io("lock (shared)", &lock_path, e))?;
-        // gc deletes the manifest first, under the exclusive lock: a manifest seen now,
-        // with the shared lock held, stays until the lease is dropped.
-        if !dir.join(MANIFEST_FILE).is_file() {
-            return Err(not_found());
-        }
-        Ok(StepLease {
-            step,
-            path: dir,
-            _lock: lock,
-        })
+        self.steps.lease(step)
     }
 
     /// Restore `state` from the newest committed step (see
@@ -436,20 +581,20 @@ impl CheckpointManager {
         state: &mut OptimizerState,
         layout: &StateLayout,
     ) -> Result<Option<u64>> {
-        let Some(step) = self.latest()? else {
+        let Some(ck) = self.open_latest()? else {
             return Ok(None);
         };
-        let ck = self.open(step)?;
         state.restore_from(&ck, layout)?;
-        Ok(Some(step))
+        Ok(Some(ck.step()))
     }
 
     /// Save `tensors` (and optionally an optimizer state) as `step`, blocking until it is
     /// committed and durable, then apply retention.
     ///
     /// # Errors
-    /// The errors of [`crate::save`]; on error no step directory appears (an existing
-    /// committed `step` is replaced atomically or kept).
+    /// The errors of [`crate::save`]; on error no step appears (an existing committed
+    /// `step` is replaced atomically or kept). Once the step is committed this returns
+    /// `Ok`: a retention that fails leaves what it could not delete for the next `gc`.
     pub fn save(
         &self,
         step: u64,
@@ -474,19 +619,6 @@ impl CheckpointManager {
         optimizer: Option<&OptimizerStateRef<'_>>,
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
-        let info = self.save_step(step, tensors, optimizer, opts)?;
-        self.gc()?;
-        Ok(info)
-    }
-
-    fn save_step(
-        &self,
-        step: u64,
-        tensors: &[TensorRef<'_>],
-        optimizer: Option<&OptimizerStateRef<'_>>,
-        opts: &SaveOptions,
-    ) -> Result<CommitInfo> {
-        let final_dir = self.step_dir(step);
         let (tensors, section) = match optimizer {
             Some(o) => {
                 let (t, s) = o.to_parts(tensors)?;
@@ -494,105 +626,35 @@ impl CheckpointManager {
             }
             None => (tensors.to_vec(), None),
         };
-        // Free the space of interrupted saves before writing this one (a save that failed
-        // for lack of space must not make the next one fail too).
-        let root_lock = self.lock_root()?;
-        self.remove_interrupted_locked(&[]);
-        if final_dir.join(MANIFEST_FILE).is_file() {
-            // Re-saving a committed step: the directory's own atomic replace.
-            drop(root_lock);
-            return write::save_locked(&final_dir, &tensors, opts, section);
-        }
-        let mut rnd = [0u8; 8];
-        getrandom::fill(&mut rnd)
-            .map_err(|e| Error::io("getrandom", "", std::io::Error::other(e.to_string())))?;
-        let tmp = self.root.join(format!(
-            "{TMP_STEP_PREFIX}{step}-{}",
-            rnd.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        ));
-        if final_dir.exists() {
-            // An uncommitted leftover (a gc that stopped half-way): clear it first.
-            remove_step_dir(&final_dir, false).map_err(|e| Error::io("remove", &final_dir, e))?;
-        }
-        local::prepare_dir(&tmp)?;
-        // The writer lock is held until the rename: gc never removes a directory whose
-        // lock is held, so it cannot take this one for an interrupted save (nor before it is
-        // held: the root lock covers the creation).
-        let lock = write::lock_dir(&tmp)?;
-        drop(root_lock);
-        let store = crate::store::LocalStore::std(&tmp);
-        let info = match write::save_impl(&store, &tensors, opts, section) {
-            Ok(info) => info,
-            Err(e) => {
-                // Nothing was committed: the directory is ours (we hold its lock) and holds
-                // no file of the failed save any more; remove it.
-                let _ = remove_locked_step_dir(&tmp, lock);
-                return Err(e);
-            }
+        let info = {
+            let _saving = Saving::new(&self.saving, step);
+            self.steps.save(step, &tensors, section, opts)?
         };
-        std::fs::rename(&tmp, &final_dir).map_err(|e| Error::io("rename", &tmp, e))?;
-        File::open(&self.root)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| Error::io("fsync directory", &self.root, e))?;
-        drop(lock);
+        let _ = self.gc();
         Ok(info)
     }
 
-    /// Take the root's lock (blocking; held only for short steps, see [`ROOT_LOCK`]).
-    fn lock_root(&self) -> Result<File> {
-        local::lock_file(&self.root.join(ROOT_LOCK), Lock::Exclusive)
-    }
-
-    /// Remove the directories of interrupted saves (`.tmp-step-` directories, and `step-`
-    /// directories without a committed manifest) that no writer holds; returns how many
-    /// were removed. A directory whose lock is held (a save in progress) is skipped, and so
-    /// is one found committed once its lock is taken, and those in `skip`. The caller holds
-    /// the root's lock.
-    fn remove_interrupted_locked(&self, skip: &[PathBuf]) -> usize {
-        let Ok(entries) = self.list() else {
-            return 0;
-        };
-        // A `step-` directory without a manifest that is newer than every committed step
-        // may be a multi-rank save whose ranks have written their parts and whose commit
-        // is still to come (format-spec/global.md): it is kept until a newer step commits.
-        let newest = entries.iter().filter(|e| e.committed).map(|e| e.step).max();
-        entries
-            .iter()
-            .filter(|e| !e.committed && !skip.contains(&e.path))
-            .filter(|e| {
-                let multi_rank_in_progress = parse_step_dir(&e.path).is_some()
-                    && newest.is_none_or(|n| e.step > n)
-                    && has_part_files(&e.path);
-                !multi_rank_in_progress
-            })
-            // A `.tmp-step-` directory may hold a committed manifest of its own (a save
-            // killed between its commit and the rename into place): once its lock is
-            // ours its writer is gone, and it is removed all the same.
-            .filter(|e| {
-                let tmp = parse_step_dir(&e.path).is_none();
-                matches!(remove_step_dir(&e.path, tmp), Ok(true))
-            })
-            .count()
-    }
-
     /// Commit step `step` of a multi-rank save (format-spec/global.md): every rank has
-    /// written its part into [`CheckpointManager::step_dir`] with
-    /// [`crate::write::parts::write_part`]; this commits them (manifest last), then applies
-    /// retention as [`CheckpointManager::save`] does. The step is committed only when its
-    /// manifest is: until then `steps`, `latest` and `ckpt ls` do not count it.
+    /// written its part into [`CheckpointManager::step_location`] with
+    /// [`crate::write::parts::write_part`] (or its object-store twin); this commits them
+    /// (manifest last), then applies retention as [`CheckpointManager::save`] does. The
+    /// step is committed only when its manifest is: until then `steps`, `latest` and
+    /// `ckpt ls` do not count it.
     ///
     /// # Errors
-    /// The errors of [`crate::write::parts::commit`] (nothing is committed); retention
-    /// errors as [`CheckpointManager::gc`].
+    /// The errors of [`crate::write::parts::commit`] (nothing is committed).
     pub fn commit_parts(
         &self,
         step: u64,
         checkpoint_id: &str,
-        parts: &[crate::write::parts::Part],
-        opts: &crate::write::parts::CommitOptions,
+        parts: &[Part],
+        opts: &CommitOptions,
     ) -> Result<CommitInfo> {
-        let info = crate::write::parts::commit(self.step_dir(step), checkpoint_id, parts, opts)?;
-        self.gc()?;
+        let info = {
+            let _saving = Saving::new(&self.saving, step);
+            self.steps.commit_parts(step, checkpoint_id, parts, opts)?
+        };
+        let _ = self.gc();
         Ok(info)
     }
 
@@ -620,6 +682,9 @@ impl CheckpointManager {
             *n += 1;
         }
         let release = Release(self.in_flight.clone());
+        // Marked as saving from now on, so that a gc started meanwhile leaves the step
+        // alone (an object store has no lock that would).
+        let saving = Saving::new(&self.saving, step);
         let snapshot = Snapshot::take(tensors, &self.pool)?;
         let optimizer = optimizer.cloned();
         let mgr = self.clone();
@@ -629,6 +694,7 @@ impl CheckpointManager {
                 let _release = release;
                 let refs = snapshot.refs();
                 let r = mgr.save(step, &refs, optimizer.as_ref(), &opts);
+                drop(saving);
                 drop(refs);
                 snapshot.recycle(&mgr.pool);
                 r
@@ -641,12 +707,15 @@ impl CheckpointManager {
     }
 
     /// Apply retention: delete committed steps that retention does not keep, unless a
-    /// reader or writer holds them (those are reported and kept for a later `gc`), and
-    /// remove leftover directories of interrupted saves that no writer holds. Deletes only
-    /// files the engine creates; a directory holding anything else is left in place.
+    /// lease holds them (those are reported and kept for a later `gc`); in the steps kept,
+    /// remove engine files their manifest does not name; remove leftovers of interrupted
+    /// saves, except steps this manager is saving. Deletes only files (objects) the engine
+    /// creates; a directory holding anything else is left in place.
     ///
     /// # Errors
-    /// [`Error::Io`] if the root cannot be listed.
+    /// [`Error::Io`] or [`Error::Remote`] if the root cannot be listed or a step cannot be
+    /// deleted (the rest of the sweep still runs; the first error is returned). Nothing
+    /// committed and kept is damaged by a failure.
     pub fn gc(&self) -> Result<GcReport> {
         let entries = self.list()?;
         let committed: Vec<u64> = entries
@@ -656,31 +725,51 @@ impl CheckpointManager {
             .collect();
         let keep_from = committed.len().saturating_sub(self.retention.keep_last);
         let mut report = GcReport::default();
-        let mut deleted = Vec::new();
-        for e in &entries {
-            if !e.committed {
-                continue; // interrupted saves: below, under the root's lock
-            }
+        let mut skip = Skip {
+            saving: self
+                .saving
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .copied()
+                .collect(),
+            deleted: Vec::new(),
+        };
+        let mut first_err = None;
+        // A committed step being saved again is left alone: its new files are not named
+        // by the manifest yet.
+        let settled = entries
+            .iter()
+            .filter(|e| e.committed && !skip.saving.contains(&e.step));
+        for e in settled {
             let newest = committed[keep_from..].contains(&e.step);
             let every = self.retention.keep_every.is_some_and(|m| e.step % m == 0);
-            if newest || every {
-                report.swept += sweep_kept_step(&e.path);
-                continue;
-            }
-            match remove_step_dir(&e.path, true) {
-                Ok(true) => {
-                    report.deleted.push(e.step);
-                    deleted.push(e.path.clone());
-                }
-                Ok(false) => report.in_use.push(e.step),
-                Err(_) => {}
+            let r = if newest || every {
+                self.steps.sweep(e).map(|n| report.swept += n)
+            } else {
+                self.steps.delete(e).map(|deleted| {
+                    if deleted {
+                        report.deleted.push(e.step);
+                        skip.deleted.push(e.location.clone());
+                    } else {
+                        report.in_use.push(e.step);
+                    }
+                })
+            };
+            if let Err(err) = r {
+                first_err.get_or_insert(err);
             }
         }
-        let root_lock = self.lock_root()?;
-        // (Steps just deleted are not counted again where a user's file kept the directory.)
-        report.interrupted_removed = self.remove_interrupted_locked(&deleted);
-        drop(root_lock);
-        Ok(report)
+        match self.steps.remove_interrupted(&entries, &skip) {
+            Ok(n) => report.interrupted_removed = n,
+            Err(err) => {
+                first_err.get_or_insert(err);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
     }
 }
 
@@ -696,154 +785,65 @@ impl Drop for Release {
     }
 }
 
-/// The step of a `step-` directory (not a `.tmp-step-` one).
-fn parse_step_dir(dir: &Path) -> Option<u64> {
-    parse_step(dir.file_name()?.to_str()?)
-}
-
-/// True if `dir` holds part descriptors of a multi-rank save.
-fn has_part_files(dir: &Path) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|rd| {
-        rd.flatten().any(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.starts_with("part-") && n.ends_with(".json"))
-        })
-    })
-}
-
-/// Delete a step directory if nobody holds its lock: returns `Ok(false)` if it is in use,
-/// or if it was listed as uncommitted (`committed` false) but holds a committed manifest
-/// once its lock is taken (a save committed it meanwhile). Only engine files (manifest,
-/// shards, temp files, lock) are removed; the directory itself only if that leaves it empty.
-fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
-    let lock_path = dir.join(LOCK_FILE);
-    let lock = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&lock_path)?;
-    match lock.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => return Ok(false),
-        Err(std::fs::TryLockError::Error(e)) => return Err(e),
-    }
-    if !committed && dir.join(MANIFEST_FILE).exists() {
-        return Ok(false);
-    }
-    remove_locked_step_dir(dir, lock)?;
-    Ok(true)
-}
-
-/// Remove from the kept, committed step `dir` the engine files its manifest does not name,
-/// under the step's writer lock (skipped, 0, while anyone holds it: a reader's lease, a
-/// save). These are left by a commit killed after its commit point and before its own
-/// cleanup (format-spec/durability.md §Cleanup): the committed checkpoint's part
-/// descriptors, and shards, parts and temporary files of earlier attempts. Only files not
-/// newer than the manifest go: a later writer's files are its own. Returns how many were
-/// removed; failures leave garbage, never damage (no manifest names what is removed).
-fn sweep_kept_step(dir: &Path) -> usize {
-    let Ok(lock) = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(dir.join(LOCK_FILE))
-    else {
-        return 0;
-    };
-    if lock.try_lock().is_err() {
-        return 0;
-    }
-    let manifest_path = dir.join(MANIFEST_FILE);
-    let Ok(committed_at) = std::fs::metadata(&manifest_path).and_then(|m| m.modified()) else {
-        return 0;
-    };
-    let Some(m) = crate::checkpoint::read_capped(&manifest_path, crate::format::MAX_MANIFEST_SIZE)
-        .ok()
-        .and_then(|b| crate::format::manifest::decode(&b).ok())
-    else {
-        return 0; // a damaged manifest: leave everything for `verify` to report
-    };
-    let keep: std::collections::HashSet<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut removed = 0;
-    for e in entries.flatten() {
-        let Ok(name) = e.file_name().into_string() else {
-            continue;
-        };
-        if !write::is_engine_file(&name) || keep.contains(name.as_str()) {
-            continue;
-        }
-        let old = e
-            .metadata()
-            .and_then(|md| md.modified())
-            .is_ok_and(|t| t <= committed_at);
-        if old && std::fs::remove_file(e.path()).is_ok() {
-            removed += 1;
-        }
-    }
-    if removed > 0 {
-        let _ = File::open(dir).and_then(|d| d.sync_all());
-    }
-    drop(lock);
-    removed
-}
-
-/// Delete a step directory whose lock `lock` the caller holds (see [`remove_step_dir`]).
-fn remove_locked_step_dir(dir: &Path, lock: File) -> std::io::Result<()> {
-    let lock_path = dir.join(LOCK_FILE);
-    // The manifest goes first: from then on the step is not committed for anyone.
-    let _ = std::fs::remove_file(dir.join(MANIFEST_FILE));
-    for e in std::fs::read_dir(dir)?.flatten() {
-        if let Ok(name) = e.file_name().into_string() {
-            if write::is_engine_file(&name) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
-    let _ = std::fs::remove_file(&lock_path);
-    drop(lock);
-    let _ = std::fs::remove_dir(dir);
-    if let Some(parent) = dir.parent() {
-        let _ = File::open(parent).and_then(|d| d.sync_all());
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A save killed after committing its manifest inside its `.tmp-step-` directory (before
-    /// the rename into place) leaves a directory with a manifest: still an interrupted save,
-    /// not a step, and the next `gc` removes it.
+    fn entry(step: u64, committed: bool) -> StepEntry {
+        StepEntry {
+            step,
+            location: Location::Local(PathBuf::from(format!("/r/{}", step_name(step)))),
+            committed,
+            bytes: 0,
+        }
+    }
+
+    fn picked(entries: &[StepEntry], skip: &Skip, parts: &[u64]) -> Vec<u64> {
+        interrupted(entries, skip, |e| parts.contains(&e.step))
+            .map(|e| e.step)
+            .collect()
+    }
+
+    /// Uncommitted steps are leftovers, except steps being saved, steps just deleted, and
+    /// a multi-rank save newer than every committed step whose parts are written.
     #[test]
-    fn gc_removes_a_tmp_step_with_a_committed_manifest() {
-        let root = tempfile::tempdir().unwrap();
-        let mgr = CheckpointManager::new(root.path(), Retention::keep_last(2)).unwrap();
-        let w = vec![1f32; 8];
-        mgr.save(
-            1,
-            &[TensorRef::from_slice("w", &[8], &w)],
-            None,
-            &SaveOptions::default(),
-        )
-        .unwrap();
-        let tmp = root.path().join(format!("{TMP_STEP_PREFIX}2-00ff"));
-        crate::save(
-            &tmp,
-            &[TensorRef::from_slice("w", &[8], &w)],
-            &SaveOptions::default(),
-        )
-        .unwrap();
-        assert!(tmp.join(MANIFEST_FILE).is_file());
-        assert_eq!(mgr.steps().unwrap(), vec![1]);
-        assert_eq!(mgr.gc().unwrap().interrupted_removed, 1);
-        assert!(!tmp.exists());
-        assert_eq!(mgr.steps().unwrap(), vec![1]);
+    fn interrupted_saves_are_picked_by_the_rule() {
+        let entries = [
+            entry(1, false),
+            entry(2, true),
+            entry(3, false),
+            entry(4, true),
+            entry(5, false),
+            entry(6, false),
+        ];
+        let none = Skip::default();
+        assert_eq!(picked(&entries, &none, &[]), [1, 3, 5, 6]);
+        // Parts of an older step are leftovers; of a newer one, a commit still to come.
+        assert_eq!(picked(&entries, &none, &[3, 6]), [1, 3, 5]);
+        let skip = Skip {
+            saving: [5].into(),
+            deleted: vec![entries[0].location.clone()],
+        };
+        assert_eq!(picked(&entries, &skip, &[]), [3, 6]);
+        // With nothing committed yet, every step with parts may be a commit to come.
+        let fresh = [entry(7, false), entry(8, false)];
+        assert_eq!(picked(&fresh, &none, &[8]), [7]);
+    }
+
+    #[test]
+    fn retention_must_keep_a_step() {
+        let dir = tempfile::tempdir().unwrap();
+        for r in [
+            Retention::keep_last(0),
+            Retention {
+                keep_last: 1,
+                keep_every: Some(0),
+            },
+        ] {
+            assert!(matches!(
+                CheckpointManager::new(dir.path(), r),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
     }
 }

@@ -28,8 +28,6 @@ pub(crate) mod local;
 mod object;
 #[cfg(feature = "s3")]
 pub mod s3;
-#[cfg(feature = "s3")]
-pub mod s3_manager;
 
 pub use local::{LocalPut, LocalStore};
 pub use object::{Put, Store};
@@ -276,7 +274,7 @@ pub fn commit_rendezvous_location(
 }
 
 #[cfg(not(feature = "s3"))]
-fn no_s3(u: &RemoteUrl) -> Error {
+pub(crate) fn no_s3(u: &RemoteUrl) -> Error {
     Error::UnsupportedUrl {
         url: u.to_string(),
         reason: "this build of ckptstore has no object-store support".into(),

@@ -53,6 +53,9 @@ LOCAL_POINTS = (
     "before-cleanup",
     "retention",
 )
+#: The s3 mode's: the local ones but ``retention`` (the s3s-fs server removes the objects, in
+#: a process the unlink interposer is not in).
+S3_POINTS = tuple(p for p in LOCAL_POINTS if p != "retention")
 DIST_POINTS = (
     "before-part",
     "retention",
@@ -419,15 +422,7 @@ def draw_kill(rnd: random.Random, spec: RunSpec, latest: int, life_s: float) -> 
     timer_s = life_s * max(0.3, remaining / max(1, len(save_steps(0, spec))))
     if rnd.random() < spec.timer:
         return None, (rnd.uniform(0.0, timer_s), rnd.randrange(world))
-    if spec.mode == "s3":
-        # No seam inside the S3 writer: named kills before the load, timers otherwise.
-        u = rnd.random()
-        if latest > 0 and u < 0.2:
-            return {"point": "restore", "n": 1}, None
-        if u < 0.4:
-            return {"point": "after-save", "n": rnd.randint(1, max(1, min(remaining, 3)))}, None
-        return None, (rnd.uniform(0.0, timer_s), 0)
-    points = list(LOCAL_POINTS if spec.mode == "local" else DIST_POINTS)
+    points = list({"local": LOCAL_POINTS, "s3": S3_POINTS}.get(spec.mode, DIST_POINTS))
     if latest == 0:
         points.remove("restore")
     point = rnd.choice(points)

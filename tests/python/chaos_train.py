@@ -28,14 +28,14 @@ Kill points (``kill = {"point": P, "n": N}``):
 * ``retention``: the N-th file removed from a ``step-`` directory (the retention sweep
   after a save), through the ``unlink`` interposer the harness preloads into the server
   (chaos_harness.py: ``CKPT_CHAOS_UNLINK_KILL=N``, the kill right after the removal).
-* ``restore`` in the s3 and dist modes: before the load, in this script; ``after-save`` in
-  the s3 mode: after the N-th save committed, before its retention (``ckpt gc``). The S3
-  writer has no pause seam: the s3 runs kill inside uploads and ``ckpt gc`` by timers.
+* ``restore`` in the dist mode: before the load, in this script. The s3 mode has every
+  point of the local one but ``retention`` (the objects are removed by the s3s-fs server, a
+  process the interposer is not in); timers kill it inside uploads and retention too.
 
 Modes: ``local`` (``ckptstore.torch.CheckpointManager``, non-blocking saves, ``keep_last``),
-``s3`` (``ckptstore.torch.save`` / ``load`` of ``ROOT/step-<step>`` on ``s3://``, retention
-and the latest step by the engine's S3 manager through ``ckpt gc`` / ``ckpt ls``: the Python
-manager takes local roots only), ``dist`` (2-rank FSDP2 through
+``s3`` (the same on an ``s3://`` root: the one manager over an object store; the harness
+reads the latest step and runs the final ``gc`` through ``ckpt ls`` / ``ckpt gc``),
+``dist`` (2-rank FSDP2 through
 ``ckptstore.torch.distributed`` into the step directories of a ``ckptstore.CheckpointManager``
 root: the latest step restored under a lease on every rank, retention by rank 0's ``gc``
 after each save), and
@@ -273,35 +273,6 @@ def s3_gc(root: str, keep: int) -> None:
         raise RuntimeError(f"ckpt gc {root} failed ({r.returncode}): {r.stderr}")
 
 
-def life_s3(cfg: dict) -> None:
-    log = Log(cfg["log"])
-    kill = cfg.get("kill") or {}
-    root = cfg["root"]
-    model = make_model()
-    opt, sched = make_optim(model)
-    step = s3_latest(root)
-    if step is None:
-        step = 0
-    else:
-        if kill.get("point") == "restore":
-            self_kill()
-        apply_extra(ct.load(f"{root}/step-{step:08d}", model, opt), sched)
-    log.ev(ev="restored", step=step, digest=state_digest(model, opt, sched))
-    every, n = cfg["every"], cfg["steps"]
-    saves = 0
-    for s in range(step + 1, n + 1):
-        train_step(model, opt, sched)
-        log.ev(ev="step", step=s, digest=state_digest(model, opt, sched))
-        if s % every == 0 or s == n:
-            saves += 1
-            ct.save(f"{root}/step-{s:08d}", model, opt, extra=extra_of(sched))
-            if kill.get("point") == "after-save" and saves == kill["n"]:
-                self_kill()  # committed, retention not applied yet
-            s3_gc(root, cfg["keep_last"])
-    torch.save(final_state(model, opt), cfg["final"])
-    log.ev(ev="done", step=n, digest=state_digest(model, opt, sched))
-
-
 def dist_build(world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -383,7 +354,8 @@ def life_dist_ref(cfg: dict, rank: int) -> None:
     dist.destroy_process_group()
 
 
-LIVES = {"ref": life_ref, "local": life_local, "s3": life_s3}
+# The s3 life is the local one on an s3:// root: the same manager, the same seams.
+LIVES = {"ref": life_ref, "local": life_local, "s3": life_local}
 DIST_LIVES = {"dist": life_dist, "dist-ref": life_dist_ref}
 
 

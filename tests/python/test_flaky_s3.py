@@ -721,20 +721,61 @@ def test_manager_past_the_budget_fails_naming_the_root_and_keeps_the_steps(net, 
     assert f"s3://{BUCKET}/{step_prefix(root, 3)}/shard-" in v.stdout + v.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding: ckptstore.CheckpointManager (and ckptstore.torch.CheckpointManager) refuse "
-    "s3:// roots ('CheckpointManager::new takes a local path'); the engine's RemoteManager "
-    "(src/store/s3_manager.rs) has save/open/gc on an object store but no Python binding "
-    "(python/src/manager.rs could hold a Remote variant)"))
 def test_python_manager_save_and_restore_on_s3(net, through_proxy):
+    """The one manager on an object store, through Python: retention after each save under
+    a transient fault, the steps and their URLs, leases, and a restore of the latest."""
     root = fresh("pymgr")
     mgr = ckptstore.CheckpointManager(url(root), keep_last=1)
+    assert mgr.root == url(root) and mgr.step_dir(7) == url(step_prefix(root, 7))
     t = tensors(5)
     through_proxy.set(Rule(match("PUT", "shard-*"), [fp.status(503)]))
     mgr.save(1, t)
     mgr.save(2, t)
-    assert mgr.steps() == [2]
+    assert len(through_proxy.faults()) == 1
+    assert mgr.steps() == [2] and mgr.latest() == 2
+    assert [(e["step"], e["path"], e["committed"]) for e in mgr.list()] == [
+        (2, url(step_prefix(root, 2)), True)]
     net.assert_intact(step_prefix(root, 2), t)
+    with mgr.lease(2) as lease:
+        assert lease.path == url(step_prefix(root, 2))
+        ck = ckptstore.open(lease.path)
+        assert all(np.array_equal(ck[k], v) for k, v in t.items())
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        mgr.lease(1)
+
+
+def test_torch_manager_async_saves_and_restore_on_s3(net, through_proxy):
+    """ckptstore.torch.CheckpointManager on s3://: background saves (one hit by a reset
+    connection, retried) keep the newest two, and restore_latest gives back the last step's
+    model and optimizer bit for bit."""
+    torch = pytest.importorskip("torch")
+    import ckptstore.torch as ct
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    root = fresh("torchmgr")
+    through_proxy.set(Rule(match("PUT", "shard-*"), [fp.reset_request(100)]))
+    with ct.CheckpointManager(url(root), keep_last=2) as mgr:
+        for step in range(1, 5):
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(step, model, opt, extra={"step": step})
+        mgr.wait()
+        assert mgr.steps() == [3, 4]
+    assert len(through_proxy.faults()) == 1
+    model2 = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 2))
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    mgr2 = ct.CheckpointManager(url(root), keep_last=2)
+    assert mgr2.restore_latest(model2, opt2, return_extra=True) == (4, {"step": 4})
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    sa, sb = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa[k][name], sb[k][name])
 
 
 def test_torch_save_load_under_faults(net, through_proxy):

@@ -483,16 +483,17 @@ def test_numpy_level_manager(tmp_path):
     assert mgr.step_dir(250) == Path(lease.path)
 
 
-def test_a_manager_root_url_is_refused_not_created_locally(tmp_path, monkeypatch):
-    """A manager works on local directories: an s3:// root is refused (it used to create a
-    local directory ``s3:/bucket/run``), in the engine's manager and the torch one."""
+def test_a_manager_root_url_is_never_created_locally(tmp_path, monkeypatch):
+    """A URL root is never a local directory (it used to create ``s3:/bucket/run``): an
+    ``s3://`` root is the object-store manager (no request is made until a save or a
+    listing), any other scheme is refused, in the engine's manager and the torch one."""
     import ckptstore.torch as ct
 
     monkeypatch.chdir(tmp_path)
-    for make in (
-        lambda: ckptstore.CheckpointManager("s3://bucket/run", keep_last=2),
-        lambda: ct.CheckpointManager("s3://bucket/run", keep_last=2),
-    ):
-        with pytest.raises(ckptstore.InvalidArgumentError, match="CheckpointManager::new takes a local path"):
-            make()
+    for make in (ckptstore.CheckpointManager, ct.CheckpointManager):
+        mgr = make("s3://bucket/run", keep_last=2)
+        assert mgr.root == "s3://bucket/run"
+        assert mgr.step_dir(3) == "s3://bucket/run/step-00000003"
+        with pytest.raises(ckptstore.InvalidArgumentError, match="gs://"):
+            make("gs://bucket/run", keep_last=2)
     assert list(tmp_path.iterdir()) == []

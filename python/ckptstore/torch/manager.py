@@ -1,5 +1,6 @@
 """A checkpoint manager for PyTorch training loops: one checkpoint per step under a root
-directory, retention, restore of the latest step, and saves that overlap with training.
+(a directory or an ``s3://`` prefix), retention, restore of the latest step, and saves that
+overlap with training.
 
 ::
 
@@ -275,7 +276,7 @@ class CheckpointManager:
 
     @property
     def root(self):
-        """The root directory (a ``pathlib.Path``)."""
+        """The root: a ``pathlib.Path``, or the URL (``str``) of an ``s3://`` root."""
         return self._store.root
 
     @property
@@ -297,7 +298,7 @@ class CheckpointManager:
         return self._store.list()
 
     def step_dir(self, step: int):
-        """The directory of ``step`` (a normal checkpoint once committed)."""
+        """Where ``step`` lives, its directory or URL (a normal checkpoint once committed)."""
         return self._store.step_dir(step)
 
     def lease(self, step: int):

@@ -34,14 +34,20 @@ pub struct GcArgs {
     json: bool,
 }
 
+/// The manager of a local or remote root; a local root must exist (`ls` and `gc` never
+/// create one).
 fn manager(root: &std::path::Path, retention: Retention) -> Result<CheckpointManager> {
-    if !root.is_dir() {
-        return Err(ckptstore::Error::NotFound {
-            path: root.to_path_buf(),
-            reason: "not a directory; give the root that holds step-NNNNNNNN/ directories".into(),
-        });
+    let loc = crate::util::location(root)?;
+    if let Location::Local(p) = &loc {
+        if !p.is_dir() {
+            return Err(ckptstore::Error::NotFound {
+                path: p.clone(),
+                reason: "not a directory; give the root that holds step-NNNNNNNN/ directories"
+                    .into(),
+            });
+        }
     }
-    CheckpointManager::new(root, retention)
+    CheckpointManager::new(loc, retention)
 }
 
 /// One step as `ls` prints it: (step, path or URL, committed, bytes).
@@ -49,50 +55,13 @@ type Row = (u64, String, bool, u64);
 
 /// The steps under a local or remote root, and the latest committed one.
 fn list_steps(root: &std::path::Path) -> Result<(Vec<Row>, Option<u64>)> {
-    match crate::util::location(root)? {
-        Location::Local(p) => {
-            let mgr = manager(&p, Retention::default())?;
-            let rows = mgr
-                .list()?
-                .into_iter()
-                .map(|e| (e.step, e.path.display().to_string(), e.committed, e.bytes))
-                .collect();
-            Ok((rows, mgr.latest()?))
-        }
-        #[cfg(not(feature = "s3"))]
-        Location::Remote(u) => Err(no_s3(&u)),
-        #[cfg(feature = "s3")]
-        Location::Remote(u) => {
-            let mgr = remote_manager(&u, Retention::default())?;
-            let steps = mgr.list()?;
-            let latest = steps.iter().filter(|s| s.committed).map(|s| s.step).max();
-            let rows = steps
-                .into_iter()
-                .map(|s| (s.step, s.url.to_string(), s.committed, s.bytes))
-                .collect();
-            Ok((rows, latest))
-        }
-    }
-}
-
-#[cfg(feature = "s3")]
-fn remote_manager(
-    u: &ckptstore::store::RemoteUrl,
-    retention: Retention,
-) -> Result<ckptstore::store::s3_manager::RemoteManager> {
-    ckptstore::store::s3_manager::RemoteManager::new(
-        u,
-        &ckptstore::store::s3::S3Config::try_from_env()?,
-        retention,
-    )
-}
-
-#[cfg(not(feature = "s3"))]
-fn no_s3(u: &ckptstore::store::RemoteUrl) -> ckptstore::Error {
-    ckptstore::Error::UnsupportedUrl {
-        url: u.to_string(),
-        reason: "this build has no object-store support".into(),
-    }
+    let steps = manager(root, Retention::default())?.list()?;
+    let latest = steps.iter().filter(|s| s.committed).map(|s| s.step).max();
+    let rows = steps
+        .into_iter()
+        .map(|s| (s.step, s.location.to_string(), s.committed, s.bytes))
+        .collect();
+    Ok((rows, latest))
 }
 
 pub fn ls(a: LsArgs) -> Result<ExitCode> {
@@ -140,13 +109,7 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
         keep_last: a.keep,
         keep_every: a.every,
     };
-    let r = match crate::util::location(&a.root)? {
-        Location::Local(p) => manager(&p, retention)?.gc()?,
-        #[cfg(feature = "s3")]
-        Location::Remote(u) => remote_manager(&u, retention)?.gc()?,
-        #[cfg(not(feature = "s3"))]
-        Location::Remote(u) => return Err(no_s3(&u)),
-    };
+    let r = manager(&a.root, retention)?.gc()?;
     if a.json {
         outln!(
             "{}",
