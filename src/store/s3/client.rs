@@ -84,6 +84,50 @@ pub(super) fn is_range_not_satisfiable(e: &object_store::Error) -> bool {
     false
 }
 
+/// Whether `e` is a request whose answer was cut after its status line: a reset
+/// connection, a truncated or stalled body of a LIST, CreateMultipartUpload or other
+/// response that `object_store` parses (its client error holds the transport error itself,
+/// [`object_store::client::HttpError`]). `object_store` retries such bodies for object GETs
+/// only; a failed request, retried by `object_store` already, holds its retry error there
+/// instead.
+pub(super) fn is_cut_answer(e: &object_store::Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|c| c.source())
+        .is_some_and(|c| {
+            c.downcast_ref::<object_store::client::HttpError>()
+                .is_some()
+        })
+}
+
+impl Remote {
+    /// Run the idempotent request `op` again while its answer is cut ([`is_cut_answer`]),
+    /// within the configured budget (`max_retries`, `retry_timeout`, the backoff doubling
+    /// from `init_backoff` up to 15 s), as `object_store` does for the requests themselves.
+    pub(super) async fn retrying_cut<T, F, Fut>(&self, mut op: F) -> object_store::Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = object_store::Result<T>>,
+    {
+        let start = std::time::Instant::now();
+        let mut backoff = self.cfg.init_backoff;
+        let mut retries = 0;
+        loop {
+            match op().await {
+                Err(e)
+                    if is_cut_answer(&e)
+                        && retries < self.cfg.max_retries
+                        && start.elapsed() < self.cfg.retry_timeout =>
+                {
+                    retries += 1;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(std::time::Duration::from_secs(15));
+                }
+                r => return r,
+            }
+        }
+    }
+}
+
 pub(super) fn is_not_found(e: &object_store::Error) -> bool {
     matches!(e, object_store::Error::NotFound { .. }) && !e.to_string().contains("NoSuchBucket")
 }
@@ -97,7 +141,7 @@ impl Remote {
     pub fn list(&self) -> Result<Listing> {
         let p = self.prefix_path();
         let r = self
-            .block_on(self.store.list_with_delimiter(p.as_ref()))
+            .block_on(self.retrying_cut(|| self.store.list_with_delimiter(p.as_ref())))
             .map_err(|e| remote_err("list", &self.url, &e))?;
         let objects = r
             .objects
@@ -173,15 +217,17 @@ impl Remote {
     /// [`Error::Remote`].
     pub fn probe(&self) -> Result<()> {
         let p = self.prefix_path();
-        let first = self.block_on(async { self.store.list(p.as_ref()).next().await });
+        let first = self.block_on(
+            self.retrying_cut(|| async { self.store.list(p.as_ref()).next().await.transpose() }),
+        );
         match first {
-            Some(Err(e @ object_store::Error::NotFound { .. })) => Err(Error::Remote {
+            Err(e @ object_store::Error::NotFound { .. }) => Err(Error::Remote {
                 op: "list",
                 url: format!("s3://{}", self.url.bucket),
                 reason: format!("the bucket {:?} does not exist ({e})", self.url.bucket),
             }),
-            Some(Err(e)) => Err(remote_err("list", &self.url, &e)),
-            _ => Ok(()),
+            Err(e) => Err(remote_err("list", &self.url, &e)),
+            Ok(_) => Ok(()),
         }
     }
 

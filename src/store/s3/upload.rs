@@ -147,8 +147,10 @@ impl<'r> ObjectPut<'r> {
     /// §Uploads) so that an interrupted save's upload can be aborted later.
     fn start_upload(&self) -> io::Result<Upload> {
         let r = self.r;
+        // A retried create whose first answer was lost leaves that upload empty and
+        // unjournaled: no parts, no bytes stored (bucket lifecycle rules end those).
         let id = r
-            .block_on(r.mp.create_multipart(&self.key))
+            .block_on(r.retrying_cut(|| r.mp.create_multipart(&self.key)))
             .map_err(|e| upload_io("create multipart upload", e))?;
         let journal = format!("{UPLOAD_JOURNAL_PREFIX}{}", journal_suffix()?);
         let body = serde_json::to_vec(&UploadJournal {
