@@ -4,6 +4,7 @@
 
 pub mod global;
 pub mod header;
+pub mod journal;
 pub mod manifest;
 pub mod names;
 pub mod optimizer;

@@ -378,6 +378,18 @@ fn main() -> Res<()> {
     for (i, b) in part_seeds.iter().enumerate() {
         write(&part_dir, &format!("seed-global-r{i}"), b)?;
     }
+    // Upload journals as the writer encodes them, behind the prefix-picking first byte.
+    let journal_dir = corpus.join("journal");
+    let shard = "shard-0123456789abcdef0123456789abcdef-00000.safetensors";
+    for (pick, key) in [(0u8, shard.to_string()), (2, format!("run/a/{shard}"))] {
+        let j = ckptstore::format::journal::UploadJournal {
+            key,
+            upload_id: "2~Zm9vYmFyLWJhemlvbg".into(),
+        };
+        let mut b = vec![pick];
+        b.extend_from_slice(&j.encode());
+        write(&journal_dir, &format!("seed-journal-{pick}"), &b)?;
+    }
     let foreign = foreign_safetensors();
     header::parse(&foreign).map_err(|e| format!("foreign seed: {e}"))?;
     write(&hdr, "seed-foreign", &foreign)?;

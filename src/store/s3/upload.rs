@@ -13,39 +13,27 @@ use object_store::{MultipartId, ObjectStoreExt, PutPayload};
 use super::client::{explain, is_not_found, write_err};
 use super::Remote;
 use crate::error::{Error, Result};
+use crate::format::journal::{UploadJournal, JOURNAL_PREFIX, MAX_JOURNAL_SIZE};
 use crate::location::RemoteUrl;
 use crate::store::Put;
 #[cfg(doc)]
 use crate::store::Store;
 use crate::write;
 
-/// The name prefix of upload journal objects: `.ckpt-tmp-upload-<32 hex>`, one per
-/// multipart upload in progress (format-spec/s3.md §Uploads). A temporary-file name, so
-/// every engine cleanup (`gc`, a save's start, a commit's cleanup) deletes it, through
-/// [`Remote::delete`] (also the store's `delete`), which aborts the upload first.
-const UPLOAD_JOURNAL_PREFIX: &str = ".ckpt-tmp-upload-";
-
-pub(super) fn is_upload_journal(name: &str) -> bool {
-    name.starts_with(UPLOAD_JOURNAL_PREFIX)
-}
-
-/// The body of an upload journal object: the upload's key and id.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct UploadJournal {
-    key: String,
-    upload_id: String,
-}
+pub(super) use crate::format::journal::is_journal_name as is_upload_journal;
 
 impl Remote {
     /// Abort the multipart upload an upload journal object `name` records (format-spec/s3.md
     /// §Uploads). An upload the store no longer knows (completed or aborted) is not an
     /// error, nor is one whose object exists (it completed); neither is a journal that is
-    /// gone or unreadable (nothing to abort).
+    /// gone, unreadable, or names an object that is not this prefix's (nothing of ours to
+    /// abort: [`UploadJournal::decode`]).
     pub(super) fn abort_journaled(&self, name: &str) -> Result<()> {
-        let Some(bytes) = self.get_small(name, 64 << 10)? else {
+        let Some(bytes) = self.get_small(name, MAX_JOURNAL_SIZE)? else {
             return Ok(());
         };
-        let Ok(j) = serde_json::from_slice::<UploadJournal>(&bytes) else {
+        // A journal that is not one of ours names no upload we may abort.
+        let Some(j) = UploadJournal::decode(&bytes, &self.url.prefix) else {
             return Ok(());
         };
         let key = ObjPath::from(j.key.as_str());
@@ -152,12 +140,12 @@ impl<'r> ObjectPut<'r> {
         let id = r
             .block_on(r.retrying_cut(|| r.mp.create_multipart(&self.key)))
             .map_err(|e| upload_io("create multipart upload", e))?;
-        let journal = format!("{UPLOAD_JOURNAL_PREFIX}{}", journal_suffix()?);
-        let body = serde_json::to_vec(&UploadJournal {
+        let journal = format!("{JOURNAL_PREFIX}{}", journal_suffix()?);
+        let body = UploadJournal {
             key: self.key.to_string(),
             upload_id: id.clone(),
-        })
-        .map_err(io::Error::other)?;
+        }
+        .encode();
         if let Err(e) = r.block_on(r.store.put(&r.path(&journal), PutPayload::from(body))) {
             let _ = r.block_on(r.mp.abort_multipart(&self.key, &id));
             return Err(upload_io("PUT upload journal", e));
