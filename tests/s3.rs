@@ -1295,7 +1295,7 @@ fn gc_takes_a_journal_of_a_completed_upload_as_done() {
 
     // A journal whose upload cannot be aborted and whose object does not exist stays, and
     // gc fails naming the key and the upload.
-    let missing = u.key("shard-feedfacefeedfacefeedfacefeedface-0.safetensors");
+    let missing = u.key("shard-feedfacefeedfacefeedfacefeedface-00000.safetensors");
     let body = format!(r#"{{"key":"{missing}","upload_id":"no-such-upload"}}"#);
     r.put_small(journal, body.into_bytes()).unwrap();
     let e = s3::gc_prefix(&r).unwrap_err();
@@ -1306,4 +1306,14 @@ fn gc_takes_a_journal_of_a_completed_upload_as_done() {
         "{msg}"
     );
     assert!(r.get_small(journal, 1 << 16).unwrap().is_some());
+
+    // A journal naming an object outside its prefix (another run's shard, any key of the
+    // bucket) names nothing gc may abort: it is deleted without an abort (which would fail
+    // here as above), and the checkpoint stays.
+    let foreign = url("other-run").key("shard-feedfacefeedfacefeedfacefeedface-00000.safetensors");
+    let body = format!(r#"{{"key":"{foreign}","upload_id":"no-such-upload"}}"#);
+    r.put_small(journal, body.into_bytes()).unwrap();
+    assert_eq!(s3::gc_prefix(&r).unwrap(), vec![journal.to_string()]);
+    assert!(r.get_small(journal, 1 << 16).unwrap().is_none());
+    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f);
 }
