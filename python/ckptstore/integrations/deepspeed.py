@@ -59,6 +59,26 @@ and the tensor, and the live model, optimizer, scheduler and step counters are u
 The cost: the model file's objects stay in memory while the ZeRO partition loads (DeepSpeed
 frees them first).
 
+**A change of optimizer class** (a tag saved by AdamW, loaded into an engine whose optimizer
+is ``SGD``): DeepSpeed's files do not name the optimizer class, so the ``save_checkpoint``
+that :func:`install` wraps records it (``type(optimizer).__name__`` of the base optimizer,
+``engine.basic_optimizer``, the torch optimizer under ZeRO's or FP16's wrapper, as
+:func:`ckptstore.torch.save` records it) in every file of the tag (the top-level key
+``$deepspeed.optimizer_class`` of the stored object, JSON in the file's manifest; tensor names
+are unchanged and ``load`` returns the object without it). The ``load_checkpoint`` that
+:func:`install` wraps, when it loads optimizer states (not with ``load_optimizer_states=False``
+or ``load_module_only=True``), checks it when DeepSpeed takes the first file (the model
+states, before DeepSpeed applies anything) by rule F1 of the one rule,
+:func:`ckptstore.check_optimizer_fit`: another class raises
+:class:`ckptstore.IncompatibleStateError` naming both classes (and the file), and the live
+model, optimizer, scheduler and step counters are unchanged. ``install(engine,
+allow_optimizer_change=True)`` (or ``engine.checkpoint_engine.allow_optimizer_change =
+True``) lets a deliberate change through: DeepSpeed loads the checkpoint's optimizer state as
+stored, and each parameter group gets the checkpoint's hyperparameters plus the live group's
+own for the settings the checkpoint's lacks (an ``SGD`` loaded from AdamW keeps its
+``momentum``), as :func:`ckptstore.torch.load` does. A tag saved without the class (before
+this, or by an engine not installed with :func:`install`) is loaded unchecked.
+
 **Non-tensor values.** JSON values are stored as JSON; tuples, ``OrderedDict``,
 ``torch.Size``, ``torch.dtype``, non-string keys, non-finite floats and bytes in the tagged
 forms of ``_tree``. DeepSpeed's own values in its state dicts are stored structurally, without
@@ -122,7 +142,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine as _DSCheckpointEngine,
 )
 
-from ..errors import CheckpointError, CheckpointIOError, InvalidArgumentError
+from .. import check_optimizer_fit
+from ..errors import CheckpointError, CheckpointIOError, IncompatibleStateError, InvalidArgumentError
+from ..torch._state import _group_hyper, _optimizer_class
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
 
 _log = logging.getLogger(__name__)
@@ -137,6 +159,8 @@ _STAGING = ".ckptstore-staging"
 _OLD = ".ckptstore-old"
 _LATEST_TMP = ".latest.ckptstore-tmp."
 _MARK = "$deepspeed"
+#: Top-level key of a tag's files: the optimizer class of the save.
+_CLASS_KEY = _MARK + ".optimizer_class"
 _ZERO_RANK = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")
 
 
@@ -184,7 +208,7 @@ def _encode(v: Any) -> Any:
         return v
     if isinstance(v, dict):
         items = {k: _encode(x) for k, x in v.items()}
-        if _MARK in v:  # a caller's dict with our key: escaped
+        if any(isinstance(k, str) and k.startswith(_MARK) for k in v):  # our keys: escaped
             return {_MARK: "dict", "items": [[k, x] for k, x in items.items()],
                     "ordered": isinstance(v, collections.OrderedDict)}
         return collections.OrderedDict(items) if isinstance(v, collections.OrderedDict) else items
@@ -232,6 +256,55 @@ def _decode(v: Any, where: str) -> Any:
     except (KeyError, TypeError, ValueError) as e:
         raise InvalidArgumentError(f"{where!r}: a stored DeepSpeed value is malformed: {v!r:.200} ({e})") from e
     raise InvalidArgumentError(f"{where!r}: unknown stored DeepSpeed value kind {kind!r}")
+
+
+# ---- the optimizer class, recorded with every file of a tag --------------------------------
+
+
+def _with_class(obj: Any, optimizer_class: str) -> Any:
+    """A file's (encoded) object with the optimizer class of the save under the top-level key
+    ``_CLASS_KEY`` (its tensors keep their names). A caller's dict holding a key that starts
+    with ``_MARK`` is escaped by :func:`_encode`, so that key at the top level is only this;
+    an object that is not a plain top-level dict records nothing."""
+    if not isinstance(obj, dict) or _MARK in obj:
+        return obj
+    out = type(obj)(obj)
+    out[_CLASS_KEY] = optimizer_class
+    return out
+
+
+def _recorded_class(obj: Any, where: str) -> "tuple[Any, Optional[str]]":
+    """``(object, recorded optimizer class or None)`` of a stored file's object."""
+    if not isinstance(obj, dict) or _MARK in obj or _CLASS_KEY not in obj:
+        return obj, None
+    cls = obj[_CLASS_KEY]
+    if not isinstance(cls, str):
+        raise InvalidArgumentError(f"{where!r}: the stored optimizer class is malformed: {cls!r:.200}")
+    out = type(obj)((k, v) for k, v in obj.items() if k != _CLASS_KEY)
+    return out, cls
+
+
+def _base_optimizer(engine: Any) -> Any:
+    """The torch optimizer that runs under DeepSpeed's wrappers (ZeRO, FP16, BF16)."""
+    opt = getattr(engine, "basic_optimizer", None)
+    if opt is None:
+        opt = getattr(engine, "optimizer", None)
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            opt = inner
+    return opt
+
+
+def _check_class(live_class: str, saved_class: Any, allow_optimizer_change: bool) -> bool:
+    """Rule F1 of the one rule, :func:`ckptstore.check_optimizer_fit`: raise
+    :class:`IncompatibleStateError` naming both classes when the recorded class (``None``:
+    not recorded) is not the live one, unless ``allow_optimizer_change``. (DeepSpeed checks
+    the groups and partitions itself.) Returns whether this is an allowed change."""
+    check_optimizer_fit(
+        [], [], live_class=live_class, saved_class=saved_class,
+        allow_optimizer_change=allow_optimizer_change,
+    )
+    return isinstance(saved_class, str) and saved_class != live_class
 
 
 # ---- file-system helpers -----------------------------------------------------------------
@@ -361,6 +434,8 @@ class CheckpointEngine(_DSCheckpointEngine):
         allow_pickle: store values only pickle can store, and load them (and files of
             DeepSpeed's default engine). Trusts the checkpoint as much as code you run.
         max_shard_size: bytes per shard file of each checkpoint (``None``: the engine's).
+        allow_optimizer_change: let :func:`install`'s ``load_checkpoint`` load a tag saved by
+            another optimizer class (module docstring); refused by default.
         non_blocking: ``save`` copies the tensors into snapshot buffers (one set per file
             name, reused by the next tag: no allocation after the first save) and returns;
             the files are written on background threads and ``commit`` returns at once, a
@@ -373,12 +448,22 @@ class CheckpointEngine(_DSCheckpointEngine):
     """
 
     def __init__(self, config_params: Any = None, *, allow_pickle: bool = False,
-                 max_shard_size: Optional[int] = None, non_blocking: bool = False) -> None:
+                 max_shard_size: Optional[int] = None, non_blocking: bool = False,
+                 allow_optimizer_change: bool = False) -> None:
         super().__init__(config_params)
         self.name = "ckptstore"
         self.allow_pickle = allow_pickle
         self.max_shard_size = max_shard_size
         self.non_blocking = non_blocking
+        self.allow_optimizer_change = bool(allow_optimizer_change)
+        #: Set by :func:`install`'s wrappers: the class recorded in the files of a tag being
+        #: saved, and the live class the files of a load are checked against.
+        self._optimizer_class: Optional[str] = None
+        self._expect_class: Optional[str] = None
+        #: Set by a load that found an allowed change of class (the hyperparameter hook).
+        self._class_changed = False
+        #: The recorded classes of the prefetched files, by absolute path.
+        self._prefetched_class: Dict[str, Optional[str]] = {}
         self._pending: Optional[_Pending] = None
         #: Set by :func:`install`'s ``save_checkpoint`` wrapper: the caller's ``save_latest``,
         #: which the engine is told is False (this engine writes ``latest`` atomically).
@@ -427,6 +512,8 @@ class CheckpointEngine(_DSCheckpointEngine):
     def save(self, state_dict: Any, path: str) -> None:
         target, rel = self._target(path)
         obj = _encode(state_dict)
+        if rel is not None and self._optimizer_class is not None:
+            obj = _with_class(obj, self._optimizer_class)
         if rel is None:  # outside a tag (save_16bit_model): its own committed checkpoint
             save_tree(target, obj, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
                       cleanup="inline")
@@ -529,12 +616,31 @@ class CheckpointEngine(_DSCheckpointEngine):
         key = os.path.abspath(path)
         if key in self._prefetched:
             obj = self._prefetched.pop(key)
+            self._check_class(path, self._prefetched_class.pop(key, None))
             if map_location is not None and not callable(map_location):
                 obj = _move(obj, map_location)
             return obj
-        return self._read(path, map_location)
+        obj, saved_class = self._read(path, map_location)
+        self._check_class(path, saved_class)
+        return obj
 
-    def _read(self, path: str, map_location: Any) -> Any:
+    def _check_class(self, path: str, saved_class: Optional[str]) -> None:
+        """During a load through :func:`install`'s ``load_checkpoint`` that loads optimizer
+        states: refuse a file recorded with another optimizer class (module docstring)."""
+        live = self._expect_class
+        if live is None:
+            return
+        try:
+            if _check_class(live, saved_class, self.allow_optimizer_change):
+                self._class_changed = True
+        except IncompatibleStateError as e:
+            named = _naming(e, path)
+            if named is e:
+                raise
+            raise named from None
+
+    def _read(self, path: str, map_location: Any) -> "tuple[Any, Optional[str]]":
+        """The object stored at ``path`` and the optimizer class recorded with it."""
         if os.path.isfile(path):
             if not self.allow_pickle:
                 raise PickleNotAllowedError(
@@ -544,7 +650,7 @@ class CheckpointEngine(_DSCheckpointEngine):
                     "code you run")
             import torch
 
-            return torch.load(path, map_location=map_location, weights_only=False)
+            return torch.load(path, map_location=map_location, weights_only=False), None
         try:
             obj = load_tree(path, allow_pickle=self.allow_pickle, map_location=map_location)
         except CheckpointError as e:
@@ -552,7 +658,8 @@ class CheckpointEngine(_DSCheckpointEngine):
             if named is e:
                 raise
             raise named from e
-        return _decode(obj, path)
+        obj, saved_class = _recorded_class(obj, path)
+        return _decode(obj, path), saved_class
 
     def prefetch(self, tag_dir: str, *, dp_rank: Optional[int] = None,
                  optimizer_states: bool = True) -> List[str]:
@@ -561,9 +668,11 @@ class CheckpointEngine(_DSCheckpointEngine):
         rank's ZeRO files (when ``dp_rank`` is given) and, unless ``optimizer_states``,
         the ``*optim_states*`` files. Raises what :meth:`load` raises, keeping nothing."""
         self._prefetched.clear()
+        self._prefetched_class.clear()
         if not os.path.isdir(tag_dir):
             return []
         loaded: Dict[str, Any] = {}
+        classes: Dict[str, Optional[str]] = {}
         for name in sorted(os.listdir(tag_dir)):
             path = os.path.join(tag_dir, name)
             if not (name.endswith(".pt") or name.endswith(".bin")) or not os.path.isdir(path):
@@ -573,13 +682,16 @@ class CheckpointEngine(_DSCheckpointEngine):
             m = _ZERO_RANK.search(name)
             if dp_rank is not None and m is not None and int(m.group(1)) != dp_rank:
                 continue
-            loaded[os.path.abspath(path)] = self._read(path, lambda t, _dev: t)
+            key = os.path.abspath(path)
+            loaded[key], classes[key] = self._read(path, lambda t, _dev: t)
         self._prefetched = loaded
+        self._prefetched_class = classes
         return sorted(os.path.basename(k) for k in loaded)
 
     def release(self) -> None:
         """Drop what :meth:`prefetch` kept and :meth:`load` did not take."""
         self._prefetched.clear()
+        self._prefetched_class.clear()
 
 
 def _naming(e: "CheckpointError", path: str) -> "CheckpointError":
@@ -624,19 +736,24 @@ def _latest_tag(engine: Any, load_dir: str) -> Optional[str]:
 
 
 def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional[int] = None,
-            non_blocking: bool = False, prefetch: bool = True) -> CheckpointEngine:
+            non_blocking: bool = False, prefetch: bool = True,
+            allow_optimizer_change: bool = False) -> CheckpointEngine:
     """Make ``engine`` (what ``deepspeed.initialize`` returned) checkpoint through
     ckptstore; return the :class:`CheckpointEngine`.
 
     ``non_blocking``: see :class:`CheckpointEngine`. Sets ``engine.checkpoint_engine`` and
     wraps, on this engine object only,
     ``save_checkpoint`` (``latest`` is written by the checkpoint engine, atomically, at the
-    commit) and ``load_checkpoint`` (with ``prefetch``, every file of the tag this rank
-    reads is loaded and CRC-checked before DeepSpeed applies any of them). Installing
-    again replaces the checkpoint engine and keeps one wrapper.
+    commit; every file records the optimizer class) and ``load_checkpoint`` (with
+    ``prefetch``, every file of the tag this rank reads is loaded and CRC-checked before
+    DeepSpeed applies any of them; a tag saved by another optimizer class is refused with
+    :class:`ckptstore.IncompatibleStateError` before anything changes, unless
+    ``allow_optimizer_change``: module docstring). Installing again replaces the
+    checkpoint engine and keeps one wrapper.
     """
     ce = CheckpointEngine(getattr(engine, "_config", None), allow_pickle=allow_pickle,
-                          max_shard_size=max_shard_size, non_blocking=non_blocking)
+                          max_shard_size=max_shard_size, non_blocking=non_blocking,
+                          allow_optimizer_change=allow_optimizer_change)
     old = getattr(engine, "checkpoint_engine", None)
     if isinstance(old, CheckpointEngine):
         old.cleanup()
@@ -654,11 +771,14 @@ def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional
             return save_orig(save_dir, tag=tag, client_state={} if client_state is None else client_state,
                              save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
         cur._save_latest = bool(save_latest)
+        base = _base_optimizer(engine)
+        cur._optimizer_class = None if base is None else _optimizer_class(base)
         try:
             return save_orig(save_dir, tag=tag, client_state={} if client_state is None else client_state,
                              save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
             cur._save_latest = None
+            cur._optimizer_class = None
 
     @functools.wraps(load_orig)
     def load_checkpoint(load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -668,9 +788,28 @@ def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states,
                       load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-        if isinstance(cur, CheckpointEngine):
-            cur.wait()  # a save still in flight is published first
-        if not (prefetch and isinstance(cur, CheckpointEngine)):
+        if not isinstance(cur, CheckpointEngine):
+            return load_orig(load_dir, tag=tag, **kwargs)
+        cur.wait()  # a save still in flight is published first
+        base = _base_optimizer(engine)
+        checks = base is not None and load_optimizer_states and not load_module_only
+        cur._expect_class = _optimizer_class(base) if checks else None
+        cur._class_changed = False
+        hook = None
+        if checks and cur.allow_optimizer_change and hasattr(base, "register_load_state_dict_pre_hook"):
+            hook = base.register_load_state_dict_pre_hook(_keep_live_hyper(cur))
+        try:
+            return _load_checked(load_dir, tag, kwargs, cur)
+        finally:
+            cur._expect_class = None
+            cur._class_changed = False
+            if hook is not None:
+                hook.remove()
+
+    def _load_checked(load_dir: str, tag: Any, kwargs: Dict[str, Any], cur: CheckpointEngine) -> Any:
+        load_optimizer_states = kwargs["load_optimizer_states"]
+        load_module_only = kwargs["load_module_only"]
+        if not prefetch:
             return load_orig(load_dir, tag=tag, **kwargs)
         resolved = _latest_tag(engine, load_dir) if tag is None else str(tag)
         if resolved is None:  # DeepSpeed warns and returns (None, None)
@@ -692,3 +831,25 @@ def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
     return ce
+
+
+def _keep_live_hyper(ce: CheckpointEngine) -> Any:
+    """A ``register_load_state_dict_pre_hook`` hook for the base optimizer: after an allowed
+    change of class (``ce._class_changed``), each group of the state dict DeepSpeed hands
+    it gets the live group's hyperparameters for the settings it lacks."""
+
+    def hook(optimizer: Any, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        groups = state_dict.get("param_groups")
+        if not ce._class_changed or not isinstance(groups, list):
+            return None
+        merged = []
+        for i, sg in enumerate(groups):
+            if i < len(optimizer.param_groups) and isinstance(sg, dict):
+                g = _group_hyper(optimizer.param_groups[i], sg, True)
+                g["params"] = sg.get("params")
+                merged.append(g)
+            else:
+                merged.append(sg)
+        return dict(state_dict, param_groups=merged)
+
+    return hook

@@ -79,6 +79,44 @@ a damaged checkpoint leaves every rank's model and optimizer unchanged. The FSDP
 ``FSDPStrategy`` is not routed (lightning 2.6 runs it on GPUs only, so it is untested here):
 use :class:`ModelParallelStrategy` (FSDP2) instead (see python/README.md).
 
+**A change of optimizer class** (state saved by AdamW, resumed into ``SGD``): refused with
+:class:`ckptstore.IncompatibleStateError` naming both classes, by rule F1 of
+:func:`ckptstore.check_optimizer_fit` (the one rule of :func:`ckptstore.torch.load`), unless
+the option ``allow_optimizer_change=True`` is given. A Lightning optimizer state dict does
+not name its class, so the class (``type(optimizer).__name__`` of the optimizer that runs,
+as :func:`ckptstore.torch.save` records it) is recorded at save, and checked at resume,
+by whichever component sees the live optimizers:
+
+* :class:`ModelParallelStrategy` records each optimizer's class with the rest of the dict and
+  checks it in ``load_checkpoint`` before anything is read into the live model or optimizer
+  (``ModelParallelStrategy(allow_optimizer_change=True)`` lets a change through): a refused
+  resume leaves both exactly as they were.
+* With :class:`CheckpointIO` (stock strategies), ``CheckpointIO`` only stores and returns a
+  dict and never sees an optimizer, so the callback :class:`OptimizerCheck`
+  (``Trainer(plugins=[CheckpointIO()], callbacks=[OptimizerCheck()])``; its
+  ``allow_optimizer_change``) records the classes (its callback state) and checks them once
+  the Trainer has built the optimizers, before Lightning loads any optimizer state, the
+  learning rate schedulers or the loops' progress, and before any training step. What is not
+  possible there: Lightning's stock strategies load the model's weights (``restore_model``)
+  *before* they create the optimizers (``configure_optimizers`` runs in ``strategy.setup``),
+  so when a class change is refused the model already holds the checkpoint's weights (the
+  optimizer, schedulers and loops are untouched). Without the callback nothing is recorded or
+  checked (a checkpoint that records no class is resumed as before, as is one saved without
+  the callback). Strategies that restore the optimizer themselves (Lightning's
+  ``DeepSpeedStrategy``) are left to their own load: the callback does not check them.
+* Fabric (``fabric.save`` / ``fabric.load`` through :class:`CheckpointIO`): not checked;
+  Fabric converts the optimizer to its state dict before ``CheckpointIO`` sees it, and no
+  hook runs with both. Use :func:`ckptstore.torch.save` / :func:`ckptstore.torch.load` for
+  the check there.
+
+With the opt-in the checkpoint's optimizer state is installed as stored and each parameter
+group gets the checkpoint's hyperparameters plus the live group's own for the settings the
+checkpoint's group lacks (an ``SGD`` resumed from AdamW keeps its ``momentum``), as
+:func:`ckptstore.torch.load` does. Under :class:`ModelParallelStrategy` (DCP loads into the
+live optimizer's own state tensors) the live optimizer gets the checkpoint's state for the
+state names it has itself; its others, and the checkpoint's names it does not use, start
+fresh (``SGD`` from AdamW: a new momentum buffer at the next step).
+
 Tested with lightning 2.6.6 and torch 2.15 (CPU, gloo).
 """
 
@@ -94,13 +132,17 @@ from typing import Any, Dict, Optional
 import lightning.fabric.plugins.io as _lio
 import torch
 
-from .. import open as _open, wait_for_cleanup as _wait_for_cleanup
-from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
+from lightning.pytorch.callbacks import Callback as _Callback
+
+from .. import check_optimizer_fit, open as _open, wait_for_cleanup as _wait_for_cleanup
+from ..errors import CheckpointError, CheckpointNotFoundError, IncompatibleStateError, InvalidArgumentError
+from ..torch._state import _group_hyper, _optimizer_class
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
 
 __all__ = [
     "CheckpointIO",
     "ModelParallelStrategy",
+    "OptimizerCheck",
     "PickleNotAllowedError",
     "MANIFEST",
     "DCP_TREE_KEY",
@@ -379,6 +421,125 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+# ---- the optimizer class: recorded at save, checked at resume -------------------------------
+
+
+def _check_class(live_class: str, saved_class: Any, allow_optimizer_change: bool) -> bool:
+    """Raise :class:`IncompatibleStateError` naming both classes when the checkpoint's
+    optimizer class (``None``: not recorded) is not the live one, unless
+    ``allow_optimizer_change``: rule F1 of the one rule, :func:`ckptstore.check_optimizer_fit`
+    (the groups, positional in Lightning's state dicts, are left to the optimizer's
+    ``load_state_dict``). Returns whether this is an allowed change of class."""
+    check_optimizer_fit(
+        [], [], live_class=live_class, saved_class=saved_class,
+        allow_optimizer_change=allow_optimizer_change,
+    )
+    return isinstance(saved_class, str) and saved_class != live_class
+
+
+def _with_live_hyper(live_groups: Any, saved_groups: Any) -> list:
+    """The checkpoint's parameter groups (matched to the live ones by position), each with
+    the live group's hyperparameters for the settings it lacks (``ckptstore.torch.load``'s
+    rule for a deliberate change of optimizer)."""
+    out = []
+    for i, sg in enumerate(saved_groups):
+        if i < len(live_groups) and isinstance(sg, dict):
+            g = _group_hyper(live_groups[i], sg, True)
+            g["params"] = sg.get("params")
+            out.append(g)
+        else:
+            out.append(sg)
+    return out
+
+
+def _keep_live_hyper_hook(optimizer: Any, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """``Optimizer.register_load_state_dict_pre_hook`` hook of an allowed change of class."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list):
+        return state_dict
+    return dict(state_dict, param_groups=_with_live_hyper(optimizer.param_groups, groups))
+
+
+class OptimizerCheck(_Callback):
+    """A Lightning callback that refuses to resume a checkpoint saved by another optimizer
+    class (module docs), for :class:`CheckpointIO` under Lightning's stock strategies.
+
+    It records ``type(optimizer).__name__`` of each of the Trainer's optimizers (seen through
+    ``LightningOptimizer``) as its callback state at every save, and at a resume raises
+    :class:`ckptstore.IncompatibleStateError` naming both classes once the Trainer has built
+    its optimizers and before Lightning loads their state (nor the schedulers', the loops'
+    or any step). Lightning's stock strategies have already loaded the model's weights at
+    that point (they do so before creating the optimizers). ``allow_optimizer_change=True``
+    lets a deliberate change through: the checkpoint's optimizer state is loaded, each group
+    with the live group's hyperparameters for the settings the checkpoint's lacks. A
+    checkpoint without this callback's state is resumed unchecked. Under
+    :class:`ModelParallelStrategy` (which checks, before anything changes, with its own
+    ``allow_optimizer_change``) and strategies that restore the optimizer themselves, it
+    records but does not check.
+    """
+
+    def __init__(self, *, allow_optimizer_change: bool = False) -> None:
+        self.allow_optimizer_change = bool(allow_optimizer_change)
+        self._trainer: Any = None
+        self._saved: Optional[list] = None
+        self._checked = False
+        self._hooks: list = []
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
+        self._saved = None
+        self._checked = False
+        self._remove_hooks()
+
+    def state_dict(self) -> Dict[str, Any]:
+        trainer = self._trainer
+        if trainer is None or not trainer.optimizers:
+            return {}
+        return {"optimizer_classes": [_optimizer_class(o) for o in trainer.optimizers]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        classes = state_dict.get("optimizer_classes") if isinstance(state_dict, dict) else None
+        self._saved = list(classes) if isinstance(classes, (list, tuple)) else None
+        self._checked = False
+        trainer = self._trainer
+        if trainer is not None and trainer.optimizers:
+            # A strategy that restores after its setup: the optimizers exist already.
+            self._check(trainer)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # Lightning's stock strategies: the optimizers were created in strategy.setup; their
+        # state, the schedulers' and the loops' are restored right after this hook.
+        self._check(trainer)
+
+    def _check(self, trainer: Any) -> None:
+        if self._saved is None or self._checked or trainer.state.fn != "fit":
+            return  # only fit restores optimizer state
+        self._checked = True
+        strategy = trainer.strategy
+        if isinstance(strategy, ModelParallelStrategy) or not strategy.lightning_restore_optimizer:
+            return  # the strategy restores the optimizers itself (ours checks there)
+        where = "" if trainer.ckpt_path is None else _location(trainer.ckpt_path)
+        for i, opt in enumerate(trainer.optimizers):
+            saved = self._saved[i] if i < len(self._saved) else None
+            try:
+                changed = _check_class(_optimizer_class(opt), saved, self.allow_optimizer_change)
+            except IncompatibleStateError as e:
+                raise _naming(e, f"{where} (optimizer {i})" if where else f"optimizer {i}")
+            if changed:
+                self._hooks.append(opt.register_load_state_dict_pre_hook(_keep_live_hyper_hook))
+
+    def _remove_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for h in hooks:
+            h.remove()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._remove_hooks()  # the optimizer state is restored by now
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._remove_hooks()
+
+
 # ---- ModelParallelStrategy (FSDP2 / DTensor) through ckptstore's DCP Writer / Reader -------
 
 from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy  # noqa: E402
@@ -455,6 +616,27 @@ def _ckptstore_error(e: BaseException, rank: int) -> Optional[CheckpointError]:
     return None
 
 
+def _dcp_items(meta: Dict[str, Any]) -> set:
+    """The DCP names (``optimizer_0.state.net.0.weight.exp_avg``) a checkpoint holds."""
+    from ..torch.dcp import META_KEY
+
+    m = meta.get(META_KEY)
+    items = m.get("items") if isinstance(m, dict) else None
+    return set(items) if isinstance(items, dict) else set()
+
+
+def _only_stored(tensors: Dict[Any, Any], prefix: str, stored: set) -> Dict[Any, Any]:
+    """The nested tensors whose DCP names (``prefix.key.key...``) are in ``stored``."""
+    out: Dict[Any, Any] = {}
+    for k, v in tensors.items():
+        name = f"{prefix}.{k}"
+        if isinstance(v, dict):
+            out[k] = _only_stored(v, name, stored)
+        elif name in stored:
+            out[k] = v
+    return out
+
+
 def _has_pickle(v: Any) -> bool:
     if isinstance(v, list):
         return any(_has_pickle(x) for x in v)
@@ -492,6 +674,11 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     builds the live optimizer's state dict with ``get_optimizer_state_dict``, which gives an
     optimizer that has no state yet zero-filled state (a step with ``lr=0``): a failed
     resume leaves the model as it was and such an optimizer with that initial state.
+
+    The class of each optimizer is recorded at save; ``load_checkpoint`` refuses a checkpoint
+    saved by another class (:class:`ckptstore.IncompatibleStateError` naming both) before it
+    builds any state dict or reads anything, so the model and the optimizers are left exactly
+    as they were, unless ``allow_optimizer_change=True`` (module docs: what a change loads).
     """
 
     def __init__(
@@ -499,6 +686,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         *args: Any,
         allow_pickle: bool = False,
         max_shard_size: Optional[int] = None,
+        allow_optimizer_change: bool = False,
         **kwargs: Any,
     ) -> None:
         if not kwargs.get("save_distributed_checkpoint", True):
@@ -510,6 +698,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         self.allow_pickle = bool(allow_pickle)
         self.max_shard_size = max_shard_size
+        self.allow_optimizer_change = bool(allow_optimizer_change)
         if self._checkpoint_io is None:
             self._checkpoint_io = CheckpointIO(allow_pickle=allow_pickle)
 
@@ -542,6 +731,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             optim_rests.append(r)
         whole = {"rest": rest, "state_dict": model_rest, "optimizer_states": optim_rests}
         tree, tensors = _split_rest(whole, self.allow_pickle)
+        tree["optimizer_classes"] = [_optimizer_class(o) for o in self.optimizers]
         if tensors:
             state[_DCP_EXTRA] = tensors
         writer = Writer(location, max_shard_size=self.max_shard_size, metadata={DCP_TREE_KEY: tree})
@@ -576,10 +766,29 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                 "load it, only if you trust the checkpoint as much as code you run"
             )
         assert self.model is not None and self.lightning_module is not None
+        # The optimizer classes first: before any state dict is built or anything is read.
+        saved_classes = tree.get("optimizer_classes")
+        if not isinstance(saved_classes, list):
+            saved_classes = []
+        changed = []
+        for i, optim in enumerate(self.optimizers):
+            saved = saved_classes[i] if i < len(saved_classes) else None
+            try:
+                changed.append(_check_class(_optimizer_class(optim), saved, self.allow_optimizer_change))
+            except IncompatibleStateError as e:
+                raise _naming(e, f"{location} (optimizer {i})")
         module = self.model
         state: Dict[str, Any] = {"state_dict": _split_tensors(get_model_state_dict(module))[0]}
+        live_groups: Dict[int, Any] = {}
         for i, optim in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = _split_tensors(get_optimizer_state_dict(module, optim))[0]
+            osd = get_optimizer_state_dict(module, optim)
+            tensors, rest = _split_tensors(osd)
+            if changed[i]:
+                # Another class: read the live optimizer's state names the checkpoint has.
+                stored = _dcp_items(meta)
+                tensors = _only_stored(tensors, f"optimizer_{i}", stored)
+                live_groups[i] = rest.get("param_groups") or []
+            state[f"optimizer_{i}"] = tensors
         fresh: Dict[str, Any] = {}
         for name, d in (tree.get("tensors") or {}).items():
             fresh[name] = torch.empty(d["shape"], dtype=getattr(torch, d["dtype"]))
@@ -615,10 +824,16 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                     f"{location!r} holds {len(whole['optimizer_states'])} optimizer state(s), "
                     f"the strategy has {len(self.optimizers)} optimizers"
                 )
+            saved_rest = whole["optimizer_states"][i]
+            if i in live_groups and isinstance(saved_rest, dict):
+                saved_rest = dict(saved_rest)
+                saved_rest["param_groups"] = _with_live_hyper(
+                    live_groups[i], saved_rest.get("param_groups") or []
+                )
             set_optimizer_state_dict(
                 module,
                 optim,
-                optim_state_dict=_merge_tensors(state[f"optimizer_{i}"], whole["optimizer_states"][i]),
+                optim_state_dict=_merge_tensors(state[f"optimizer_{i}"], saved_rest),
                 options=StateDictOptions(cpu_offload=True),
             )
         return whole["rest"]

@@ -46,6 +46,23 @@ values. Optimizer state the live optimizer holds for parameters the checkpoint d
 is dropped (the optimizers' ``load_state_dict`` replaces their state whole): a resume never
 merges stale state into the restored one. Any world size and mesh loads (DCP reshards).
 
+A change of optimizer class (a step saved by AdamW, resumed by a job whose optimizer is
+``SGD``): each step records the class of its optimizers (``type(optimizer).__name__`` of
+every optimizer in TorchTitan's ``OptimizersContainer``; several classes as their sorted names
+joined by ``+``) in the manifest (``optimizer_class`` beside ``states``). ``load`` compares
+it with the live container's, by rule F1 of the one rule, :func:`ckptstore.check_optimizer_fit`,
+before it reads or builds any state (TorchTitan's optimizer ``state_dict`` creates state
+for an optimizer that has none): another class raises :class:`ckptstore.IncompatibleStateError`
+naming both classes and the step, and nothing changes. ``allow_optimizer_change=True`` in the
+config (or on the manager) lets a deliberate change through: TorchTitan's optimizer load
+(its flat, FQN-keyed state dict) takes the state names the live optimizer has itself, so
+those the checkpoint also holds are loaded and the others start fresh (``SGD`` from AdamW: a
+new momentum buffer at the next step; AdamW's moments are not used), and each group gets
+the checkpoint's hyperparameters plus the live group's own for the settings the checkpoint
+lacks (``SGD`` keeps its ``momentum``), as :func:`ckptstore.torch.load` does. Not checked:
+model-only loads (``initial_load_path``, exports), a load that excludes the optimizer
+(``exclude_from_loading``), and steps saved before the class was recorded.
+
 Retention (``keep_latest_k``) runs on the coordinator after each commit, and never while a
 save is in flight; on a local folder it is the engine's manager, which also never deletes a
 step a reader holds (``ckptstore.CheckpointManager.lease``). A save killed before its commit
@@ -114,13 +131,15 @@ from torchtitan.components.checkpointer.base import (
 )
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from .. import CheckpointManager as _EngineManager, _ckptstore
+from .. import CheckpointManager as _EngineManager, _ckptstore, check_optimizer_fit
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ChecksumError,
+    IncompatibleStateError,
     InvalidArgumentError,
 )
+from ..torch._state import _optimizer_class
 from ..torch.dcp import META_KEY, Reader, Writer
 
 __all__ = ["CheckpointManager", "PickleNotAllowedError", "STATE_KEY", "step_name"]
@@ -283,6 +302,34 @@ def _unwrap(e: BaseException) -> BaseException:
     return found[0] if found else e
 
 
+# ---- the optimizer class ----------------------------------------------------------------------
+
+
+def _optimizers_class(optimizers: Any) -> Optional[str]:
+    """The class recorded for TorchTitan's optimizers: the class name of each optimizer of an
+    ``OptimizersContainer`` (or of one plain optimizer), several as their sorted names joined
+    by ``+``; ``None`` when there is none."""
+    if optimizers is None:
+        return None
+    inner = getattr(optimizers, "optimizers", None)
+    opts = list(inner) if isinstance(inner, (list, tuple)) else [optimizers]
+    names = sorted({_optimizer_class(o) for o in opts})
+    return "+".join(names) if names else None
+
+
+def _check_class(live_class: Optional[str], saved_class: Any, allow_optimizer_change: bool) -> bool:
+    """Rule F1 of the one rule, :func:`ckptstore.check_optimizer_fit`: raise
+    :class:`IncompatibleStateError` naming both classes when the recorded class (``None``:
+    not recorded) is not the live one, unless ``allow_optimizer_change``. (The parameters are
+    matched by name here and by TorchTitan's load.) Returns whether this is an allowed
+    change."""
+    check_optimizer_fit(
+        [], [], live_class=live_class, saved_class=saved_class,
+        allow_optimizer_change=allow_optimizer_change,
+    )
+    return isinstance(saved_class, str) and live_class is not None and saved_class != live_class
+
+
 # ---- the writer with the test seam ----------------------------------------------------------
 
 
@@ -395,6 +442,12 @@ class CheckpointManager(BaseCheckpointManager):
         """Store (and load) non-tensor values that are not JSON or bytes with pickle.
         Loading such a value runs code chosen by whoever wrote the checkpoint."""
 
+        allow_optimizer_change: bool = False
+        """Resume a step saved by another optimizer class (refused by default with
+        ``IncompatibleStateError`` naming both): the live optimizer gets the checkpoint's
+        state for the state names it has and the checkpoint's hyperparameters plus its own
+        for the settings the checkpoint lacks."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             mode = self.async_mode.lower()
@@ -443,6 +496,7 @@ class CheckpointManager(BaseCheckpointManager):
             raise ValueError("checkpoint.last_save_in_hf is True, but sd_adapter is not provided.")
         self.async_mode = config.async_mode
         self.allow_pickle = config.allow_pickle
+        self.allow_optimizer_change = config.allow_optimizer_change
         self.max_shard_size = config.max_shard_size
         self.keep_latest_k = config.keep_latest_k
         self._steps = _Steps(self.folder, config.keep_latest_k)
@@ -520,6 +574,9 @@ class CheckpointManager(BaseCheckpointManager):
                 "states": skeleton,
             }
         }
+        optimizer_class = None if model_only else _optimizers_class(self.states.get(OPTIMIZER))
+        if optimizer_class is not None:
+            meta[STATE_KEY]["optimizer_class"] = optimizer_class
         return _StepWriter(
             self.step_path(step), step, max_shard_size=self.max_shard_size, metadata=meta
         )
@@ -687,6 +744,19 @@ class CheckpointManager(BaseCheckpointManager):
                 if k not in self.states:
                     raise ValueError(f"{k} not found in state_dict.")
             states = {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
+        # The optimizer class first: before any state dict is built (an optimizer without
+        # state would get some) or anything is read.
+        changed = False
+        if OPTIMIZER in states:
+            try:
+                changed = _check_class(
+                    _optimizers_class(states[OPTIMIZER]), saved.get("optimizer_class"),
+                    self.allow_optimizer_change,
+                )
+            except IncompatibleStateError as e:
+                e.message = f"{path}: {e.message}"
+                e.args = (e.message, *e.args[1:])
+                raise
         live = self._flat_states(states)
         enc = _Encoder(allow_pickle=True)  # only the tensors of the live structure are used
         enc.encode(live, "")
@@ -720,6 +790,12 @@ class CheckpointManager(BaseCheckpointManager):
             raise
         except (TypeError, ValueError, KeyError, AttributeError, binascii.Error) as e:
             raise CheckpointError(f"{path}: the stored non-tensor state is malformed: {e!r}") from e
+        if changed and isinstance(decoded.get(OPTIMIZER), dict) and isinstance(live.get(OPTIMIZER), dict):
+            # An allowed change of class: the live groups' settings the checkpoint lacks.
+            ours = decoded[OPTIMIZER]
+            for k, v in live[OPTIMIZER].items():
+                if k.startswith("param_groups.") and k not in ours and not isinstance(v, torch.Tensor):
+                    ours[k] = v
         reader = Reader(path)
         try:
             dcp.load(want, storage_reader=reader, no_dist=not _dist())

@@ -20,6 +20,14 @@ Modes (``--mode``), each writing a ``torch.save`` report to ``--out``:
 * ``load_only``: ``load_checkpoint`` each ``--dir`` in turn; snapshot each and its ``latest``.
 * ``corrupt``: train ``--steps`` on other data, snapshot (``before``), ``load_checkpoint``
   each ``--dir`` (expected to fail), recording the exception and a snapshot after each.
+* ``changed`` (with ``--optimizer sgd``: the live optimizer is SGD, momentum 0.9, where the
+  checkpoint's is AdamW): train 2 steps on other data, snapshot (``before``), then
+  ``load_checkpoint`` (expected to be refused: the error and a snapshot ``after``), then
+  install again with ``allow_optimizer_change=True`` and load (snapshot ``loaded``, the base
+  optimizer's groups), train ``--more`` steps (``final``, the state names the base
+  optimizer then holds).
+
+``--optimizer`` (default ``adamw``): the optimizer of the config, ``adamw`` or ``sgd``.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ def _env(port: int, rank: int, world: int) -> None:
                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
 
 
-def build(stage: int, non_blocking: bool = False):
+def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw"):
     import deepspeed
     import torch
 
@@ -58,13 +66,18 @@ def build(stage: int, non_blocking: bool = False):
 
     torch.manual_seed(0)
     net = Net()
+    opt_cfg = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
+    if optimizer == "sgd":
+        opt_cfg = {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}
     cfg = {
         "train_batch_size": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "optimizer": opt_cfg,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000000,
     }
+    if optimizer == "sgd":
+        cfg["zero_allow_untested_optimizer"] = True  # ZeRO's list of tested optimizers lacks SGD
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
     ckds.install(engine, non_blocking=non_blocking)
     return engine, net
@@ -126,13 +139,14 @@ def main() -> int:
     ap.add_argument("--more", type=int, default=3)
     ap.add_argument("--kill-at", default="")
     ap.add_argument("--non-blocking", action="store_true")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     args = ap.parse_args()
     _env(args.port, args.rank, args.world)
     import torch
 
     from ckptstore.integrations import deepspeed as ckds
 
-    engine, net = build(args.stage, args.non_blocking)
+    engine, net = build(args.stage, args.non_blocking, args.optimizer)
     report: dict = {}
     if args.mode == "train_save":
         for _ in range(args.steps):
@@ -202,6 +216,28 @@ def main() -> int:
                 err = {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
                        "name": getattr(e, "name", None), "trace": traceback.format_exc()}
             report["attempts"].append({"dir": d, "error": err, "after": snapshot(engine)})
+    elif args.mode == "changed":
+        for _ in range(2):
+            step(engine, seed_offset=7000)
+        report["before"] = snapshot(engine)
+        try:
+            engine.load_checkpoint(args.dir[0])
+            report["error"] = None
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            report["error"] = {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+                               "trace": traceback.format_exc()}
+        report["after"] = snapshot(engine)
+        ckds.install(engine, allow_optimizer_change=True)
+        path, _client = engine.load_checkpoint(args.dir[0])
+        report["load_path"] = path
+        report["loaded"] = snapshot(engine)
+        base = engine.basic_optimizer
+        report["base_class"] = type(base).__name__
+        report["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+        for _ in range(args.more):
+            step(engine)
+        report["final"] = snapshot(engine)
+        report["final_state_names"] = sorted({k for st in base.state.values() for k in st})
     else:
         print(f"unknown mode {args.mode}", file=sys.stderr)
         return 2

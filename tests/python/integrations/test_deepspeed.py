@@ -55,7 +55,7 @@ def _free_port() -> int:
 
 
 def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = "",
-               expect_rc: int = 0, non_blocking: bool = False) -> dict:
+               expect_rc: int = 0, non_blocking: bool = False, optimizer: str = "adamw") -> dict:
     env = dict(os.environ)
     env.pop(ckds.KILL_ENV, None)
     # DeepSpeed's JIT build of its CPU comm op needs ninja from the venv on PATH.
@@ -69,6 +69,7 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
         cmd += ["--kill-at", kill_at]
     if non_blocking:
         cmd.append("--non-blocking")
+    cmd += ["--optimizer", optimizer]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     tail = "\n".join((r.stdout + r.stderr).splitlines()[-40:])
     assert r.returncode == expect_rc, f"{' '.join(cmd)}: exit {r.returncode}\n{tail}"
@@ -301,6 +302,42 @@ def test_sigkill_during_save_previous_tag_resumes(killed, run):
     assert_same_state(load["state"], reports[run]["at_save"], f"killed at {run}")
 
 
+# ---- a change of optimizer class (AdamW saved, SGD live) -------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["zero0", "zero1-nonblocking"])
+def test_another_optimizer_class_is_refused_unless_allowed(work, stage):
+    from ckptstore.errors import IncompatibleStateError
+
+    d, train, _resume = stage_run(work, stage)  # saved by AdamW (ZeRO-1: a non-blocking save)
+    rep = run_worker("changed", work / f"changed_zero{stage}.pt", stage=stage, dirs=[d], optimizer="sgd")
+    err = rep["error"]
+    assert err is not None, "the load of an AdamW tag into SGD did not fail"
+    assert err["type"] == f"{IncompatibleStateError.__module__}.{IncompatibleStateError.__qualname__}", err["trace"]
+    assert "optimizer is AdamW, the live optimizer is SGD" in err["message"], err["message"]
+    assert MODEL_FILE in err["message"], err["message"]
+    # Refused before DeepSpeed applied anything: the SGD engine's whole state is as it was.
+    assert_same_state(rep["after"], rep["before"], f"ZeRO-{stage} live state after the refusal")
+    assert rep["before"]["global_steps"] == 2
+
+    # With the opt-in: the model, counters and the AdamW state are restored as saved, each
+    # group keeps SGD's momentum (the checkpoint's groups lack it), and the next steps run.
+    loaded, saved = rep["loaded"], train["at_save"]
+    assert rep["load_path"] == str(d / TAG / MODEL_FILE)
+    assert rep["base_class"] == "SGD"
+    bad = [n for n in saved["params"] if not same_tensor(loaded["params"][n], saved["params"][n])]
+    assert not bad, bad
+    assert loaded["global_steps"] == STEPS and loaded["global_samples"] == saved["global_samples"]
+    moments = [n for n in saved["tensors"] if n.endswith(("exp_avg", "exp_avg_sq"))]
+    assert moments and all(same_tensor(loaded["tensors"][n], saved["tensors"][n]) for n in moments), moments
+    for g in rep["groups"]:
+        assert g["momentum"] == 0.9 and g["dampening"] == 0 and g["nesterov"] is False, g
+        assert tuple(g["betas"]) == (0.9, 0.999) and g["weight_decay"] == 0.01, g  # the checkpoint's
+    assert rep["final"]["global_steps"] == STEPS + MORE
+    assert "momentum_buffer" in rep["final_state_names"]  # SGD stepped
+    assert not all(same_tensor(rep["final"]["params"][n], loaded["params"][n]) for n in loaded["params"])
+
+
 # ---- one flipped byte --------------------------------------------------------------------------
 
 
@@ -490,6 +527,37 @@ def test_non_blocking_engine_snapshots_then_publishes_in_background(tmp_path):
     assert list(ce._savers) == [MODEL_FILE]  # one snapshot buffer set, reused by t2
     ce.cleanup()
     assert sorted(os.listdir(tmp_path)) == ["latest", "t1", "t2"]
+
+
+def test_optimizer_class_is_recorded_with_each_file_and_checked_at_load(tmp_path):
+    import ckptstore
+    from ckptstore.errors import IncompatibleStateError
+
+    ce = ckds.CheckpointEngine()
+    ce._optimizer_class = "AdamW"  # as install()'s save_checkpoint wrapper sets it
+    obj = {"module": collections.OrderedDict(w=torch.ones(2)), "client": {"k": 1}}
+    _save_tag(ce, tmp_path, "t", {MODEL_FILE: obj})
+    path = tmp_path / "t" / MODEL_FILE
+    with ckptstore.open(path) as ck:
+        assert ck.keys() == ["module/w"]  # tensor names unchanged
+    same_obj(ce.load(str(path)), obj)  # the record is not part of the object
+    ce._expect_class = "SGD"  # as install()'s load_checkpoint wrapper sets it
+    with pytest.raises(IncompatibleStateError, match="optimizer is AdamW, the live optimizer is SGD") as e:
+        ce.load(str(path))
+    assert MODEL_FILE in str(e.value) and e.value.group is None
+    ce._expect_class = "AdamW"
+    same_obj(ce.load(str(path)), obj)
+    assert ce._class_changed is False
+    ce._expect_class, ce.allow_optimizer_change = "SGD", True
+    same_obj(ce.load(str(path)), obj)
+    assert ce._class_changed is True
+
+    # A caller's key of that name is the caller's (escaped), never read as the record.
+    theirs = {"$deepspeed.optimizer_class": "not ours", "x": torch.zeros(3)}
+    plain = ckds.CheckpointEngine()
+    _save_tag(plain, tmp_path, "u", {MODEL_FILE: theirs})
+    plain._expect_class = "SGD"
+    same_obj(plain.load(str(tmp_path / "u" / MODEL_FILE)), theirs)  # no class recorded: unchecked
 
 
 @pytest.mark.parametrize("marker", [

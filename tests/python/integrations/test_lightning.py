@@ -590,3 +590,106 @@ def test_fsdp2_save_on_two_ranks_resume_on_one(tmp_path, ckpt):
     assert damaged["error"].startswith("ChecksumError") and t["name"] in damaged["error"], damaged["error"]
     assert str(ck) in damaged["error"]
     assert_same(dict(damaged["model"]), {f"net.{k}": v for k, v in init.items()}, "model after the failed resume")
+
+
+# ---- a change of optimizer class (AdamW saved, SGD live) ------------------------------------
+
+
+class SgdNet(lt.Net):
+    """lt.Net resumed with another optimizer class: SGD with momentum (and its StepLR)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)}
+
+
+def test_trainer_refuses_another_optimizer_class_unless_allowed(tmp_path):
+    from ckptstore.integrations.lightning import OptimizerCheck
+
+    torch.manual_seed(0)
+    saver = lt.make_trainer(str(tmp_path / "adamw"), 1, "sync", -1, extra_callbacks=[OptimizerCheck()])
+    saver.fit(lt.Net(), lt.data())
+    src = tmp_path / "adamw" / "ckpts" / "last.ckpt"
+    saved = CheckpointIO().load_checkpoint(src)
+    assert saved["callbacks"]["OptimizerCheck"] == {"optimizer_classes": ["AdamW"]}  # recorded at save
+
+    # Refused, naming both classes, before Lightning loads any optimizer, scheduler or loop
+    # state and before a step. (Lightning's stock strategies load the weights before they
+    # build the optimizers, so the model holds the checkpoint's weights by then.)
+    torch.manual_seed(1)
+    model = SgdNet()
+    trainer = lt.make_trainer(str(tmp_path / "refused"), 2, "sync", -1, extra_callbacks=[OptimizerCheck()])
+    with pytest.raises(ckptstore.IncompatibleStateError, match=r"optimizer is AdamW, the live optimizer is SGD") as e:
+        trainer.fit(model, lt.data(), ckpt_path=str(src))
+    assert str(src) in str(e.value)
+    (opt,) = trainer.optimizers
+    assert type(opt) is torch.optim.SGD and len(opt.state) == 0  # no state was loaded into it
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["momentum"] == 0.9
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 0
+    assert trainer.global_step == 0 and trainer.current_epoch == 0
+    assert not (tmp_path / "refused" / "ckpts").exists()
+    # What the check cannot prevent there (module docs): the weights were restored first.
+    assert_same({k: v.detach() for k, v in model.state_dict().items()}, dict(saved["state_dict"]), "model")
+
+    # With the opt-in: resumed, SGD keeps its momentum (the checkpoint's groups lack it), and
+    # the next steps run.
+    torch.manual_seed(1)
+    model = SgdNet()
+    trainer = lt.make_trainer(
+        str(tmp_path / "allowed"), 2, "sync", -1, extra_callbacks=[OptimizerCheck(allow_optimizer_change=True)]
+    )
+    starts = []
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            starts.append(_clone({k: v.detach() for k, v in pl_module.state_dict().items()}))
+
+    trainer.callbacks.append(AtStart())
+    trainer.fit(model, lt.data(), ckpt_path=str(src))
+    assert_same(starts[0], dict(saved["state_dict"]), "model at the resume")
+    assert trainer.global_step == 12  # 6 steps resumed from, 6 run after the change
+    (opt,) = trainer.optimizers
+    g = opt.param_groups[0]
+    assert type(opt) is torch.optim.SGD and g["momentum"] == 0.9 and g["nesterov"] is False
+    assert g["betas"] == (0.9, 0.999)  # the checkpoint's groups, as stored
+    assert math.isclose(g["lr"], 0.02 * 0.7 * 0.7)  # the checkpoint's schedule went on
+    for p in model.parameters():
+        assert "momentum_buffer" in opt.state[p]  # SGD stepped
+    assert not torch.equal(model.net[0].weight.detach(), starts[0]["net.0.weight"])
+    # The new checkpoint records SGD, the class that saved it.
+    last = CheckpointIO().load_checkpoint(tmp_path / "allowed" / "ckpts" / "last.ckpt")
+    assert last["callbacks"]["OptimizerCheck"] == {"optimizer_classes": ["SGD"]}
+
+
+def test_fsdp2_refuses_another_optimizer_class_before_anything_changes(tmp_path):
+    ck = tmp_path / "adamw.ckpt"
+    _launch(1, "save", ck, 1, tmp_path / "saved.pt", "adamw")
+    assert ckptstore.open(ck).metadata["ckptstore.lightning"]["optimizer_classes"] == ["AdamW"]
+    saved = load_dump(tmp_path / "saved.pt")
+
+    # Refused naming both classes, before any state dict is built or anything is read: the
+    # model keeps its initial parameters and the SGD optimizer has no state.
+    _launch(1, "changed", ck, 2, tmp_path / "changed.pt", "sgd")
+    changed = load_dump(tmp_path / "changed.pt")
+    assert changed["error"].startswith("IncompatibleStateError"), changed["error"]
+    assert "optimizer is AdamW, the live optimizer is SGD" in changed["error"], changed["error"]
+    assert str(ck) in changed["error"]
+    torch.manual_seed(0)
+    sys.path.insert(0, str(HERE))
+    import lightning_fsdp
+
+    init = {f"net.{k}": v for k, v in lightning_fsdp.Net().net.state_dict().items()}
+    assert_same(dict(changed["model"]), init, "model after the refusal")
+    assert changed["optimizer_class"] == "SGD" and changed["live_state_keys"] == []
+    assert changed["global_step"] == 0
+
+    # With the opt-in: the model resumes exactly, SGD keeps its momentum, and it steps.
+    _launch(1, "changed_allowed", ck, 2, tmp_path / "allowed.pt", "sgd")
+    allowed = load_dump(tmp_path / "allowed.pt")
+    start = allowed["at_train_start"]
+    assert_same(dict(start["model"]), dict(saved["model"]), "model at the resume")
+    (g,) = start["param_groups"]
+    assert g["momentum"] == 0.9 and g["lr"] == 0.02 and g["weight_decay"] == 0.01  # live + checkpoint's
+    assert allowed["global_step"] == saved["global_step"] + 4  # one more epoch of 4 steps
+    assert allowed["live_state_keys"] and all(k == ["momentum_buffer"] for k in allowed["live_state_keys"])
+    assert not torch.equal(allowed["model"]["net.0.weight"], saved["model"]["net.0.weight"])

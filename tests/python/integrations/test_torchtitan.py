@@ -180,6 +180,49 @@ def test_optimizer_state_the_checkpoint_does_not_name_is_gone(tmp_path):
     assert_same(state_of(tj.snapshot(job)), state_of(at_2))
 
 
+# ---- a change of optimizer class (AdamW saved, SGD live) ---------------------------------------
+
+
+def test_another_optimizer_class_is_refused_unless_allowed(tmp_path):
+    """Step 2 saved by AdamW; a job whose optimizer is SGD (momentum 0.9) trains a step and
+    loads it: refused naming both classes, with the whole live state as it was. With
+    ``allow_optimizer_change``: the model and the rest resume as saved, SGD keeps its
+    momentum, gets no AdamW moments, and steps."""
+    folder = tmp_path / "ck"
+    adamw = tj.build(str(folder), steps=STEPS)
+    tj.train(adamw, 2)
+    at_2 = tj.snapshot(adamw)
+    assert ckptstore.open(folder / step_name(2)).metadata[STATE_KEY]["optimizer_class"] == "AdamW"
+
+    sgd = tj.build(str(folder), steps=STEPS, optimizer="SGD")
+    tj.train(sgd, 1, load=False)  # the live SGD has state (a momentum buffer) to keep
+    before = tj.snapshot(sgd)
+    assert any(k.endswith(".momentum_buffer") for k in before["optimizer"])
+    with pytest.raises(ckptstore.IncompatibleStateError, match="optimizer is AdamW, the live optimizer is SGD") as e:
+        sgd.checkpointer.load(step=2)
+    assert str(folder / step_name(2)) in str(e.value)
+    assert_same(state_of(tj.snapshot(sgd)), state_of(before))
+    assert sgd.checkpointer.loaded_step is None
+
+    allowed = tj.build(str(folder), steps=STEPS, optimizer="SGD", allow_optimizer_change=True)
+    assert allowed.checkpointer.allow_optimizer_change is True
+    tj.train(allowed, 1, load=False)
+    assert allowed.checkpointer.load(step=2)
+    now = tj.snapshot(allowed)
+    for part in ("params", "train_state", "dataloader"):
+        assert_same(now[part], at_2[part], part)
+    assert now["lr"]["last_epoch"] == at_2["lr"]["last_epoch"] and now["lr"]["lrs"] == at_2["lr"]["lrs"]
+    opt = allowed.optimizers.optimizers[0]
+    assert type(opt) is torch.optim.SGD
+    for g in opt.param_groups:
+        assert g["momentum"] == 0.9 and g["weight_decay"] == 0.1  # its own; the checkpoint's
+    assert not opt.state  # AdamW's moments are not SGD's; its momentum starts fresh
+    tj.train(allowed, 3, load=False)
+    assert allowed.train_state.step == 3
+    assert all("momentum_buffer" in st for st in opt.state.values()) and len(opt.state) > 0
+    assert not torch.equal(allowed.model.l1.weight.detach(), at_2["params"]["l1.weight"])
+
+
 # ---- a flipped byte ---------------------------------------------------------------------------
 
 

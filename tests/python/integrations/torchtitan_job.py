@@ -91,6 +91,24 @@ class TrainState(Stateful):
         self.ntokens_seen = sd["ntokens_seen"]
 
 
+class SGDOptimizersContainer(OptimizersContainer):
+    """TorchTitan's container with ``torch.optim.SGD`` among its factories (TorchTitan 0.3
+    builds Adam, AdamW and DistMuon; its docs have users subclass it for others)."""
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str):
+        if name == "SGD":
+            return torch.optim.SGD
+        return OptimizersContainer._resolve_optimizer_factory(name)
+
+
+#: ``build(optimizer=...)``: the optimizer's name and settings of its one param group.
+OPTIMIZERS = {
+    "AdamW": {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+    "SGD": {"lr": 1e-2, "momentum": 0.9},
+}
+
+
 @dataclass
 class Job:
     model: TinyLM
@@ -116,6 +134,7 @@ def build(
     exclude: Optional[list] = None,
     last_save_model_only: bool = True,
     export_dtype: str = "float32",
+    optimizer: str = "AdamW",
     **checkpoint_config: Any,
 ) -> Job:
     torch.manual_seed(0)
@@ -124,16 +143,16 @@ def build(
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model)
-    optimizers = OptimizersContainer.Config(
+    opt_config = OptimizersContainer.Config(
         param_groups=[
-            ParamGroupConfig(
-                pattern=r".*",
-                optimizer_name="AdamW",
-                optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-            )
+            ParamGroupConfig(pattern=r".*", optimizer_name=optimizer, optimizer_kwargs=dict(OPTIMIZERS[optimizer]))
         ],
         implementation="for-loop",
-    ).build(model_parts=[model])
+    )
+    if optimizer == "AdamW":
+        optimizers = opt_config.build(model_parts=[model])
+    else:
+        optimizers = SGDOptimizersContainer(opt_config, model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_type="cosine").build(
         optimizers=optimizers, training_steps=steps
     )
