@@ -142,9 +142,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine as _DSCheckpointEngine,
 )
 
-from .. import check_optimizer_fit
 from ..errors import CheckpointError, CheckpointIOError, IncompatibleStateError, InvalidArgumentError
-from ..torch._state import _group_hyper, _optimizer_class
+from ..torch._state import _check_class, _group_hyper, _optimizer_class
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
 
 _log = logging.getLogger(__name__)
@@ -293,18 +292,6 @@ def _base_optimizer(engine: Any) -> Any:
         if inner is not None:
             opt = inner
     return opt
-
-
-def _check_class(live_class: str, saved_class: Any, allow_optimizer_change: bool) -> bool:
-    """Rule F1 of the one rule, :func:`ckptstore.check_optimizer_fit`: raise
-    :class:`IncompatibleStateError` naming both classes when the recorded class (``None``:
-    not recorded) is not the live one, unless ``allow_optimizer_change``. (DeepSpeed checks
-    the groups and partitions itself.) Returns whether this is an allowed change."""
-    check_optimizer_fit(
-        [], [], live_class=live_class, saved_class=saved_class,
-        allow_optimizer_change=allow_optimizer_change,
-    )
-    return isinstance(saved_class, str) and saved_class != live_class
 
 
 # ---- file-system helpers -----------------------------------------------------------------

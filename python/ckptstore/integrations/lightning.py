@@ -134,9 +134,9 @@ import torch
 
 from lightning.pytorch.callbacks import Callback as _Callback
 
-from .. import check_optimizer_fit, open as _open, wait_for_cleanup as _wait_for_cleanup
+from .. import open as _open, wait_for_cleanup as _wait_for_cleanup
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompatibleStateError, InvalidArgumentError
-from ..torch._state import _group_hyper, _optimizer_class
+from ..torch._state import _check_class, _group_hyper, _optimizer_class
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
 
 __all__ = [
@@ -422,19 +422,6 @@ def _fsync_dir(d: Path) -> None:
 
 
 # ---- the optimizer class: recorded at save, checked at resume -------------------------------
-
-
-def _check_class(live_class: str, saved_class: Any, allow_optimizer_change: bool) -> bool:
-    """Raise :class:`IncompatibleStateError` naming both classes when the checkpoint's
-    optimizer class (``None``: not recorded) is not the live one, unless
-    ``allow_optimizer_change``: rule F1 of the one rule, :func:`ckptstore.check_optimizer_fit`
-    (the groups, positional in Lightning's state dicts, are left to the optimizer's
-    ``load_state_dict``). Returns whether this is an allowed change of class."""
-    check_optimizer_fit(
-        [], [], live_class=live_class, saved_class=saved_class,
-        allow_optimizer_change=allow_optimizer_change,
-    )
-    return isinstance(saved_class, str) and saved_class != live_class
 
 
 def _with_live_hyper(live_groups: Any, saved_groups: Any) -> list:

@@ -131,7 +131,7 @@ from torchtitan.components.checkpointer.base import (
 )
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from .. import CheckpointManager as _EngineManager, _ckptstore, check_optimizer_fit
+from .. import CheckpointManager as _EngineManager, _ckptstore
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -139,7 +139,7 @@ from ..errors import (
     IncompatibleStateError,
     InvalidArgumentError,
 )
-from ..torch._state import _optimizer_class
+from ..torch._state import _check_class, _optimizer_class
 from ..torch.dcp import META_KEY, Reader, Writer
 
 __all__ = ["CheckpointManager", "PickleNotAllowedError", "STATE_KEY", "step_name"]
@@ -315,19 +315,6 @@ def _optimizers_class(optimizers: Any) -> Optional[str]:
     opts = list(inner) if isinstance(inner, (list, tuple)) else [optimizers]
     names = sorted({_optimizer_class(o) for o in opts})
     return "+".join(names) if names else None
-
-
-def _check_class(live_class: Optional[str], saved_class: Any, allow_optimizer_change: bool) -> bool:
-    """Rule F1 of the one rule, :func:`ckptstore.check_optimizer_fit`: raise
-    :class:`IncompatibleStateError` naming both classes when the recorded class (``None``:
-    not recorded) is not the live one, unless ``allow_optimizer_change``. (The parameters are
-    matched by name here and by TorchTitan's load.) Returns whether this is an allowed
-    change."""
-    check_optimizer_fit(
-        [], [], live_class=live_class, saved_class=saved_class,
-        allow_optimizer_change=allow_optimizer_change,
-    )
-    return isinstance(saved_class, str) and live_class is not None and saved_class != live_class
 
 
 # ---- the writer with the test seam ----------------------------------------------------------

@@ -127,6 +127,19 @@ def _changed_class(optimizer: Any, saved_class: Any, allow_optimizer_change: boo
     )
 
 
+def _check_class(live_class: Optional[str], saved_class: Any, allow_optimizer_change: bool) -> bool:
+    """Rule F1 of the one rule (:func:`ckptstore.check_optimizer_fit`) alone, for the
+    framework integrations, whose frameworks check the groups themselves: raise
+    :class:`IncompatibleStateError` naming both classes when the recorded class (``None``:
+    not recorded) is not the live one (``None``: unknown), unless ``allow_optimizer_change``.
+    Returns whether this is an allowed change of class."""
+    check_optimizer_fit(
+        [], [], live_class=live_class, saved_class=saved_class,
+        allow_optimizer_change=allow_optimizer_change,
+    )
+    return isinstance(saved_class, str) and live_class is not None and saved_class != live_class
+
+
 def _group_hyper(live_group: Mapping, saved_group: Mapping, keep_live: bool) -> dict:
     """A group's hyperparameters for ``load_state_dict``: the checkpoint's (decoded);
     with ``keep_live`` (a change of optimizer) also the live group's for the settings the
