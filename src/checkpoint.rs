@@ -584,6 +584,29 @@ impl<S> Checkpoint<S> {
 }
 
 impl<S: ShardSource> Checkpoint<S> {
+    /// Release from this process the mapped pages of the stored tensor `name`, or of every
+    /// chunk and replica of the global tensor `name` (they stay in the page cache; a later
+    /// read maps them again): what a reader that streams a large checkpoint through calls
+    /// after each tensor, so that its resident memory stays bounded. Nothing for storage the
+    /// process owns or fetches.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`].
+    pub fn release_pages(&self, name: &str) -> Result<()> {
+        if let Some(g) = self.global(name) {
+            for c in &g.chunks {
+                for t in std::iter::once(&c.tensor).chain(&c.replicas) {
+                    let t = self.info(t)?;
+                    self.shards[t.shard].bytes.release(t.offsets[0], t.nbytes());
+                }
+            }
+            return Ok(());
+        }
+        let t = self.info(name)?;
+        self.shards[t.shard].bytes.release(t.offsets[0], t.nbytes());
+        Ok(())
+    }
+
     /// Build a native checkpoint from manifest bytes and the shard files' bytes, given in
     /// the manifest's shard order. Performs every check [`Checkpoint::open`] does.
     ///

@@ -977,3 +977,41 @@ fn a_failed_write_part_removes_what_it_created() {
     assert_eq!(p.shards.len(), 2);
     assert_eq!(p.shards[1].file, format!("shard-{id}-r0-1.safetensors"));
 }
+
+/// `discard` takes away what an abandoned multi-rank save wrote (its shards, parts and
+/// temporary files), leaves the committed checkpoint and other files, and refuses to
+/// discard the committed checkpoint itself.
+#[test]
+fn discard_removes_an_uncommitted_checkpoint_and_only_it() {
+    let (_tmp, dir, manifest) = baseline();
+    std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
+    let before = names(&dir);
+    let w = rows(4);
+    let a = [chunk("w", &w[..4], &[4, 2], &[0, 0], &[2, 2])];
+    let b = [chunk("w", &w[4..], &[4, 2], &[2, 0], &[2, 2])];
+    let (id, parts) = two_parts(&dir, &a, &b);
+    std::fs::write(
+        dir.join(format!(".ckpt-tmp-shard-{id}-r1-9.safetensors")),
+        b"x",
+    )
+    .unwrap();
+    assert!(names(&dir).len() > before.len());
+    assert_eq!(ckptstore::write::parts::discard(&dir, &id).unwrap(), 5);
+    assert_eq!(names(&dir), before);
+    unchanged(&dir, &manifest);
+    assert_eq!(ckptstore::store::discard(&dir, &id).unwrap(), 0);
+    // The committed checkpoint is refused, and nothing goes.
+    let (id2, parts2) = two_parts(&dir, &a, &b);
+    commit(&dir, &id2, &parts2, &opts(2)).unwrap();
+    let committed = names(&dir);
+    assert!(matches!(
+        ckptstore::write::parts::discard(&dir, &id2),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(names(&dir), committed);
+    assert!(matches!(
+        ckptstore::write::parts::discard(&dir, "not-an-id"),
+        Err(Error::InvalidArgument(_))
+    ));
+    drop(parts);
+}

@@ -233,6 +233,26 @@ pub fn commit_location(
     commit(location, checkpoint_id, parts, opts)
 }
 
+/// Delete what the uncommitted multi-rank checkpoint `checkpoint_id` left at a path or URL
+/// (its ranks' shards and parts, its temporary files): [`crate::write::parts::discard`]
+/// locally; on an object store the same over the prefix (no lock: no rank may still be
+/// writing that checkpoint). Returns how many files (objects) were removed.
+///
+/// # Errors
+/// [`Error::UnsupportedUrl`]; the errors of [`crate::write::parts::discard`].
+pub fn discard(location: impl IntoLocation, checkpoint_id: &str) -> Result<usize> {
+    match location.into_location()? {
+        Location::Local(p) => crate::write::parts::discard(p, checkpoint_id),
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => crate::write::parts::discard_impl(
+            &s3::Remote::new(&u, &s3::S3Config::try_from_env()?)?,
+            checkpoint_id,
+        ),
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => Err(no_s3(&u)),
+    }
+}
+
 /// Wait (at most `timeout`) for the parts of ranks `0..world_size` at a path or URL, then
 /// commit them: [`crate::write::parts::commit_rendezvous`] locally,
 /// [`s3::commit_rendezvous`] on an object store.

@@ -138,6 +138,50 @@ fn remove_own_leftover_temps<S: Store>(store: &S, checkpoint_id: &str, rank: u32
     }
 }
 
+/// Delete what the uncommitted multi-rank checkpoint `checkpoint_id` left in `dir`: its
+/// ranks' shards and part descriptors, and its temporary files (a job that abandons a save,
+/// a consolidation that failed half-way). Under the writer lock, taken exclusively, so it
+/// waits for ranks still writing their parts. Returns how many files were removed.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a malformed id, or if `checkpoint_id` is the committed
+/// checkpoint (nothing is removed); [`Error::Io`] naming the directory or a file.
+pub fn discard(dir: impl AsRef<Path>, checkpoint_id: &str) -> Result<usize> {
+    let dir = crate::location::local_path(dir.as_ref(), "write::parts::discard")?;
+    let _lock = local::lock_dir(&dir, Lock::Exclusive)?;
+    discard_impl(&LocalStore::std(&dir), checkpoint_id)
+}
+
+/// [`discard`] over `store` (the caller holds whatever lock the store has).
+pub(crate) fn discard_impl<S: Store>(store: &S, checkpoint_id: &str) -> Result<usize> {
+    if !is_id(checkpoint_id) {
+        return Err(Error::InvalidArgument(format!(
+            "{checkpoint_id:?} is not a checkpoint id (32 lowercase hex digits)"
+        )));
+    }
+    let names = store.list()?;
+    if names.iter().any(|n| n == manifest::MANIFEST_FILE) {
+        let (_, bytes) = store.read_prefix(manifest::MANIFEST_FILE, MAX_MANIFEST_SIZE)?;
+        if manifest::decode(&bytes).is_ok_and(|m| m.checkpoint_id == checkpoint_id) {
+            return Err(Error::InvalidArgument(format!(
+                "checkpoint {checkpoint_id} is the one committed in {}: nothing discarded",
+                store.location().display()
+            )));
+        }
+    }
+    let mut removed = 0;
+    for n in names {
+        if crate::format::names::engine_file_id(&n) == Some(checkpoint_id) {
+            store.delete(&n)?;
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        store.barrier("fsync directory (after discarding an uncommitted checkpoint)")?;
+    }
+    Ok(removed)
+}
+
 /// [`write_part`] over `store`. After validation, `lock` is called and held until the end
 /// (a local directory: create it, take the shared writer lock); `refuse_existing`: refuse a
 /// part already written.

@@ -6,8 +6,12 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::checkpoint::HF_INDEX_FILE;
-use ckptstore::{Error, Result, SaveOptions, Tensor, TensorRef};
+use ckptstore::checkpoint::{ShardSource, HF_INDEX_FILE};
+use ckptstore::store::Location;
+use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::{
+    Checkpoint, CommitInfo, CommitOptions, Error, PartItem, Result, SaveOptions, TensorRef,
+};
 
 use crate::util::{human, parse_size};
 
@@ -21,11 +25,45 @@ pub struct Args {
     /// Most tensor bytes per shard.
     #[arg(long, value_parser = parse_size, default_value = "4GiB")]
     max_shard_size: u64,
+    /// Most tensor bytes assembled in memory at once before they are written (a larger
+    /// tensor is held alone): with the largest tensor, what bounds the peak memory.
+    #[arg(long, value_parser = parse_size, default_value = "128MiB")]
+    memory: u64,
+}
+
+/// One tensor of DST: a whole tensor of SRC or a global assembled from its chunks.
+struct Item<'c> {
+    name: &'c str,
+    global: bool,
+    nbytes: u64,
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
     let out = crate::util::location(&a.out)?;
-    let ck = crate::util::open(&a.src)?;
+    // A local source is mapped (whole tensors are written straight from the map); an
+    // object-store one is read lazily, a tensor at a time, never downloaded whole.
+    match crate::util::location(&a.src)? {
+        Location::Local(p) => consolidate(&a, &Checkpoint::open(p)?, &out),
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => consolidate(
+            &a,
+            &ckptstore::store::s3::open_lazy(&u, &ckptstore::store::s3::S3Config::try_from_env()?)?,
+            &out,
+        ),
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => Err(Error::UnsupportedUrl {
+            url: u.to_string(),
+            reason: "this build has no object-store support".into(),
+        }),
+    }
+}
+
+/// Stream SRC into DST: the tensors go in groups of at most `--memory` bytes (a larger
+/// tensor alone), each group assembled and CRC-checked, written as one part of a
+/// single-committer multi-part save, and released (its buffers freed, the mapped source
+/// pages it read released) before the next; the parts are committed once at the end. A
+/// failure discards the parts written, and DST keeps what it held.
+fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> Result<ExitCode> {
     ck.check_optimizer_section()?;
     let optimizer = ck.manifest().and_then(|m| m.optimizer.clone());
     // Tensors the optimizer section references: optimizer state, not model weights.
@@ -46,52 +84,91 @@ pub fn run(a: Args) -> Result<ExitCode> {
             std::iter::once(c.tensor.as_str()).chain(c.replicas.iter().map(|r| r.as_str()))
         })
         .collect();
-    // Everything is read and checked before DST is touched, so that damage in SRC writes
-    // nothing. The writer takes every tensor at once: the assembled globals are all held in
-    // memory until the save returns (peak: the sum of their byte sizes; whole tensors are
-    // borrowed from SRC's read-only maps).
-    let mut assembled: Vec<(&str, Tensor)> = Vec::with_capacity(ck.globals().len());
+    let mut items: Vec<Item<'_>> = ck
+        .tensors()
+        .iter()
+        .filter(|t| !chunk_tensors.contains(t.name.as_str()))
+        .map(|t| Item {
+            name: &t.name,
+            global: false,
+            nbytes: t.nbytes(),
+        })
+        .collect();
     for g in ck.globals() {
-        // The error names the damaged chunk tensor and its shard; say which global it is.
-        let t = ck.read_global(&g.name).inspect_err(|_| {
-            eprintln!(
-                "ckpt consolidate: cannot assemble global tensor {:?} of {}",
-                g.name,
-                a.src.display()
-            )
-        })?;
-        assembled.push((g.name.as_str(), t));
+        let nbytes = ck.region_nbytes(&g.name, &g.global_shape)?;
+        items.push(Item {
+            name: &g.name,
+            global: true,
+            nbytes,
+        });
     }
-    let mut tensors: Vec<TensorRef<'_>> = Vec::new();
-    for t in ck.tensors() {
-        if chunk_tensors.contains(t.name.as_str()) {
-            continue;
+    let mut groups: Vec<Vec<&Item<'_>>> = vec![Vec::new()];
+    let mut held = 0u64;
+    for it in &items {
+        if held > 0 && held.saturating_add(it.nbytes) > a.memory {
+            groups.push(Vec::new());
+            held = 0;
         }
-        let v = ck.tensor_verified(&t.name)?;
-        tensors.push(TensorRef::new(
-            t.name.as_str(),
-            t.dtype,
-            &t.shape,
-            v.bytes(),
-        ));
+        held = held.saturating_add(it.nbytes);
+        if let Some(g) = groups.last_mut() {
+            g.push(it);
+        }
     }
-    tensors.extend(
-        assembled
-            .iter()
-            .map(|(n, t)| TensorRef::new(*n, t.dtype(), t.shape(), t.bytes())),
-    );
     let opts = SaveOptions {
         max_shard_size: a.max_shard_size,
-        metadata: ck.metadata().clone(),
         progress: None,
         ..Default::default()
     };
-    let info = ckptstore::store::save_with_section(&out, &tensors, &opts, optimizer)?;
-    drop(tensors);
-    drop(assembled);
+    let id = new_checkpoint_id()?;
+    let written = || -> Result<CommitInfo> {
+        let mut parts = Vec::with_capacity(groups.len());
+        for (rank, group) in groups.iter().enumerate() {
+            let rank = u32::try_from(rank)
+                .map_err(|_| Error::InvalidArgument("too many tensors to consolidate".into()))?;
+            let mut tensors = Vec::with_capacity(group.len());
+            for it in group {
+                let t = if it.global {
+                    ck.read_global(it.name)
+                } else {
+                    ck.read_tensor(it.name)
+                };
+                // The error names the damaged chunk tensor and its shard; say which one.
+                let t = t.inspect_err(|_| {
+                    eprintln!(
+                        "ckpt consolidate: cannot read {} tensor {:?} of {}",
+                        if it.global { "global" } else { "whole" },
+                        it.name,
+                        a.src.display()
+                    )
+                })?;
+                ck.release_pages(it.name)?;
+                tensors.push((it.name, t));
+            }
+            let refs: Vec<PartItem<'_>> = tensors
+                .iter()
+                .map(|(n, t)| PartItem::Whole(TensorRef::new(*n, t.dtype(), t.shape(), t.bytes())))
+                .collect();
+            parts.push(ckptstore::store::write_part(out, &id, rank, &refs, &opts)?);
+        }
+        let copts = CommitOptions {
+            world_size: Some(u32::try_from(parts.len()).unwrap_or(u32::MAX)),
+            metadata: ck.metadata().clone(),
+            optimizer: optimizer.clone(),
+        };
+        ckptstore::store::commit(out, &id, &parts, &copts)
+    };
+    let info = match written() {
+        Ok(info) => info,
+        Err(e) => {
+            // Nothing was committed: take this consolidation's parts away (best effort; the
+            // next save or commit into DST removes what stays).
+            let _ = ckptstore::store::discard(out, &id);
+            return Err(e);
+        }
+    };
 
     // The index names the committed shards: read them back from the manifest just written.
-    let dst = ckptstore::store::open(&out)?;
+    let dst = ckptstore::store::open(out)?;
     let m = dst.manifest().ok_or_else(|| {
         Error::InvalidArgument(format!("{out} did not open as a ckptstore checkpoint"))
     })?;
@@ -116,9 +193,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let mut bytes = serde_json::to_vec_pretty(&index)
         .map_err(|e| Error::InvalidArgument(format!("cannot encode {HF_INDEX_FILE}: {e}")))?;
     bytes.push(b'\n');
-    ckptstore::store::put_file(&out, HF_INDEX_FILE, &bytes)?;
+    ckptstore::store::put_file(out, HF_INDEX_FILE, &bytes)?;
     outln!(
-        "consolidated {} global tensor(s) and {} whole tensor(s) into {} tensors ({}) in {} shard(s) at {} (checkpoint {}); {} lists {} model tensor(s)",
+        "consolidated {} global tensor(s) and {} whole tensor(s) into {} tensors ({}) in {} shard(s) at {} (checkpoint {}); {} lists {} model tensor(s){}",
         ck.globals().len(),
         info.tensors - ck.globals().len(),
         info.tensors,
@@ -128,6 +205,21 @@ pub fn run(a: Args) -> Result<ExitCode> {
         info.checkpoint_id,
         HF_INDEX_FILE,
         weight_map.len(),
+        peak_rss().map_or(String::new(), |b| format!("; peak resident memory {}", human(b))),
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// This process's peak resident memory (`VmHWM`), where the system says (Linux).
+fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
 }
