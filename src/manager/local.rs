@@ -322,8 +322,15 @@ fn sweep_kept_step(dir: &Path) -> usize {
 /// Delete a step directory whose lock `lock` the caller holds (see [`remove_step_dir`]).
 fn remove_locked_step_dir(dir: &Path, lock: File) -> std::io::Result<()> {
     let lock_path = dir.join(LOCK_FILE);
-    // The manifest goes first: from then on the step is not committed for anyone.
-    let _ = std::fs::remove_file(dir.join(MANIFEST_FILE));
+    // The manifest goes first: from then on the step is not committed for anyone. Its data
+    // goes only once that removal is durable: a removal or directory fsync that fails
+    // (EIO, a full disk) keeps the step whole and committed (the error says why) rather
+    // than leave a committed manifest naming deleted shards.
+    match std::fs::remove_file(dir.join(MANIFEST_FILE)) {
+        Ok(()) => File::open(dir).and_then(|d| d.sync_all())?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
     for e in std::fs::read_dir(dir)?.flatten() {
         if let Ok(name) = e.file_name().into_string() {
             if write::is_engine_file(&name) {
