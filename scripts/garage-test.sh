@@ -183,11 +183,18 @@ via 3 diff "$W/src5.safetensors" s3://ckpt/run/step-00000005 >/dev/null || fail 
 # step for the next gc (gc never fails a run for garbage), and a listing through another node
 # may still show a deleted object: gc again (idempotent) until a listing shows only step 5,
 # within a bound; what must hold is that retention converges, never that it removes step 5.
+# Every attempt's gc report (or error) and listing go to converge.log, printed when it took
+# more than one, to tell which it was.
 keeps_only_5() {
-  via 1 gc s3://ckpt/run --keep 1 >/dev/null &&
-  via 2 ls s3://ckpt/run --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert [s["step"] for s in d["steps"]]==[5], d'
+  echo "-- attempt at ${SECONDS}s" >>"$W/converge.log"
+  via 1 gc s3://ckpt/run --keep 1 --json >>"$W/converge.log" 2>&1 &&
+  via 2 ls s3://ckpt/run --json | python3 -c 'import json,sys; d=json.load(sys.stdin); print("listed", [s["step"] for s in d["steps"]]); assert [s["step"] for s in d["steps"]]==[5], d' >>"$W/converge.log" 2>&1
 }
 until_ok 60 keeps_only_5
+if [ "$(grep -c '^-- attempt' "$W/converge.log")" -gt 1 ]; then
+  echo "garage-test: retention after the rejoin converged after retries:" >&2
+  cat "$W/converge.log" >&2
+fi
 if [ "${GARAGE_BENCH_MIB:-0}" -gt 0 ]; then
   step "benchmark: ${GARAGE_BENCH_MIB} MiB through node 1 (examples/s3_bench, ratios against raw object_store)"
   cargo build --release --example s3_bench >/dev/null
