@@ -4,7 +4,7 @@
 //!
 //! Run: `cargo build --release --bin ckpt && cargo run --release --example consolidate_rss --
 //! [--size 1GiB] [--tensors 16] [--ranks 4] [--dir DIR] [--reps 3] [--json]` (`--make DIR`:
-//! only write the source there).
+//! only write the source there, a directory or an `s3://` URL, for `ckpt consolidate` by hand).
 //!
 //! The source: `--tensors` F32 globals `[rows, 4096]` of `--size` bytes in all, each row-sharded
 //! over `--ranks` parts (`write_part`, then `commit`). Then, alternating, best of `--reps`:
@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
+use ckptstore::store::{commit, write_part};
+use ckptstore::write::parts::new_checkpoint_id;
 use ckptstore::{CommitOptions, PartItem, SaveOptions, TensorRef};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -42,7 +43,8 @@ fn size(s: &str) -> u64 {
     n.parse::<u64>().expect("a size") * m
 }
 
-fn make_source(dir: &Path, bytes: u64, tensors: u64, ranks: u64) -> Res<()> {
+/// Write the source at `dir`, a path or an `s3://` URL.
+fn make_source(dir: &str, bytes: u64, tensors: u64, ranks: u64) -> Res<()> {
     let rows = bytes / tensors / COLS / 4;
     let id = new_checkpoint_id()?;
     let mut parts = Vec::new();
@@ -141,7 +143,7 @@ fn main() -> Res<()> {
     let reps: usize = arg("--reps").map_or(3, |s| s.parse().expect("a count"));
     if let Some(dir) = arg("--make") {
         // Only write the source, for profiling `ckpt consolidate` by hand.
-        return make_source(Path::new(&dir), bytes, tensors, ranks);
+        return make_source(&dir, bytes, tensors, ranks);
     }
     let tmp = tempfile::tempdir_in(arg("--dir").unwrap_or_else(|| ".".into()))?;
     let (src, dst, cp) = (
@@ -149,7 +151,12 @@ fn main() -> Res<()> {
         tmp.path().join("dst"),
         tmp.path().join("cp"),
     );
-    make_source(&src, bytes, tensors, ranks)?;
+    make_source(
+        src.to_str().ok_or("a UTF-8 temporary path")?,
+        bytes,
+        tensors,
+        ranks,
+    )?;
     let largest = bytes / tensors;
     let (mut best_c, mut best_p, mut peak) = (f64::MAX, f64::MAX, 0u64);
     for _ in 0..reps {

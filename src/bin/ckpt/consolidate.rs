@@ -167,25 +167,24 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
         }
     };
 
-    // The index names the committed shards: read them back from the manifest just written.
-    let dst = ckptstore::store::open(out)?;
-    let m = dst.manifest().ok_or_else(|| {
-        Error::InvalidArgument(format!("{out} did not open as a ckptstore checkpoint"))
-    })?;
-    let mut weight_map = BTreeMap::new();
-    let mut total_size = 0u64;
-    for t in dst.tensors() {
-        if referenced.contains(t.name.as_str()) {
-            continue;
+    // The index names the committed shards: read them back from the manifest just written
+    // (opened lazily: an object-store DST is not downloaded again).
+    let (weight_map, total_size) = match out {
+        Location::Local(p) => weight_map(&Checkpoint::open(p)?, out, &referenced)?,
+        #[cfg(feature = "s3")]
+        Location::Remote(u) => weight_map(
+            &ckptstore::store::s3::open_lazy(u, &ckptstore::store::s3::S3Config::try_from_env()?)?,
+            out,
+            &referenced,
+        )?,
+        #[cfg(not(feature = "s3"))]
+        Location::Remote(u) => {
+            return Err(Error::UnsupportedUrl {
+                url: u.to_string(),
+                reason: "this build has no object-store support".into(),
+            })
         }
-        let file = m
-            .shards
-            .get(t.shard)
-            .map(|s| s.file.clone())
-            .ok_or_else(|| Error::InvalidArgument(format!("tensor {:?} names no shard", t.name)))?;
-        total_size += t.offsets[1] - t.offsets[0];
-        weight_map.insert(t.name.clone(), file);
-    }
+    };
     let index = serde_json::json!({
         "metadata": {"total_size": total_size},
         "weight_map": weight_map,
@@ -208,6 +207,33 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
         peak_rss().map_or(String::new(), |b| format!("; peak resident memory {}", human(b))),
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The Hugging Face index of the committed DST: every model tensor (those the optimizer
+/// section does not reference) by the shard file holding it, and their total byte size.
+fn weight_map<S>(
+    dst: &Checkpoint<S>,
+    out: &Location,
+    referenced: &HashSet<&str>,
+) -> Result<(BTreeMap<String, String>, u64)> {
+    let m = dst.manifest().ok_or_else(|| {
+        Error::InvalidArgument(format!("{out} did not open as a ckptstore checkpoint"))
+    })?;
+    let mut weight_map = BTreeMap::new();
+    let mut total_size = 0u64;
+    for t in dst.tensors() {
+        if referenced.contains(t.name.as_str()) {
+            continue;
+        }
+        let file = m
+            .shards
+            .get(t.shard)
+            .map(|s| s.file.clone())
+            .ok_or_else(|| Error::InvalidArgument(format!("tensor {:?} names no shard", t.name)))?;
+        total_size += t.offsets[1] - t.offsets[0];
+        weight_map.insert(t.name.clone(), file);
+    }
+    Ok((weight_map, total_size))
 }
 
 /// This process's peak resident memory (`VmHWM`), where the system says (Linux).
