@@ -122,33 +122,38 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
     let id = new_checkpoint_id()?;
     let written = || -> Result<CommitInfo> {
         let mut parts = Vec::with_capacity(groups.len());
+        let mut pool: Vec<Vec<u8>> = Vec::new();
         for (rank, group) in groups.iter().enumerate() {
             let rank = u32::try_from(rank)
                 .map_err(|_| Error::InvalidArgument("too many tensors to consolidate".into()))?;
+            // Buffers are reused from group to group: after the first, tensors are read
+            // into memory that is already faulted in.
             let mut tensors = Vec::with_capacity(group.len());
             for it in group {
-                let t = if it.global {
-                    ck.read_global(it.name)
-                } else {
-                    ck.read_tensor(it.name)
-                };
-                // The error names the damaged chunk tensor and its shard; say which one.
-                let t = t.inspect_err(|_| {
-                    eprintln!(
-                        "ckpt consolidate: cannot read {} tensor {:?} of {}",
-                        if it.global { "global" } else { "whole" },
-                        it.name,
-                        a.src.display()
-                    )
-                })?;
+                let (dtype, shape) = ck.shape_of(it.name)?;
+                let mut buf = take_buffer(&mut pool, it.nbytes);
+                // Every chunk (or the whole tensor) is CRC-checked before a byte is copied;
+                // the error names the damaged chunk tensor and its shard: say which one.
+                let zeros = vec![0; shape.len()];
+                ck.read_region_into(it.name, &zeros, shape, &mut buf)
+                    .inspect_err(|_| {
+                        eprintln!(
+                            "ckpt consolidate: cannot read {} tensor {:?} of {}",
+                            if it.global { "global" } else { "whole" },
+                            it.name,
+                            a.src.display()
+                        )
+                    })?;
                 ck.release_pages(it.name)?;
-                tensors.push((it.name, t));
+                tensors.push((it.name, dtype, shape, buf));
             }
             let refs: Vec<PartItem<'_>> = tensors
                 .iter()
-                .map(|(n, t)| PartItem::Whole(TensorRef::new(*n, t.dtype(), t.shape(), t.bytes())))
+                .map(|(n, d, shape, b)| PartItem::Whole(TensorRef::new(*n, *d, shape, b)))
                 .collect();
             parts.push(ckptstore::store::write_part(out, &id, rank, &refs, &opts)?);
+            drop(refs);
+            pool.extend(tensors.into_iter().map(|t| t.3));
         }
         let copts = CommitOptions {
             world_size: Some(u32::try_from(parts.len()).unwrap_or(u32::MAX)),
@@ -207,6 +212,24 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
         peak_rss().map_or(String::new(), |b| format!("; peak resident memory {}", human(b))),
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// A buffer of exactly `n` bytes, reusing the smallest pooled one that holds `n` (its old
+/// bytes are overwritten by the read; only growth is zero-filled).
+fn take_buffer(pool: &mut Vec<Vec<u8>>, n: u64) -> Vec<u8> {
+    let n = usize::try_from(n).unwrap_or(usize::MAX);
+    let pick = pool
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.capacity() >= n)
+        .min_by_key(|(_, b)| b.capacity())
+        .map(|(i, _)| i);
+    let mut b = match pick {
+        Some(i) => pool.swap_remove(i),
+        None => pool.pop().unwrap_or_default(),
+    };
+    b.resize(n, 0);
+    b
 }
 
 /// The Hugging Face index of the committed DST: every model tensor (those the optimizer
