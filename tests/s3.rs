@@ -780,6 +780,37 @@ fn cli_on_s3_urls() {
         .unwrap()
         .is_some());
     assert_same(&s3::open_with(&url("cli/cons"), &srv.config()).unwrap(), &f);
+    // And from s3:// to a local directory and back (the source read lazily, streamed).
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "consolidate",
+            "s3://ckpt/cli/a",
+            "--out",
+            "cons-local",
+            "--memory",
+            "1MiB",
+        ],
+    ));
+    assert_same(
+        &Checkpoint::open(cwd.path().join("cons-local")).unwrap(),
+        &f,
+    );
+    ok(&ckpt(
+        cwd.path(),
+        &env,
+        &[
+            "consolidate",
+            "cons-local",
+            "--out",
+            "s3://ckpt/cli/cons-back",
+        ],
+    ));
+    assert_same(
+        &s3::open_with(&url("cli/cons-back"), &srv.config()).unwrap(),
+        &f,
+    );
 
     // A damaged object: verify exits 1 naming the key.
     let ck = s3::open_with(&url("cli/a"), &srv.config()).unwrap();
