@@ -20,9 +20,7 @@ pub use source::{Fetch, ShardSource};
 use crate::crc::crc32_parallel;
 use crate::error::{Error, Result};
 pub use crate::format::manifest::TensorInfo;
-use crate::format::manifest::{
-    self, check_file_name, DecodeError, Manifest, NameIndex, MANIFEST_FILE,
-};
+use crate::format::manifest::{check_file_name, Manifest, NameIndex, MANIFEST_FILE};
 use crate::format::{header, META_CHECKPOINT_ID};
 use crate::mmap::Map;
 use crate::view::TensorView;
@@ -418,28 +416,7 @@ pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
     Ok(v)
 }
 
-/// Decode and validate a manifest, with the name index validation built.
-pub(crate) fn decode_manifest(bytes: &[u8], file: &str) -> Result<(Manifest, NameIndex)> {
-    manifest::decode_indexed(bytes).map_err(|e| match e {
-        DecodeError::Checksum { expected, got } => Error::ChecksumMismatch {
-            what: "manifest".into(),
-            shard: 0,
-            file: file.into(),
-            expected,
-            got,
-        },
-        DecodeError::Version(v) => Error::UnsupportedVersion {
-            file: file.into(),
-            found: v,
-            supported: manifest::VERSION,
-        },
-        DecodeError::Feature(f) => Error::UnsupportedFeature {
-            file: file.into(),
-            feature: f,
-        },
-        DecodeError::Invalid(r) => Error::manifest(file, r),
-    })
-}
+pub(crate) use crate::format::manifest::decode_checked as decode_manifest;
 
 impl<S> Checkpoint<S> {
     /// The same checkpoint over another storage type: `f` converts each shard's bytes (for

@@ -450,6 +450,34 @@ impl NameIndex {
     }
 }
 
+/// [`decode_indexed`] with its errors as the crate's, naming `file` (the manifest's path
+/// or URL).
+pub(crate) fn decode_checked(
+    bytes: &[u8],
+    file: &str,
+) -> crate::error::Result<(Manifest, NameIndex)> {
+    use crate::error::Error;
+    decode_indexed(bytes).map_err(|e| match e {
+        DecodeError::Checksum { expected, got } => Error::ChecksumMismatch {
+            what: "manifest".into(),
+            shard: 0,
+            file: file.into(),
+            expected,
+            got,
+        },
+        DecodeError::Version(v) => Error::UnsupportedVersion {
+            file: file.into(),
+            found: v,
+            supported: VERSION,
+        },
+        DecodeError::Feature(f) => Error::UnsupportedFeature {
+            file: file.into(),
+            feature: f,
+        },
+        DecodeError::Invalid(r) => Error::manifest(file, r),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,6 +35,18 @@ pub fn is_part_file(name: &str) -> bool {
     name.starts_with("part-") && engine_file_id(name).is_some()
 }
 
+/// A fresh checkpoint id or temporary-name suffix: 32 random lowercase hex digits.
+///
+/// # Errors
+/// [`crate::error::Error::Io`] if the system's random source fails.
+pub(crate) fn random_id() -> crate::error::Result<String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| {
+        crate::error::Error::io("getrandom", "", std::io::Error::other(e.to_string()))
+    })?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
 /// `s` is 32 lowercase hex digits (a checkpoint id).
 pub(crate) fn is_id(s: &str) -> bool {
     s.len() == 32

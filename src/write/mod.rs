@@ -526,12 +526,7 @@ struct PlannedShard<'t, 'a> {
     entries: Vec<HeaderEntry>,
 }
 
-pub(crate) fn random_id() -> Result<String> {
-    let mut b = [0u8; 16];
-    getrandom::fill(&mut b)
-        .map_err(|e| Error::io("getrandom", "", std::io::Error::other(e.to_string())))?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
-}
+pub(crate) use crate::format::names::random_id;
 
 fn plan<'t, 'a>(
     tensors: &'t [TensorRef<'a>],

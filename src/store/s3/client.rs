@@ -9,14 +9,14 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
 use super::upload::{is_upload_journal, ObjectPut};
 use super::Remote;
-use crate::checkpoint::decode_manifest;
 use crate::error::{Error, Result};
+use crate::format::manifest::decode_checked as decode_manifest;
 use crate::format::manifest::{Manifest, MANIFEST_FILE};
 use crate::format::MAX_MANIFEST_SIZE;
 use crate::location::RemoteUrl;
-use crate::store::Store;
 #[cfg(doc)]
-use crate::{checkpoint::Checkpoint, store::Put};
+use crate::store::Put;
+use crate::store::Store;
 
 /// What a store's error text means, for people.
 pub(super) fn explain(text: String, bucket: &str) -> String {
@@ -248,8 +248,9 @@ impl Remote {
     /// The committed manifest under this prefix: its bytes and decoded form.
     ///
     /// # Errors
-    /// [`Error::NotFound`] if there is none; [`Error::Remote`]; the manifest errors of
-    /// [`Checkpoint::open`].
+    /// [`Error::NotFound`] if there is none; [`Error::Remote`]; the manifest's own errors
+    /// ([`Error::InvalidManifest`], [`Error::ChecksumMismatch`], [`Error::UnsupportedVersion`],
+    /// [`Error::UnsupportedFeature`]) naming its URL.
     pub fn manifest(&self) -> Result<(Vec<u8>, Manifest)> {
         let bytes = match self.get_small(MANIFEST_FILE, MAX_MANIFEST_SIZE)? {
             Some(b) => b,

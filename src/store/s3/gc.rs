@@ -2,7 +2,7 @@
 
 use super::Remote;
 use crate::error::{Error, Result};
-use crate::write;
+use crate::format::names::is_engine_file;
 
 /// Delete, under `url`, every engine object no committed manifest names (shards of
 /// interrupted or superseded saves, temporary objects); never the manifest or objects the
@@ -18,7 +18,7 @@ pub fn gc_prefix(r: &Remote) -> Result<Vec<String>> {
     };
     let mut deleted = Vec::new();
     for (name, _) in r.list()?.objects {
-        if write::is_engine_file(&name) && !keep.contains(&name) {
+        if is_engine_file(&name) && !keep.contains(&name) {
             r.delete(&name)?;
             deleted.push(name);
         }

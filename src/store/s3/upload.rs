@@ -18,7 +18,6 @@ use crate::location::RemoteUrl;
 use crate::store::Put;
 #[cfg(doc)]
 use crate::store::Store;
-use crate::write;
 
 pub(super) use crate::format::journal::is_journal_name as is_upload_journal;
 
@@ -226,7 +225,7 @@ impl<'r> ObjectPut<'r> {
 
 /// 32 random hex digits for a journal's name.
 fn journal_suffix() -> io::Result<String> {
-    write::random_id().map_err(io::Error::other)
+    crate::format::names::random_id().map_err(io::Error::other)
 }
 
 /// Abort an upload (its parts in flight first), then delete its journal if the abort
