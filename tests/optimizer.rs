@@ -258,6 +258,55 @@ fn non_finite_values_cannot_be_scaled_and_say_so() {
     );
 }
 
+/// A state too small to scale to FP16 (absmax below ~1e-34) cannot be loaded as FP16-scaled,
+/// and says so; with one of its bytes damaged it is refused as damaged first (found by the
+/// `structured` fuzz target: the recorded absmax was checked before the data's CRC).
+#[test]
+fn an_unscalable_damaged_state_is_refused_as_damaged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opt = OptimizerState::new(vec![ParamGroup {
+        params: vec![ParamSpec::new("p", &[64])],
+        hyper: Default::default(),
+    }]);
+    let x: Vec<f32> = (0..64).map(|i| 5e-39 * (1.0 + i as f32 / 64.0)).collect();
+    opt.state.insert(
+        "p".into(),
+        [(
+            "exp_avg".to_string(),
+            StateValue::Plain(Tensor::from_slice(&[64], &x).unwrap()),
+        )]
+        .into(),
+    );
+    opt.save(dir.path(), &[], &SaveOptions::default()).unwrap();
+    let layout = f16_layout(ScaleShape::Keep);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    match ck.load_optimizer(&layout) {
+        Err(Error::Conversion { reason, .. }) => assert!(reason.contains("too small"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    let t = ck
+        .tensors()
+        .iter()
+        .find(|t| t.name.contains("exp_avg"))
+        .unwrap()
+        .clone();
+    let file = dir
+        .path()
+        .join(&ck.manifest().unwrap().shards[t.shard].file);
+    drop(ck);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[t.offsets[0] as usize + 17] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    assert!(
+        matches!(
+            ck.load_optimizer(&layout),
+            Err(Error::ChecksumMismatch { .. })
+        ),
+        "a damaged state must be refused as damaged"
+    );
+}
+
 /// The ColossalAI scenario for one optimizer configuration.
 fn stale_state_scenario(kind: Kind, ngroups: usize, storage: Storage) {
     let dir = tempfile::tempdir().unwrap();

@@ -439,7 +439,7 @@ impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
             .flatten()
             .collect();
         let ranges = self.ranges_in_file_order(&sources);
-        crate::checkpoint::with_readahead(&ranges, true, |gate| {
+        let r = crate::checkpoint::with_readahead(&ranges, true, |gate| {
             let mut order: Vec<usize> = (0..jobs.len()).collect();
             order.sort_by_key(|&i| first(&jobs[i]));
             if gate.streaming() {
@@ -453,7 +453,21 @@ impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
                 out[i] = Some(run(&jobs[i])?);
             }
             Ok(out.into_iter().flatten().collect())
-        })
+        });
+        match r {
+            // Damage is said before a conversion that cannot be done: a load that found a
+            // state it cannot convert checks every source's CRC (in file order) and
+            // refuses a damaged one as damaged, whichever job ran first.
+            Err(e @ Error::Conversion { .. }) => {
+                let mut sorted = sources;
+                sorted.sort_by_key(|t| (t.shard, t.offsets[0]));
+                for t in sorted {
+                    self.checked_view(t)?;
+                }
+                Err(e)
+            }
+            r => r,
+        }
     }
 
     /// Run `jobs` behind a streaming reader ([`crate::checkpoint::ReadStrategy::Stream`]):
