@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use ckptstore::store::{commit, write_part};
 use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::{commit, write_part};
 use ckptstore::{CommitOptions, PartItem, SaveOptions, TensorRef};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

@@ -2,9 +2,9 @@
 //! measured in the same run against the same server with the same part / range size and
 //! concurrency:
 //!
-//! * save (`store::s3::save_with`: multipart upload, CRCs on the way, manifest PUT last)
+//! * save (`api::s3::save_with`: multipart upload, CRCs on the way, manifest PUT last)
 //!   vs a raw multipart PUT of the same bytes (`WriteMultipart`);
-//! * open (`store::s3::open_with`: manifest GET, parallel ranged GETs into fresh buffers,
+//! * open (`api::s3::open_with`: manifest GET, parallel ranged GETs into fresh buffers,
 //!   every CRC block summed as it lands, the open checks) and open + verify (the CRC-checked
 //!   load: `verify` after the open, which reads nothing again when `crc_fused` is true) vs raw
 //!   parallel ranged GETs of the same bytes (`get_range`, into the buffers `object_store`
@@ -21,7 +21,7 @@
 
 use std::time::Instant;
 
-use ckptstore::store::s3::{self, Remote, S3Config};
+use ckptstore::api::s3::{self, Remote, S3Config};
 use ckptstore::store::Location;
 use ckptstore::{SaveOptions, TensorRef};
 use futures::StreamExt;

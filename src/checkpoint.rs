@@ -11,11 +11,15 @@ mod catalog;
 mod fill;
 mod pread;
 pub(crate) mod region;
+#[cfg(feature = "s3")]
+pub mod remote;
 pub mod source;
+mod storage;
 pub use catalog::Entry;
 pub use pread::{FileShard, ReadAt};
 pub use region::Region;
 pub use source::{Fetch, ShardSource};
+pub use storage::Storage;
 
 use crate::crc::crc32_parallel;
 use crate::error::{Error, Result};
@@ -69,7 +73,7 @@ pub struct VerifyReport {
 /// Generic over where the shard bytes come from ([`ShardSource`]): [`Checkpoint::open`]
 /// maps local shard files read-only ([`Map`]); tests and fuzzers run on `Vec<u8>`; an
 /// object store's checkpoint is downloaded into buffers or read lazily by ranged requests
-/// (`store::s3::RemoteShard`). The catalog, checks and fresh-buffer reads
+/// (`store::s3::RemoteShard`, [`remote::open_lazy`]). The catalog, checks and fresh-buffer reads
 /// ([`Checkpoint::read_tensor`], [`Checkpoint::read_region`],
 /// [`Checkpoint::stream_tensors`], [`Checkpoint::verify`]) work over any source;
 /// zero-copy views ([`Checkpoint::tensor`]) need resident bytes (`S: AsRef<[u8]>`).
@@ -420,7 +424,7 @@ pub(crate) use crate::format::manifest::decode_checked as decode_manifest;
 
 impl<S> Checkpoint<S> {
     /// The same checkpoint over another storage type: `f` converts each shard's bytes (for
-    /// example into [`crate::store::Storage`], an enum over local maps and downloaded
+    /// example into [`Storage`], an enum over local maps and downloaded
     /// buffers). `f` must keep the bytes themselves unchanged.
     pub fn map_storage<C>(self, f: impl FnMut(S) -> C) -> Checkpoint<C> {
         let mut f = f;
@@ -457,7 +461,7 @@ impl<S> Checkpoint<S> {
 
     /// Whether every tensor's CRC32 (and recorded absmax) was already checked, in buffers
     /// this checkpoint owns, while they were filled: a download from an object store sums
-    /// each piece as it lands ([`crate::store::s3::open_with`]). Then
+    /// each piece as it lands (`checkpoint::remote::open_with`). Then
     /// [`Checkpoint::verify`] reads no tensor data and checked reads skip the CRC. `false`
     /// for memory-mapped checkpoints (a file can change under a map, so every check reads
     /// it) and for a download whose check failed (`verify` reports the damage).

@@ -209,8 +209,8 @@ pub fn local_path(path: &Path, verb: &str) -> Result<PathBuf> {
             url: u.to_string(),
             reason: format!(
                 "{verb} takes a local path; open, save, write or commit a URL with \
-                 ckptstore::open / ckptstore::save / ckptstore::store::write_part / \
-                 ckptstore::store::commit"
+                 ckptstore::open / ckptstore::save / ckptstore::write_part / \
+                 ckptstore::commit"
             ),
         }),
         Err(Error::UnsupportedUrl { url, reason }) => Err(Error::UnsupportedUrl {

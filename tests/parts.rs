@@ -999,7 +999,7 @@ fn discard_removes_an_uncommitted_checkpoint_and_only_it() {
     assert_eq!(ckptstore::write::parts::discard(&dir, &id).unwrap(), 5);
     assert_eq!(names(&dir), before);
     unchanged(&dir, &manifest);
-    assert_eq!(ckptstore::store::discard(&dir, &id).unwrap(), 0);
+    assert_eq!(ckptstore::discard(&dir, &id).unwrap(), 0);
     // The committed checkpoint is refused, and nothing goes.
     let (id2, parts2) = two_parts(&dir, &a, &b);
     commit(&dir, &id2, &parts2, &opts(2)).unwrap();

@@ -14,13 +14,13 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 
+use ckptstore::api::s3::{self, Remote, S3Config};
 use ckptstore::format::manifest::MANIFEST_FILE;
 use ckptstore::manager::CheckpointManager;
 use ckptstore::manager::Retention;
 use ckptstore::optim::{
     OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
 };
-use ckptstore::store::s3::{self, Remote, S3Config};
 use ckptstore::store::{Location, RemoteUrl};
 use ckptstore::write::parts::new_checkpoint_id;
 use ckptstore::{Checkpoint, CommitOptions, DType, Error, Part, PartItem, SaveOptions, TensorRef};
@@ -691,7 +691,7 @@ fn urls_are_never_local_paths() {
     names.sort();
     assert_eq!(names, ["src"], "a URL was taken as a local path");
     // The library refuses them too.
-    let e = ckptstore::store::save(
+    let e = ckptstore::save(
         "gs://b/p",
         &[TensorRef::from_slice("w", &[4, 4], &w)],
         &SaveOptions::default(),
@@ -699,7 +699,7 @@ fn urls_are_never_local_paths() {
     .unwrap_err();
     assert!(matches!(e, Error::UnsupportedUrl { .. }));
     assert!(matches!(
-        ckptstore::store::open("gs://b/p"),
+        ckptstore::open("gs://b/p"),
         Err(Error::UnsupportedUrl { .. })
     ));
 }
@@ -1104,7 +1104,7 @@ fn location_functions_dispatch_multi_rank_saves() {
     let (w, v, step) = (global_w(), global_v(), [5i64]);
     let id = new_checkpoint_id().unwrap();
     for rank in 0..2 {
-        ckptstore::store::write_part(
+        ckptstore::write_part(
             loc,
             &id,
             rank,
@@ -1113,7 +1113,7 @@ fn location_functions_dispatch_multi_rank_saves() {
         )
         .unwrap();
     }
-    ckptstore::store::commit_rendezvous(
+    ckptstore::commit_rendezvous(
         loc,
         &id,
         2,
@@ -1121,7 +1121,7 @@ fn location_functions_dispatch_multi_rank_saves() {
         &CommitOptions::default(),
     )
     .unwrap();
-    let ck = ckptstore::store::open(loc).unwrap();
+    let ck = ckptstore::open(loc).unwrap();
     assert_eq!(
         ck.read_region("v", &[2], &[2])
             .unwrap()
@@ -1130,7 +1130,7 @@ fn location_functions_dispatch_multi_rank_saves() {
         &v[2..4]
     );
     assert!(matches!(
-        ckptstore::store::commit("gs://b/p", &id, &[], &CommitOptions::default()),
+        ckptstore::commit("gs://b/p", &id, &[], &CommitOptions::default()),
         Err(Error::UnsupportedUrl { .. })
     ));
 }
@@ -1245,7 +1245,7 @@ fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
     let id = new_checkpoint_id().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let env = srv.env();
-    // Each rank is a process configured from the environment (store::write_part).
+    // Each rank is a process configured from the environment (ckptstore::write_part).
     let children: Vec<std::process::Child> = (0..world)
         .map(|rank| {
             Command::new(env!("CARGO_BIN_EXE_ckpt"))

@@ -9,7 +9,7 @@ use ckptstore::{Error, Kind};
 
 /// A checkpoint whose shard bytes are in memory: open from a path (memory-mapped) or an
 /// `s3://` URL (downloaded).
-type Checkpoint = ckptstore::Checkpoint<ckptstore::store::Storage>;
+type Checkpoint = ckptstore::Checkpoint<ckptstore::Storage>;
 
 use crate::reader::{Reader, Regions};
 use pyo3::prelude::*;

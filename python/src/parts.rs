@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ckptstore::store::{self, Location};
 use ckptstore::write::parts::{self, CommitOptions, Part, PartItem};
 use ckptstore::SaveOptions;
+use ckptstore::{api, Location};
 use numpy::PyUntypedArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -60,7 +60,7 @@ pub(crate) fn write_part<'py>(
     }
     let part = py
         .detach(|| {
-            store::write_part(
+            api::write_part(
                 &Location::from_path(&path)?,
                 checkpoint_id,
                 rank,
@@ -107,9 +107,7 @@ pub(crate) fn commit<'py>(
                 .map(|b| Part::from_bytes(b))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(CkError)?;
-            py.detach(|| {
-                store::commit(&Location::from_path(&path)?, checkpoint_id, &decoded, &opts)
-            })
+            py.detach(|| api::commit(&Location::from_path(&path)?, checkpoint_id, &decoded, &opts))
         }
         None => {
             let ws = world_size.ok_or_else(|| {
@@ -119,7 +117,7 @@ pub(crate) fn commit<'py>(
             let t = Duration::try_from_secs_f64(t)
                 .map_err(|_| invalid_arg(format!("timeout {t} is not a duration in seconds")))?;
             py.detach(|| {
-                store::commit_rendezvous(&Location::from_path(&path)?, checkpoint_id, ws, t, &opts)
+                api::commit_rendezvous(&Location::from_path(&path)?, checkpoint_id, ws, t, &opts)
             })
         }
     }

@@ -1,12 +1,12 @@
 //! Checkpoint locations from Python: a `path` argument is parsed as a location first
-//! (`ckptstore::store::Location`), so `s3://bucket/prefix` goes to the object store (the
+//! (`ckptstore::Location`), so `s3://bucket/prefix` goes to the object store (the
 //! `AWS_*` environment configures it) and is never taken as a local path; an unsupported
 //! scheme raises `ValueError` (`UnsupportedUrl`).
 
 use std::path::Path;
 
 use ckptstore::optim::OptimizerStateRef;
-use ckptstore::store::{self, Location, Storage};
+use ckptstore::{api, Location, Storage};
 use ckptstore::{Checkpoint, CommitInfo, Result, SaveOptions, TensorRef};
 
 /// A checkpoint opened by [`open_any`].
@@ -23,15 +23,15 @@ pub(crate) enum Opened {
 pub(crate) fn open_any(path: &Path, lazy: bool) -> Result<Opened> {
     match Location::from_path(path)? {
         Location::Remote(u) if lazy => Ok(Opened::Fetched(std::sync::Arc::new(
-            store::s3::open_lazy(&u, &store::s3::S3Config::try_from_env()?)?,
+            api::s3::open_lazy(&u, &api::s3::S3Config::try_from_env()?)?,
         ))),
-        loc => Ok(Opened::Resident(Box::new(store::open(&loc)?))),
+        loc => Ok(Opened::Resident(Box::new(api::open(&loc)?))),
     }
 }
 
 /// Save plain tensors at a path or URL.
 pub(crate) fn save(path: &Path, refs: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
-    store::save_with_section(&Location::from_path(path)?, refs, opts, None)
+    api::save_with_section(&Location::from_path(path)?, refs, opts, None)
 }
 
 /// Save an optimizer state with model tensors at a path or URL.
@@ -41,5 +41,5 @@ pub(crate) fn save_optimizer(
     refs: &[TensorRef<'_>],
     opts: &SaveOptions,
 ) -> Result<CommitInfo> {
-    store::save_optimizer(&Location::from_path(path)?, opt, refs, opts)
+    api::save_optimizer(&Location::from_path(path)?, opt, refs, opts)
 }

@@ -25,8 +25,8 @@ use crate::mmap::ReleasePages;
 /// Where one shard's bytes come from (see the [module docs](self)).
 ///
 /// Implemented for every `AsRef<[u8]>` storage with [`ReleasePages`] (memory maps,
-/// `Vec<u8>`, [`crate::store::Storage`]): those are resident. A fetched source (the lazy
-/// object-store reader, `store::s3::RemoteShard`) returns `None` from
+/// `Vec<u8>`, [`super::Storage`]): those are resident. A fetched source (the lazy
+/// object-store reader over `store::s3::RemoteShard`) returns `None` from
 /// [`ShardSource::bytes`] and implements [`ShardSource::fetch`].
 pub trait ShardSource: Sync {
     /// The shard's size in bytes (for resident sources, the length of [`ShardSource::bytes`]).
@@ -132,9 +132,7 @@ pub struct Fetch<'d> {
     sums: Vec<PieceSum>,
 }
 
-/// [`Fetch::write`] was handed more bytes than the fetch asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Overflow;
+pub use crate::store::ranged::Overflow;
 
 impl<'d> Fetch<'d> {
     fn new(shard: usize, range: Range<u64>, dst: &'d mut [u8], pieces: Vec<Piece>) -> Self {
@@ -186,6 +184,24 @@ impl<'d> Fetch<'d> {
             self.next += 1;
         }
         Ok(())
+    }
+}
+
+impl crate::store::ranged::RangeSink for Fetch<'_> {
+    fn object(&self) -> usize {
+        self.shard
+    }
+    fn range(&self) -> Range<u64> {
+        self.range.clone()
+    }
+    fn write(&mut self, bytes: &[u8]) -> std::result::Result<(), Overflow> {
+        Fetch::write(self, bytes)
+    }
+    fn landed(&self) -> usize {
+        self.landed
+    }
+    fn is_complete(&self) -> bool {
+        Fetch::is_complete(self)
     }
 }
 

@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 
 use super::{interrupted, parse_step, step_name, Skip, StepEntry, StepLease, StepStore};
 use crate::checkpoint::Checkpoint;
+use crate::checkpoint::Storage;
 use crate::error::{Error, Result};
 use crate::format::manifest::{OptimizerSection, MANIFEST_FILE};
 use crate::location::Location;
 use crate::store::local::{self, Lock};
-use crate::store::Storage;
 use crate::write::parts::{CommitOptions, Part};
 use crate::write::{self, CommitInfo, SaveOptions, TensorRef, LOCK_FILE};
 
@@ -368,7 +368,7 @@ mod tests {
         )
         .unwrap();
         let tmp = root.path().join(format!("{TMP_STEP_PREFIX}2-00ff"));
-        crate::save(
+        crate::write::save(
             &tmp,
             &[TensorRef::from_slice("w", &[8], &w)],
             &SaveOptions::default(),

@@ -35,11 +35,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::checkpoint::Checkpoint;
+use crate::checkpoint::Storage;
 use crate::error::{Error, Result};
 use crate::format::manifest::OptimizerSection;
 use crate::location::{IntoLocation, Location};
 use crate::optim::{OptimizerState, OptimizerStateRef, StateLayout};
-use crate::store::Storage;
 use crate::write::parts::{CommitOptions, Part};
 use crate::write::{CommitInfo, SaveOptions, TensorRef};
 use crate::DType;

@@ -3,17 +3,17 @@
 //!
 //! Nothing locks a prefix, so there are no reader leases: readers of the manager's `open`
 //! download the whole step at open, so retention cannot pull bytes from under them; a lazy
-//! reader ([`crate::store::s3::open_lazy`]) of a step deleted meanwhile gets an error naming
+//! reader ([`crate::checkpoint::remote::open_lazy`]) of a step deleted meanwhile gets an error naming
 //! the missing object, never other bytes. Retention deletes only objects the engine writes
 //! (manifests, shards, temporary objects and upload journals, part descriptors).
 
 use super::{interrupted, parse_step, step_name, Skip, StepEntry, StepLease, StepStore};
 use crate::checkpoint::Checkpoint;
+use crate::checkpoint::Storage;
 use crate::error::{Error, Result};
 use crate::format::manifest::{OptimizerSection, MANIFEST_FILE};
 use crate::location::Location;
 use crate::store::s3::{self, Remote};
-use crate::store::Storage;
 use crate::write::parts::{CommitOptions, Part};
 use crate::write::{self, CommitInfo, SaveOptions, TensorRef};
 
@@ -82,7 +82,10 @@ impl StepStore for RemoteSteps {
     }
 
     fn open(&self, lease: &StepLease) -> Result<Checkpoint<Storage>> {
-        Ok(s3::open_remote(&self.step(lease.step))?.map_storage(Storage::Owned))
+        Ok(
+            crate::checkpoint::remote::open_remote(&self.step(lease.step))?
+                .map_storage(Storage::Owned),
+        )
     }
 
     fn save(
@@ -92,7 +95,7 @@ impl StepStore for RemoteSteps {
         section: Option<OptimizerSection>,
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
-        s3::save_remote(&self.step(step), tensors, opts, section)
+        crate::write::remote::save_remote(&self.step(step), tensors, opts, section)
     }
 
     fn commit_parts(
@@ -102,7 +105,7 @@ impl StepStore for RemoteSteps {
         parts: &[Part],
         opts: &CommitOptions,
     ) -> Result<CommitInfo> {
-        s3::commit_remote(&self.step(step), checkpoint_id, parts, opts)
+        crate::write::remote::commit_remote(&self.step(step), checkpoint_id, parts, opts)
     }
 
     /// The manifest first, so the step stops counting as committed, then its engine

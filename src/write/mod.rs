@@ -6,6 +6,8 @@ pub mod fs;
 pub mod parts;
 #[doc(hidden)]
 pub mod pause;
+#[cfg(feature = "s3")]
+pub mod remote;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -47,7 +47,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         #[cfg(feature = "s3")]
         Location::Remote(u) => consolidate(
             &a,
-            &ckptstore::store::s3::open_lazy(&u, &ckptstore::store::s3::S3Config::try_from_env()?)?,
+            &ckptstore::api::s3::open_lazy(&u, &ckptstore::api::s3::S3Config::try_from_env()?)?,
             &out,
         ),
         #[cfg(not(feature = "s3"))]
@@ -151,7 +151,7 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
                 .iter()
                 .map(|(n, d, shape, b)| PartItem::Whole(TensorRef::new(*n, *d, shape, b)))
                 .collect();
-            parts.push(ckptstore::store::write_part(out, &id, rank, &refs, &opts)?);
+            parts.push(ckptstore::write_part(out, &id, rank, &refs, &opts)?);
             drop(refs);
             pool.extend(tensors.into_iter().map(|t| t.3));
         }
@@ -160,14 +160,14 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
             metadata: ck.metadata().clone(),
             optimizer: optimizer.clone(),
         };
-        ckptstore::store::commit(out, &id, &parts, &copts)
+        ckptstore::commit(out, &id, &parts, &copts)
     };
     let info = match written() {
         Ok(info) => info,
         Err(e) => {
             // Nothing was committed: take this consolidation's parts away (best effort; the
             // next save or commit into DST removes what stays).
-            let _ = ckptstore::store::discard(out, &id);
+            let _ = ckptstore::discard(out, &id);
             return Err(e);
         }
     };
@@ -178,7 +178,7 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
         Location::Local(p) => weight_map(&Checkpoint::open(p)?, out, &referenced)?,
         #[cfg(feature = "s3")]
         Location::Remote(u) => weight_map(
-            &ckptstore::store::s3::open_lazy(u, &ckptstore::store::s3::S3Config::try_from_env()?)?,
+            &ckptstore::api::s3::open_lazy(u, &ckptstore::api::s3::S3Config::try_from_env()?)?,
             out,
             &referenced,
         )?,
@@ -197,7 +197,7 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
     let mut bytes = serde_json::to_vec_pretty(&index)
         .map_err(|e| Error::InvalidArgument(format!("cannot encode {HF_INDEX_FILE}: {e}")))?;
     bytes.push(b'\n');
-    ckptstore::store::put_file(out, HF_INDEX_FILE, &bytes)?;
+    ckptstore::put_file(out, HF_INDEX_FILE, &bytes)?;
     outln!(
         "consolidated {} global tensor(s) and {} whole tensor(s) into {} tensors ({}) in {} shard(s) at {} (checkpoint {}); {} lists {} model tensor(s){}",
         ck.globals().len(),

@@ -82,8 +82,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         progress: Some(callback(&pb)),
         ..Default::default()
     };
-    let info =
-        ckptstore::store::save_with_section(&out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
+    let info = ckptstore::save_with_section(&out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
     pb.finish_and_clear();
     outln!(
         "packed {} tensors ({}) into {} shard(s) at {} (checkpoint {})",

@@ -102,7 +102,7 @@ pub fn dir_or_temp(
 }
 
 /// A checkpoint open from a path or URL (`s3://bucket/prefix`): a URL is never a path.
-pub type Ckpt = ckptstore::Checkpoint<ckptstore::store::Storage>;
+pub type Ckpt = ckptstore::Checkpoint<ckptstore::Storage>;
 
 /// Parse a PATH argument as a location ([`ckptstore::store::Location::parse`]).
 pub fn location(p: &std::path::Path) -> ckptstore::Result<ckptstore::store::Location> {
@@ -111,7 +111,7 @@ pub fn location(p: &std::path::Path) -> ckptstore::Result<ckptstore::store::Loca
 
 /// Open a checkpoint at a path or URL.
 pub fn open(p: &std::path::Path) -> ckptstore::Result<Ckpt> {
-    ckptstore::store::open(&location(p)?)
+    ckptstore::open(&location(p)?)
 }
 
 #[cfg(test)]

@@ -5,32 +5,27 @@
 //! `s3://bucket/prefix/`, shard objects named uniquely per checkpoint id
 //! (`shard-<id>-<i>.safetensors`), then `ckpt-manifest.json`, PUT last: the commit.
 //!
-//! **Save** runs the engine's own commit protocol (`write`) over [`Remote`] as the
-//! writer's [`Store`](super::Store): each shard streams into a multipart upload (parts
-//! uploaded concurrently while the writer computes every tensor's CRC32 from the same
-//! bytes), and the manifest is one PUT after every shard upload has completed. An error or
-//! a dropped save aborts its multipart uploads and deletes the shard objects it completed;
-//! a killed process leaves shard objects no manifest names and incomplete multipart
-//! uploads, which the next save's cleanup or `ckpt gc` deletes and aborts (each upload is
-//! journaled by an object naming its id: format-spec/s3.md §Uploads).
+//! This is the store layer: it moves bytes and knows nothing of the reader or the writer
+//! above it. **Save** is the engine's own commit protocol (`write`, over [`Remote`] as the
+//! writer's [`Store`](super::Store); the verbs are in `write::remote`): each shard streams
+//! into a multipart upload ([`ObjectPut`]; parts uploaded concurrently while the writer
+//! computes every tensor's CRC32 from the same bytes), and the manifest is one PUT after
+//! every shard upload has completed. An error or a dropped save aborts its multipart uploads
+//! and deletes the shard objects it completed; a killed process leaves shard objects no
+//! manifest names and incomplete multipart uploads, which the next save's cleanup or
+//! `ckpt gc` deletes and aborts (each upload is journaled by an object naming its id:
+//! format-spec/s3.md §Uploads). Multi-rank checkpoints run the local multi-rank protocol over
+//! the same store. Nothing relies on conditional PUT: one writer per prefix
+//! (format-spec/s3.md §Writers).
 //!
-//! **Multi-rank** checkpoints ([`write_part`], [`commit`], [`commit_rendezvous`]) run the
-//! local multi-rank protocol over the same store.
-//! Nothing relies on conditional PUT: one writer per prefix (format-spec/s3.md §Writers).
-//!
-//! **Open** GETs the manifest once, then downloads every shard with parallel ranged GETs
-//! into fresh buffers and runs every check [`Checkpoint::open`] runs (object sizes, header
-//! lengths, header CRCs), so all readers of [`Checkpoint`] work unchanged. CRCs of tensors
-//! are checked where the local path checks them (loads, `verify`). [`open_lazy`] gives the
-//! same reader, [`Checkpoint`], over [`RemoteShard`]s: shard headers fetched at open, tensor
-//! bytes by ranged GETs when read ([`Checkpoint::read_tensor`], [`Checkpoint::read_region`]
-//! fetching only the CRC blocks a region touches, [`Checkpoint::stream_tensors`]).
+//! **Open** (the reader, `checkpoint::remote`) GETs the manifest once ([`Remote::manifest`]),
+//! then reads shards by parallel ranged GETs ([`Remote::read_ranges`]), whole into fresh
+//! buffers or lazily through [`RemoteShard`]s.
 //!
 //! By job: this file configures and connects ([`S3Config`], [`Remote::new`]); `client`
 //! makes the requests (listing, small GETs and PUTs, deletes, probing) and is the
 //! writer's store; `upload` streams objects as multipart uploads with their journals;
-//! `read` downloads, or reads lazily, by ranged GETs; `save` runs the writer's verbs
-//! (save, parts, commit, rendezvous) over the store; `gc` deletes what no manifest names.
+//! `read` makes ranged GETs; `gc` deletes what no manifest names.
 //!
 //! Configuration is the usual environment ([`S3Config::from_env`]): `AWS_ENDPOINT_URL`,
 //! `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ALLOW_HTTP`, plus
@@ -45,28 +40,17 @@ use object_store::path::Path as ObjPath;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
 
 use super::RemoteUrl;
-use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 
 mod client;
 mod gc;
 mod read;
-mod save;
 mod upload;
 
 pub use client::Listing;
 pub use gc::gc_prefix;
-pub use read::{open, open_lazy, open_remote, open_with, RemoteShard};
-pub use save::{
-    commit, commit_remote, commit_rendezvous, commit_rendezvous_remote, save, save_remote,
-    save_with, save_with_section, write_part, write_part_remote,
-};
+pub use read::RemoteShard;
 pub use upload::ObjectPut;
-
-/// The old name of the lazy object-store reader, which is now the one reader over
-/// fetched shards ([`open_lazy`]).
-#[deprecated(note = "the lazy reader is Checkpoint<RemoteShard>, opened with store::s3::open_lazy")]
-pub type RemoteCheckpoint = Checkpoint<RemoteShard>;
 
 /// How to reach the object store and how hard to try.
 #[derive(Debug, Clone)]

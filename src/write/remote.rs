@@ -1,16 +1,17 @@
 //! The writer's verbs over an object store (format-spec/s3.md §Save, §Multi-rank): each
-//! runs the local protocol of `write` / `write::parts` over [`Remote`] as its store.
+//! runs the protocol of [`super::save`] / [`super::parts`] with the store's [`Remote`] as
+//! its [`crate::store::Store`] (cargo feature `s3`).
 
 use std::time::Duration;
 
-use super::{Remote, S3Config};
+use super::parts::{self, CommitOptions, Part, PartItem};
+use super::{CommitInfo, SaveOptions, TensorRef};
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
 use crate::format::manifest::OptimizerSection;
 use crate::location::RemoteUrl;
-use crate::write::parts::{self, CommitOptions, Part, PartItem};
-use crate::write::{self, CommitInfo, SaveOptions, TensorRef};
+use crate::store::s3::{Remote, S3Config};
 
 /// Save tensors as one committed checkpoint under `url`, configured from the environment.
 ///
@@ -68,7 +69,7 @@ pub fn save_remote(
     // One listing first: a missing bucket or bad credentials fail here, in those words,
     // before anything is uploaded (some servers create buckets on PUT).
     r.probe()?;
-    write::save_impl(r, tensors, opts, optimizer)
+    super::save_impl(r, tensors, opts, optimizer)
 }
 
 /// Write rank `rank`'s part of the multi-rank checkpoint `checkpoint_id` under `url`
