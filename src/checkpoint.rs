@@ -2,21 +2,27 @@
 //! and Hugging Face sharded directories.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
 mod catalog;
 mod fill;
+mod open;
 mod pread;
+mod readahead;
 pub(crate) mod region;
 #[cfg(feature = "s3")]
 pub mod remote;
 pub mod source;
 mod storage;
 pub use catalog::Entry;
+pub(crate) use open::{open_native_retrying, read_capped};
 pub use pread::{FileShard, ReadAt};
+pub use readahead::{
+    cached_pages, drop_page_cache, read_strategy, set_read_strategy, ReadStrategy,
+};
+pub(crate) use readahead::{in_order, with_readahead, Gate};
 pub use region::Region;
 pub use source::{Fetch, ShardSource};
 pub use storage::Storage;
@@ -24,13 +30,13 @@ pub use storage::Storage;
 use crate::crc::crc32_parallel;
 use crate::error::{Error, Result};
 pub use crate::format::manifest::TensorInfo;
-use crate::format::manifest::{check_file_name, Manifest, NameIndex, MANIFEST_FILE};
+use crate::format::manifest::{Manifest, NameIndex, MANIFEST_FILE};
 use crate::format::{header, META_CHECKPOINT_ID};
 use crate::mmap::Map;
 use crate::view::TensorView;
 
 /// Reason given when a shard file the manifest lists does not exist.
-const SHARD_MISSING: &str = "the file is missing";
+pub(crate) const SHARD_MISSING: &str = "the file is missing";
 /// The index file of a Hugging Face sharded directory.
 pub const HF_INDEX_FILE: &str = "model.safetensors.index.json";
 
@@ -103,210 +109,6 @@ pub struct Checkpoint<S = Map> {
 
 /// [`Checkpoint`]'s `chunk_of` entry of a whole tensor.
 const NOT_A_CHUNK: u32 = u32::MAX;
-
-fn open_map(path: &Path) -> Result<Map> {
-    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    Map::open(&file, path)
-}
-
-impl Checkpoint<Map> {
-    /// Open a checkpoint: a ckptstore directory (holding `ckpt-manifest.json`), a Hugging
-    /// Face sharded directory (holding `model.safetensors.index.json`), a directory holding
-    /// `model.safetensors`, or a single `.safetensors` file.
-    ///
-    /// Reads and validates the manifest (its CRC trailer, every field, every byte range
-    /// against the recorded file sizes), checks each shard file's size, header length and
-    /// header CRC32 against the manifest, and maps every shard read-only. For foreign
-    /// stores it parses and validates every safetensors header. Reads no tensor data: the
-    /// cost is proportional to the number of tensors, not to their size. [`Checkpoint::verify`]
-    /// does the deep checks: every header parsed and cross-checked, every tensor's CRC.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`] when there is no checkpoint at `path`; [`Error::InvalidManifest`],
-    /// [`Error::InvalidHeader`], [`Error::ShardMismatch`], [`Error::ChecksumMismatch`],
-    /// [`Error::UnsupportedVersion`], [`Error::UnsupportedFeature`] for damaged or foreign
-    /// stores; [`Error::Io`] for I/O failures. Each names the file involved.
-    ///
-    /// # Example
-    /// ```
-    /// # fn main() -> ckptstore::Result<()> {
-    /// use ckptstore::{save, Checkpoint, DType, SaveOptions, TensorRef};
-    /// let dir = tempfile::tempdir().unwrap();
-    /// let w: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
-    /// save(dir.path(), &[TensorRef::from_slice("w", &[2, 2], &w)], &SaveOptions::default())?;
-    /// let ckpt = Checkpoint::open(dir.path())?;
-    /// assert_eq!(ckpt.tensor("w")?.as_slice::<f32>()?, &w[..]);
-    /// ckpt.verify()?;
-    /// # Ok(()) }
-    /// ```
-    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = &crate::location::local_path(path.as_ref(), "Checkpoint::open")?;
-        let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::NotFound {
-                path: path.to_path_buf(),
-                reason: "the path does not exist".into(),
-            },
-            _ => Error::io("stat", path, e),
-        })?;
-        if meta.is_file() {
-            let bytes = open_map(path)?;
-            return Checkpoint::from_safetensors(path.to_path_buf(), bytes);
-        }
-        let manifest_path = path.join(MANIFEST_FILE);
-        if manifest_path.exists() {
-            // A save that commits while we open may remove the shards of the manifest we
-            // read (format-spec/durability.md §Readers): if a shard is missing, read the
-            // manifest again and retry, a bounded number of times.
-            return open_native_retrying(path, &manifest_path, &|f, p, _| Map::open(&f, p));
-        }
-        let index = path.join(HF_INDEX_FILE);
-        if index.exists() {
-            return Self::open_hf(path, &index);
-        }
-        let single = path.join("model.safetensors");
-        if single.is_file() {
-            let bytes = open_map(&single)?;
-            return Checkpoint::from_safetensors(single, bytes);
-        }
-        Err(Error::NotFound {
-            path: path.to_path_buf(),
-            reason: format!(
-                "no {MANIFEST_FILE} (ckptstore), {HF_INDEX_FILE} (Hugging Face) or model.safetensors in the directory"
-            ),
-        })
-    }
-
-    fn open_hf(root: &Path, index_path: &Path) -> Result<Self> {
-        let fname = HF_INDEX_FILE;
-        let bytes = read_capped(index_path, crate::format::MAX_MANIFEST_SIZE)?;
-        #[derive(serde::Deserialize)]
-        struct Index {
-            #[serde(default)]
-            metadata: serde_json::Value,
-            weight_map: std::collections::BTreeMap<String, String>,
-        }
-        let idx: Index = serde_json::from_slice(&bytes)
-            .map_err(|e| Error::manifest(fname, format!("JSON: {e}")))?;
-        let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
-        files.sort();
-        files.dedup();
-        for f in &files {
-            check_file_name(f).map_err(|e| Error::manifest(fname, e))?;
-        }
-        let shards = files
-            .par_iter()
-            .map(|f| {
-                Ok(Shard {
-                    file: f.clone(),
-                    bytes: open_map(&root.join(f))?,
-                })
-            })
-            .collect::<Vec<_>>()
-            // The first failure in shard order (rayon's own would be the first in time).
-            .into_iter()
-            .collect::<Result<Vec<_>>>()?;
-        let mut ck = Checkpoint::from_foreign(root.to_path_buf(), Kind::HfSharded, shards)?;
-        // The index must name exactly the tensors the files hold, each in its file.
-        if idx.weight_map.len() != ck.foreign.len() {
-            return Err(Error::manifest(
-                fname,
-                format!(
-                    "weight_map names {} tensors but the shard files hold {}",
-                    idx.weight_map.len(),
-                    ck.foreign.len()
-                ),
-            ));
-        }
-        for (name, file) in &idx.weight_map {
-            let t = ck.info(name).map_err(|_| {
-                Error::manifest(
-                    fname,
-                    format!("weight_map names tensor {name:?} in {file:?}, which does not hold it"),
-                )
-            })?;
-            if ck.shards[t.shard].file != *file {
-                return Err(Error::manifest(
-                    fname,
-                    format!(
-                        "weight_map puts tensor {name:?} in {file:?} but it is in {:?}",
-                        ck.shards[t.shard].file
-                    ),
-                ));
-            }
-        }
-        if idx.metadata.is_object() {
-            ck.metadata = idx.metadata;
-        }
-        Ok(ck)
-    }
-}
-
-/// Open the ckptstore directory `root` (its manifest at `manifest_path`) with `open_shard`
-/// making each shard's source from its opened file (path, and the header size the manifest
-/// records). A save that commits while we open may remove the shards of the manifest we
-/// read (format-spec/durability.md §Readers): if a shard is missing, read the manifest
-/// again and retry, a bounded number of times.
-pub(crate) fn open_native_retrying<S: ShardSource + Send>(
-    root: &Path,
-    manifest_path: &Path,
-    open_shard: &(dyn Fn(File, &Path, u64) -> Result<S> + Sync),
-) -> Result<Checkpoint<S>> {
-    let mut attempts = 0;
-    loop {
-        match open_native(root, manifest_path, open_shard) {
-            Err(Error::ShardMismatch { ref reason, .. })
-                if reason == SHARD_MISSING && attempts < 3 =>
-            {
-                attempts += 1;
-            }
-            r => return r,
-        }
-    }
-}
-
-fn open_native<S: ShardSource + Send>(
-    root: &Path,
-    manifest_path: &Path,
-    open_shard: &(dyn Fn(File, &Path, u64) -> Result<S> + Sync),
-) -> Result<Checkpoint<S>> {
-    let bytes = read_capped(manifest_path, crate::format::MAX_MANIFEST_SIZE)?;
-    let (m, by_name) = decode_manifest(&bytes, MANIFEST_FILE)?;
-    let shards = m
-        .shards
-        .par_iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let p = root.join(&s.file);
-            let missing = |e: std::io::Error, op| match e.kind() {
-                std::io::ErrorKind::NotFound => Error::ShardMismatch {
-                    shard: i,
-                    file: s.file.clone(),
-                    reason: SHARD_MISSING.into(),
-                },
-                _ => Error::io(op, &p, e),
-            };
-            let lmeta = std::fs::symlink_metadata(&p).map_err(|e| missing(e, "stat"))?;
-            if !lmeta.file_type().is_file() {
-                return Err(Error::ShardMismatch {
-                    shard: i,
-                    file: s.file.clone(),
-                    reason:
-                        "not a regular file (ckptstore never writes links or directories as shards)"
-                            .into(),
-                });
-            }
-            let file = File::open(&p).map_err(|e| missing(e, "open"))?;
-            Ok(Shard {
-                file: s.file.clone(),
-                bytes: open_shard(file, &p, s.header_size)?,
-            })
-        })
-        .collect::<Vec<_>>()
-        // The first failure in shard order (rayon's own would be the first in time).
-        .into_iter()
-        .collect::<Result<Vec<_>>>()?;
-    Checkpoint::build_native(root.to_path_buf(), m, by_name, shards)
-}
 
 /// The CRC32 of `bytes` and, if `with_abs`, the largest `|x|` bits of them read as
 /// little-endian FP32 (0 otherwise): one piece's sums for
@@ -394,30 +196,6 @@ fn check_absmax_in(t: &TensorInfo, file: &str, recorded: f32, actual: Option<f32
         });
     }
     Ok(())
-}
-
-pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let too_big = || {
-        Error::manifest(
-            path.display().to_string(),
-            format!("larger than the {cap}-byte cap"),
-        )
-    };
-    // Refuse by size before reading anything; `take` still bounds a file that grows.
-    let len = f.metadata().map_err(|e| Error::io("stat", path, e))?.len();
-    if len > cap {
-        return Err(too_big());
-    }
-    let mut v = Vec::with_capacity(len as usize);
-    f.take(cap + 1)
-        .read_to_end(&mut v)
-        .map_err(|e| Error::io("read", path, e))?;
-    if v.len() as u64 > cap {
-        return Err(too_big());
-    }
-    Ok(v)
 }
 
 pub(crate) use crate::format::manifest::decode_checked as decode_manifest;
@@ -1067,216 +845,6 @@ impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
     }
 }
 
-/// How loads read cold shard bytes; see [`set_read_strategy`].
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReadStrategy {
-    /// Page faults only (the kernel's fault read-ahead), tensors in parallel: the default,
-    /// the fastest of these in issue 16's measurements (BENCHMARKS.md).
-    Faults,
-    /// A read-ahead thread walks the tensors in file order, ahead of the converters,
-    /// asking for windows that are not in memory (`MADV_WILLNEED`); tensors in parallel.
-    WillNeed,
-    /// The read-ahead thread, and tensors converted one after the other in file order
-    /// (each one rayon-parallel inside), so the converters follow the read-ahead.
-    WillNeedInOrder,
-    /// One reader thread populates the maps in file order, a window at a time and waiting
-    /// for each (`MADV_POPULATE_READ`: the device sees one sequential stream of large
-    /// reads, as a single `pread` reader), and tensors are converted in file order, each
-    /// once the reader has passed it, so that no converter ever faults on a cold page.
-    Stream,
-}
-
-static READ_STRATEGY: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Select how loads read cold bytes (for benchmarks that compare the strategies; the
-/// default is the one measured fastest, see BENCHMARKS.md).
-#[doc(hidden)]
-pub fn set_read_strategy(s: ReadStrategy) {
-    let v = match s {
-        ReadStrategy::Faults => 0,
-        ReadStrategy::WillNeed => 1,
-        ReadStrategy::WillNeedInOrder => 2,
-        ReadStrategy::Stream => 3,
-    };
-    READ_STRATEGY.store(v, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The strategy loads use now.
-#[doc(hidden)]
-pub fn read_strategy() -> ReadStrategy {
-    match READ_STRATEGY.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => ReadStrategy::Faults,
-        1 => ReadStrategy::WillNeed,
-        2 => ReadStrategy::WillNeedInOrder,
-        _ => ReadStrategy::Stream,
-    }
-}
-
-/// Bytes the read-ahead thread asks for at a time.
-const READAHEAD_WINDOW: usize = 16 << 20;
-
-/// Where the reader thread of [`ReadStrategy::Stream`] has got to, for converters that
-/// must not touch bytes it has not read yet.
-pub(crate) struct Gate<'r> {
-    /// The ranges being read, in order; `None` when no reader runs (hot loads, other
-    /// strategies): then [`Gate::wait_for`] returns at once.
-    ranges: Option<&'r [&'r [u8]]>,
-    /// Bytes of `ranges`, counted in order, that the reader has finished.
-    done: std::sync::Mutex<u64>,
-    cv: std::sync::Condvar,
-}
-
-impl Gate<'_> {
-    fn open() -> Gate<'static> {
-        Gate {
-            ranges: None,
-            done: std::sync::Mutex::new(u64::MAX),
-            cv: std::sync::Condvar::new(),
-        }
-    }
-
-    /// Block until the reader has read every byte of `bytes` that lies in its ranges
-    /// (returns at once for bytes outside them, or when no reader runs).
-    pub(crate) fn wait_for(&self, bytes: &[u8]) {
-        let Some(ranges) = self.ranges else { return };
-        let Some(last) = bytes
-            .len()
-            .checked_sub(1)
-            .map(|n| bytes.as_ptr() as usize + n)
-        else {
-            return;
-        };
-        let mut before = 0u64;
-        let mut need = None;
-        for r in ranges {
-            let a = r.as_ptr() as usize;
-            if (a..a + r.len()).contains(&last) {
-                need = Some(before + (last - a) as u64 + 1);
-                break;
-            }
-            before += r.len() as u64;
-        }
-        let Some(need) = need else { return };
-        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        while *done < need {
-            done = self.cv.wait(done).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    /// Whether a streaming reader runs (then converters should follow it in file order).
-    pub(crate) fn streaming(&self) -> bool {
-        self.ranges.is_some()
-    }
-
-    fn advance(&self, to: u64) {
-        *self.done.lock().unwrap_or_else(|p| p.into_inner()) = to;
-        self.cv.notify_all();
-    }
-}
-
-/// Run `f` while a read-ahead thread brings the not-yet-cached bytes of `ranges` (slices
-/// of mapped shard bytes, in the order `f` will read them) into memory, per the read
-/// strategy ([`ReadStrategy`]): asking the kernel for windows that are not in memory
-/// (`MADV_WILLNEED`), or, with [`ReadStrategy::Stream`] where `stream` is set, reading
-/// them in order and publishing its progress in the [`Gate`] handed to `f`. Windows
-/// already in memory (sampled: first and last page) cost two `mincore` calls and nothing
-/// else, so hot loads start no thread. The thread stops when `f` returns.
-pub(crate) fn with_readahead<R: Send>(
-    ranges: &[&[u8]],
-    stream: bool,
-    f: impl FnOnce(&Gate<'_>) -> R + Send,
-) -> R {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let strategy = read_strategy();
-    if strategy == ReadStrategy::Faults
-        || ranges
-            .iter()
-            .flat_map(|r| r.chunks(READAHEAD_WINDOW))
-            .all(crate::sys::mmap::looks_resident)
-    {
-        return f(&Gate::open());
-    }
-    let done = AtomicBool::new(false);
-    if stream && strategy == ReadStrategy::Stream {
-        let gate = Gate {
-            ranges: Some(ranges),
-            done: std::sync::Mutex::new(0),
-            cv: std::sync::Condvar::new(),
-        };
-        return std::thread::scope(|s| {
-            s.spawn(|| {
-                let mut pos = 0u64;
-                for w in ranges.iter().flat_map(|r| r.chunks(READAHEAD_WINDOW)) {
-                    // Stop reading (but still release waiters) once `f` is done.
-                    if !done.load(Ordering::Relaxed) {
-                        crate::sys::mmap::populate_read(w);
-                    }
-                    pos += w.len() as u64;
-                    gate.advance(pos);
-                }
-                gate.advance(u64::MAX);
-            });
-            let r = f(&gate);
-            done.store(true, Ordering::Relaxed);
-            r
-        });
-    }
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            for r in ranges {
-                for w in r.chunks(READAHEAD_WINDOW) {
-                    if done.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    if !crate::sys::mmap::looks_resident(w) {
-                        crate::sys::mmap::will_need(w);
-                    }
-                }
-            }
-        });
-        let r = f(&Gate::open());
-        done.store(true, Ordering::Relaxed);
-        r
-    })
-}
-
-/// Whether loads should convert tensors one after the other (see [`ReadStrategy`]).
-pub(crate) fn in_order() -> bool {
-    read_strategy() == ReadStrategy::WillNeedInOrder
-}
-
-impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
-    /// The mapped bytes of `tensors`, sorted in file order (shard, offset).
-    /// Ranges that touch or overlap in a shard are merged, so that a checkpoint of many
-    /// small tensors costs a few `mincore` calls per window, not per tensor.
-    pub(crate) fn ranges_in_file_order<'a>(&'a self, tensors: &[&'a TensorInfo]) -> Vec<&'a [u8]> {
-        let mut spans: Vec<(usize, u64, u64)> = tensors
-            .iter()
-            .map(|t| (t.shard, t.offsets[0], t.offsets[1]))
-            .collect();
-        spans.sort_unstable();
-        let mut merged: Vec<(usize, u64, u64)> = Vec::with_capacity(spans.len());
-        for (sh, a, b) in spans {
-            match merged.last_mut() {
-                Some(m) if m.0 == sh && a <= m.2 => m.2 = m.2.max(b),
-                _ => merged.push((sh, a, b)),
-            }
-        }
-        merged
-            .into_iter()
-            .filter_map(|(sh, a, b)| {
-                self.shards
-                    .get(sh)?
-                    .bytes
-                    .as_ref()
-                    .get(usize::try_from(a).ok()?..usize::try_from(b).ok()?)
-            })
-            .collect()
-    }
-}
-
 impl Checkpoint<Map> {
     /// Paths of the shard files, in shard order.
     pub fn shard_paths(&self) -> Vec<PathBuf> {
@@ -1366,31 +934,6 @@ impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     pub fn copy_tensor_into(&self, name: &str, dst: &mut [u8], release: bool) -> Result<()> {
         self.copy_tensor_into_unchecked(name, dst, release)
     }
-}
-
-/// `(cached, total)` pages of the file at `path` in the page cache (`mincore` over a new
-/// map that touches no page; `None` where the system cannot say). For benchmarks that must
-/// know the cache is cold before they trust a "cold" figure.
-///
-/// # Errors
-/// [`Error::Io`] when the file cannot be opened or mapped.
-pub fn cached_pages(path: &Path) -> Result<Option<(usize, usize)>> {
-    let m = open_map(path)?;
-    Ok(crate::sys::mmap::resident_pages(m.as_ref()))
-}
-
-/// Drop the file at `path` from the page cache: flush its dirty pages (`fdatasync`), then
-/// `posix_fadvise(POSIX_FADV_DONTNEED)`, so that the next read comes from the device (a
-/// cold read, as after a reboot). No privileges needed. Pages that a live memory map of any
-/// process has faulted in stay cached: close checkpoints over the file first. A no-op on
-/// systems other than Linux.
-///
-/// # Errors
-/// [`Error::Io`] when the file cannot be opened, flushed or advised.
-pub fn drop_page_cache(path: &Path) -> Result<()> {
-    let f = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    f.sync_data().map_err(|e| Error::io("fdatasync", path, e))?;
-    crate::sys::io::drop_cached(&f).map_err(|e| Error::io("posix_fadvise", path, e))
 }
 
 /// For each tensor of `m`: the global tensor it stores a chunk or replica of (its index in
