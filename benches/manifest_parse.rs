@@ -167,6 +167,8 @@ fn llm_like_manifest() -> Vec<u8> {
         metadata: serde_json::json!({"step": 100000, "model": "llm-like", "lr": 3e-4}),
         optimizer: None,
         globals: Vec::new(),
+        parts: Vec::new(),
+        grids: Vec::new(),
     };
     manifest::encode(&m)
 }

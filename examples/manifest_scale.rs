@@ -130,6 +130,7 @@ fn flat_manifest(ranks: u64, tensors: u64) -> Manifest {
                 dtype: DType::F32,
                 global_shape,
                 chunks: Vec::with_capacity(ranks as usize),
+                grid: None,
             }
         })
         .collect();
@@ -157,6 +158,8 @@ fn flat_manifest(ranks: u64, tensors: u64) -> Manifest {
         metadata: serde_json::json!({}),
         optimizer: None,
         globals,
+        parts: Vec::new(),
+        grids: Vec::new(),
     }
 }
 

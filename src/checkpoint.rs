@@ -9,6 +9,7 @@ use rayon::prelude::*;
 mod catalog;
 mod fill;
 mod open;
+mod parts;
 mod pread;
 mod readahead;
 pub(crate) mod region;
@@ -23,7 +24,7 @@ pub use readahead::{
     cached_pages, drop_page_cache, read_strategy, set_read_strategy, ReadStrategy,
 };
 pub(crate) use readahead::{in_order, with_readahead, Gate};
-pub use region::Region;
+pub use region::{Region, StoredChunk};
 pub use source::{Fetch, ShardSource};
 pub use storage::Storage;
 
@@ -105,6 +106,8 @@ pub struct Checkpoint<S = Map> {
     /// object-store download, [`Checkpoint::accept_unit_sums`]): checks that would read
     /// them again are skipped.
     data_verified: bool,
+    /// A two-level checkpoint's part indexes (feature `parts`), loaded on first use.
+    parts: Option<parts::PartSet<S>>,
 }
 
 /// [`Checkpoint`]'s `chunk_of` entry of a whole tensor.
@@ -204,8 +207,14 @@ impl<S> Checkpoint<S> {
     /// The same checkpoint over another storage type: `f` converts each shard's bytes (for
     /// example into [`Storage`], an enum over local maps and downloaded
     /// buffers). `f` must keep the bytes themselves unchanged.
-    pub fn map_storage<C>(self, f: impl FnMut(S) -> C) -> Checkpoint<C> {
-        let mut f = f;
+    pub fn map_storage<C: 'static>(
+        self,
+        f: impl Fn(S) -> C + Clone + Send + Sync + 'static,
+    ) -> Checkpoint<C>
+    where
+        S: Send + Sync + 'static,
+    {
+        let parts = self.parts.map(|p| p.map(f.clone()));
         Checkpoint {
             root: self.root,
             kind: self.kind,
@@ -225,6 +234,7 @@ impl<S> Checkpoint<S> {
             chunk_of: self.chunk_of,
             // `f` keeps the bytes unchanged (its contract), so checks made still hold.
             data_verified: self.data_verified,
+            parts,
         }
     }
 
@@ -352,6 +362,16 @@ impl<S: ShardSource> Checkpoint<S> {
     /// # Errors
     /// [`Error::TensorNotFound`].
     pub fn release_pages(&self, name: &str) -> Result<()> {
+        if let (Some(set), Some(&gi)) = (&self.parts, self.globals.get(name)) {
+            for l in set.loaded() {
+                for (_, ti) in l.chunks.get(&(gi as u32)).into_iter().flatten() {
+                    if let Some(t) = l.ck.tensors().get(*ti) {
+                        l.ck.shards[t.shard].bytes.release(t.offsets[0], t.nbytes());
+                    }
+                }
+            }
+            return Ok(());
+        }
         if let Some(g) = self.global(name) {
             for c in &g.chunks {
                 for t in std::iter::once(&c.tensor).chain(&c.replicas) {
@@ -371,8 +391,22 @@ impl<S: ShardSource> Checkpoint<S> {
     ///
     /// # Errors
     /// As [`Checkpoint::open`]; [`Error::InvalidArgument`] if the number of shards differs
-    /// from the manifest's.
+    /// from the manifest's, or for a two-level manifest (feature `parts`), whose part
+    /// indexes and their shards are files this call is not given
+    /// ([`Checkpoint::from_files`] takes them).
     pub fn from_parts(manifest_bytes: &[u8], shards: Vec<S>) -> Result<Self> {
+        let ck = Self::from_manifest_bytes(manifest_bytes, shards)?;
+        if ck.manifest().is_some_and(|m| !m.parts.is_empty()) {
+            return Err(Error::InvalidArgument(
+                "a two-level manifest (feature \"parts\") names part indexes that in-memory shard buffers cannot supply: open its directory or URL".into(),
+            ));
+        }
+        Ok(ck)
+    }
+
+    /// [`Checkpoint::from_parts`] for any manifest; the caller attaches a two-level
+    /// manifest's part indexes (`parts`).
+    pub(crate) fn from_manifest_bytes(manifest_bytes: &[u8], shards: Vec<S>) -> Result<Self> {
         let (m, by_name) = decode_manifest(manifest_bytes, MANIFEST_FILE)?;
         if shards.len() != m.shards.len() {
             return Err(Error::InvalidArgument(format!(
@@ -474,6 +508,7 @@ impl<S: ShardSource> Checkpoint<S> {
                 .collect(),
             manifest: Some(m),
             data_verified: false,
+            parts: None,
         })
     }
 
@@ -586,6 +621,7 @@ impl<S: ShardSource> Checkpoint<S> {
             globals: HashMap::new(),
             chunk_of: std::sync::OnceLock::new(),
             data_verified: false,
+            parts: None,
         })
     }
 
@@ -649,11 +685,35 @@ impl<S: ShardSource> Checkpoint<S> {
         if let Some((_, e)) = first_bad {
             return Err(e);
         }
-        Ok(VerifyReport {
+        let mut report = VerifyReport {
             tensors: self.tensors().len(),
             bytes: self.tensors().iter().map(TensorInfo::nbytes).sum(),
             checksummed: true,
-        })
+        };
+        // A two-level checkpoint: every part, each checked as a checkpoint of its own.
+        if let Some(set) = &self.parts {
+            for p in 0..set.len() {
+                let l = self.part(p as u32)?;
+                let r = l.ck.verify_with_progress(progress)?;
+                report.tensors += r.tensors;
+                report.bytes += r.bytes;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Whether this is a two-level checkpoint (feature `parts`, format-spec/global.md §The
+    /// two-level manifest), whose chunk entries live in part indexes read on first use.
+    pub fn two_level(&self) -> bool {
+        self.parts.is_some()
+    }
+
+    /// Of a two-level checkpoint: how many part indexes have been read so far, and their
+    /// bytes (the metadata decoded besides the root manifest). `(0, 0)` otherwise.
+    pub fn parts_read(&self) -> (usize, u64) {
+        self.parts
+            .as_ref()
+            .map_or((0, 0), |p| (p.loaded_count(), p.index_bytes()))
     }
 
     /// The CRC32 of one tensor and, where the manifest records one, its absmax: both in
@@ -810,7 +870,7 @@ impl<S: ShardSource> Checkpoint<S> {
     }
 }
 
-impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+impl<B: AsRef<[u8]> + Send + Sync> Checkpoint<B> {
     /// A zero-copy view of a tensor. Does not check its CRC; see [`Checkpoint::verify`] and
     /// [`Checkpoint::tensor_verified`].
     ///
@@ -858,7 +918,7 @@ impl Checkpoint<Map> {
     }
 }
 
-impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
+impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// Release the mapped pages of tensor `t` from this process (they stay in the page
     /// cache; a later read maps them again). Nothing for storage the process owns.
     pub(crate) fn release_tensor(&self, t: &TensorInfo) {

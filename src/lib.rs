@@ -77,5 +77,5 @@ pub use sys::mmap;
 pub use sys::mmap::Map;
 pub use tensor::{BufferPool, PoolStats, Tensor};
 pub use view::{Element, TensorView};
-pub use write::parts::{CommitOptions, Part, PartChunk, PartItem};
+pub use write::parts::{CommitOptions, Layout, Part, PartChunk, PartItem};
 pub use write::{wait_for_cleanup, Cleanup, CommitInfo, SaveOptions, TensorRef};

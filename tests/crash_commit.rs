@@ -32,7 +32,7 @@ use std::path::Path;
 
 use ckptstore::write::parts::{commit_with_fs, new_checkpoint_id, write_part_with_fs};
 use ckptstore::write::save_with_fs;
-use ckptstore::{CommitInfo, Part, SaveOptions};
+use ckptstore::{CommitInfo, CommitOptions, Layout, Part, SaveOptions};
 use simfs::*;
 use two_ranks::*;
 
@@ -129,6 +129,22 @@ fn check_image(
 
 #[test]
 fn crash_at_every_operation_of_the_coordinators_commit() {
+    coordinator_crash_sweep(Layout::Flat);
+}
+
+/// The same sweep for a two-level root (format-spec/global.md §The two-level manifest):
+/// the part descriptors become part of the checkpoint, the root is still written last.
+#[test]
+fn crash_at_every_operation_of_a_two_level_commit() {
+    coordinator_crash_sweep(Layout::TwoLevel);
+}
+
+fn coordinator_crash_sweep(layout: Layout) {
+    let copts = CommitOptions {
+        layout,
+        ..commit_opts()
+    };
+    let commit_opts = || copts.clone();
     let b = b_data();
     let (base_a, a_id) = with_a();
     let a = expected("old", a_tensors());

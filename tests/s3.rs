@@ -97,7 +97,7 @@ fn opts() -> SaveOptions {
     }
 }
 
-fn assert_same<B: AsRef<[u8]> + Sync>(ck: &Checkpoint<B>, f: &Fixture) {
+fn assert_same<B: AsRef<[u8]> + Send + Sync>(ck: &Checkpoint<B>, f: &Fixture) {
     assert_eq!(
         ck.tensor("big").unwrap().as_slice::<f32>().unwrap(),
         &f.big[..]
@@ -1020,6 +1020,93 @@ fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
     assert_eq!(names, want);
     assert!(names.iter().all(|n| !n.starts_with("part-")));
     assert!(s3::gc_prefix(&remote).unwrap().is_empty());
+}
+
+#[test]
+fn a_two_level_checkpoint_on_s3_reads_only_the_parts_it_needs() {
+    let srv = S3Server::start(BUCKET);
+    let cfg = small_parts(&srv);
+    let u = url("multi/two-level");
+    let (w, v, step) = (global_w(), global_v(), [42i64]);
+    let id = new_checkpoint_id().unwrap();
+    let remote = Remote::new(&u, &cfg).unwrap();
+    for rank in 0..2u32 {
+        s3::write_part_remote(
+            &remote,
+            &id,
+            rank,
+            &rank_items(rank, &w, &v, &step),
+            &part_opts(),
+        )
+        .unwrap();
+    }
+    let copts = CommitOptions {
+        layout: ckptstore::Layout::TwoLevel,
+        ..Default::default()
+    };
+    s3::commit_rendezvous_remote(&remote, &id, 2, std::time::Duration::from_secs(5), &copts)
+        .unwrap();
+    // The part objects are the checkpoint's now: gc keeps them.
+    let swept = s3::gc_prefix(&remote).unwrap();
+    assert!(swept.is_empty(), "{swept:?}");
+    let eager = s3::open_with(&u, &cfg).unwrap();
+    let lazy = s3::open_lazy(&u, &cfg).unwrap();
+    assert!(eager.two_level() && lazy.two_level());
+    // Rank 1's rows: its own part only.
+    let (r0, nr) = (ROWS / 2, ROWS / 2);
+    for got in [
+        eager.read_region("w", &[r0, 0], &[nr, COLS]).unwrap(),
+        lazy.read_region("w", &[r0, 0], &[nr, COLS]).unwrap(),
+    ] {
+        assert_eq!(
+            got.as_slice::<f32>().unwrap(),
+            &w_box(&w, r0, nr, 0, COLS)[..]
+        );
+    }
+    assert_eq!(eager.parts_read().0, 1);
+    assert_eq!(lazy.parts_read().0, 1);
+    assert_eq!(
+        eager.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        &w[..]
+    );
+    assert_eq!(
+        eager.read_global("v").unwrap().as_slice::<i64>().unwrap(),
+        &v[..]
+    );
+    assert_eq!(
+        eager.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        &[42]
+    );
+    eager.verify().unwrap();
+    assert_eq!(
+        lazy.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        &w[..]
+    );
+    assert_eq!(
+        lazy.read_global("v").unwrap().as_slice::<i64>().unwrap(),
+        &v[..]
+    );
+    lazy.verify().unwrap();
+    // A damaged part object is refused, named by URL; the other part still reads.
+    let pname = ckptstore::write::part_file_name(&id, 0);
+    let mut bytes = remote.get_small(&pname, 1 << 30).unwrap().unwrap();
+    bytes[10] ^= 1;
+    remote.put_small(&pname, bytes).unwrap();
+    let ck = s3::open_with(&u, &cfg).unwrap();
+    let e = ck.read_region("w", &[0, 0], &[1, COLS]).unwrap_err();
+    match &e {
+        Error::InvalidPart { part, .. } => {
+            assert!(part.contains("s3://") && part.ends_with(&pname), "{e}")
+        }
+        other => panic!("expected InvalidPart, got {other:?}"),
+    }
+    assert_eq!(
+        ck.read_region("w", &[r0, 0], &[1, COLS])
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &w_box(&w, r0, 1, 0, COLS)[..]
+    );
 }
 
 #[test]

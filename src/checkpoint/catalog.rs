@@ -40,7 +40,7 @@ impl<S> Checkpoint<S> {
         let tensors = self.tensors();
         let globals = self.manifest().map_or(&[][..], |m| &m.globals);
         let mut listed = vec![false; globals.len()];
-        let mut out = Vec::with_capacity(tensors.len());
+        let mut out = Vec::with_capacity(tensors.len() + globals.len());
         for (i, t) in tensors.iter().enumerate() {
             let owner = self.chunk_of().get(i).copied().unwrap_or(NOT_A_CHUNK);
             if owner == NOT_A_CHUNK {
@@ -67,7 +67,26 @@ impl<S> Checkpoint<S> {
                 }
             }
         }
+        // A two-level root stores no chunk: its globals follow the whole tensors.
+        if self.parts.is_some() {
+            out.extend(globals.iter().map(|e| Entry {
+                name: &e.name,
+                dtype: e.dtype,
+                shape: &e.global_shape,
+                chunks: self.chunk_count(e),
+                global: true,
+            }));
+        }
         out
+    }
+
+    /// How many chunks hold global `e`: in a two-level root, which lists none, the cells of
+    /// its grid (each held by one chunk; a chunk may hold several).
+    fn chunk_count(&self, e: &crate::format::global::GlobalEntry) -> usize {
+        match (e.grid, self.manifest()) {
+            (Some(k), Some(m)) => m.grids.get(k as usize).map_or(0, |g| g.cells.len()),
+            _ => e.chunks.len(),
+        }
     }
 
     /// How many names [`Checkpoint::entries`] lists (without building the list).
@@ -99,7 +118,7 @@ impl<S> Checkpoint<S> {
                 name: &e.name,
                 dtype: e.dtype,
                 shape: &e.global_shape,
-                chunks: e.chunks.len(),
+                chunks: self.chunk_count(e),
                 global: true,
             });
         }

@@ -38,7 +38,7 @@ enum Job<'a, 'd> {
     Verify(&'a TensorInfo),
 }
 
-impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
+impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
     /// In one pass over the stored bytes: copy each tensor of `fills` into its destination
     /// (exactly the tensor's byte length) with its CRC32 computed on the way (per block:
     /// every byte read once and written once), and check the CRC32 of every tensor of
@@ -178,7 +178,7 @@ impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
     }
 }
 
-impl<B: AsRef<[u8]> + Sync + ReleasePages> Checkpoint<B> {
+impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
     /// Copy stored bytes `[offset, offset + dst.len())` of each named tensor into its
     /// `dst`, in parallel across items and in blocks within large ones. The CRC is not
     /// checked here ([`Checkpoint::verify_tensors`] or [`Checkpoint::fill_and_verify`]

@@ -66,7 +66,7 @@ impl Checkpoint<Map> {
             // A save that commits while we open may remove the shards of the manifest we
             // read (format-spec/durability.md §Readers): if a shard is missing, read the
             // manifest again and retry, a bounded number of times.
-            return open_native_retrying(path, &manifest_path, &|f, p, _| Map::open(&f, p));
+            return open_native_retrying(path, &manifest_path, |f, p, _| Map::open(&f, p));
         }
         let index = path.join(HF_INDEX_FILE);
         if index.exists() {
@@ -155,10 +155,10 @@ impl Checkpoint<Map> {
 /// records). A save that commits while we open may remove the shards of the manifest we
 /// read (format-spec/durability.md §Readers): if a shard is missing, read the manifest
 /// again and retry, a bounded number of times.
-pub(crate) fn open_native_retrying<S: ShardSource + Send>(
+pub(crate) fn open_native_retrying<S: ShardSource + Send + 'static>(
     root: &Path,
     manifest_path: &Path,
-    open_shard: &(dyn Fn(File, &Path, u64) -> Result<S> + Sync),
+    open_shard: OpenShard<S>,
 ) -> Result<Checkpoint<S>> {
     let mut attempts = 0;
     loop {
@@ -173,15 +173,33 @@ pub(crate) fn open_native_retrying<S: ShardSource + Send>(
     }
 }
 
-fn open_native<S: ShardSource + Send>(
+/// Makes a shard's source from its opened file (path, and the header size the manifest
+/// records).
+pub(crate) type OpenShard<S> = fn(File, &Path, u64) -> Result<S>;
+
+fn open_native<S: ShardSource + Send + 'static>(
     root: &Path,
     manifest_path: &Path,
-    open_shard: &(dyn Fn(File, &Path, u64) -> Result<S> + Sync),
+    open_shard: OpenShard<S>,
 ) -> Result<Checkpoint<S>> {
     let bytes = read_capped(manifest_path, crate::format::MAX_MANIFEST_SIZE)?;
     let (m, by_name) = decode_manifest(&bytes, MANIFEST_FILE)?;
-    let shards = m
-        .shards
+    let shards = open_shard_files(root, &m.shards, open_shard)?;
+    let parts = (!m.parts.is_empty())
+        .then(|| super::parts::PartSet::new(super::parts::local(root, open_shard), &m));
+    let mut ck = Checkpoint::build_native(root.to_path_buf(), m, by_name, shards)?;
+    ck.parts = parts;
+    Ok(ck)
+}
+
+/// Open the shard files `shards` lists in `root`, checking each is a regular file (a
+/// missing one is `ShardMismatch` with [`SHARD_MISSING`]).
+pub(crate) fn open_shard_files<S: ShardSource + Send>(
+    root: &Path,
+    shards: &[crate::format::manifest::ShardEntry],
+    open_shard: OpenShard<S>,
+) -> Result<Vec<Shard<S>>> {
+    shards
         .par_iter()
         .enumerate()
         .map(|(i, s)| {
@@ -213,8 +231,7 @@ fn open_native<S: ShardSource + Send>(
         .collect::<Vec<_>>()
         // The first failure in shard order (rayon's own would be the first in time).
         .into_iter()
-        .collect::<Result<Vec<_>>>()?;
-    Checkpoint::build_native(root.to_path_buf(), m, by_name, shards)
+        .collect::<Result<Vec<_>>>()
 }
 
 pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {

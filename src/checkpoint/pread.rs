@@ -196,6 +196,6 @@ impl Checkpoint<FileShard> {
                 reason: format!("no {MANIFEST_FILE} in the directory"),
             });
         }
-        super::open_native_retrying(&dir, &manifest, &FileShard::open)
+        super::open_native_retrying(&dir, &manifest, FileShard::open)
     }
 }

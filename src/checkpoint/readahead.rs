@@ -190,7 +190,7 @@ pub(crate) fn in_order() -> bool {
     read_strategy() == ReadStrategy::WillNeedInOrder
 }
 
-impl<B: AsRef<[u8]> + Sync> Checkpoint<B> {
+impl<B: AsRef<[u8]> + Send + Sync> Checkpoint<B> {
     /// The mapped bytes of `tensors`, sorted in file order (shard, offset).
     /// Ranges that touch or overlap in a shard are merged, so that a checkpoint of many
     /// small tensors costs a few `mincore` calls per window, not per tensor.

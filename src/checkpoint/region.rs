@@ -47,46 +47,59 @@ impl Region {
     }
 }
 
-/// A stored piece a region reads from: where it lies, the tensor holding it, and the
+/// A stored piece a region reads from: where it lies, the checkpoint whose shards hold it
+/// (the one read, or a loaded part of a two-level one), the tensor holding it, and the
 /// intersection `[lo, hi)` with the region.
-type Step<'s> = (&'s Region, &'s TensorInfo, Vec<u64>, Vec<u64>);
+type Step<'s, S> = (
+    &'s Region,
+    &'s Checkpoint<S>,
+    &'s TensorInfo,
+    Vec<u64>,
+    Vec<u64>,
+);
 
 /// What a region is assembled from: the chunks of a global tensor, or one whole tensor.
-struct Source<'a> {
+struct Source<'a, S> {
     name: &'a str,
     dtype: DType,
     shape: &'a [u64],
-    /// Each piece: where it lies, and the stored tensor that holds it.
-    pieces: Vec<(Region, &'a TensorInfo)>,
+    /// Each piece: where it lies, the checkpoint holding it, and its stored tensor.
+    pieces: Vec<(Region, &'a Checkpoint<S>, &'a TensorInfo)>,
 }
 
-/// Check `region` against `src`'s shape; the stored pieces it intersects, with the
-/// intersections.
-fn plan_region<'s>(src: &'s Source<'_>, region: &Region) -> Result<Vec<Step<'s>>> {
+/// Check `region` against `src`'s shape and rank.
+fn check_bounds(name: &str, shape: &[u64], region: &Region) -> Result<()> {
     let bad = |why: String| {
         Error::InvalidArgument(format!(
-            "tensor {:?} of shape {:?}: region offsets {:?}, shape {:?}: {why}",
-            src.name, src.shape, region.offsets, region.shape
+            "tensor {name:?} of shape {shape:?}: region offsets {:?}, shape {:?}: {why}",
+            region.offsets, region.shape
         ))
     };
-    if region.offsets.len() != src.shape.len() || region.shape.len() != src.shape.len() {
+    if region.offsets.len() != shape.len() || region.shape.len() != shape.len() {
         return Err(bad(format!(
             "offsets and shape must have the tensor's rank {}",
-            src.shape.len()
+            shape.len()
         )));
     }
-    for d in 0..src.shape.len() {
+    for (d, &extent) in shape.iter().enumerate() {
         if region.offsets[d]
             .checked_add(region.shape[d])
-            .is_none_or(|e| e > src.shape[d])
+            .is_none_or(|e| e > extent)
         {
             return Err(bad(format!("dimension {d} is out of bounds")));
         }
     }
+    Ok(())
+}
+
+/// Check `region` against `src`'s shape; the stored pieces it intersects, with the
+/// intersections.
+fn plan_region<'s, S>(src: &'s Source<'_, S>, region: &Region) -> Result<Vec<Step<'s, S>>> {
+    check_bounds(src.name, src.shape, region)?;
     Ok(src
         .pieces
         .iter()
-        .filter_map(|(r, t)| region.intersect(r).map(|(lo, hi)| (r, *t, lo, hi)))
+        .filter_map(|(r, o, t)| region.intersect(r).map(|(lo, hi)| (r, *o, *t, lo, hi)))
         .collect())
 }
 
@@ -119,24 +132,42 @@ impl<S> Checkpoint<S> {
     ///
     /// # Errors
     /// [`Error::TensorNotFound`].
-    pub fn chunks(&self, name: &str) -> Result<Vec<Region>> {
+    pub fn chunks(&self, name: &str) -> Result<Vec<Region>>
+    where
+        S: ShardSource,
+    {
         Ok(self
-            .source(name)?
+            .source(name, None)?
             .pieces
             .into_iter()
-            .map(|(r, _)| r)
+            .map(|(r, _, _)| r)
             .collect())
     }
 
-    fn source(&self, name: &str) -> Result<Source<'_>> {
+    /// The pieces of `name`: of a two-level checkpoint's global, those of the parts that
+    /// hold cells `region` intersects (every part of its grid for `None`), loaded on first
+    /// use; else every chunk.
+    fn source(&self, name: &str, region: Option<&Region>) -> Result<Source<'_, S>>
+    where
+        S: ShardSource,
+    {
         if let Some(g) = self.global(name) {
+            if self.parts.is_some() {
+                return self.source_in_parts(g, region);
+            }
+            if g.grid.is_some() {
+                // Unreachable through the opens, which attach the parts of a two-level root.
+                return Err(Error::InvalidArgument(format!(
+                    "global tensor {name:?} is in a two-level checkpoint opened without its part indexes"
+                )));
+            }
             let pieces = g
                 .chunks
                 .iter()
                 .map(|ch| {
                     // Validated at open (G4): every chunk's tensor exists.
                     let t = self.info(&ch.tensor)?;
-                    Ok((Region::new(&ch.offsets, &ch.shape), t))
+                    Ok((Region::new(&ch.offsets, &ch.shape), self, t))
                 })
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Source {
@@ -151,14 +182,64 @@ impl<S> Checkpoint<S> {
             name: &t.name,
             dtype: t.dtype,
             shape: &t.shape,
-            pieces: vec![(Region::new(&vec![0; t.shape.len()], &t.shape), t)],
+            pieces: vec![(Region::new(&vec![0; t.shape.len()], &t.shape), self, t)],
         })
+    }
+
+    fn source_in_parts<'a>(
+        &'a self,
+        g: &'a GlobalEntry,
+        region: Option<&Region>,
+    ) -> Result<Source<'a, S>>
+    where
+        S: ShardSource,
+    {
+        let src = |pieces| Source {
+            name: &g.name,
+            dtype: g.dtype,
+            shape: &g.global_shape,
+            pieces,
+        };
+        let (Some(m), Some(&gi)) = (self.manifest(), self.globals.get(&g.name)) else {
+            return Ok(src(Vec::new()));
+        };
+        let Some(grid) = g.grid.and_then(|k| m.grids.get(k as usize)) else {
+            return Ok(src(Vec::new())); // zero elements: no chunks
+        };
+        let parts = match region {
+            Some(r) => {
+                check_bounds(&g.name, &g.global_shape, r)?;
+                crate::format::grid::parts_in_box(grid, &r.offsets, &r.shape)
+            }
+            None => {
+                let mut all = grid.cells.clone();
+                all.sort_unstable();
+                all.dedup();
+                all
+            }
+        };
+        let mut pieces = Vec::new();
+        for p in parts {
+            let l = self.part(p)?;
+            for (reg, ti) in l.chunks.get(&(gi as u32)).into_iter().flatten() {
+                let t =
+                    l.ck.tensors()
+                        .get(*ti)
+                        .ok_or_else(|| Error::InvalidTensor {
+                            name: g.name.clone(),
+                            reason: format!("part {p} lost a chunk tensor"),
+                        })?;
+                pieces.push((reg.clone(), &l.ck, t));
+            }
+        }
+        Ok(src(pieces))
     }
 
     /// Where the bytes a read of this region uses lie: `(shard index, begin, end)` absolute
     /// byte ranges in the shard files, one per block touched (chunks with block CRCs) or
     /// per chunk, in plan order, adjacent ranges merged. For prefetching (readahead hints,
-    /// ranged GETs).
+    /// ranged GETs). Only ranges in [`Checkpoint::shards`]: of a two-level checkpoint, not
+    /// those in its parts' shards ([`Checkpoint::region_file_ranges`] lists all).
     ///
     /// # Errors
     /// As [`Checkpoint::read_region`], without reading any tensor data.
@@ -167,9 +248,12 @@ impl<S> Checkpoint<S> {
         name: &str,
         offsets: &[u64],
         shape: &[u64],
-    ) -> Result<Vec<(usize, u64, u64)>> {
-        let src = self.source(name)?;
+    ) -> Result<Vec<(usize, u64, u64)>>
+    where
+        S: ShardSource,
+    {
         let region = Region::new(offsets, shape);
+        let src = self.source(name, Some(&region))?;
         let plan = plan_region(&src, &region)?;
         let es = src.dtype.size();
         let mut out: Vec<(usize, u64, u64)> = Vec::new();
@@ -177,7 +261,10 @@ impl<S> Checkpoint<S> {
             Some(last) if last.0 == sh && last.2 == b => last.2 = e,
             _ => out.push((sh, b, e)),
         };
-        for (piece, t, lo, hi) in &plan {
+        for (piece, owner, t, lo, hi) in &plan {
+            if !std::ptr::eq(*owner, self) {
+                continue; // in a part's shards, which `shards()` does not list
+            }
             let base = t.offsets[0];
             match &t.blocks {
                 None => push(t.shard, base, t.offsets[1]),
@@ -193,6 +280,131 @@ impl<S> Checkpoint<S> {
         Ok(out)
     }
 
+    /// The cells of the chunk grid of global `name` in a two-level checkpoint, as regions
+    /// in row-major cell order (format-spec/global.md §Root): each lies inside one chunk,
+    /// so a reader can plan with them as it would with chunks, from the root alone,
+    /// loading no part. `None` for a flat checkpoint's globals and for whole tensors.
+    pub fn grid_cells(&self, name: &str) -> Option<Vec<Region>> {
+        let g = self.global(name)?;
+        let grid = self.manifest()?.grids.get(g.grid? as usize)?;
+        let dims = crate::format::grid::dims(grid);
+        let all: Vec<(usize, usize)> = dims.iter().map(|&n| (0, n)).collect();
+        let mut out = Vec::with_capacity(grid.cells.len());
+        let mut at = vec![0usize; dims.len()];
+        crate::format::grid::for_each_cell(&dims, &all, |c| {
+            // Row-major cell index back to per-dimension indexes.
+            let mut rest = c;
+            for d in (0..dims.len()).rev() {
+                at[d] = rest % dims[d];
+                rest /= dims[d];
+            }
+            let o: Vec<u64> = at.iter().zip(&grid.splits).map(|(&i, s)| s[i]).collect();
+            let n: Vec<u64> = at
+                .iter()
+                .zip(&grid.splits)
+                .map(|(&i, s)| s[i + 1] - s[i])
+                .collect();
+            out.push(Region::new(&o, &n));
+        });
+        Some(out)
+    }
+
+    /// Every stored chunk of the global tensor `name`, replicas included: for `inspect`
+    /// and tools. Of a two-level checkpoint this reads every part.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] if `name` is not a global tensor; a part's load errors.
+    pub fn stored_chunks(&self, name: &str) -> Result<Vec<StoredChunk<'_>>>
+    where
+        S: ShardSource,
+    {
+        let not_found = || Error::TensorNotFound {
+            name: name.to_string(),
+        };
+        let g = self.global(name).ok_or_else(not_found)?;
+        let mut out = Vec::new();
+        if self.parts.is_some() {
+            let (Some(m), Some(&gi)) = (self.manifest(), self.globals.get(name)) else {
+                return Err(not_found());
+            };
+            // Replicas may sit in any part, not only those the grid names.
+            for p in 0..m.parts.len() as u32 {
+                let l = self.part(p)?;
+                for (list, replica) in [(&l.chunks, false), (&l.replicas, true)] {
+                    for (reg, ti) in list.get(&(gi as u32)).into_iter().flatten() {
+                        if let Some(t) = l.ck.tensors().get(*ti) {
+                            out.push(StoredChunk {
+                                region: reg.clone(),
+                                tensor: t,
+                                file: &l.ck.shards[t.shard].file,
+                                replica,
+                            });
+                        }
+                    }
+                }
+            }
+            return Ok(out);
+        }
+        for c in &g.chunks {
+            for (i, n) in std::iter::once(&c.tensor).chain(&c.replicas).enumerate() {
+                let t = self.info(n)?;
+                out.push(StoredChunk {
+                    region: Region::new(&c.offsets, &c.shape),
+                    tensor: t,
+                    file: &self.shards[t.shard].file,
+                    replica: i > 0,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Checkpoint::region_byte_ranges`] with each range's shard named (as
+    /// [`Shard::file`](super::Shard) names it), including the shards of a two-level
+    /// checkpoint's parts, which [`Checkpoint::shards`] does not list (the parts the region
+    /// touches are loaded).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region`], without reading any tensor data.
+    pub fn region_file_ranges(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+    ) -> Result<Vec<(&str, u64, u64)>>
+    where
+        S: ShardSource,
+    {
+        let region = Region::new(offsets, shape);
+        let src = self.source(name, Some(&region))?;
+        check_bounds(src.name, src.shape, &region)?;
+        let es = src.dtype.size();
+        let mut out: Vec<(&str, u64, u64)> = Vec::new();
+        for (piece, owner, t) in &src.pieces {
+            let Some((lo, hi)) = region.intersect(piece) else {
+                continue;
+            };
+            let (owner, t, lo, hi) = (*owner, *t, &lo, &hi);
+            let file = owner.shards[t.shard].file.as_str();
+            let mut push = |b: u64, e: u64| match out.last_mut() {
+                Some(last) if std::ptr::eq(last.0, file) && last.2 == b => last.2 = e,
+                _ => out.push((file, b, e)),
+            };
+            let base = t.offsets[0];
+            match &t.blocks {
+                None => push(base, t.offsets[1]),
+                Some(bl) => {
+                    for i in touched(t, piece, &region, lo, hi, es, bl.size)? {
+                        if let Some((b, e)) = block_range(t, bl.size, i) {
+                            push(base + b, base + e);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The bytes [`Checkpoint::read_region`] reads for this region: of every chunk it
     /// intersects, the CRC blocks it touches (format-spec/integrity.md §Block CRCs), or
     /// the whole chunk where the chunk has no block CRCs. Divided by the region's own
@@ -200,10 +412,13 @@ impl<S> Checkpoint<S> {
     ///
     /// # Errors
     /// As [`Checkpoint::read_region`], without reading any tensor data.
-    pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64> {
+    pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64>
+    where
+        S: ShardSource,
+    {
         // Bounded by the checkpoint's data size, validated at open.
         Ok(self
-            .region_byte_ranges(name, offsets, shape)?
+            .region_file_ranges(name, offsets, shape)?
             .iter()
             .map(|(_, b, e)| e - b)
             .sum())
@@ -218,6 +433,19 @@ impl<S> Checkpoint<S> {
         checked_nbytes(dtype, shape)
             .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))
     }
+}
+
+/// One stored chunk of a global tensor ([`Checkpoint::stored_chunks`]).
+#[derive(Debug, Clone)]
+pub struct StoredChunk<'a> {
+    /// Where it lies in the global index space.
+    pub region: Region,
+    /// The stored tensor holding it.
+    pub tensor: &'a TensorInfo,
+    /// The shard file holding that tensor, as [`Shard::file`](super::Shard) names it.
+    pub file: &'a str,
+    /// A copy of a chunk that another stored tensor also holds, which reads do not use.
+    pub replica: bool,
 }
 
 /// The bytes of one planned piece of a region read: a window `[base, base + buf.len())`
@@ -330,8 +558,8 @@ impl<S: ShardSource> Checkpoint<S> {
         out: Option<&mut [u8]>,
         check: bool,
     ) -> Result<()> {
-        let src = self.source(name)?;
         let region = Region::new(offsets, shape);
+        let src = self.source(name, Some(&region))?;
         let plan = plan_region(&src, &region)?;
         if let Some(out) = &out {
             let want = checked_nbytes(src.dtype, shape).ok_or_else(|| {
@@ -345,18 +573,18 @@ impl<S: ShardSource> Checkpoint<S> {
             }
         }
         let es = src.dtype.size();
-        let wins = self.windows(&plan, &region, es)?;
+        let wins = windows_by_owner(&plan, &region, es)?;
         if check {
             // The first failure in plan order (rayon's own would be the first in time).
             wins.par_iter()
                 .zip(plan.par_iter())
-                .map(|(w, (_, t, _, _))| self.check_window(t, w))
+                .map(|(w, (_, owner, t, _, _))| owner.check_window(t, w))
                 .collect::<Vec<_>>()
                 .into_iter()
                 .collect::<Result<()>>()?;
         }
         if let Some(dst) = out {
-            for (w, (piece, t, lo, hi)) in wins.iter().zip(&plan) {
+            for (w, (piece, _, t, lo, hi)) in wins.iter().zip(&plan) {
                 let base = usize::try_from(w.base).map_err(|_| too_big(t))?;
                 copy_box(&w.buf, base, piece, dst, &region, lo, hi, es)
                     .ok_or_else(|| bad_piece(t))?;
@@ -370,14 +598,14 @@ impl<S: ShardSource> Checkpoint<S> {
     /// ones merged), or the whole tensor where it has no block CRCs.
     fn windows<'a>(
         &'a self,
-        plan: &[Step<'a>],
+        plan: &[Step<'a, S>],
         region: &Region,
         es: usize,
     ) -> Result<Vec<Window<'a>>> {
         let mut wins = Vec::with_capacity(plan.len());
         // Per window: the `(begin, end)` ranges of the tensor's bytes to fetch.
         let mut fetch: Vec<Vec<(u64, u64)>> = Vec::new();
-        for (piece, t, lo, hi) in plan {
+        for (piece, _, t, lo, hi) in plan {
             let blocks = match &t.blocks {
                 None => None,
                 Some(bl) => Some(touched(t, piece, region, lo, hi, es, bl.size)?),
@@ -418,7 +646,7 @@ impl<S: ShardSource> Checkpoint<S> {
             return Ok(wins);
         }
         let mut jobs = Vec::new();
-        for ((w, ranges), (_, t, _, _)) in wins.iter_mut().zip(&fetch).zip(plan) {
+        for ((w, ranges), (_, _, t, _, _)) in wins.iter_mut().zip(&fetch).zip(plan) {
             let Cow::Owned(buf) = &mut w.buf else {
                 continue;
             };
@@ -480,6 +708,30 @@ impl<S: ShardSource> Checkpoint<S> {
         // The first damaged block in order.
         found.into_iter().collect()
     }
+}
+
+/// [`Checkpoint::windows`] of each checkpoint the plan reads from (the one read, and the
+/// loaded parts of a two-level one), in plan order.
+fn windows_by_owner<'a, S: ShardSource>(
+    plan: &[Step<'a, S>],
+    region: &Region,
+    es: usize,
+) -> Result<Vec<Window<'a>>> {
+    let mut out: Vec<Option<Window<'a>>> = (0..plan.len()).map(|_| None).collect();
+    for i in 0..plan.len() {
+        if out[i].is_some() {
+            continue;
+        }
+        let owner = plan[i].1;
+        let idx: Vec<usize> = (i..plan.len())
+            .filter(|&j| out[j].is_none() && std::ptr::eq(plan[j].1, owner))
+            .collect();
+        let sub: Vec<Step<'a, S>> = idx.iter().map(|&j| plan[j].clone()).collect();
+        for (j, w) in idx.into_iter().zip(owner.windows(&sub, region, es)?) {
+            out[j] = Some(w);
+        }
+    }
+    Ok(out.into_iter().flatten().collect())
 }
 
 fn too_big(t: &TensorInfo) -> Error {

@@ -4,9 +4,10 @@
 //! ([`Remote::read_ranges`]); what they are checked against is decided here. Errors about
 //! shards name the object URL.
 
+use super::parts::{PartSet, PartStore};
 use super::{source, Checkpoint, Fetch, Shard, ShardSource, TensorInfo};
 use crate::error::{Error, Result};
-use crate::format::manifest::MANIFEST_FILE;
+use crate::format::manifest::{ShardEntry, MANIFEST_FILE};
 use crate::location::RemoteUrl;
 use crate::store::s3::{Remote, RemoteShard, S3Config};
 
@@ -117,7 +118,11 @@ pub fn open_remote(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
     let sums = summed
         .then(|| source::gather_sums(&tensors, step, jobs))
         .flatten();
-    let ck = Checkpoint::from_parts(&bytes, bufs).map_err(|e| name_keys(e, r.url()))?;
+    let mut ck =
+        Checkpoint::from_manifest_bytes(&bytes, bufs).map_err(|e| name_keys(e, r.url()))?;
+    if !m.parts.is_empty() {
+        ck.parts = Some(PartSet::new(Box::new(RemoteParts(r.clone())), &m));
+    }
     // Later errors (verify, loads) name the objects by URL.
     let mut ck = ck.with_shard_names(|f| r.url().child(f).to_string());
     if let Some((units, per)) = sums {
@@ -187,6 +192,8 @@ pub fn open_lazy(url: &RemoteUrl, cfg: &S3Config) -> Result<Checkpoint<RemoteSha
         .read_ranges(&objects, &mut jobs)
         .map_err(|e| name_keys(e, url))?;
     drop(jobs);
+    let parts = (!manifest.parts.is_empty())
+        .then(|| PartSet::new(Box::new(RemoteParts(remote.clone())), &manifest));
     let shards = RemoteShard::for_objects(
         remote,
         manifest
@@ -196,8 +203,101 @@ pub fn open_lazy(url: &RemoteUrl, cfg: &S3Config) -> Result<Checkpoint<RemoteSha
             .map(|(s, head)| (s.file.clone(), s.size, head))
             .collect(),
     );
-    let ck = Checkpoint::from_parts(&bytes, shards).map_err(|e| name_keys(e, url))?;
+    let mut ck = Checkpoint::from_manifest_bytes(&bytes, shards).map_err(|e| name_keys(e, url))?;
+    ck.parts = parts;
     Ok(ck.with_shard_names(|f| url.child(f).to_string()))
+}
+
+/// The part indexes and part shards of a two-level checkpoint under a prefix: indexes
+/// fetched whole with one GET, shards downloaded whole (`Vec<u8>`, for [`open_remote`]) or
+/// opened lazily by their headers ([`RemoteShard`], for [`open_lazy`]). Shards are named by
+/// URL.
+struct RemoteParts(Remote);
+
+impl RemoteParts {
+    /// Fetch `[0, len)` of each shard object into a buffer of that length.
+    fn fetch_prefixes(&self, shards: &[ShardEntry], lens: &[u64]) -> Result<Vec<Vec<u8>>> {
+        let r = &self.0;
+        let mut bufs: Vec<Vec<u8>> = lens
+            .iter()
+            .zip(shards)
+            .map(|(&n, s)| {
+                usize::try_from(n).map(|n| vec![0u8; n]).map_err(|_| {
+                    Error::InvalidArgument(format!("shard {} does not fit in memory", s.file))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let mut jobs = Vec::new();
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            source::plan_plain(i, 0, buf, r.fetch_size(), &mut jobs);
+        }
+        let objects: Vec<(&str, u64)> = shards.iter().map(|s| (s.file.as_str(), s.size)).collect();
+        r.read_ranges(&objects, &mut jobs)
+            .map_err(|e| name_keys(e, r.url()))?;
+        drop(jobs);
+        Ok(bufs)
+    }
+}
+
+fn read_part_index(r: &Remote, file: &str, size: u64) -> Result<Vec<u8>> {
+    r.get_small(file, size.saturating_add(1))?
+        .ok_or_else(|| Error::NotFound {
+            path: std::path::PathBuf::from(r.url().child(file).to_string()),
+            reason: "the part index is missing".into(),
+        })
+}
+
+impl PartStore<Vec<u8>> for RemoteParts {
+    fn read_index(&self, file: &str, size: u64) -> Result<Vec<u8>> {
+        read_part_index(&self.0, file, size)
+    }
+    fn open_shards(&self, shards: &[ShardEntry]) -> Result<Vec<Shard<Vec<u8>>>> {
+        let lens: Vec<u64> = shards.iter().map(|s| s.size).collect();
+        let bufs = self.fetch_prefixes(shards, &lens)?;
+        Ok(shards
+            .iter()
+            .zip(bufs)
+            .map(|(s, bytes)| Shard {
+                file: self.0.url().child(&s.file).to_string(),
+                bytes,
+            })
+            .collect())
+    }
+    fn describe(&self, file: &str) -> String {
+        self.0.url().child(file).to_string()
+    }
+}
+
+impl PartStore<RemoteShard> for RemoteParts {
+    fn read_index(&self, file: &str, size: u64) -> Result<Vec<u8>> {
+        read_part_index(&self.0, file, size)
+    }
+    fn open_shards(&self, shards: &[ShardEntry]) -> Result<Vec<Shard<RemoteShard>>> {
+        let lens: Vec<u64> = shards
+            .iter()
+            .map(|s| s.header_size.saturating_add(8).min(s.size))
+            .collect();
+        let heads = self.fetch_prefixes(shards, &lens)?;
+        let objects = RemoteShard::for_objects(
+            self.0.clone(),
+            shards
+                .iter()
+                .zip(heads)
+                .map(|(s, head)| (s.file.clone(), s.size, head))
+                .collect(),
+        );
+        Ok(shards
+            .iter()
+            .zip(objects)
+            .map(|(s, bytes)| Shard {
+                file: self.0.url().child(&s.file).to_string(),
+                bytes,
+            })
+            .collect())
+    }
+    fn describe(&self, file: &str) -> String {
+        self.0.url().child(file).to_string()
+    }
 }
 
 impl Checkpoint<RemoteShard> {

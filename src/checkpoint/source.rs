@@ -28,7 +28,7 @@ use crate::mmap::ReleasePages;
 /// `Vec<u8>`, [`super::Storage`]): those are resident. A fetched source (the lazy
 /// object-store reader over `store::s3::RemoteShard`) returns `None` from
 /// [`ShardSource::bytes`] and implements [`ShardSource::fetch`].
-pub trait ShardSource: Sync {
+pub trait ShardSource: Send + Sync {
     /// The shard's size in bytes (for resident sources, the length of [`ShardSource::bytes`]).
     fn len(&self) -> u64;
 
@@ -95,7 +95,7 @@ pub trait ShardSource: Sync {
     }
 }
 
-impl<B: AsRef<[u8]> + ReleasePages + Sync> ShardSource for B {
+impl<B: AsRef<[u8]> + ReleasePages + Send + Sync> ShardSource for B {
     fn len(&self) -> u64 {
         self.as_ref().len() as u64
     }

@@ -20,7 +20,7 @@ pub const FORMAT_NAME: &str = "ckptstore";
 pub const VERSION: u64 = 1;
 /// Features (`features` field) this build understands. A manifest that requires any
 /// other feature is refused (format-spec/README.md §Versioning).
-pub const KNOWN_FEATURES: &[&str] = &["optimizer", "global"];
+pub const KNOWN_FEATURES: &[&str] = &["optimizer", "global", "parts"];
 
 /// `,"manifest_crc32":"` — the start of the fixed trailer (format-spec/manifest.md §Trailer).
 pub const TRAILER_HEAD: &[u8] = b",\"manifest_crc32\":\"";
@@ -112,8 +112,15 @@ pub(crate) fn decode_indexed(bytes: &[u8]) -> Result<(Manifest, NameIndex), Deco
         ));
     }
     let names = validate(&m).map_err(Invalid)?;
-    super::global::validate(&m.globals, &m.tensors, |n| names.position(&m.tensors, n))
-        .map_err(Invalid)?;
+    super::grid::validate(&m).map_err(Invalid)?;
+    let tiled = m.parts.is_empty();
+    super::global::validate_with(
+        &m.globals,
+        &m.tensors,
+        |n| names.position(&m.tensors, n),
+        tiled,
+    )
+    .map_err(Invalid)?;
     Ok((m, names))
 }
 
@@ -231,6 +238,13 @@ fn parse(bytes: &[u8]) -> Result<Manifest, DecodeError> {
 #[doc(hidden)]
 pub fn fast_parse(bytes: &[u8]) -> Option<Manifest> {
     fast::parse(bytes)
+}
+
+/// The manifest rules (M1-M16) of `m` alone, without features: for the flat checkpoint a
+/// reader builds from a two-level checkpoint's part (format-spec/global.md §Reading a
+/// region). Returns the name index of `m.tensors`.
+pub(crate) fn validate_flat(m: &Manifest) -> Result<NameIndex, String> {
+    validate(m)
 }
 
 /// A shard file name must be a plain file name (format-spec/manifest.md §Shard files).
@@ -520,6 +534,8 @@ mod tests {
             metadata: serde_json::json!({"step": 3}),
             optimizer: None,
             globals: Vec::new(),
+            parts: Vec::new(),
+            grids: Vec::new(),
         }
     }
 

@@ -3,6 +3,7 @@
 //! Byte layouts and rules live in `format-spec/`; the constants here cite its sections.
 
 pub mod global;
+pub mod grid;
 pub mod header;
 pub mod journal;
 pub mod manifest;

@@ -49,6 +49,9 @@ pub struct Part {
     pub tensors: Vec<TensorInfo>,
     /// Which tensors are chunks of which global tensors.
     pub chunks: Vec<PartChunk>,
+    /// The size and CRC32 of the descriptor's bytes as written or read (set by
+    /// `write_part` and [`Part::from_bytes`]): what a two-level root records for the file.
+    pub(crate) encoded: Option<(u64, u32)>,
 }
 
 /// The descriptor as stored (member order as in format-spec/global.md).
@@ -64,6 +67,26 @@ struct Wire {
 }
 
 impl Part {
+    /// A descriptor from its members, for tools that write a rank's shards themselves
+    /// (converters, simulations); `write_part` returns one for shards it wrote. Checked by
+    /// the commit (format-spec/global.md §The commit) like any other.
+    pub fn new(
+        checkpoint_id: String,
+        rank: u32,
+        shards: Vec<ShardEntry>,
+        tensors: Vec<TensorInfo>,
+        chunks: Vec<PartChunk>,
+    ) -> Part {
+        Part {
+            checkpoint_id,
+            rank,
+            shards,
+            tensors,
+            chunks,
+            encoded: None,
+        }
+    }
+
     /// The descriptor's bytes: JSON with the manifest's CRC trailer.
     pub fn to_bytes(&self) -> Vec<u8> {
         let w = Wire {
@@ -88,6 +111,14 @@ impl Part {
     /// [`Error::InvalidPart`] saying what is wrong. Never panics, whatever the bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Part> {
         decode_part(bytes, "part descriptor")
+    }
+
+    /// The size and CRC32 of the descriptor's bytes: as written or read, else encoded now.
+    pub(crate) fn size_and_crc(&self) -> (u64, u32) {
+        self.encoded.unwrap_or_else(|| {
+            let b = self.to_bytes();
+            (b.len() as u64, crc32fast::hash(&b))
+        })
     }
 
     /// The descriptor's file name, `part-<id>-r<rank>.json`.
@@ -191,6 +222,7 @@ pub(crate) fn decode_part(bytes: &[u8], what: &str) -> Result<Part> {
         shards: w.shards,
         tensors: w.tensors,
         chunks: w.chunks,
+        encoded: Some((bytes.len() as u64, crc32fast::hash(bytes))),
     };
     p.check().map_err(|r| Error::InvalidPart {
         part: format!("{what} (rank {})", p.rank),

@@ -34,6 +34,60 @@ pub struct Manifest {
     /// exactly when `features` lists `global`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub globals: Vec<GlobalEntry>,
+    /// The part indexes of a two-level manifest (feature `parts`, format-spec/global.md
+    /// §The two-level manifest): `parts[p]` holds the chunk entries of the cells the grids
+    /// assign to `p`. Empty without the feature.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<PartRef>,
+    /// The chunk grids of a two-level manifest, each shared by every global that has it.
+    /// Empty without the feature `parts`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub grids: Vec<Grid>,
+}
+
+/// One part index of a two-level manifest: a part descriptor (format-spec/global.md
+/// §Parts) kept beside the shards, named by the root with its exact size and CRC32.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PartRef {
+    /// File name inside the checkpoint directory: `part-<checkpoint_id>-r<rank>.json`.
+    pub file: String,
+    /// Exact size in bytes.
+    pub size: u64,
+    /// CRC32 of the whole file's bytes.
+    pub crc32: u32,
+}
+
+/// A chunk grid of a two-level manifest: split points per dimension, and for each cell
+/// (row-major over the cells) the index in `parts` of the part holding it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Hash)]
+pub struct Grid {
+    /// Per dimension, strictly increasing split points from 0 to the global extent.
+    pub splits: Vec<Vec<u64>>,
+    /// Per cell, row-major, an index into the manifest's `parts`.
+    pub cells: Vec<u32>,
+}
+
+impl Manifest {
+    /// Every file the manifest names besides itself: its shards, and under the feature
+    /// `parts` its part indexes (whose own shards it does not name: see
+    /// [`Manifest::keeps`]).
+    pub fn files(&self) -> impl Iterator<Item = &str> {
+        self.shards
+            .iter()
+            .map(|s| s.file.as_str())
+            .chain(self.parts.iter().map(|p| p.file.as_str()))
+    }
+
+    /// Whether the committed checkpoint this manifest describes uses the file `name`, so
+    /// that a cleanup must keep it: every file it names ([`Manifest::files`]), and in a
+    /// two-level checkpoint every shard of its checkpoint id (the parts' shards, named only
+    /// in the part indexes).
+    pub fn keeps(&self, name: &str) -> bool {
+        self.files().any(|f| f == name)
+            || (!self.parts.is_empty()
+                && name.starts_with("shard-")
+                && crate::format::names::engine_file_id(name) == Some(self.checkpoint_id.as_str()))
+    }
 }
 
 pub(crate) fn empty_object() -> serde_json::Value {
@@ -193,8 +247,13 @@ pub struct GlobalEntry {
     pub dtype: DType,
     /// The global shape; `[]` for a 0-dim tensor (one chunk of shape `[]`).
     pub global_shape: Vec<u64>,
-    /// The chunks, in any order; together they cover every element exactly once.
+    /// The chunks, in any order; together they cover every element exactly once. Empty
+    /// in a two-level manifest (feature `parts`), whose chunks live in the part indexes.
     pub chunks: Vec<ChunkEntry>,
+    /// In a two-level manifest: the index in the manifest's `grids` of this global's chunk
+    /// grid (absent for a global of zero elements, which has no chunks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grid: Option<u32>,
 }
 
 /// One chunk of a global tensor.

@@ -292,7 +292,8 @@ fn sweep_kept_step(dir: &Path) -> usize {
     else {
         return 0; // a damaged manifest: leave everything for `verify` to report
     };
-    let keep: std::collections::HashSet<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
+    let keep: std::collections::HashSet<&str> = m.files().collect();
+    let keep = |name: &str| keep.contains(name) || m.keeps(name);
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
@@ -301,7 +302,7 @@ fn sweep_kept_step(dir: &Path) -> usize {
         let Ok(name) = e.file_name().into_string() else {
             continue;
         };
-        if !write::is_engine_file(&name) || keep.contains(name.as_str()) {
+        if !write::is_engine_file(&name) || keep(&name) {
             continue;
         }
         let old = e

@@ -151,7 +151,7 @@ struct Job<'a> {
     target: Target,
 }
 
-impl<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
+impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// Load the checkpoint's optimizer state in `layout`, into freshly allocated buffers.
     ///
     /// Rayon-parallel across tensors and within large ones. The source mapping is only

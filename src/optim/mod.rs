@@ -263,7 +263,7 @@ impl OptimizerState {
     /// # Errors
     /// [`Error::IncompatibleState`] when the checkpoint does not fit, and every error of
     /// [`crate::Checkpoint::load_optimizer`]. On error `self` is unchanged, bit for bit.
-    pub fn restore_from<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages>(
+    pub fn restore_from<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages>(
         &mut self,
         ckpt: &crate::Checkpoint<B>,
         layout: &StateLayout,
@@ -279,7 +279,7 @@ impl OptimizerState {
     ///
     /// # Errors
     /// As [`OptimizerState::restore_from`]; on error `self` is unchanged, bit for bit.
-    pub fn restore_from_with<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages>(
+    pub fn restore_from_with<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages>(
         &mut self,
         ckpt: &crate::Checkpoint<B>,
         layout: &StateLayout,
@@ -466,7 +466,7 @@ impl OptimizerState {
     /// # Errors
     /// As [`OptimizerState::restore_from`] and
     /// [`crate::Checkpoint::load_optimizer_partition`]; on error `self` is unchanged.
-    pub fn restore_from_partition<B: AsRef<[u8]> + Sync + crate::mmap::ReleasePages>(
+    pub fn restore_from_partition<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages>(
         &mut self,
         ckpt: &crate::Checkpoint<B>,
         layout: &StateLayout,

@@ -8,6 +8,7 @@ pub mod parts;
 pub mod pause;
 #[cfg(feature = "s3")]
 pub mod remote;
+mod two_level;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -534,6 +535,7 @@ fn plan<'t, 'a>(
     tensors: &'t [TensorRef<'a>],
     sizes: &[u64],
     max: u64,
+    split: usize,
 ) -> Vec<PlannedShard<'t, 'a>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut cur: Vec<usize> = Vec::new();
@@ -541,7 +543,7 @@ fn plan<'t, 'a>(
     for (i, &sz) in sizes.iter().enumerate() {
         // The header's `__metadata__` entry counts towards the per-shard entry cap.
         let full = cur.len() + 1 >= MAX_TENSORS_PER_SHARD;
-        if !cur.is_empty() && (full || cur_size.saturating_add(sz) > max) {
+        if !cur.is_empty() && (full || i == split || cur_size.saturating_add(sz) > max) {
             groups.push(std::mem::take(&mut cur));
             cur_size = 0;
         }
@@ -673,7 +675,7 @@ fn commit<S: Store>(
     optimizer: Option<OptimizerSection>,
 ) -> Result<(CommitInfo, Sweep)> {
     let id = random_id()?;
-    let planned = plan_shards(&id, tensors, sizes, opts)?;
+    let planned = plan_shards(&id, tensors, sizes, opts, 0)?;
     pause::point(pause::Point::BeforeShards);
     // From here until the manifest rename, an error removes every file this save created.
     let created = Created::new(store);
@@ -696,6 +698,8 @@ fn commit<S: Store>(
         metadata: opts.metadata.clone(),
         optimizer,
         globals: Vec::new(),
+        parts: Vec::new(),
+        grids: Vec::new(),
     };
     let bytes = encode_checked(&m)?;
     // Steps 3-4.
@@ -717,14 +721,16 @@ struct Planned<'t, 'a> {
 }
 
 /// Step 0's plan: group `tensors` into shards and emit their headers, checked against the
-/// format's limits (shard count, header size) before any file is written.
+/// format's limits (shard count, header size) before any file is written. No shard holds
+/// both tensors before `split` and tensors from it on.
 fn plan_shards<'t, 'a>(
     id: &str,
     tensors: &'t [TensorRef<'a>],
     sizes: &[u64],
     opts: &SaveOptions,
+    split: usize,
 ) -> Result<Planned<'t, 'a>> {
-    let shards = plan(tensors, sizes, opts.max_shard_size);
+    let shards = plan(tensors, sizes, opts.max_shard_size, split);
     if shards.len() > MAX_SHARDS {
         return Err(Error::InvalidArgument(format!(
             "{} shards exceed the format's limit of {MAX_SHARDS}; raise max_shard_size",
@@ -887,7 +893,7 @@ impl Sweep {
     fn after(m: &Manifest) -> Sweep {
         Sweep {
             id: m.checkpoint_id.clone(),
-            keep: m.shards.iter().map(|s| s.file.clone()).collect(),
+            keep: m.files().map(str::to_string).collect(),
         }
     }
 

@@ -201,6 +201,16 @@ pub(crate) fn write_part_impl<S: Store, G>(
     }
     let (stored, chunks) = part_tensors(items, rank)?;
     let sizes = validate_inputs(&stored, opts, None)?;
+    // Shards are planned over the whole tensors first, then the chunks, never one shard
+    // holding both (a two-level root lists the first kind, the part the second:
+    // format-spec/global.md); the part lists its tensors in the items' order.
+    let is_chunk: HashSet<&str> = chunks.iter().map(|c| c.tensor.as_str()).collect();
+    let (whole_ix, chunk_ix): (Vec<usize>, Vec<usize>) =
+        (0..stored.len()).partition(|&i| !is_chunk.contains(stored[i].name()));
+    let wholes = whole_ix.len();
+    let order: Vec<usize> = whole_ix.into_iter().chain(chunk_ix).collect();
+    let planned_order: Vec<TensorRef<'_>> = order.iter().map(|&i| stored[i].clone()).collect();
+    let planned_sizes: Vec<u64> = order.iter().map(|&i| sizes[i]).collect();
     let part_name = part_file_name(checkpoint_id, rank);
     let _lock = lock()?;
     if refuse_existing && store.exists(&part_name)? {
@@ -209,21 +219,23 @@ pub(crate) fn write_part_impl<S: Store, G>(
             store.location().join(&part_name).display()
         )));
     }
-    let planned = plan_shards(checkpoint_id, &stored, &sizes, opts)?;
+    let planned = plan_shards(checkpoint_id, &planned_order, &planned_sizes, opts, wholes)?;
     // From here, an error removes every file this call created.
     let created = Created::new(store);
     let (shards, tensors) = write_shards(store, &created, &stored, &planned, opts, &|k| {
         rank_shard_file_name(checkpoint_id, rank, k)
     })?;
     pause::point(pause::Point::BeforePart);
-    let part = Part {
+    let mut part = Part {
         checkpoint_id: checkpoint_id.to_string(),
         rank,
         shards,
         tensors,
         chunks,
+        encoded: None,
     };
     let bytes = part.to_bytes();
+    part.encoded = Some((bytes.len() as u64, crc32fast::hash(&bytes)));
     store.put(&part_name, &format!("{TEMP_PREFIX}{part_name}"), &bytes)?;
     created.published(&part_name);
     store.barrier("fsync directory (after the part descriptor)")?;
@@ -338,7 +350,28 @@ pub struct CommitOptions {
     /// tensors (optimizer state chunked like its parameters: FSDP, ZeRO). Checked by rules
     /// O1-O9 against the merged tensors and globals before anything is written.
     pub optimizer: Option<OptimizerSection>,
+    /// The manifest's shape: one flat manifest of every chunk, or a two-level root that
+    /// names the part descriptors (format-spec/global.md §The two-level manifest).
+    pub layout: Layout,
 }
+
+/// The shape of the manifest a multi-rank commit writes ([`CommitOptions::layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Layout {
+    /// Two-level from [`AUTO_TWO_LEVEL_CHUNKS`] chunks over all parts, flat below.
+    #[default]
+    Auto,
+    /// One manifest listing every chunk (feature `global`): every reader decodes all of
+    /// it. Right for tens of ranks.
+    Flat,
+    /// A root naming the part descriptors, which keep the chunk entries (features
+    /// `global` and `parts`): a reader decodes the root and the parts its reads touch.
+    /// Parts without chunks (only whole tensors) commit flat.
+    TwoLevel,
+}
+
+pub use super::two_level::AUTO_TWO_LEVEL_CHUNKS;
 
 impl Default for CommitOptions {
     fn default() -> Self {
@@ -346,6 +379,7 @@ impl Default for CommitOptions {
             world_size: None,
             metadata: serde_json::Value::Object(Default::default()),
             optimizer: None,
+            layout: Layout::Auto,
         }
     }
 }
@@ -354,9 +388,12 @@ impl Default for CommitOptions {
 /// commit, rules C1-C6): under the writer lock (waiting for ranks still holding it shared,
 /// and for a save in progress), remove the temporary files of writers that have ended (a
 /// crashed commit's temporary manifest among them), check every part and every shard file it
-/// lists, merge them into one manifest (replicated chunks become replicas), validate that
-/// manifest with the reader's own rules, and write it last exactly as [`super::save`] does.
-/// Then remove the part descriptors of this id and the engine files of other ids.
+/// lists, merge them into one manifest (replicated chunks become replicas) or, with
+/// [`CommitOptions::layout`] two-level, into a root naming the part descriptors
+/// (format-spec/global.md §The two-level manifest, C1'-C6'), validate it with the reader's
+/// own rules, and write it last exactly as [`super::save`] does. Then remove the engine
+/// files of other ids, and (flat) the part descriptors of this id; a two-level root keeps
+/// them, since it names them.
 ///
 /// # Errors
 /// Nothing is committed after any error (the previous checkpoint stays):
@@ -457,8 +494,19 @@ pub(crate) fn commit_impl<S: Store, G>(
     let leftovers = remove_leftover_temps(store);
     // C2.
     check_shards(store, &sorted)?;
-    // C3, C4.
-    let mut m = merge(checkpoint_id, &sorted, &opts.metadata)?;
+    // C3, C4 (C3', C4' for a two-level root).
+    let chunks: usize = sorted.iter().map(|p| p.chunks.len()).sum();
+    let two_level = chunks > 0
+        && match opts.layout {
+            Layout::Flat => false,
+            Layout::TwoLevel => true,
+            Layout::Auto => chunks >= AUTO_TWO_LEVEL_CHUNKS,
+        };
+    let mut m = if two_level {
+        super::two_level::root(store, checkpoint_id, &sorted, &opts.metadata)?
+    } else {
+        merge(checkpoint_id, &sorted, &opts.metadata)?
+    };
     if let Some(sec) = &opts.optimizer {
         let mut shapes: HashMap<&str, (DType, &[u64])> = m
             .tensors
@@ -477,7 +525,7 @@ pub(crate) fn commit_impl<S: Store, G>(
     // C5: the reader's own rules, on the bytes about to be written.
     let bytes = encode_checked(&m).map_err(|_| {
         Error::InvalidArgument(format!(
-            "the manifest merged from {} parts ({} tensors) would exceed the format's {}-byte cap; a two-level manifest is future work (format-spec/global.md §Limits)",
+            "the manifest merged from {} parts ({} tensors) would exceed the format's {}-byte cap; commit it with Layout::TwoLevel (format-spec/global.md §The two-level manifest)",
             sorted.len(),
             m.tensors.len(),
             MAX_MANIFEST_SIZE
@@ -497,11 +545,12 @@ pub(crate) fn commit_impl<S: Store, G>(
     }
     // C6: steps 3-5 of a save.
     let removed = commit_manifest(store, Created::new(store), &bytes, &m)?.run(store);
+    let all = || sorted.iter().flat_map(|p| &p.tensors);
     Ok(CommitInfo {
         checkpoint_id: checkpoint_id.to_string(),
-        shards: m.shards.len(),
-        tensors: m.tensors.len(),
-        data_bytes: m.tensors.iter().map(TensorInfo::nbytes).sum(),
+        shards: sorted.iter().map(|p| p.shards.len()).sum(),
+        tensors: all().count(),
+        data_bytes: all().map(TensorInfo::nbytes).sum(),
         removed: removed + leftovers,
     })
 }
@@ -702,6 +751,7 @@ fn merge(id: &str, sorted: &[&Part], metadata: &serde_json::Value) -> Result<Man
                         dtype: c.dtype,
                         global_shape: c.global_shape.clone(),
                         chunks: Vec::new(),
+                        grid: None,
                     });
                     global_ix.insert(c.global.clone(), (globals.len() - 1, p.rank));
                     globals.len() - 1
@@ -775,6 +825,8 @@ fn merge(id: &str, sorted: &[&Part], metadata: &serde_json::Value) -> Result<Man
         metadata: metadata.clone(),
         optimizer: None,
         globals,
+        parts: Vec::new(),
+        grids: Vec::new(),
     })
 }
 

@@ -268,7 +268,10 @@ pub fn model_refs(model: &Model) -> Vec<ckptstore::TensorRef<'_>> {
 }
 
 /// Read model parameters back from a checkpoint (CRC-checked), as a fresh model.
-pub fn model_from<B: AsRef<[u8]> + Sync>(ck: &ckptstore::Checkpoint<B>, like: &Model) -> Model {
+pub fn model_from<B: AsRef<[u8]> + Send + Sync>(
+    ck: &ckptstore::Checkpoint<B>,
+    like: &Model,
+) -> Model {
     let params = like
         .params
         .iter()

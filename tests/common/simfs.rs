@@ -830,6 +830,9 @@ fn diff(ck: &Checkpoint, e: &Expected) -> Option<String> {
     if ck.metadata() != &e.metadata {
         return Some(format!("metadata {} != {}", ck.metadata(), e.metadata));
     }
+    if ck.two_level() {
+        return diff_two_level(ck, e);
+    }
     let names: Vec<&str> = ck.tensors().iter().map(|t| t.name.as_str()).collect();
     let want: Vec<&str> = e.tensors.iter().map(|t| t.0.as_str()).collect();
     if names != want {
@@ -839,6 +842,60 @@ fn diff(ck: &Checkpoint, e: &Expected) -> Option<String> {
         let v = ck.tensor(name).unwrap();
         if v.dtype() != *dtype || v.shape() != &shape[..] || v.bytes() != &bytes[..] {
             return Some(format!("tensor {name:?} differs"));
+        }
+    }
+    None
+}
+
+/// [`diff`] of a two-level checkpoint, whose chunk tensors live in its parts: every stored
+/// tensor (the root's, and every chunk and replica of every part) by name, dtype and shape;
+/// the bytes of the root's tensors and of every chunk reads use (replicas were checked
+/// against their CRCs by `verify`, and the commit checked those equal the chunk's).
+fn diff_two_level(ck: &Checkpoint, e: &Expected) -> Option<String> {
+    type Stored = (String, ckptstore::DType, Vec<u64>, Option<Vec<u8>>);
+    let mut got: Vec<Stored> = Vec::new();
+    for t in ck.tensors() {
+        let v = ck.tensor(&t.name).ok()?;
+        got.push((
+            t.name.clone(),
+            t.dtype,
+            t.shape.clone(),
+            Some(v.bytes().to_vec()),
+        ));
+    }
+    for g in ck.globals() {
+        let chunks = match ck.stored_chunks(&g.name) {
+            Ok(c) => c,
+            Err(err) => return Some(format!("chunks of {:?}: {err}", g.name)),
+        };
+        for c in chunks {
+            let bytes = if c.replica {
+                None
+            } else {
+                match ck.read_region(&g.name, &c.region.offsets, &c.region.shape) {
+                    Ok(t) => Some(t.bytes().to_vec()),
+                    Err(err) => return Some(format!("region of {:?}: {err}", g.name)),
+                }
+            };
+            got.push((
+                c.tensor.name.clone(),
+                c.tensor.dtype,
+                c.tensor.shape.clone(),
+                bytes,
+            ));
+        }
+    }
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut want: Vec<&(String, ckptstore::DType, Vec<u64>, Vec<u8>)> = e.tensors.iter().collect();
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    let names: Vec<&str> = got.iter().map(|t| t.0.as_str()).collect();
+    let wnames: Vec<&str> = want.iter().map(|t| t.0.as_str()).collect();
+    if names != wnames {
+        return Some(format!("tensors {names:?} != {wnames:?}"));
+    }
+    for (g, w) in got.iter().zip(want) {
+        if g.1 != w.1 || g.2 != w.2 || g.3.as_ref().is_some_and(|b| b != &w.3) {
+            return Some(format!("tensor {:?} differs", g.0));
         }
     }
     None

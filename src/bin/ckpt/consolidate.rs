@@ -159,6 +159,7 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
             world_size: Some(u32::try_from(parts.len()).unwrap_or(u32::MAX)),
             metadata: ck.metadata().clone(),
             optimizer: optimizer.clone(),
+            ..Default::default()
         };
         ckptstore::commit(out, &id, &parts, &copts)
     };

@@ -47,20 +47,27 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .globals()
             .iter()
             .map(|g| {
-                let chunks: Vec<_> = g
-                    .chunks
-                    .iter()
-                    .map(|c| {
-                        let t = ck.info(&c.tensor).ok();
-                        json!({"offsets": c.offsets, "shape": c.shape, "tensor": c.tensor,
-                               "shard": t.map(|t| t.shard),
-                               "file": t.map(|t| ck.shards()[t.shard].file.clone()),
-                               "crc32": t.and_then(|t| t.crc32), "replicas": c.replicas})
+                let chunks: Vec<_> = grouped_chunks(&ck, &g.name)?
+                    .into_iter()
+                    .map(|(c, replicas)| {
+                        json!({"offsets": c.region.offsets, "shape": c.region.shape,
+                               "tensor": c.tensor.name,
+                               "shard": ck.shards().iter().position(|s| s.file == c.file),
+                               "file": c.file, "crc32": c.tensor.crc32, "replicas": replicas})
                     })
                     .collect();
-                json!({"name": g.name, "dtype": g.dtype.name(), "global_shape": g.global_shape,
-                       "chunks": chunks})
+                Ok(
+                    json!({"name": g.name, "dtype": g.dtype.name(), "global_shape": g.global_shape,
+                       "chunks": chunks}),
+                )
             })
+            .collect::<ckptstore::Result<_>>()?;
+        let parts: Vec<_> = ck
+            .manifest()
+            .map(|m| &m.parts[..])
+            .unwrap_or(&[])
+            .iter()
+            .map(|p| json!({"file": p.file, "size": p.size, "crc32": p.crc32}))
             .collect();
         let out = json!({
             "path": a.path, "kind": kind,
@@ -70,6 +77,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "metadata": ck.metadata(),
             "optimizer": ck.manifest().and_then(|m| m.optimizer.as_ref()),
             "globals": globals,
+            "two_level": ck.two_level(), "parts": parts,
         });
         outln!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
         return Ok(ExitCode::SUCCESS);
@@ -109,27 +117,37 @@ pub fn run(a: Args) -> Result<ExitCode> {
         ck.shards().len()
     );
     if !ck.globals().is_empty() {
-        outln!("global tensors (stored as the chunk tensors above):");
+        if let Some(m) = ck.manifest().filter(|m| !m.parts.is_empty()) {
+            outln!(
+                "two-level: {} part index(es), {} in all",
+                m.parts.len(),
+                human(m.parts.iter().map(|p| p.size).sum())
+            );
+            outln!("global tensors (stored as chunk tensors in the parts' shards):");
+        } else {
+            outln!("global tensors (stored as the chunk tensors above):");
+        }
         for g in ck.globals() {
-            let replicas: usize = g.chunks.iter().map(|c| c.replicas.len()).sum();
+            let chunks = grouped_chunks(&ck, &g.name)?;
+            let replicas: usize = chunks.iter().map(|(_, r)| r.len()).sum();
             outln!(
                 "  {}  {}  {:?}  {} chunk(s){}",
                 g.name.escape_debug(),
                 g.dtype.name(),
                 g.global_shape,
-                g.chunks.len(),
+                chunks.len(),
                 if replicas > 0 {
                     format!(", {replicas} replica(s)")
                 } else {
                     String::new()
                 }
             );
-            for c in &g.chunks {
+            for (c, _) in &chunks {
                 outln!(
                     "    offsets {:?} shape {:?}: {}",
-                    c.offsets,
-                    c.shape,
-                    c.tensor.escape_debug()
+                    c.region.offsets,
+                    c.region.shape,
+                    c.tensor.name.escape_debug()
                 );
             }
         }
@@ -147,4 +165,24 @@ pub fn run(a: Args) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The chunks of global `name`, each with the names of its replicas (copies of the same
+/// box), in stored order.
+fn grouped_chunks<'a, S: ckptstore::ShardSource>(
+    ck: &'a ckptstore::Checkpoint<S>,
+    name: &str,
+) -> ckptstore::Result<Vec<(ckptstore::checkpoint::StoredChunk<'a>, Vec<String>)>> {
+    let all = ck.stored_chunks(name)?;
+    let mut out: Vec<(ckptstore::checkpoint::StoredChunk<'a>, Vec<String>)> = all
+        .iter()
+        .filter(|c| !c.replica)
+        .map(|c| (c.clone(), Vec::new()))
+        .collect();
+    for r in all.iter().filter(|c| c.replica) {
+        if let Some(p) = out.iter_mut().find(|(c, _)| c.region == r.region) {
+            p.1.push(r.tensor.name.clone());
+        }
+    }
+    Ok(out)
 }

@@ -12,7 +12,8 @@
 
 use crate::dtype::DType;
 use crate::format::schema::{
-    empty_object, BlockCrcs, GlobalEntry, Manifest, OptimizerSection, ShardEntry, TensorInfo,
+    empty_object, BlockCrcs, GlobalEntry, Grid, Manifest, OptimizerSection, PartRef, ShardEntry,
+    TensorInfo,
 };
 
 /// Deepest nesting handed to serde_json as one member's value. serde_json refuses
@@ -398,6 +399,8 @@ impl<'a> Parser<'a> {
         let mut metadata = None;
         let mut optimizer: Option<Option<OptimizerSection>> = None;
         let mut globals: Option<Vec<GlobalEntry>> = None;
+        let mut parts: Option<Vec<PartRef>> = None;
+        let mut grids: Option<Vec<Grid>> = None;
         self.members(|p, key| match key {
             "format" => once(&mut format, p.string()?),
             "version" => once(&mut version, p.u64()?),
@@ -437,6 +440,8 @@ impl<'a> Parser<'a> {
             "metadata" => once(&mut metadata, p.serde()?),
             "optimizer" => once(&mut optimizer, p.serde()?),
             "globals" => once(&mut globals, p.serde()?),
+            "parts" => once(&mut parts, p.serde()?),
+            "grids" => once(&mut grids, p.serde()?),
             _ => p.ignored(),
         })?;
         Some(Manifest {
@@ -449,6 +454,8 @@ impl<'a> Parser<'a> {
             metadata: metadata.unwrap_or_else(empty_object),
             optimizer: optimizer.flatten(),
             globals: globals.unwrap_or_default(),
+            parts: parts.unwrap_or_default(),
+            grids: grids.unwrap_or_default(),
         })
     }
 

@@ -11,14 +11,14 @@ use crate::format::names::is_engine_file;
 /// # Errors
 /// [`Error::Remote`].
 pub fn gc_prefix(r: &Remote) -> Result<Vec<String>> {
-    let keep: Vec<String> = match r.manifest() {
-        Ok((_, m)) => m.shards.iter().map(|s| s.file.clone()).collect(),
-        Err(Error::NotFound { .. }) => Vec::new(),
+    let committed = match r.manifest() {
+        Ok((_, m)) => Some(m),
+        Err(Error::NotFound { .. }) => None,
         Err(e) => return Err(e),
     };
     let mut deleted = Vec::new();
     for (name, _) in r.list()?.objects {
-        if is_engine_file(&name) && !keep.contains(&name) {
+        if is_engine_file(&name) && !committed.as_ref().is_some_and(|m| m.keeps(&name)) {
             r.delete(&name)?;
             deleted.push(name);
         }
