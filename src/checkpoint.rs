@@ -347,6 +347,9 @@ impl<S> Checkpoint<S> {
     }
 
     /// Total bytes of tensor data.
+    ///
+    /// Of a two-level checkpoint, the root's own tensors only: its chunk tensors are listed
+    /// in its parts ([`Checkpoint::stored_chunks`]).
     pub fn data_bytes(&self) -> u64 {
         self.tensors().iter().map(TensorInfo::nbytes).sum()
     }

@@ -392,6 +392,8 @@ fn cli_inspects_verifies_and_consolidates_a_two_level_checkpoint() {
     let j: serde_json::Value =
         serde_json::from_str(&run(&["inspect".as_ref(), d, "--json".as_ref()])).unwrap();
     assert_eq!(j["two_level"], true);
+    // w [6, 4] F32, three copies of bias [4] F32, lr [1] F32: every stored byte.
+    assert_eq!(j["total_bytes"], 96 + 3 * 16 + 4);
     assert_eq!(j["parts"].as_array().unwrap().len(), 3);
     let w = j["globals"]
         .as_array()

@@ -28,7 +28,17 @@ pub fn run(a: Args) -> Result<ExitCode> {
         Kind::HfSharded => "hf-sharded",
         _ => "unknown",
     };
-    let total: u64 = ck.data_bytes();
+    // A two-level checkpoint's chunk tensors are in its parts (all read here).
+    let mut total: u64 = ck.data_bytes();
+    if ck.two_level() {
+        for g in ck.globals() {
+            total += ck
+                .stored_chunks(&g.name)?
+                .iter()
+                .map(|c| c.tensor.nbytes())
+                .sum::<u64>();
+        }
+    }
     if a.json {
         let tensors: Vec<_> = ck
             .tensors()
