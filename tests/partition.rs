@@ -253,7 +253,8 @@ fn n_ranks_save_sharded_adam_state_m_ranks_restore_it() {
         ]}]
     }))
     .unwrap();
-    for n in 1..=4u64 {
+    let layouts = [ckptstore::Layout::Flat, ckptstore::Layout::TwoLevel];
+    for (n, layout) in (1..=4u64).flat_map(|n| layouts.map(|l| (n, l))) {
         let dir = tempfile::tempdir().unwrap();
         let id = new_checkpoint_id().unwrap();
         let step = [7.0f32];
@@ -295,11 +296,21 @@ fn n_ranks_save_sharded_adam_state_m_ranks_restore_it() {
             .collect();
         let opts = CommitOptions {
             optimizer: Some(section.clone()),
+            layout,
             ..Default::default()
         };
         commit(dir.path(), &id, &parts, &opts).unwrap();
         let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.two_level(), layout == ckptstore::Layout::TwoLevel);
         ck.verify().unwrap();
+        // A whole load assembles the chunked state (two-level: from every part).
+        let whole = ck.load_optimizer(&StateLayout::default()).unwrap();
+        assert_eq!(
+            f32s(&whole.state["w"]["exp_avg"]),
+            m_all,
+            "n {n} {layout:?}"
+        );
+        assert_eq!(f32s(&whole.state["w"]["exp_avg_sq"]), v_all);
         for m in 1..=4 {
             for (r0, rn) in row_split(m) {
                 let part: HashMap<String, Region> =
