@@ -476,3 +476,26 @@ fn grid_cells_plan_from_the_root_alone() {
         .grid_cells("w")
         .is_none());
 }
+
+#[test]
+fn a_part_is_loaded_once_however_many_threads_ask() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (id, all) = three_ranks(tmp.path(), Layout::TwoLevel);
+    let size = std::fs::metadata(tmp.path().join(part_file_name(&id, 1)))
+        .unwrap()
+        .len();
+    for _ in 0..20 {
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        let barrier = std::sync::Barrier::new(8);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    barrier.wait();
+                    let t = ck.read_region("w", &[2, 0], &[2, 4]).unwrap();
+                    assert_eq!(t.as_slice::<f32>().unwrap(), &all[8..16]);
+                });
+            }
+        });
+        assert_eq!(ck.parts_read(), (1, size));
+    }
+}

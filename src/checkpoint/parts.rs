@@ -47,6 +47,8 @@ pub(crate) struct PartSet<S> {
     index_bytes: AtomicU64,
     /// Per grid of the root: how many cells it assigns to each part (built on first use).
     cell_counts: Vec<OnceLock<HashMap<u32, u64>>>,
+    /// Per part: held while it loads, so that it is read and checked once.
+    loading: Vec<std::sync::Mutex<()>>,
 }
 
 impl<S> fmt::Debug for PartSet<S> {
@@ -68,6 +70,7 @@ impl<S: 'static> PartSet<S> {
             loaded: (0..m.parts.len()).map(|_| OnceLock::new()).collect(),
             index_bytes: AtomicU64::new(0),
             cell_counts: (0..m.grids.len()).map(|_| OnceLock::new()).collect(),
+            loading: (0..m.parts.len()).map(|_| Default::default()).collect(),
         }
     }
 
@@ -101,6 +104,7 @@ impl<S: 'static> PartSet<S> {
             loaded,
             index_bytes: self.index_bytes,
             cell_counts: self.cell_counts,
+            loading: self.loading,
         }
     }
 }
@@ -194,6 +198,15 @@ impl<S: ShardSource> Checkpoint<S> {
         if let Some(l) = slot.get() {
             return Ok(l);
         }
+        // One loader per part: a thread that finds it loading waits for it, then takes it
+        // (a failed load leaves the slot empty for the next try). A poisoned lock only
+        // means another loader panicked; the slot is still consistent.
+        let _one = set.loading[p as usize]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(l) = slot.get() {
+            return Ok(l);
+        }
         let l = load(
             set.store.as_ref(),
             &set.cell_counts,
@@ -204,7 +217,6 @@ impl<S: ShardSource> Checkpoint<S> {
         )?;
         set.index_bytes
             .fetch_add(m.parts[p as usize].size, Ordering::Relaxed);
-        // Two threads may load the same part; one result is kept, both are equal.
         let _ = slot.set(l);
         slot.get()
             .ok_or_else(|| Error::InvalidArgument(format!("part {p} did not load")))
