@@ -431,6 +431,7 @@ def commit(
     timeout: Optional[float] = None,
     metadata: Optional[Mapping[str, Any]] = None,
     optimizer: Optional[Mapping[str, Any]] = None,
+    layout: str = "auto",
 ) -> dict:
     """Commit the multi-rank checkpoint ``checkpoint_id`` in ``path``: check every part
     and shard together (every global tensor tiled exactly once, the same dtype and global
@@ -446,7 +447,20 @@ def commit(
     (format-spec/optimizer.md: ``{"groups": [...], "params": [...]}``), whose states may
     name global tensors the ranks wrote as chunks (sharded optimizer state); the engine
     checks every rule before committing.
+
+    ``layout``: the manifest's shape (format-spec/global.md §The two-level manifest).
+    ``"flat"``: one manifest listing every chunk (feature ``global``), which every reader
+    decodes whole; right for tens of ranks. ``"two_level"``: a root manifest naming the
+    ranks' part descriptors, which keep the chunk entries and stay in the directory
+    (features ``global`` and ``parts``); a reader decodes the root and loads each part on
+    first use. A job whose parts hold only whole tensors (no chunks) commits flat.
+    ``"auto"`` (default): two-level from 100,000 chunks over all parts, flat below.
+    Anything else raises :class:`InvalidArgumentError` (a :class:`ValueError`).
     """
+    if not isinstance(layout, str) or layout not in ("auto", "flat", "two_level"):
+        raise InvalidArgumentError(
+            f'layout must be "auto", "flat" or "two_level", got {layout!r}'
+        )
     meta = _metadata_json(metadata)
     plist = None if parts is None else [bytes(p) for p in parts]
     if plist is None and world_size is None:
@@ -458,7 +472,14 @@ def commit(
         except (TypeError, ValueError, RecursionError) as e:
             raise InvalidArgumentError(f"optimizer section must be JSON: {e}") from e
     return _ckptstore.commit(
-        _fspath(path), _check_id(checkpoint_id), plist, world_size, timeout, meta, section
+        _fspath(path),
+        _check_id(checkpoint_id),
+        plist,
+        world_size,
+        timeout,
+        meta,
+        section,
+        layout,
     )
 
 

@@ -69,8 +69,10 @@ def commit(
     timeout: Optional[float] = None,
     metadata: Optional[str] = None,
     optimizer: Optional[str] = None,
+    layout: str = "auto",
 ) -> dict[str, Any]:
-    """Low-level commit (metadata and optimizer section as JSON text). Use
+    """Low-level commit (metadata and optimizer section as JSON text; ``layout``:
+    ``"auto"``, ``"flat"`` or ``"two_level"``, else ``InvalidArgumentError``). Use
     :func:`ckptstore.commit`."""
 
 class StepLease:
@@ -152,7 +154,8 @@ class Checkpoint:
     def byte_ranges(
         self, regions: Sequence[tuple[str, Sequence[int], Sequence[int]]]
     ) -> list[tuple[Path, int, int]]:
-        """``(shard file, begin, end)`` of the bytes these boxes read (empty when lazy)."""
+        """``(shard file, begin, end)`` of the bytes these boxes read (empty when lazy);
+        of a two-level checkpoint, the parts' shard files included."""
     def read_into(
         self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
     ) -> None:
@@ -178,7 +181,17 @@ class Checkpoint:
         """The box ``[offsets, offsets + shape)`` of a global (or whole) tensor in a fresh
         writable array, every chunk read CRC-checked."""
     def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
-        """How ``name`` is stored: ``(offsets, shape)`` boxes of its global index space."""
+        """How ``name`` is stored: ``(offsets, shape)`` boxes of its global index space
+        (of a two-level checkpoint, loading every part index holding one)."""
+    def grid_cells(self, name: str) -> Optional[list[tuple[list[int], list[int]]]]:
+        """A two-level checkpoint's global: the ``(offsets, shape)`` cells of its chunk
+        grid, from the root manifest alone (no part index read), each inside one stored
+        chunk. None for flat globals and whole tensors; ``TensorNotFoundError`` if absent."""
+    @property
+    def two_level(self) -> bool:
+        """Whether the chunk entries live in part indexes read on first use (``parts``)."""
+    def parts_read(self) -> tuple[int, int]:
+        """``(part indexes read so far, their bytes)``; ``(0, 0)`` for a flat checkpoint."""
     def globals(self) -> dict[str, tuple[str, list[int]]]:
         """The global tensors (stored in chunks): name -> (wire dtype, global shape)."""
     def info(self, name: str) -> dict[str, Any]:

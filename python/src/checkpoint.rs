@@ -40,6 +40,9 @@ type Decoded<'py> = (
 type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
 use crate::errors::{invalid_arg, CkError};
 
+/// Boxes of a tensor's global index space, as Python sees them: `(offsets, shape)`.
+type Boxes = Vec<(Vec<u64>, Vec<u64>)>;
+
 /// Keeps an open checkpoint (its read-only memory maps) alive: the `base` of every array
 /// `Checkpoint` hands out, so a mapping lives as long as any array over it.
 #[pyclass(module = "ckptstore._ckptstore", frozen)]
@@ -416,8 +419,10 @@ impl PyCheckpoint {
     }
 
     /// `ck.chunks(name) -> list[(offsets, shape)]`: how `name` is stored, as boxes of its
-    /// global index space (one box at the origin for a whole tensor).
-    fn chunks(&self, name: Name) -> PyResult<Vec<(Vec<u64>, Vec<u64>)>> {
+    /// global index space (one box at the origin for a whole tensor). Of a two-level
+    /// checkpoint's global this loads every part index holding one of its chunks (see
+    /// `grid_cells(name)`, which reads the root only).
+    fn chunks(&self, name: Name) -> PyResult<Boxes> {
         let ck = self.reader()?;
         Ok(ck
             .chunks(&name.0)
@@ -425,6 +430,34 @@ impl PyCheckpoint {
             .into_iter()
             .map(|r| (r.offsets, r.shape))
             .collect())
+    }
+
+    /// `ck.grid_cells(name) -> list[(offsets, shape)] | None`: of a global tensor of a
+    /// two-level checkpoint, the cells of its chunk grid (row-major), read from the root
+    /// manifest alone: no part index is loaded. Each cell lies inside one stored chunk, so
+    /// a reader may plan its reads with the cells as it would with `chunks(name)` (which
+    /// loads every part holding one). `None` for the globals of a flat checkpoint and for
+    /// whole tensors. Raises `TensorNotFoundError` for an unknown name.
+    fn grid_cells(&self, name: Name) -> PyResult<Option<Boxes>> {
+        let ck = self.reader()?;
+        ck.shape_of(&name.0).map_err(CkError)?; // known?
+        Ok(ck
+            .grid_cells(&name.0)
+            .map(|cells| cells.into_iter().map(|r| (r.offsets, r.shape)).collect()))
+    }
+
+    /// Whether this is a two-level checkpoint (feature `parts`): the root manifest names
+    /// part indexes, which hold the chunk entries of the global tensors and are read on
+    /// first use (see `parts_read()`).
+    #[getter]
+    fn two_level(&self) -> PyResult<bool> {
+        Ok(self.reader()?.two_level())
+    }
+
+    /// `ck.parts_read() -> (parts, bytes)`: how many part indexes of a two-level checkpoint
+    /// this object has read so far, and their bytes; `(0, 0)` for a flat checkpoint.
+    fn parts_read(&self) -> PyResult<(usize, u64)> {
+        Ok(self.reader()?.parts_read())
     }
 
     /// `ck.globals() -> dict[str, (dtype, global_shape)]`: the global tensors (stored in
@@ -493,17 +526,14 @@ impl PyCheckpoint {
         Ok(self.reader()?.root().to_path_buf())
     }
 
-    /// Paths of the shard files, in shard order.
+    /// Paths of the shard files, in shard order (of a two-level checkpoint, the root's own
+    /// shards: those of the whole tensors).
     #[getter]
     fn shard_files(&self) -> PyResult<Vec<PathBuf>> {
         let ck = self.reader()?;
         Ok((0..ck.shard_count())
             .filter_map(|i| ck.shard_file(i))
-            .map(|f| match ck.kind() {
-                Kind::Safetensors => PathBuf::from(f),
-                _ if !ck.resident() => PathBuf::from(f), // an object URL
-                _ => ck.root().join(f),
-            })
+            .map(|f| shard_path(ck.as_ref(), f))
             .collect())
     }
 
@@ -859,8 +889,10 @@ impl PyCheckpoint {
     /// `byte_ranges([(name, offsets, shape), ...]) -> [(file, begin, end)]`: where the
     /// bytes these boxes read lie (blocks or whole chunks; merged per file where they
     /// touch or overlap): the shard file's path and the byte range, for the caller to
-    /// prefetch. Fetched shards have no files to prefetch: the list is empty (their reads
-    /// fetch exactly these ranges).
+    /// prefetch. Of a two-level checkpoint the ranges name the parts' shard files too
+    /// (loading the part indexes the boxes touch, which the read needs anyway). Fetched
+    /// shards have no files to prefetch: the list is empty (their reads fetch exactly
+    /// these ranges).
     fn byte_ranges(
         &self,
         regions: Vec<(Name, Vec<Index>, Vec<Index>)>,
@@ -872,6 +904,26 @@ impl PyCheckpoint {
             .collect();
         if !ck.resident() {
             return Ok(Vec::new());
+        }
+        if ck.two_level() {
+            // The chunks lie in the parts' shards, which the root's shard list lacks: each
+            // range names its file (loading the parts the boxes touch, as the read will).
+            let mut ranges: Vec<(&str, u64, u64)> = Vec::new();
+            for (n, o, s) in &regions {
+                ranges.extend(ck.region_file_ranges(n, o, s).map_err(CkError)?);
+            }
+            ranges.sort_unstable();
+            let mut merged: Vec<(&str, u64, u64)> = Vec::new();
+            for (f, b, e) in ranges {
+                match merged.last_mut() {
+                    Some(last) if last.0 == f && b <= last.2 => last.2 = last.2.max(e),
+                    _ => merged.push((f, b, e)),
+                }
+            }
+            return Ok(merged
+                .into_iter()
+                .map(|(f, b, e)| (shard_path(ck.as_ref(), f), b, e))
+                .collect());
         }
         let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
         for (n, o, s) in &regions {
@@ -956,7 +1008,16 @@ impl PyCheckpoint {
     }
 }
 
-/// Check the CRC32 of every named tensor, in parallel; the first failure in `names` order.
+/// The path of shard file `f` (as `Shard::file` names it): inside the checkpoint directory,
+/// except a single `.safetensors` file's own path and an object URL, taken as they are.
+fn shard_path(ck: &dyn Reader, f: &str) -> PathBuf {
+    match ck.kind() {
+        Kind::Safetensors => PathBuf::from(f),
+        _ if !ck.resident() => PathBuf::from(f), // an object URL
+        _ => ck.root().join(f),
+    }
+}
+
 /// The whole global tensor `name` in a fresh writable array (its `raw` bytes when `raw`),
 /// every chunk CRC-checked, the interpreter released while it reads.
 fn read_global(py: Python<'_>, ck: &Arc<dyn Reader>, name: &str, raw: bool) -> PyResult<Py<PyAny>> {
@@ -965,6 +1026,7 @@ fn read_global(py: Python<'_>, ck: &Arc<dyn Reader>, name: &str, raw: bool) -> P
     owned_array(py, t, raw)
 }
 
+/// Check the CRC32 of every named tensor, in parallel; the first failure in `names` order.
 fn verify_many(ck: &Checkpoint, names: &[String]) -> Result<(), Error> {
     let first_bad = names
         .par_iter()

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ckptstore::write::parts::{self, CommitOptions, Part, PartItem};
-use ckptstore::SaveOptions;
 use ckptstore::{api, Location};
+use ckptstore::{Layout, SaveOptions};
 use numpy::PyUntypedArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -72,9 +72,23 @@ pub(crate) fn write_part<'py>(
     Ok(PyBytes::new(py, &part.to_bytes()))
 }
 
+/// The manifest layout named by `ckptstore.commit(layout=...)`: `"auto"`, `"flat"` or
+/// `"two_level"`; anything else is an `InvalidArgumentError` (a `ValueError`) naming the
+/// allowed values.
+fn parse_layout(layout: &str) -> PyResult<Layout> {
+    match layout {
+        "auto" => Ok(Layout::Auto),
+        "flat" => Ok(Layout::Flat),
+        "two_level" => Ok(Layout::TwoLevel),
+        other => Err(invalid_arg(format!(
+            "layout must be \"auto\", \"flat\" or \"two_level\", got {other:?}"
+        ))),
+    }
+}
+
 /// Commit a multi-rank checkpoint (see `ckptstore.commit`).
 #[pyfunction]
-#[pyo3(signature = (path, checkpoint_id, parts = None, world_size = None, timeout = None, metadata = None, optimizer = None))]
+#[pyo3(signature = (path, checkpoint_id, parts = None, world_size = None, timeout = None, metadata = None, optimizer = None, layout = "auto"))]
 // The Python keyword arguments of `ckptstore.commit`, one for one.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn commit<'py>(
@@ -86,9 +100,11 @@ pub(crate) fn commit<'py>(
     timeout: Option<f64>,
     metadata: Option<&str>,
     optimizer: Option<&str>,
+    layout: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut opts = CommitOptions {
         world_size,
+        layout: parse_layout(layout)?,
         ..Default::default()
     };
     if let Some(m) = metadata {

@@ -53,6 +53,21 @@ pub(crate) trait Reader: Send + Sync {
         o: &[u64],
         s: &[u64],
     ) -> Result<Vec<(usize, u64, u64)>, Error>;
+    /// Whether the chunk entries live in part indexes read on first use (feature `parts`).
+    fn two_level(&self) -> bool;
+    /// Part indexes loaded so far and their bytes; `(0, 0)` for a flat checkpoint.
+    fn parts_read(&self) -> (usize, u64);
+    /// A two-level global's grid cells, from the root alone (loading no part); `None` for
+    /// flat globals and whole tensors.
+    fn grid_cells(&self, name: &str) -> Option<Vec<Region>>;
+    /// `region_byte_ranges` with each range's shard file named (as `Shard::file` names it),
+    /// the shards of a two-level checkpoint's parts included (loading the parts touched).
+    fn region_file_ranges(
+        &self,
+        name: &str,
+        o: &[u64],
+        s: &[u64],
+    ) -> Result<Vec<(&str, u64, u64)>, Error>;
 }
 
 impl<S: ShardSource + Send> Reader for Checkpoint<S> {
@@ -141,6 +156,23 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
         s: &[u64],
     ) -> Result<Vec<(usize, u64, u64)>, Error> {
         Checkpoint::region_byte_ranges(self, name, o, s)
+    }
+    fn two_level(&self) -> bool {
+        Checkpoint::two_level(self)
+    }
+    fn parts_read(&self) -> (usize, u64) {
+        Checkpoint::parts_read(self)
+    }
+    fn grid_cells(&self, name: &str) -> Option<Vec<Region>> {
+        Checkpoint::grid_cells(self, name)
+    }
+    fn region_file_ranges(
+        &self,
+        name: &str,
+        o: &[u64],
+        s: &[u64],
+    ) -> Result<Vec<(&str, u64, u64)>, Error> {
+        Checkpoint::region_file_ranges(self, name, o, s)
     }
 }
 

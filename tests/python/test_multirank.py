@@ -125,6 +125,30 @@ def test_n_writer_processes_commit_once_and_m_readers_reshard(tmp_path, world):
         check_all_regions(tmp_path, m)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_writer_processes_commit_a_two_level_root_read_by_any_split(tmp_path, world):
+    """The same job committed as a two-level manifest (format-spec/global.md §The two-level
+    manifest): the part descriptors stay, named by the root; regions of every split read
+    back bit for bit, and one rank's own rows load its own part only."""
+    cid = ckptstore.new_checkpoint_id()
+    parts = write_parts(tmp_path, cid, world)
+    if world % 2:
+        ckptstore.commit(tmp_path, cid, parts=parts, layout="two_level")
+    else:
+        ckptstore.commit(tmp_path, cid, world_size=world, timeout=30, layout="two_level")
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("part-")) == [
+        f"part-{cid}-r{r}.json" for r in range(world)
+    ]
+    for m in (1, 2, 3, 4):
+        check_all_regions(tmp_path, m)
+    ck = ckptstore.open(tmp_path)
+    r0, n = splits(ROWS, world)[world - 1]
+    g = global_array("f32")
+    got = ck.read_region("f32", (r0, 0), (n, COLS))
+    assert np.array_equal(got.view(np.uint8), g[r0 : r0 + n].view(np.uint8))
+    assert ck["meta.table"].tolist() == [0, 1, 2, 3, 4]
+
+
 def test_the_reader_presents_global_tensors_by_name(tmp_path):
     """keys / in / len / info / ck[name] speak of the logical checkpoint: each global
     tensor once by its name (read whole into a fresh, CRC-checked array), never the

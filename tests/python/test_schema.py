@@ -134,12 +134,66 @@ BROKEN = {
     # format-spec/optimizer.md: section present <=> feature listed.
     "optimizer without feature": ("demo", lambda m: m.pop("features"), True),
     "feature without optimizer": ("demo", lambda m: m.pop("optimizer"), True),
+    # format-spec/global.md §Root rules (P1-P5) of a two-level root.
+    "parts without the parts feature": ("two_level", lambda m: m.__setitem__("features", ["global"]), True),
+    "parts feature without global": ("two_level", lambda m: m.__setitem__("features", ["parts"]), True),
+    "unknown feature": ("two_level", lambda m: m["features"].append("ranks"), True),
+    "empty parts list": ("two_level", lambda m: m.__setitem__("parts", []), True),
+    "part crc32 as hex string": ("two_level", lambda m: m["parts"][0].__setitem__("crc32", f"{m['parts'][0]['crc32']:08x}"), True),
+    "part crc32 above u32": ("two_level", lambda m: m["parts"][0].__setitem__("crc32", 2**32), True),
+    "part file ../": ("two_level", lambda m: m["parts"][0].__setitem__("file", "../x.json"), True),
+    "part size over the cap": ("two_level", lambda m: m["parts"][0].__setitem__("size", 2**30 + 1), True),
+    "splits not from 0": ("two_level", lambda m: m["grids"][0]["splits"][0].__setitem__(0, 1), True),
+    "cell above 2^20": ("two_level", lambda m: m["grids"][0]["cells"].__setitem__(0, 2**20), True),
+    "chunks in the root": ("two_level", lambda m: m["globals"][0].__setitem__("chunks", [{"offsets": [0, 0], "shape": [1, 1], "tensor": "x"}]), True),
+    "flat global with a grid": ("flat_global", lambda m: m["globals"][0].__setitem__("grid", 0), True),
 }
 
 
+def _multi_rank(path: Path, layout: str) -> Path:
+    """Two ranks' rows of a [4, 3] F32 global and a whole tensor, committed with `layout`."""
+    import ckptstore
+
+    path.mkdir(parents=True)
+    cid = ckptstore.new_checkpoint_id()
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    parts = []
+    for r in range(2):
+        items = {"w": ckptstore.Chunk(w[2 * r : 2 * r + 2], w.shape, (2 * r, 0))}
+        if r == 0:
+            items["lr"] = np.array([0.5], np.float32)
+        parts.append(ckptstore.write_part(path, cid, r, items))
+    ckptstore.commit(path, cid, parts=parts, layout=layout)
+    return path
+
+
 @pytest.fixture(scope="module")
-def bases(packed_dir, demo_dir):
-    return {"packed": (packed_dir, h.read_manifest(packed_dir)), "demo": (demo_dir[0], h.read_manifest(demo_dir[0]))}
+def two_level_dir(tmp_path_factory) -> Path:
+    return _multi_rank(tmp_path_factory.mktemp("two_level") / "ckpt", "two_level")
+
+
+@pytest.fixture(scope="module")
+def flat_global_dir(tmp_path_factory) -> Path:
+    return _multi_rank(tmp_path_factory.mktemp("flat_global") / "ckpt", "flat")
+
+
+def test_two_level_and_flat_multi_rank_manifests_are_valid(validator, two_level_dir, flat_global_dir):
+    m = h.read_manifest(two_level_dir)
+    assert m["features"] == ["global", "parts"] and len(m["parts"]) == 2 and m["grids"]
+    assert_valid(validator, m, "two-level root")
+    m = h.read_manifest(flat_global_dir)
+    assert m["features"] == ["global"] and "parts" not in m
+    assert_valid(validator, m, "flat multi-rank manifest")
+
+
+@pytest.fixture(scope="module")
+def bases(packed_dir, demo_dir, two_level_dir, flat_global_dir):
+    return {
+        "packed": (packed_dir, h.read_manifest(packed_dir)),
+        "demo": (demo_dir[0], h.read_manifest(demo_dir[0])),
+        "two_level": (two_level_dir, h.read_manifest(two_level_dir)),
+        "flat_global": (flat_global_dir, h.read_manifest(flat_global_dir)),
+    }
 
 
 @pytest.mark.parametrize("case", list(BROKEN))

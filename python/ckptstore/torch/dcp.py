@@ -26,8 +26,11 @@ resharding on load); ckptstore stores it:
 * DCP's ``Metadata`` lives in the manifest as JSON (metadata key ``torch.distributed.checkpoint``):
   per state-dict entry its kind, dtype and tensor properties, DCP's planner data and storage
   meta. The chunk layout is not copied there: ``read_metadata`` rebuilds it from the
-  manifest's own global-tensor table, which the engine validated at commit and at open.
-  Nothing on the tensor path is unpickled.
+  manifest's own global-tensor table, which the engine validated at commit and at open. Of a
+  two-level checkpoint (``Writer(layout="two_level")``) it takes each global's grid cells
+  from the root manifest instead of the chunks, reading no part index: each rank then loads
+  only the parts holding the boxes it reads, and a damaged part fails only the loads that
+  need it. Nothing on the tensor path is unpickled.
 * ``read_data`` reads each ``ReadItem``'s box of the stored tensor straight from the
   read-only map into the destination tensor DCP gives (a fresh buffer first only when the
   destination is strided or of another dtype), after checking the CRC32 of every stored
@@ -124,6 +127,13 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
     the engine's, 4 GiB). ``metadata``: a JSON-serializable dict stored in the manifest
     beside DCP's metadata (read it back with ``ckptstore.open(path).metadata``).
 
+    ``layout``: the manifest's shape, passed to :func:`ckptstore.commit`. ``"flat"``: one
+    manifest listing every chunk, which every reader decodes whole (right for tens of
+    ranks). ``"two_level"``: a root manifest naming the ranks' part descriptors, which keep
+    the chunk entries; a :class:`Reader` decodes the root and loads only the parts its
+    rank's read items touch. ``"auto"`` (default): two-level from 100,000 chunks over all
+    ranks, flat below. Anything else raises :class:`ckptstore.InvalidArgumentError`.
+
     ``dcp.save`` must run with collectives (the default): the coordinator draws the
     checkpoint id and commits the parts of every rank.
     """
@@ -134,13 +144,19 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
         *,
         max_shard_size: Optional[int] = None,
         metadata: Optional[dict] = None,
+        layout: str = "auto",
     ) -> None:
+        if not isinstance(layout, str) or layout not in ("auto", "flat", "two_level"):
+            raise InvalidArgumentError(
+                f'layout must be "auto", "flat" or "two_level", got {layout!r}'
+            )
         StorageWriter.__init__(self)
         if _Stager is not object:
             _Stager.__init__(self)
         self.path = os.fspath(path)
         self.max_shard_size = max_shard_size
         self.user_metadata = dict(metadata or {})
+        self.layout = layout
         self.is_coordinator = False
         self.rank = 0
         self.checkpoint_id: Optional[str] = None
@@ -229,7 +245,12 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
         meta = dict(self.user_metadata)
         meta[META_KEY] = _metadata_to_json(metadata, self.storage_meta())
         self.commit_info = _commit(
-            self.path, self.checkpoint_id, parts=parts, world_size=len(results), metadata=meta
+            self.path,
+            self.checkpoint_id,
+            parts=parts,
+            world_size=len(results),
+            metadata=meta,
+            layout=self.layout,
         )
 
     def storage_meta(self) -> Optional[StorageMeta]:
@@ -342,6 +363,11 @@ class Reader(StorageReader):
             self._rr = rr
         return self._rr
 
+    def parts_read(self) -> tuple[int, int]:
+        """Of a two-level checkpoint: how many part indexes this reader has read so far,
+        and their bytes (``Checkpoint.parts_read()``); ``(0, 0)`` for a flat checkpoint."""
+        return tuple(self._open().parts_read())  # type: ignore[return-value]
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rr = self._open()
         meta = json.loads(rr.metadata_json())
@@ -368,9 +394,15 @@ class Reader(StorageReader):
                         f"{self.path}: tensor {fqn!r} is {wire} {list(shape)} in the manifest, "
                         f"{it['dtype']} {size} in its DCP metadata"
                     )
+                # A two-level checkpoint's global: its grid cells, from the root alone (each
+                # inside one stored chunk), so that no part index is read here; the plan's
+                # boxes then load only the parts they touch.
+                boxes = rr.grid_cells(it["name"])
+                if boxes is None:
+                    boxes = rr.chunks(it["name"])
                 chunks = [
                     ChunkStorageMetadata(offsets=torch_.Size(o), sizes=torch_.Size(s))
-                    for o, s in rr.chunks(it["name"])
+                    for o, s in boxes
                 ]
             props = TensorProperties(dtype=dtype, requires_grad=bool(it.get("requires_grad")))
             if it.get("strides") is not None and hasattr(props, "strides"):
