@@ -300,16 +300,17 @@ fn overlaps_and_gaps_are_refused_by_the_two_level_commit() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let w = rows(3, 0.0);
-    let id = new_checkpoint_id().unwrap();
-    let part = |r: u32, o: u64, n: u64| {
+    // Rank r's rows [o, o + n) of a [4, 4] global.
+    let part = |id: &str, r: u32, o: u64, n: u64| {
         let item = PartItem::Chunk {
             tensor: TensorRef::from_slice("w", &[n, 4], &w[..(n * 4) as usize]),
             global_shape: vec![4, 4],
             offsets: vec![o, 0],
         };
-        write_part(dir, &id, r, &[item], &SaveOptions::default()).unwrap()
+        write_part(dir, id, r, &[item], &SaveOptions::default()).unwrap()
     };
-    let overlap = vec![part(0, 0, 3), part(1, 2, 2)];
+    let id = new_checkpoint_id().unwrap();
+    let overlap = vec![part(&id, 0, 0, 3), part(&id, 1, 2, 2)];
     match commit(dir, &id, &overlap, &two_level(2)) {
         Err(Error::PartConflict { name, ranks, .. }) => {
             assert_eq!(name, "w");
@@ -319,15 +320,7 @@ fn overlaps_and_gaps_are_refused_by_the_two_level_commit() {
     }
     assert!(!dir.join("ckpt-manifest.json").exists());
     let id = new_checkpoint_id().unwrap();
-    let part = |r: u32, o: u64, n: u64| {
-        let item = PartItem::Chunk {
-            tensor: TensorRef::from_slice("w", &[n, 4], &w[..(n * 4) as usize]),
-            global_shape: vec![4, 4],
-            offsets: vec![o, 0],
-        };
-        write_part(dir, &id, r, &[item], &SaveOptions::default()).unwrap()
-    };
-    let gap = vec![part(0, 0, 1), part(1, 2, 2)];
+    let gap = vec![part(&id, 0, 0, 1), part(&id, 1, 2, 2)];
     match commit(dir, &id, &gap, &two_level(2)) {
         Err(Error::InvalidManifest { reason, .. }) => assert!(reason.contains("gap"), "{reason}"),
         other => panic!("expected InvalidManifest, got {other:?}"),
