@@ -67,15 +67,17 @@ impl<S> Checkpoint<S> {
                 }
             }
         }
-        // A two-level root stores no chunk: its globals follow the whole tensors.
-        if self.parts.is_some() {
-            out.extend(globals.iter().map(|e| Entry {
+        // Globals no stored tensor of this manifest holds a chunk of follow the whole
+        // tensors, in manifest order: every global of a two-level root (its chunks are in
+        // the parts), and globals of zero elements (no chunks at all).
+        for (e, _) in globals.iter().zip(&listed).filter(|(_, &seen)| !seen) {
+            out.push(Entry {
                 name: &e.name,
                 dtype: e.dtype,
                 shape: &e.global_shape,
                 chunks: self.chunk_count(e),
                 global: true,
-            }));
+            });
         }
         out
     }

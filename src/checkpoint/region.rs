@@ -482,9 +482,13 @@ impl<S: ShardSource> Checkpoint<S> {
     /// # Ok(()) }
     /// ```
     pub fn read_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<Tensor> {
-        let (dtype, _) = self.shape_of(name)?;
-        let mut out = Tensor::zeros(dtype, shape)?;
-        self.read_region_into(name, offsets, shape, out.bytes_mut())?;
+        let region = Region::new(offsets, shape);
+        let src = self.source(name, Some(&region))?;
+        // Planned (and a two-level checkpoint's parts checked) before the buffer exists: its
+        // size is then backed by stored chunks, never by a shape alone.
+        let plan = plan_region(&src, &region)?;
+        let mut out = Tensor::zeros(src.dtype, shape)?;
+        run_plan(&src, &plan, &region, Some(out.bytes_mut()), true)?;
         Ok(out)
     }
 
@@ -561,6 +565,21 @@ impl<S: ShardSource> Checkpoint<S> {
         let region = Region::new(offsets, shape);
         let src = self.source(name, Some(&region))?;
         let plan = plan_region(&src, &region)?;
+        run_plan(&src, &plan, &region, out, check)
+    }
+}
+
+/// The rest of a region read once planned: the destination's size, the bytes each piece
+/// uses, their checks if `check`, the copy into `out` if given.
+fn run_plan<S: ShardSource>(
+    src: &Source<'_, S>,
+    plan: &[Step<'_, S>],
+    region: &Region,
+    out: Option<&mut [u8]>,
+    check: bool,
+) -> Result<()> {
+    {
+        let (name, shape) = (src.name, &region.shape);
         if let Some(out) = &out {
             let want = checked_nbytes(src.dtype, shape).ok_or_else(|| {
                 Error::InvalidArgument(format!("region shape {shape:?} overflows"))
@@ -572,8 +591,29 @@ impl<S: ShardSource> Checkpoint<S> {
                 )));
             }
         }
+        // The pieces tile the region exactly (G7; L8 for a two-level checkpoint's parts):
+        // checked, so that no byte of the destination is left unwritten by a damaged
+        // layout.
+        let volume = |lo: &[u64], hi: &[u64]| {
+            lo.iter()
+                .zip(hi)
+                .try_fold(1u128, |v, (l, h)| v.checked_mul(u128::from(h - l)))
+        };
+        let covered = plan
+            .iter()
+            .try_fold(0u128, |v, (_, _, _, lo, hi)| v.checked_add(volume(lo, hi)?));
+        let zeros = vec![0u64; shape.len()];
+        if covered != volume(&zeros, shape) {
+            return Err(Error::InvalidTensor {
+                name: name.to_string(),
+                reason: format!(
+                    "the stored chunks do not cover the region at offsets {:?}, shape {shape:?} exactly (a damaged chunk layout)",
+                    region.offsets
+                ),
+            });
+        }
         let es = src.dtype.size();
-        let wins = windows_by_owner(&plan, &region, es)?;
+        let wins = windows_by_owner(plan, region, es)?;
         if check {
             // The first failure in plan order (rayon's own would be the first in time).
             wins.par_iter()
@@ -584,15 +624,17 @@ impl<S: ShardSource> Checkpoint<S> {
                 .collect::<Result<()>>()?;
         }
         if let Some(dst) = out {
-            for (w, (piece, _, t, lo, hi)) in wins.iter().zip(&plan) {
+            for (w, (piece, _, t, lo, hi)) in wins.iter().zip(plan) {
                 let base = usize::try_from(w.base).map_err(|_| too_big(t))?;
-                copy_box(&w.buf, base, piece, dst, &region, lo, hi, es)
+                copy_box(&w.buf, base, piece, dst, region, lo, hi, es)
                     .ok_or_else(|| bad_piece(t))?;
             }
         }
         Ok(())
     }
+}
 
+impl<S: ShardSource> Checkpoint<S> {
     /// The bytes each planned piece uses: the whole stored tensor borrowed where its shard
     /// is resident; fetched otherwise, exactly the blocks the region touches (adjacent
     /// ones merged), or the whole tensor where it has no block CRCs.
