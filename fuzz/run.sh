@@ -2,7 +2,7 @@
 # Fuzz every target for a bounded time (CI entry point).
 #
 #   FUZZ_SECONDS=30 fuzz/run.sh          # seconds per target (default 30)
-#   FUZZ_TARGETS="header manifest" ...   # a subset (default: all seven)
+#   FUZZ_TARGETS="header manifest" ...   # a subset (default: all eight)
 #   FUZZ_TOOLCHAIN=nightly ...           # toolchain for cargo-fuzz (default nightly)
 #
 # 1. installs cargo-fuzz if it is missing, 2. writes the seed corpora with gen_seeds,
@@ -14,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 
 seconds="${FUZZ_SECONDS:-30}"
 toolchain="${FUZZ_TOOLCHAIN:-nightly}"
-read -r -a targets <<<"${FUZZ_TARGETS:-header manifest open_verify_load structured part fetched journal}"
+read -r -a targets <<<"${FUZZ_TARGETS:-header manifest open_verify_load structured part fetched journal two_level}"
 logs="artifacts/logs"
 
 if ! cargo "+$toolchain" fuzz --help >/dev/null 2>&1; then

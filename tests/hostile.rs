@@ -109,8 +109,16 @@ fn replay_open(data: &[u8]) {
 /// starts with (`<target>-<name>.bin`); files of other targets (`structured-*`, whose
 /// operation sequences need the fuzz crate: `cargo +nightly fuzz run structured FILE`)
 /// and unknown files go through all three byte-level entry points, which must not panic.
+/// `two_level-*` files go through `check_two_level` in a child process (this test binary
+/// run again on that one file), so that one that aborts (a failed allocation) fails this
+/// test rather than every test of the file.
 #[test]
 fn replay_fuzz_regressions() {
+    const ONE: &str = "CKPT_REPLAY_TWO_LEVEL";
+    if let Some(one) = std::env::var_os(ONE) {
+        fuzz_support::check_two_level(&std::fs::read(one).unwrap());
+        return;
+    }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz_regressions");
     let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
         Ok(rd) => rd
@@ -120,6 +128,8 @@ fn replay_fuzz_regressions() {
         Err(_) => Vec::new(),
     };
     files.sort();
+    // The two_level regressions that failed (each reported, then the test fails).
+    let mut failed: Vec<String> = Vec::new();
     for f in &files {
         let name = f.file_name().unwrap().to_string_lossy().into_owned();
         let data = std::fs::read(f).unwrap();
@@ -130,6 +140,19 @@ fn replay_fuzz_regressions() {
             replay_manifest(&data);
         } else if name.starts_with("open_verify_load-") {
             replay_open(&data);
+        } else if name.starts_with("two_level-") {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["replay_fuzz_regressions", "--exact", "--nocapture"])
+                .env(ONE, f)
+                .output()
+                .unwrap();
+            if !out.status.success() {
+                failed.push(format!(
+                    "{name}: check_two_level failed ({}):\n{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
         } else if name.starts_with("fetched-") {
             // Resident and fetched shards give the same answers (and replay_open's).
             fuzz_support::check_fetched_like_resident(&data);
@@ -158,6 +181,7 @@ fn replay_fuzz_regressions() {
         framed.extend_from_slice(&shards);
         replay_open(&framed);
     }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -5,13 +5,17 @@
 //! into a temporary directory, then writes:
 //!
 //! * `corpus/header/`: every shard file (a safetensors file: header plus data);
-//! * `corpus/manifest/`: every manifest;
+//! * `corpus/manifest/`: every manifest, the two-level roots among them;
 //! * `corpus/open_verify_load/`: manifest plus shards in the target's framing, once as is
-//!   and once with the CRC-repair flags set.
+//!   and once with the CRC-repair flags set;
+//! * `corpus/two_level/`: two-level checkpoints (`write_part` of one to three ranks, then
+//!   a `Layout::TwoLevel` commit: root, part indexes, shards) in that target's framing, as
+//!   is, repaired, repaired with the reads before `verify`, and under the fixed names.
 //!
 //! Deterministic: every checkpoint's random id is replaced by a fixed one (in the manifest,
-//! the shard file names and the shard headers, with the CRCs recomputed), so the same
-//! source gives byte-identical seeds. Files are named `seed-*`; other corpus entries (what
+//! the shard file names and the shard headers, with the CRCs recomputed; the two-level
+//! checkpoints are written with the fixed id `TL_SEED_ID`), so the same source gives
+//! byte-identical seeds. Files are named `seed-*`; other corpus entries (what
 //! the fuzzer found) are left alone.
 //!
 //! Usage: `gen_seeds [CORPUS_DIR]` (default: `corpus/` next to the fuzz crate's Cargo.toml).
@@ -23,7 +27,11 @@ use ckptstore::format::{header, manifest};
 use ckptstore::optim::{OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateValue, Tensor};
 use ckptstore::write::parts::{self, PartItem};
 use ckptstore::{save, Checkpoint, DType, SaveOptions, TensorRef};
-use ckptstore_fuzz::{frame, FIX_ALL};
+use ckptstore_fuzz::{
+    check_two_level, frame, frame_two_level, two_level_files, two_level_fixed_names,
+    two_level_manifest_names, unframe_two_level, FIX_ALL, TL_FIXED_NAMES, TL_FIX_ALL,
+    TL_READ_FIRST, TL_SEED_ID,
+};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -303,6 +311,272 @@ fn save_all(tmp: &Path) -> Res<Vec<Saved>> {
     Ok(out)
 }
 
+/// One two-level checkpoint (format-spec/global.md §The two-level manifest) as the
+/// `two_level` target frames it: the root, the part indexes in the root's order, the shard
+/// files in the order `two_level_manifest_names` names the slots.
+struct TwoLevel {
+    name: &'static str,
+    root: Vec<u8>,
+    parts: Vec<Vec<u8>>,
+    shards: Vec<Vec<u8>>,
+    /// The shards in the fixed name table's order, if the table names exactly them.
+    fixed_order: Option<Vec<Vec<u8>>>,
+}
+
+/// Commit `descriptors` (written into `dir` with id [`TL_SEED_ID`]) as a two-level root and
+/// read the directory's files back in slot order; the framed files must open, verify and
+/// pass the target's checks, with and without the repairs.
+fn commit_two_level(dir: &Path, name: &'static str, descriptors: &[parts::Part]) -> Res<TwoLevel> {
+    let opts = ckptstore::CommitOptions {
+        layout: ckptstore::Layout::TwoLevel,
+        world_size: Some(descriptors.len() as u32),
+        ..Default::default()
+    };
+    parts::commit(dir, TL_SEED_ID, descriptors, &opts)?;
+    let root = std::fs::read(dir.join(manifest::MANIFEST_FILE))?;
+    let m = manifest::decode(&root).map_err(|e| format!("{name}: {e:?}"))?;
+    assert!(!m.parts.is_empty(), "{name}: not a two-level root");
+    let part_files = m
+        .parts
+        .iter()
+        .map(|p| std::fs::read(dir.join(&p.file)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let views: Vec<&[u8]> = part_files.iter().map(Vec::as_slice).collect();
+    // Every engine file of the directory is the root, a part index or a shard.
+    let on_disk: Vec<String> = std::fs::read_dir(dir)?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<std::io::Result<Vec<_>>>()?
+        .into_iter()
+        .filter(|n| !n.starts_with('.') && n != manifest::MANIFEST_FILE && !n.starts_with("part-"))
+        .collect();
+    let (part_names, shard_names) = two_level_manifest_names(&root, &views, on_disk.len());
+    assert_eq!(
+        part_names,
+        m.parts.iter().map(|p| p.file.clone()).collect::<Vec<_>>(),
+        "{name}"
+    );
+    let mut sorted = shard_names.clone();
+    sorted.sort();
+    let mut disk = on_disk.clone();
+    disk.sort();
+    assert_eq!(sorted, disk, "{name}: the manifests name every shard once");
+    let shards = shard_names
+        .iter()
+        .map(|n| std::fs::read(dir.join(n)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let (fixed_parts, fixed_shards) = two_level_fixed_names(part_names.len(), shards.len());
+    let fixed_order = (fixed_parts == part_names)
+        .then(|| {
+            fixed_shards
+                .iter()
+                .map(|n| std::fs::read(dir.join(n)).ok())
+                .collect::<Option<Vec<_>>>()
+        })
+        .flatten();
+    let seed = TwoLevel {
+        name,
+        root,
+        parts: part_files,
+        shards,
+        fixed_order,
+    };
+    for data in two_level_framings(&seed) {
+        let files = two_level_files(&unframe_two_level(&data.1));
+        let ck = Checkpoint::from_files(files).map_err(|e| format!("{name}{}: {e}", data.0))?;
+        ck.verify().map_err(|e| format!("{name}{}: {e}", data.0))?;
+        assert_eq!(ck.parts_read().0, part_names.len(), "{name}{}", data.0);
+        check_two_level(&data.1);
+    }
+    Ok(seed)
+}
+
+/// The `two_level` seeds of one checkpoint: as is, repaired, repaired with the reads
+/// before `verify`, and (where the fixed table names its files) repaired under the fixed
+/// names.
+fn two_level_framings(s: &TwoLevel) -> Vec<(&'static str, Vec<u8>)> {
+    let mut out = vec![
+        ("", frame_two_level(0, 0, &s.root, &s.parts, &s.shards)),
+        (
+            "-fix",
+            frame_two_level(0, TL_FIX_ALL, &s.root, &s.parts, &s.shards),
+        ),
+        (
+            "-fix-lazy",
+            frame_two_level(TL_READ_FIRST, TL_FIX_ALL, &s.root, &s.parts, &s.shards),
+        ),
+    ];
+    if let Some(fixed) = &s.fixed_order {
+        out.push((
+            "-fix-named",
+            frame_two_level(TL_FIXED_NAMES, TL_FIX_ALL, &s.root, &s.parts, fixed),
+        ));
+    }
+    out
+}
+
+fn f16_bytes(bits: &[u16]) -> Vec<u8> {
+    bits.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Two-level checkpoints, each under its own directory of `tmp`, id [`TL_SEED_ID`]:
+///
+/// * `tl3`: three ranks; `w` [6, 4] F32 split by rows, `c` [3, 6] BF16 split by columns,
+///   `bias` [4] replicated on every rank (one chunk, two replicas), a 0-dim global `s`
+///   (I64) on rank 1 only, whole tensors `lr` and `step` from rank 0;
+/// * `tlblocks`: two ranks; `blk` [4, 6] F16 in 2x2 uneven blocks (two per rank), `big`
+///   [2, 2048] F32 split by rows with 4 KiB block CRCs (two blocks per chunk);
+/// * `tl1`: one rank holding all of `w` [3, 2], a 0-dim global `s` and a whole `step`;
+/// * `tlshards`: two ranks; `w` [4, 4] with rank 0's two one-row chunks in shards of
+///   their own, rank 1's two rows, and a whole `note` (U8) from rank 1.
+fn save_two_level(tmp: &Path) -> Res<Vec<TwoLevel>> {
+    let opts = SaveOptions::default();
+    let write = |dir: &Path, rank: u32, items: &[PartItem<'_>], o: &SaveOptions| {
+        parts::write_part(dir, TL_SEED_ID, rank, items, o)
+    };
+    let mut out = Vec::new();
+
+    let dir = tmp.join("tl3");
+    let w = vals(200, 24);
+    let c = bf16_bytes(&vals(201, 18));
+    // Column block r of `c` [3, 6]: rows of 2 elements (4 bytes) each.
+    let cols: Vec<Vec<u8>> = (0..3)
+        .map(|r| {
+            (0..3)
+                .flat_map(|i| c[i * 12 + r * 4..][..4].to_vec())
+                .collect()
+        })
+        .collect();
+    let bias = vals(202, 4);
+    let (lr, step, s) = ([0.001f32], [7i64], [-3i64]);
+    let mut descriptors = Vec::new();
+    for r in 0..3u32 {
+        let ru = r as usize;
+        let mut items = vec![
+            PartItem::Chunk {
+                tensor: TensorRef::from_slice("w", &[2, 4], &w[ru * 8..ru * 8 + 8]),
+                global_shape: vec![6, 4],
+                offsets: vec![2 * u64::from(r), 0],
+            },
+            PartItem::Chunk {
+                tensor: TensorRef::new("c", DType::BF16, &[3, 2], &cols[ru]),
+                global_shape: vec![3, 6],
+                offsets: vec![0, 2 * u64::from(r)],
+            },
+            PartItem::Chunk {
+                tensor: TensorRef::from_slice("bias", &[4], &bias),
+                global_shape: vec![4],
+                offsets: vec![0],
+            },
+        ];
+        if r == 1 {
+            items.push(PartItem::Chunk {
+                tensor: TensorRef::from_slice("s", &[], &s[..]),
+                global_shape: vec![],
+                offsets: vec![],
+            });
+        }
+        if r == 0 {
+            items.push(PartItem::Whole(TensorRef::from_slice("lr", &[1], &lr[..])));
+            items.push(PartItem::Whole(TensorRef::from_slice(
+                "step",
+                &[],
+                &step[..],
+            )));
+        }
+        descriptors.push(write(&dir, r, &items, &opts)?);
+    }
+    out.push(commit_two_level(&dir, "tl3", &descriptors)?);
+
+    let dir = tmp.join("tlblocks");
+    let blk: Vec<u16> = (0..24u16).map(|i| 0x3c00 + i * 0x40).collect();
+    // Block (row block a, column block b) of `blk` [4, 6], columns split 1 + 5.
+    let block = |a: usize, b: usize| -> Vec<u8> {
+        let cols = if b == 0 { 0..1 } else { 1..6 };
+        let bits: Vec<u16> = (2 * a..2 * a + 2)
+            .flat_map(|i| cols.clone().map(move |j| i * 6 + j))
+            .map(|k| blk[k])
+            .collect();
+        f16_bytes(&bits)
+    };
+    let blocks: Vec<Vec<u8>> = (0..4).map(|k| block(k / 2, k % 2)).collect();
+    let big = vals(203, 4096);
+    let block_opts = SaveOptions {
+        block_size: 4096,
+        ..Default::default()
+    };
+    let mut descriptors = Vec::new();
+    for r in 0..2u32 {
+        let ru = r as usize;
+        let items = vec![
+            PartItem::Chunk {
+                tensor: TensorRef::new("blk", DType::F16, &[2, 1], &blocks[2 * ru]),
+                global_shape: vec![4, 6],
+                offsets: vec![2 * u64::from(r), 0],
+            },
+            PartItem::Chunk {
+                tensor: TensorRef::new("blk", DType::F16, &[2, 5], &blocks[2 * ru + 1]),
+                global_shape: vec![4, 6],
+                offsets: vec![2 * u64::from(r), 1],
+            },
+            PartItem::Chunk {
+                tensor: TensorRef::from_slice("big", &[1, 2048], &big[ru * 2048..][..2048]),
+                global_shape: vec![2, 2048],
+                offsets: vec![u64::from(r), 0],
+            },
+        ];
+        descriptors.push(write(&dir, r, &items, &block_opts)?);
+    }
+    out.push(commit_two_level(&dir, "tlblocks", &descriptors)?);
+
+    let dir = tmp.join("tl1");
+    let w1 = vals(204, 6);
+    let items = vec![
+        PartItem::Chunk {
+            tensor: TensorRef::from_slice("w", &[3, 2], &w1),
+            global_shape: vec![3, 2],
+            offsets: vec![0, 0],
+        },
+        PartItem::Chunk {
+            tensor: TensorRef::from_slice("s", &[], &s[..]),
+            global_shape: vec![],
+            offsets: vec![],
+        },
+        PartItem::Whole(TensorRef::from_slice("step", &[], &step[..])),
+    ];
+    let descriptors = vec![write(&dir, 0, &items, &opts)?];
+    out.push(commit_two_level(&dir, "tl1", &descriptors)?);
+
+    let dir = tmp.join("tlshards");
+    let w4 = vals(205, 16);
+    let small = SaveOptions {
+        max_shard_size: 16,
+        ..Default::default()
+    };
+    let r0 = vec![
+        PartItem::Chunk {
+            tensor: TensorRef::from_slice("w", &[1, 4], &w4[..4]),
+            global_shape: vec![4, 4],
+            offsets: vec![0, 0],
+        },
+        PartItem::Chunk {
+            tensor: TensorRef::from_slice("w", &[1, 4], &w4[4..8]),
+            global_shape: vec![4, 4],
+            offsets: vec![1, 0],
+        },
+    ];
+    let r1 = vec![
+        PartItem::Chunk {
+            tensor: TensorRef::from_slice("w", &[2, 4], &w4[8..]),
+            global_shape: vec![4, 4],
+            offsets: vec![2, 0],
+        },
+        PartItem::Whole(TensorRef::new("note", DType::U8, &[3], &[1, 2, 3])),
+    ];
+    let descriptors = vec![write(&dir, 0, &r0, &small)?, write(&dir, 1, &r1, &opts)?];
+    out.push(commit_two_level(&dir, "tlshards", &descriptors)?);
+    Ok(out)
+}
+
 thread_local! {
     /// Part descriptors written by [`save_all`], the seeds of the `part` target.
     static PART_SEEDS: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -390,18 +664,30 @@ fn main() -> Res<()> {
         b.extend_from_slice(&j.encode());
         write(&journal_dir, &format!("seed-journal-{pick}"), &b)?;
     }
+    // Two-level checkpoints: framed for `two_level`, their roots for `manifest`.
+    let two_level_dir = corpus.join("two_level");
+    let mut two_level_seeds = 0usize;
+    for s in save_two_level(tmp.path())? {
+        for (tag, data) in two_level_framings(&s) {
+            write(&two_level_dir, &format!("seed-{}{tag}", s.name), &data)?;
+            two_level_seeds += 1;
+        }
+        write(&man, &format!("seed-{}", s.name), &s.root)?;
+        counts[1] += 1;
+    }
     let foreign = foreign_safetensors();
     header::parse(&foreign).map_err(|e| format!("foreign seed: {e}"))?;
     write(&hdr, "seed-foreign", &foreign)?;
     counts[0] += 1;
 
     println!(
-        "gen_seeds: {} header, {} manifest, {} open_verify_load, {} fetched, {} part seeds in {}",
+        "gen_seeds: {} header, {} manifest, {} open_verify_load, {} fetched, {} part, {} two_level seeds in {}",
         counts[0],
         counts[1],
         counts[2],
         counts[2],
         part_seeds.len(),
+        two_level_seeds,
         corpus.display()
     );
     Ok(())
