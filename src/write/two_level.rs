@@ -11,28 +11,119 @@ use crate::error::{Error, Result};
 use crate::format::global::GlobalEntry;
 use crate::format::grid::{build_grid, Grid, GridError, PartRef, FEATURE};
 use crate::format::manifest::{self, Manifest, TensorInfo};
-use crate::format::part::Part;
+use crate::format::part::{Part, PartChunk};
+
+use rayon::prelude::*;
 
 /// Chunks (over all parts) from which [`super::parts::Layout::Auto`] commits a two-level
 /// manifest: below it the flat manifest is smaller in all and as fast to open
 /// (BENCHMARKS.md §Manifest at scale).
 pub const AUTO_TWO_LEVEL_CHUNKS: usize = 100_000;
 
-/// One global tensor being gathered: its declaration, the rank that first declared it, the
-/// boxes of its distinct chunks with the part holding each, and per chunk box the rank and
-/// CRC32 of its first copy (replicas must match it).
+/// One global tensor being gathered: its name and declaration, the rank that first declared
+/// it, and every chunk box offered for it: offsets, shape, the part holding it, that part's
+/// rank and the CRC32 of the chunk's tensor (replicas of a box are grouped after the
+/// gather, [`distinct_boxes`]).
 struct Gathered<'p> {
+    name: &'p str,
     dtype: DType,
     shape: &'p [u64],
     first: u32,
-    boxes: Vec<(&'p [u64], &'p [u64], u32)>,
-    copies: HashMap<ChunkBox<'p>, (u32, Option<u32>)>,
+    boxes: Vec<Offered<'p>>,
 }
 
-/// A chunk box: offsets and shape.
-type ChunkBox<'p> = (&'p [u64], &'p [u64]);
+/// A distinct chunk box for [`build_grid`]: offsets, shape, part index.
+type GridBox<'p> = (&'p [u64], &'p [u64], u32);
+
+/// A chunk box as a part offered it: offsets, shape, part index, rank, CRC32.
+type Offered<'p> = (&'p [u64], &'p [u64], u32, u32, Option<u32>);
+
+/// One part's chunks and whole tensors, resolved against its tensor table (part by part, in
+/// parallel): per chunk the CRC32 of its tensor; the first shard that would hold both whole
+/// tensors and chunks, if any.
+struct Resolved<'p> {
+    chunks: Vec<(&'p PartChunk, Option<u32>)>,
+    wholes: Vec<&'p TensorInfo>,
+    mixed: Option<usize>,
+}
+
+fn resolve(p: &Part) -> Resolved<'_> {
+    let chunk_names: HashSet<&str> = p.chunks.iter().map(|c| c.tensor.as_str()).collect();
+    let by_name: HashMap<&str, &TensorInfo> =
+        p.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let wholes: Vec<&TensorInfo> = p
+        .tensors
+        .iter()
+        .filter(|t| !chunk_names.contains(t.name.as_str()))
+        .collect();
+    let mut whole_shard = vec![false; p.shards.len()];
+    for t in &wholes {
+        // Shard indexes were checked with the part (C1).
+        if let Some(w) = whole_shard.get_mut(t.shard) {
+            *w = true;
+        }
+    }
+    let mut mixed = None;
+    let chunks = p
+        .chunks
+        .iter()
+        // Every chunk's tensor is in its part (C1).
+        .filter_map(|c| {
+            let t = by_name.get(c.tensor.as_str())?;
+            if mixed.is_none() && whole_shard.get(t.shard).copied().unwrap_or(false) {
+                mixed = Some(t.shard);
+            }
+            Some((c, t.crc32))
+        })
+        .collect();
+    Resolved {
+        chunks,
+        wholes,
+        mixed,
+    }
+}
+
+/// C4' for one global: its distinct chunk boxes (offsets, shape, part), the first offer of
+/// each (the lowest rank's) kept; every other offer of a box is a replica and must carry the
+/// same CRC32. The boxes come back in part order.
+fn distinct_boxes<'p>(g: &mut Gathered<'p>) -> Result<Vec<GridBox<'p>>> {
+    // Stable: offers of one box stay in part (rank) order. Ranks usually offer boxes in
+    // their order, so this is one linear pass over sorted input.
+    g.boxes.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    let mut out: Vec<GridBox<'p>> = Vec::with_capacity(g.boxes.len());
+    let mut first: Option<&Offered<'p>> = None;
+    for b in &g.boxes {
+        match first {
+            Some(f) if (f.0, f.1) == (b.0, b.1) => {
+                if f.4 != b.4 {
+                    return Err(Error::PartConflict {
+                        name: g.name.to_string(),
+                        ranks: [f.3, b.3],
+                        reason: format!(
+                            "both ranks store the chunk at offsets {:?} (shape {:?}) with different bytes (CRC32 {} and {})",
+                            b.0,
+                            b.1,
+                            hex(f.4),
+                            hex(b.4)
+                        ),
+                    });
+                }
+            }
+            _ => {
+                first = Some(b);
+                out.push((b.0, b.1, b.2));
+            }
+        }
+    }
+    out.sort_by_key(|b| b.2);
+    Ok(out)
+}
 
 /// C1'-C4' on parts sorted by rank (C1 and C2 already passed): the root manifest.
+///
+/// The parts are resolved in parallel, gathered per global in one sequential pass (no hash
+/// of a chunk box), and each global's replicas and grid are checked in parallel; an error
+/// found is the first in global order.
 pub(crate) fn root<S: Store>(
     store: &S,
     id: &str,
@@ -42,10 +133,14 @@ pub(crate) fn root<S: Store>(
     let mut shards = Vec::new();
     let mut tensors: Vec<TensorInfo> = Vec::new();
     let mut wholes: HashMap<&str, u32> = HashMap::new();
-    let mut order: Vec<&str> = Vec::new();
-    let mut gathered: HashMap<&str, Gathered<'_>> = HashMap::new();
+    let mut gathered: Vec<Gathered<'_>> = Vec::new();
+    let mut index: HashMap<&str, usize> = HashMap::new();
     let mut parts = Vec::with_capacity(sorted.len());
-    for (pi, p) in sorted.iter().enumerate() {
+    let resolved: Vec<Resolved<'_>> = sorted.par_iter().map(|p| resolve(p)).collect();
+    // The global of each chunk of the previous part: ranks list their chunks in one order,
+    // so the chunk at the same position is almost always of the same global.
+    let mut previous: Vec<usize> = Vec::new();
+    for (pi, (p, r)) in sorted.iter().zip(&resolved).enumerate() {
         let pi =
             u32::try_from(pi).map_err(|_| Error::InvalidArgument("more than 2^32 parts".into()))?;
         let file = p.file_name();
@@ -64,16 +159,9 @@ pub(crate) fn root<S: Store>(
             });
         }
         parts.push(PartRef { file, size, crc32 });
-        let chunk_names: HashSet<&str> = p.chunks.iter().map(|c| c.tensor.as_str()).collect();
-        let by_name: HashMap<&str, &TensorInfo> =
-            p.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         // The root lists the shards of whole tensors; they must hold no chunk.
         let mut in_root: Vec<Option<usize>> = vec![None; p.shards.len()];
-        for t in p
-            .tensors
-            .iter()
-            .filter(|t| !chunk_names.contains(t.name.as_str()))
-        {
+        for t in &r.wholes {
             if let Some(&other) = wholes.get(t.name.as_str()) {
                 return Err(Error::PartConflict {
                     name: t.name.clone(),
@@ -82,7 +170,6 @@ pub(crate) fn root<S: Store>(
                 });
             }
             wholes.insert(&t.name, p.rank);
-            // Shard indexes were checked with the part (C1).
             let si = match in_root[t.shard] {
                 Some(i) => i,
                 None => {
@@ -91,26 +178,28 @@ pub(crate) fn root<S: Store>(
                     shards.len() - 1
                 }
             };
-            let mut t = t.clone();
+            let mut t = (*t).clone();
             t.shard = si;
             tensors.push(t);
         }
-        for c in &p.chunks {
-            // Every chunk's tensor is in its part (C1).
-            let Some(t) = by_name.get(c.tensor.as_str()) else {
-                continue;
-            };
-            if in_root[t.shard].is_some() {
-                return Err(Error::InvalidPart {
-                    part: store.describe(&p.file_name()),
-                    reason: format!(
-                        "shard {} holds both whole tensors and chunks (written by an older version?): commit it with Layout::Flat",
-                        p.shards[t.shard].file
-                    ),
-                });
-            }
-            let g = match gathered.get_mut(c.global.as_str()) {
-                Some(g) => {
+        if let Some(shard) = r.mixed {
+            return Err(Error::InvalidPart {
+                part: store.describe(&p.file_name()),
+                reason: format!(
+                    "shard {} holds both whole tensors and chunks (written by an older version?): commit it with Layout::Flat",
+                    p.shards[shard].file
+                ),
+            });
+        }
+        let mut current = Vec::with_capacity(r.chunks.len());
+        for (j, &(c, crc)) in r.chunks.iter().enumerate() {
+            let guess = previous
+                .get(j)
+                .copied()
+                .filter(|&gi| gathered[gi].name == c.global);
+            let gi = match guess.or_else(|| index.get(c.global.as_str()).copied()) {
+                Some(gi) => {
+                    let g = &gathered[gi];
                     if g.dtype != c.dtype || g.shape != c.global_shape.as_slice() {
                         return Err(Error::PartConflict {
                             name: c.global.clone(),
@@ -121,48 +210,32 @@ pub(crate) fn root<S: Store>(
                             ),
                         });
                     }
-                    g
+                    gi
                 }
                 None => {
-                    order.push(&c.global);
-                    gathered.entry(&c.global).or_insert(Gathered {
+                    gathered.push(Gathered {
+                        name: &c.global,
                         dtype: c.dtype,
                         shape: &c.global_shape,
                         first: p.rank,
                         boxes: Vec::new(),
-                        copies: HashMap::new(),
-                    })
+                    });
+                    index.insert(&c.global, gathered.len() - 1);
+                    gathered.len() - 1
                 }
             };
-            // C4': a chunk already offered by a lower rank is a replica of it.
-            match g.copies.get(&(c.offsets.as_slice(), c.shape.as_slice())) {
-                Some(&(r, crc)) => {
-                    if crc != t.crc32 {
-                        return Err(Error::PartConflict {
-                            name: c.global.clone(),
-                            ranks: [r, p.rank],
-                            reason: format!(
-                                "both ranks store the chunk at offsets {:?} (shape {:?}) with different bytes (CRC32 {} and {})",
-                                c.offsets,
-                                c.shape,
-                                hex(crc),
-                                hex(t.crc32)
-                            ),
-                        });
-                    }
-                }
-                None => {
-                    g.copies.insert((&c.offsets, &c.shape), (p.rank, t.crc32));
-                    g.boxes.push((&c.offsets, &c.shape, pi));
-                }
-            }
+            gathered[gi]
+                .boxes
+                .push((&c.offsets, &c.shape, pi, p.rank, crc));
+            current.push(gi);
         }
+        previous = current;
     }
-    if let Some(w) = order.iter().find(|g| wholes.contains_key(**g)) {
-        let g = &gathered[w];
+    drop(resolved);
+    if let Some(g) = gathered.iter().find(|g| wholes.contains_key(g.name)) {
         return Err(Error::PartConflict {
-            name: w.to_string(),
-            ranks: [wholes[w], g.first],
+            name: g.name.to_string(),
+            ranks: [wholes[g.name], g.first],
             reason: "one rank offers it as a whole tensor, another as chunks of a global tensor"
                 .into(),
         });
@@ -170,35 +243,41 @@ pub(crate) fn root<S: Store>(
     // C3': one grid per global, identical grids shared.
     let mut grids: Vec<Grid> = Vec::new();
     let mut grid_ix: HashMap<Grid, u32> = HashMap::new();
-    let mut globals = Vec::with_capacity(order.len());
-    let not_written = || {
-        format!(
-            "{} (the root of checkpoint {id}; not written)",
-            store.location().join(manifest::MANIFEST_FILE).display()
-        )
-    };
-    for name in order {
-        let g = &gathered[name];
-        let grid = build_grid(g.shape, &g.boxes).map_err(|e| match e {
-            GridError::Overlap(a, b) => Error::PartConflict {
-                name: name.to_string(),
-                ranks: [rank_of(sorted, b), rank_of(sorted, a)],
-                reason: "the ranks' chunks overlap".into(),
-            },
-            GridError::Gap(at) => Error::InvalidManifest {
-                file: not_written(),
-                reason: format!(
-                    "global tensor {name:?}: no rank's chunk covers offsets {at:?} (a gap)"
-                ),
-            },
-            GridError::TooManyCells => Error::InvalidManifest {
-                file: not_written(),
-                reason: format!(
-                    "global tensor {name:?}: its chunks' edges draw more than {} grid cells (too irregular for a two-level manifest; commit it with Layout::Flat)",
-                    crate::format::grid::MAX_GRID_CELLS
-                ),
-            },
-        })?;
+    let mut globals = Vec::with_capacity(gathered.len());
+    let not_written = format!(
+        "{} (the root of checkpoint {id}; not written)",
+        store.location().join(manifest::MANIFEST_FILE).display()
+    );
+    let built: Vec<Result<Grid>> = gathered
+        .par_iter_mut()
+        .map(|g| {
+            let boxes = distinct_boxes(g)?;
+            let name = g.name;
+            build_grid(g.shape, &boxes).map_err(|e| match e {
+                GridError::Overlap(a, b) => Error::PartConflict {
+                    name: name.to_string(),
+                    ranks: [rank_of(sorted, b), rank_of(sorted, a)],
+                    reason: "the ranks' chunks overlap".into(),
+                },
+                GridError::Gap(at) => Error::InvalidManifest {
+                    file: not_written.clone(),
+                    reason: format!(
+                        "global tensor {name:?}: no rank's chunk covers offsets {at:?} (a gap)"
+                    ),
+                },
+                GridError::TooManyCells => Error::InvalidManifest {
+                    file: not_written.clone(),
+                    reason: format!(
+                        "global tensor {name:?}: its chunks' edges draw more than {} grid cells (too irregular for a two-level manifest; commit it with Layout::Flat)",
+                        crate::format::grid::MAX_GRID_CELLS
+                    ),
+                },
+            })
+        })
+        .collect();
+    for (g, grid) in gathered.iter().zip(built) {
+        let grid = grid?;
+        let name = g.name;
         let next = grids.len() as u32;
         let k = *grid_ix.entry(grid).or_insert_with_key(|grid| {
             grids.push(grid.clone());
