@@ -482,7 +482,9 @@ fn layout_name(l: Layout) -> &'static str {
 fn coordinator(dir: &Path, ranks: u64, layout: Layout) {
     let load0 = load();
     let t = Instant::now();
+    // As `commit_rendezvous` does: every descriptor read and decoded, in parallel.
     let parts: Vec<Part> = (0..ranks as u32)
+        .into_par_iter()
         .map(|r| {
             let bytes = std::fs::read(dir.join(part_file_name(ID, r))).expect("read part");
             Part::from_bytes(&bytes).expect("the part decodes")

@@ -992,9 +992,13 @@ pub(crate) fn commit_rendezvous_impl<S: Store, G>(
         }
         std::thread::sleep(wait.poll);
     }
+    // Read and decode the descriptors in parallel (at 1,024 ranks x 10,000 tensors they are
+    // 3.7 GB of JSON); the first failure in rank order is the one reported.
     let parts = names
-        .iter()
+        .par_iter()
         .map(|name| decode_part(&read_descriptor(store, name)?, &store.describe(name)))
+        .collect::<Vec<Result<Part>>>()
+        .into_iter()
         .collect::<Result<Vec<Part>>>()?;
     let opts = CommitOptions {
         world_size: Some(world_size),
