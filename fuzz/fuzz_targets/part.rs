@@ -21,7 +21,18 @@ fn check(bytes: &[u8]) {
             String::from_utf8_lossy(&encoded)
         ),
     };
-    assert_eq!(p2, p, "part changed through to_bytes/from_bytes");
+    // The decoded fields, not the recorded size and CRC of the bytes each was decoded from
+    // (an input with an unknown key re-encodes shorter).
+    let fields = |p: &Part| {
+        (
+            p.checkpoint_id.clone(),
+            p.rank,
+            p.shards.clone(),
+            p.tensors.clone(),
+            p.chunks.clone(),
+        )
+    };
+    assert_eq!(fields(&p2), fields(&p), "part changed through to_bytes/from_bytes");
     assert_eq!(p2.to_bytes(), encoded, "to_bytes is not deterministic");
 }
 
