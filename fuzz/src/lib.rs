@@ -11,6 +11,8 @@
 //!   [`check_two_level`]: the `two_level` target's input format (a root manifest, 1-3 part
 //!   indexes, 1-4 shards, named as the manifests name them, with optional repairs) and its
 //!   check, which tests/hostile.rs replays.
+//! * [`check_part`]: the `part` target's check (decode, re-encode, decode again), which
+//!   tests/hostile.rs replays too.
 
 use ckptstore::format::manifest;
 
@@ -888,6 +890,44 @@ pub fn check_two_level(data: &[u8]) {
         );
         assert!(promised.is_empty(), "verify() passed, but: {promised:?}");
     }
+}
+
+/// The `part` target's check, shared with the regression replay (tests/hostile.rs):
+/// `Part::from_bytes` must never panic, and whatever it accepts must survive `to_bytes`
+/// with the same decoded fields, and `to_bytes` must be deterministic. Panics on a
+/// cross-check that fails.
+///
+/// The decoded fields are compared, not the recorded size and CRC of the bytes each was
+/// decoded from: an input with a key the decoder ignores re-encodes shorter
+/// (tests/fuzz_regressions/part-unknown-key-re-encodes-shorter.bin).
+pub fn check_part(bytes: &[u8]) {
+    use ckptstore::write::parts::Part;
+    let Ok(p) = Part::from_bytes(bytes) else {
+        return;
+    };
+    let encoded = p.to_bytes();
+    let p2 = match Part::from_bytes(&encoded) {
+        Ok(p2) => p2,
+        Err(e) => panic!(
+            "re-encoded part does not decode: {e:?}\n{}",
+            String::from_utf8_lossy(&encoded)
+        ),
+    };
+    let fields = |p: &Part| {
+        (
+            p.checkpoint_id.clone(),
+            p.rank,
+            p.shards.clone(),
+            p.tensors.clone(),
+            p.chunks.clone(),
+        )
+    };
+    assert_eq!(
+        fields(&p2),
+        fields(&p),
+        "part changed through to_bytes/from_bytes"
+    );
+    assert_eq!(p2.to_bytes(), encoded, "to_bytes is not deterministic");
 }
 
 #[cfg(test)]
