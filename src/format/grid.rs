@@ -239,20 +239,41 @@ pub(crate) enum GridError {
     TooManyCells,
 }
 
+/// A box [`build_grid`] places: its offsets and shape (of the global's rank) and the part
+/// that holds it.
+pub(crate) trait GridBox {
+    /// The box's offsets in the global.
+    fn offsets(&self) -> &[u64];
+    /// The box's shape.
+    fn shape(&self) -> &[u64];
+    /// The index of the part holding it.
+    fn part(&self) -> u32;
+}
+
+impl GridBox for (&[u64], &[u64], u32) {
+    fn offsets(&self) -> &[u64] {
+        self.0
+    }
+    fn shape(&self) -> &[u64] {
+        self.1
+    }
+    fn part(&self) -> u32 {
+        self.2
+    }
+}
+
 /// The grid that boxes `(offsets, shape, part)` draw over a global of `shape` (split points:
 /// every box edge), each cell marked with the part of the box covering it. Boxes must lie
 /// inside the global and have no empty dimension (checked by the writer). A cell covered
 /// twice is an overlap, a cell left uncovered a gap.
-pub(crate) fn build_grid(
-    global_shape: &[u64],
-    boxes: &[(&[u64], &[u64], u32)],
-) -> Result<Grid, GridError> {
+pub(crate) fn build_grid<B: GridBox>(global_shape: &[u64], boxes: &[B]) -> Result<Grid, GridError> {
     let splits: Vec<Vec<u64>> = (0..global_shape.len())
         .map(|d| {
             let mut s: Vec<u64> = Vec::with_capacity(2 * boxes.len() + 2);
             s.push(0);
             s.push(global_shape[d]);
-            for (o, n, _) in boxes {
+            for b in boxes {
+                let (o, n) = (b.offsets(), b.shape());
                 s.push(o[d]);
                 s.push(o[d].saturating_add(n[d]));
             }
@@ -267,8 +288,9 @@ pub(crate) fn build_grid(
         cells: vec![u32::MAX; n as usize],
     };
     let dims = dims(&grid);
-    for (o, s, p) in boxes {
-        let Some(ranges) = cell_ranges(&grid, o, s) else {
+    for b in boxes {
+        let p = b.part();
+        let Some(ranges) = cell_ranges(&grid, b.offsets(), b.shape()) else {
             continue;
         };
         let mut clash = None;
@@ -277,11 +299,11 @@ pub(crate) fn build_grid(
             if *cell != u32::MAX {
                 clash.get_or_insert(*cell);
             } else {
-                *cell = *p;
+                *cell = p;
             }
         });
         if let Some(q) = clash {
-            return Err(GridError::Overlap(*p, q));
+            return Err(GridError::Overlap(p, q));
         }
     }
     if let Some(c) = grid.cells.iter().position(|&p| p == u32::MAX) {
@@ -331,7 +353,8 @@ mod tests {
 
     #[test]
     fn zero_dim_and_blocks() {
-        let g = build_grid(&[], &[(&[], &[], 3)]).unwrap();
+        let e: (&[u64], &[u64], u32) = (&[], &[], 3);
+        let g = build_grid(&[], &[e]).unwrap();
         assert_eq!(g.cells, vec![3]);
         assert_eq!(parts_in_box(&g, &[], &[]), vec![3]);
         // 2x2 blocks of a [4, 6] tensor, uneven columns.

@@ -3,11 +3,9 @@
 //! decoding and internal checks, and the names of stored chunks. Writing parts and
 //! committing them is in `write::parts`.
 
-use std::collections::{HashMap, HashSet};
-
 use serde::{Deserialize, Serialize};
 
-use super::manifest::{self, DecodeError};
+use super::manifest::{self, DecodeError, NameIndex};
 use super::names::{is_id, part_file_name};
 use super::schema::{ShardEntry, TensorInfo};
 use super::{check_tensor_name, MAX_RANK, MAX_SHARDS, MAX_TENSORS};
@@ -126,6 +124,35 @@ impl Part {
         part_file_name(&self.checkpoint_id, self.rank)
     }
 
+    /// For each chunk, the position in `tensors` of the tensor holding it (`None`: the part
+    /// lists no tensor of that name). `write_part` stores the chunk tensors last, in chunk
+    /// order, so each is first looked for at that position (a string comparison); only a
+    /// part laid out otherwise is looked up by name, in `index` or one built here.
+    /// Meaningful only for a part whose tensor names are unique (what [`Part::check`]
+    /// checks before it asks).
+    pub(crate) fn chunk_positions(&self, index: Option<&NameIndex>) -> Vec<Option<usize>> {
+        let base = self.tensors.len().checked_sub(self.chunks.len());
+        let mut built: Option<NameIndex> = None;
+        self.chunks
+            .iter()
+            .enumerate()
+            .map(|(j, c)| {
+                let at = base.and_then(|b| b.checked_add(j));
+                if let Some(at) =
+                    at.filter(|&at| self.tensors.get(at).is_some_and(|t| t.name == c.tensor))
+                {
+                    return Some(at);
+                }
+                let ix = match index {
+                    Some(ix) => ix,
+                    None => built
+                        .get_or_insert_with(|| NameIndex::build(&self.tensors).unwrap_or_default()),
+                };
+                ix.position(&self.tensors, &c.tensor)
+            })
+            .collect()
+    }
+
     /// Internal consistency (everything that needs no file and no other part).
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
         if !is_id(&self.checkpoint_id) {
@@ -141,30 +168,30 @@ impl Part {
                 self.tensors.len()
             ));
         }
-        let mut names: HashMap<&str, &TensorInfo> = HashMap::with_capacity(self.tensors.len());
-        for t in &self.tensors {
-            if t.shard >= self.shards.len() {
-                return Err(format!(
-                    "tensor {:?} is in shard {}, but the part lists {} shards",
-                    t.name,
-                    t.shard,
-                    self.shards.len()
-                ));
-            }
-            if names.insert(t.name.as_str(), t).is_some() {
-                return Err(format!("tensor {:?} is listed twice", t.name));
-            }
+        let names = NameIndex::build(&self.tensors).map_err(|i| {
+            let name = self.tensors.get(i).map_or("", |t| t.name.as_str());
+            format!("tensor {name:?} is listed twice")
+        })?;
+        if let Some(t) = self.tensors.iter().find(|t| t.shard >= self.shards.len()) {
+            return Err(format!(
+                "tensor {:?} is in shard {}, but the part lists {} shards",
+                t.name,
+                t.shard,
+                self.shards.len()
+            ));
         }
-        let mut chunk_tensors = HashSet::new();
-        for c in &self.chunks {
+        let mut is_chunk = vec![false; self.tensors.len()];
+        for (c, pos) in self.chunks.iter().zip(self.chunk_positions(Some(&names))) {
             check_tensor_name(&c.global).map_err(|e| format!("chunk of {:?}: {e}", c.global))?;
-            let t = names.get(c.tensor.as_str()).ok_or_else(|| {
-                format!(
-                    "chunk of {:?} names tensor {:?}, which the part does not list",
-                    c.global, c.tensor
-                )
-            })?;
-            if !chunk_tensors.insert(c.tensor.as_str()) {
+            let (t, seen) = pos
+                .and_then(|i| Some((self.tensors.get(i)?, is_chunk.get_mut(i)?)))
+                .ok_or_else(|| {
+                    format!(
+                        "chunk of {:?} names tensor {:?}, which the part does not list",
+                        c.global, c.tensor
+                    )
+                })?;
+            if std::mem::replace(seen, true) {
                 return Err(format!("tensor {:?} is listed as two chunks", c.tensor));
             }
             let r = c.global_shape.len();
@@ -248,4 +275,112 @@ pub(crate) fn decode_reason(e: DecodeError) -> String {
 pub fn chunk_tensor_name(global: &str, offsets: &[u64], rank: u32) -> String {
     let o: Vec<String> = offsets.iter().map(u64::to_string).collect();
     format!("{global}@{}~r{rank}", o.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "0123456789abcdef0123456789abcdef";
+
+    fn tensor(name: &str, shard: usize, crc: u32) -> TensorInfo {
+        TensorInfo {
+            name: name.into(),
+            shard,
+            dtype: DType::U8,
+            shape: vec![2],
+            offsets: [0, 2],
+            crc32: Some(crc),
+            absmax: None,
+            blocks: None,
+        }
+    }
+
+    fn chunk(global: &str, row: u64, tensor: &str) -> PartChunk {
+        PartChunk {
+            global: global.into(),
+            dtype: DType::U8,
+            global_shape: vec![4, 2],
+            offsets: vec![row, 0],
+            shape: vec![1, 2],
+            tensor: tensor.into(),
+        }
+    }
+
+    /// A part with a whole tensor `w` and chunk tensors `names` (stored in that order),
+    /// whose chunks are listed in `order` (indexes into `names`).
+    fn part(names: &[&str], order: &[usize]) -> Part {
+        let shard = ShardEntry {
+            file: "shard.safetensors".into(),
+            size: 64,
+            header_size: 8,
+            header_crc32: 0,
+        };
+        let mut tensors = vec![tensor("w", 0, 99)];
+        for (i, n) in names.iter().enumerate() {
+            let mut t = tensor(n, 0, i as u32);
+            t.shape = vec![1, 2];
+            tensors.push(t);
+        }
+        let chunks = order
+            .iter()
+            .map(|&i| chunk("g", i as u64, names[i]))
+            .collect();
+        Part::new(ID.into(), 0, vec![shard.clone(), shard], tensors, chunks)
+    }
+
+    #[test]
+    fn chunk_positions_find_each_tensor_in_any_layout() {
+        let names = ["g@0~r0", "g@1~r0", "g@2~r0", "g@3~r0"];
+        // As write_part lays them out (the positional path), reversed, and one out of place
+        // (the name lookup), with and without an index given.
+        for order in [[0, 1, 2, 3], [3, 2, 1, 0], [0, 2, 1, 3]] {
+            let p = part(&names, &order);
+            p.check().unwrap();
+            let want: Vec<Option<usize>> = order.iter().map(|&i| Some(i + 1)).collect();
+            assert_eq!(p.chunk_positions(None), want, "{order:?}");
+            let ix = NameIndex::build(&p.tensors).unwrap();
+            assert_eq!(p.chunk_positions(Some(&ix)), want, "{order:?}");
+        }
+        // Fewer tensors than chunks: no positional base, every name looked up.
+        let mut p = part(&names, &[0, 1, 2, 3]);
+        p.tensors.truncate(2);
+        assert_eq!(p.chunk_positions(None), vec![Some(1), None, None, None]);
+    }
+
+    #[test]
+    fn check_refuses_each_inconsistency() {
+        let names = ["g@0~r0", "g@1~r0"];
+        type Edit = fn(&mut Part);
+        let cases: [(Edit, &str); 6] = [
+            (
+                |p| p.tensors[2].name = "w".into(),
+                "tensor \"w\" is listed twice",
+            ),
+            (
+                |p| p.tensors[0].shard = 2,
+                "is in shard 2, but the part lists 2 shards",
+            ),
+            (
+                |p| p.chunks[1].tensor = "nope".into(),
+                "names tensor \"nope\", which the part does not list",
+            ),
+            (
+                |p| p.chunks[1].tensor = "g@0~r0".into(),
+                "tensor \"g@0~r0\" is listed as two chunks",
+            ),
+            (
+                |p| p.chunks[0].offsets = vec![0],
+                "do not have the global rank 2",
+            ),
+            (|p| p.chunks[0].dtype = DType::F32, "its tensor is U8"),
+        ];
+        part(&names, &[0, 1]).check().unwrap();
+        for (edit, want) in cases {
+            let mut p = part(&names, &[0, 1]);
+            edit(&mut p);
+            let e = p.check().unwrap_err();
+            assert!(e.contains(want), "{e:?} lacks {want:?}");
+        }
+    }
 }

@@ -3,13 +3,13 @@
 //! table and one shared chunk grid per distinct chunking; the chunk entries stay in the part
 //! descriptors, which the root names with their size and CRC32 and which the commit keeps.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use super::Store;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::global::GlobalEntry;
-use crate::format::grid::{build_grid, Grid, GridError, PartRef, FEATURE};
+use crate::format::grid::{build_grid, Grid, GridBox, GridError, PartRef, FEATURE};
 use crate::format::manifest::{self, Manifest, TensorInfo};
 use crate::format::part::{Part, PartChunk};
 
@@ -21,9 +21,10 @@ use rayon::prelude::*;
 pub const AUTO_TWO_LEVEL_CHUNKS: usize = 100_000;
 
 /// One global tensor being gathered: its name and declaration, the rank that first declared
-/// it, and every chunk box offered for it: offsets, shape, the part holding it, that part's
-/// rank and the CRC32 of the chunk's tensor (replicas of a box are grouped after the
-/// gather, [`distinct_boxes`]).
+/// it, and every chunk box offered for it: the chunk, the part holding it and the CRC32 of
+/// the chunk's tensor (replicas of a box are grouped after the gather, [`distinct_boxes`]).
+/// An offer is 24 bytes, and there is one per chunk of every part: 10,240,000 of them at
+/// 1,024 ranks x 10,000 tensors.
 struct Gathered<'p> {
     name: &'p str,
     dtype: DType,
@@ -32,29 +33,54 @@ struct Gathered<'p> {
     boxes: Vec<Offered<'p>>,
 }
 
-/// A distinct chunk box for [`build_grid`]: offsets, shape, part index.
-type GridBox<'p> = (&'p [u64], &'p [u64], u32);
+/// A distinct chunk box for [`build_grid`]: the chunk and its part's index.
+#[derive(Clone, Copy)]
+struct Distinct<'p>(&'p PartChunk, u32);
 
-/// A chunk box as a part offered it: offsets, shape, part index, rank, CRC32.
-type Offered<'p> = (&'p [u64], &'p [u64], u32, u32, Option<u32>);
+impl GridBox for Distinct<'_> {
+    fn offsets(&self) -> &[u64] {
+        &self.0.offsets
+    }
+    fn shape(&self) -> &[u64] {
+        &self.0.shape
+    }
+    fn part(&self) -> u32 {
+        self.1
+    }
+}
+
+/// A chunk box as a part offered it: the chunk, its part's index, the CRC32 of its tensor.
+type Offered<'p> = (&'p PartChunk, u32, Option<u32>);
+
+/// An offer's box, the key that groups replicas.
+fn box_of<'p>(o: &Offered<'p>) -> (&'p [u64], &'p [u64]) {
+    (&o.0.offsets, &o.0.shape)
+}
 
 /// One part's chunks and whole tensors, resolved against its tensor table (part by part, in
-/// parallel): per chunk the CRC32 of its tensor; the first shard that would hold both whole
-/// tensors and chunks, if any.
+/// parallel): per chunk (in the part's order) the CRC32 of its tensor; the first shard that
+/// would hold both whole tensors and chunks, if any.
 struct Resolved<'p> {
-    chunks: Vec<(&'p PartChunk, Option<u32>)>,
+    crcs: Vec<Option<u32>>,
     wholes: Vec<&'p TensorInfo>,
     mixed: Option<usize>,
 }
 
 fn resolve(p: &Part) -> Resolved<'_> {
-    let chunk_names: HashSet<&str> = p.chunks.iter().map(|c| c.tensor.as_str()).collect();
-    let by_name: HashMap<&str, &TensorInfo> =
-        p.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    // Every chunk's tensor is in its part, and tensor names are unique (C1).
+    let positions = p.chunk_positions(None);
+    let mut is_chunk = vec![false; p.tensors.len()];
+    for &i in positions.iter().flatten() {
+        if let Some(c) = is_chunk.get_mut(i) {
+            *c = true;
+        }
+    }
     let wholes: Vec<&TensorInfo> = p
         .tensors
         .iter()
-        .filter(|t| !chunk_names.contains(t.name.as_str()))
+        .zip(&is_chunk)
+        .filter(|(_, &c)| !c)
+        .map(|(t, _)| t)
         .collect();
     let mut whole_shard = vec![false; p.shards.len()];
     for t in &wholes {
@@ -64,20 +90,18 @@ fn resolve(p: &Part) -> Resolved<'_> {
         }
     }
     let mut mixed = None;
-    let chunks = p
-        .chunks
-        .iter()
-        // Every chunk's tensor is in its part (C1).
-        .filter_map(|c| {
-            let t = by_name.get(c.tensor.as_str())?;
+    let crcs = positions
+        .into_iter()
+        .map(|i| {
+            let t = p.tensors.get(i?)?;
             if mixed.is_none() && whole_shard.get(t.shard).copied().unwrap_or(false) {
                 mixed = Some(t.shard);
             }
-            Some((c, t.crc32))
+            t.crc32
         })
         .collect();
     Resolved {
-        chunks,
+        crcs,
         wholes,
         mixed,
     }
@@ -86,36 +110,36 @@ fn resolve(p: &Part) -> Resolved<'_> {
 /// C4' for one global: its distinct chunk boxes (offsets, shape, part), the first offer of
 /// each (the lowest rank's) kept; every other offer of a box is a replica and must carry the
 /// same CRC32. The boxes come back in part order.
-fn distinct_boxes<'p>(g: &mut Gathered<'p>) -> Result<Vec<GridBox<'p>>> {
+fn distinct_boxes<'p>(g: &mut Gathered<'p>, sorted: &[&Part]) -> Result<Vec<Distinct<'p>>> {
     // Stable: offers of one box stay in part (rank) order. Ranks usually offer boxes in
     // their order, so this is one linear pass over sorted input.
-    g.boxes.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
-    let mut out: Vec<GridBox<'p>> = Vec::with_capacity(g.boxes.len());
+    g.boxes.sort_by(|a, b| box_of(a).cmp(&box_of(b)));
+    let mut out: Vec<Distinct<'p>> = Vec::with_capacity(g.boxes.len());
     let mut first: Option<&Offered<'p>> = None;
     for b in &g.boxes {
         match first {
-            Some(f) if (f.0, f.1) == (b.0, b.1) => {
-                if f.4 != b.4 {
+            Some(f) if box_of(f) == box_of(b) => {
+                if f.2 != b.2 {
                     return Err(Error::PartConflict {
                         name: g.name.to_string(),
-                        ranks: [f.3, b.3],
+                        ranks: [rank_of(sorted, f.1), rank_of(sorted, b.1)],
                         reason: format!(
                             "both ranks store the chunk at offsets {:?} (shape {:?}) with different bytes (CRC32 {} and {})",
-                            b.0,
-                            b.1,
-                            hex(f.4),
-                            hex(b.4)
+                            b.0.offsets,
+                            b.0.shape,
+                            hex(f.2),
+                            hex(b.2)
                         ),
                     });
                 }
             }
             _ => {
                 first = Some(b);
-                out.push((b.0, b.1, b.2));
+                out.push(Distinct(b.0, b.1));
             }
         }
     }
-    out.sort_by_key(|b| b.2);
+    out.sort_by_key(|b| b.1);
     Ok(out)
 }
 
@@ -137,12 +161,16 @@ pub(crate) fn root<S: Store>(
     let mut index: HashMap<&str, usize> = HashMap::new();
     let mut parts = Vec::with_capacity(sorted.len());
     let resolved: Vec<Resolved<'_>> = sorted.par_iter().map(|p| resolve(p)).collect();
-    // The global of each chunk of the previous part: ranks list their chunks in one order,
-    // so the chunk at the same position is almost always of the same global.
-    let mut previous: Vec<usize> = Vec::new();
-    for (pi, (p, r)) in sorted.iter().zip(&resolved).enumerate() {
-        let pi =
-            u32::try_from(pi).map_err(|_| Error::InvalidArgument("more than 2^32 parts".into()))?;
+    // Per part, the global of each of its chunks (the gather's first pass; ranks list their
+    // chunks in one order, so the chunk at the previous part's same position is almost
+    // always of the same global); per global, the number of boxes offered, so that the
+    // second pass fills vectors of the exact size.
+    let mut assigned: Vec<Vec<u32>> = Vec::with_capacity(sorted.len());
+    let mut counts: Vec<usize> = Vec::new();
+    if u32::try_from(sorted.len()).is_err() {
+        return Err(Error::InvalidArgument("more than 2^32 parts".into()));
+    }
+    for (p, r) in sorted.iter().zip(&resolved) {
         let file = p.file_name();
         // C1': the descriptor the root names is the one on disk.
         let (size, crc32) = p.size_and_crc();
@@ -191,11 +219,12 @@ pub(crate) fn root<S: Store>(
                 ),
             });
         }
-        let mut current = Vec::with_capacity(r.chunks.len());
-        for (j, &(c, crc)) in r.chunks.iter().enumerate() {
+        let mut current: Vec<u32> = Vec::with_capacity(p.chunks.len());
+        let previous = assigned.last().map_or(&[][..], Vec::as_slice);
+        for (j, c) in p.chunks.iter().enumerate() {
             let guess = previous
                 .get(j)
-                .copied()
+                .map(|&gi| gi as usize)
                 .filter(|&gi| gathered[gi].name == c.global);
             let gi = match guess.or_else(|| index.get(c.global.as_str()).copied()) {
                 Some(gi) => {
@@ -224,13 +253,30 @@ pub(crate) fn root<S: Store>(
                     gathered.len() - 1
                 }
             };
-            gathered[gi]
-                .boxes
-                .push((&c.offsets, &c.shape, pi, p.rank, crc));
-            current.push(gi);
+            // At most MAX_TENSORS globals per part, and each global's first offer is from
+            // a part: fewer than 2^32 globals in all for any part count below 2^32 / that.
+            let gi32 = u32::try_from(gi)
+                .map_err(|_| Error::InvalidArgument("more than 2^32 global tensors".into()))?;
+            if gi == counts.len() {
+                counts.push(0);
+            }
+            counts[gi] += 1;
+            current.push(gi32);
         }
-        previous = current;
+        assigned.push(current);
     }
+    // The second pass: each offer into its global's vector, allocated once at its size.
+    for (g, &n) in gathered.iter_mut().zip(&counts) {
+        g.boxes.reserve_exact(n);
+    }
+    for (pi, ((p, r), gis)) in sorted.iter().zip(&resolved).zip(&assigned).enumerate() {
+        // `pi` < `sorted.len()`, which fits a u32 (checked above).
+        let pi = pi as u32;
+        for ((c, &crc), &gi) in p.chunks.iter().zip(&r.crcs).zip(gis) {
+            gathered[gi as usize].boxes.push((c, pi, crc));
+        }
+    }
+    drop(assigned);
     drop(resolved);
     if let Some(g) = gathered.iter().find(|g| wholes.contains_key(g.name)) {
         return Err(Error::PartConflict {
@@ -251,7 +297,7 @@ pub(crate) fn root<S: Store>(
     let built: Vec<Result<Grid>> = gathered
         .par_iter_mut()
         .map(|g| {
-            let boxes = distinct_boxes(g)?;
+            let boxes = distinct_boxes(g, sorted)?;
             let name = g.name;
             build_grid(g.shape, &boxes).map_err(|e| match e {
                 GridError::Overlap(a, b) => Error::PartConflict {
