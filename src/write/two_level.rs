@@ -255,8 +255,8 @@ pub(crate) fn root<S: Store>(
                     gathered.len() - 1
                 }
             };
-            // At most MAX_TENSORS globals per part, and each global's first offer is from
-            // a part: fewer than 2^32 globals in all for any part count below 2^32 / that.
+            // The first pass keeps a global's index in 4 bytes; a commit of 2^32 globals or
+            // more (far beyond any memory) is refused rather than wrapped.
             let gi32 = u32::try_from(gi)
                 .map_err(|_| Error::InvalidArgument("more than 2^32 global tensors".into()))?;
             if gi == counts.len() {
