@@ -211,6 +211,11 @@ def prev_load(path, model, opt) -> None:
                      release=True)
 
 
+def fresh_opt_state(model) -> list:
+    """Adam's two state tensors per parameter in new memory, every page written once."""
+    return [(torch.empty_like(p).fill_(0), torch.empty_like(p).fill_(0)) for p in model.parameters()]
+
+
 def child(way: str, path: str, layers: int, width: int) -> None:
     def rss_kib() -> int:
         return status_kib("VmRSS")
@@ -252,12 +257,12 @@ def child(way: str, path: str, layers: int, width: int) -> None:
     elif way == "fresh_fill":
         # The floor of any restore into new memory: create the optimizer state's memory
         # (two tensors per parameter, every page written once), nothing read.
-        st = [(torch.empty_like(p).fill_(0), torch.empty_like(p).fill_(0)) for p in model.parameters()]
+        st = fresh_opt_state(model)  # noqa: F841  (held until the timing ends)
     elif way == "floor":
         # Issue 24's floor of a restore: the optimizer state's memory created (as
         # fresh_fill) plus the model's bytes copied from the checkpoint's files into the
         # tensors that already hold the model (from the page cache when it is hot).
-        st = [(torch.empty_like(p).fill_(0), torch.empty_like(p).fill_(0)) for p in model.parameters()]
+        st = fresh_opt_state(model)  # noqa: F841  (held until the timing ends)
         views = [memoryview(p.detach().reshape(-1).view(torch.uint8).numpy()) for p in model.parameters()]
         shards = [f for f in files_of(path) if f.endswith(".safetensors")] or files_of(path)
         fi, fd, off = 0, os.open(shards[0], os.O_RDONLY), 0
@@ -268,6 +273,7 @@ def child(way: str, path: str, layers: int, width: int) -> None:
                     n = os.preadv(fd, [v[got:]], off)
                     if n == 0:
                         os.close(fd)
+                        fd = -1
                         fi += 1
                         if fi == len(shards):
                             raise SystemExit("floor: the files hold fewer bytes than the model")
@@ -276,7 +282,8 @@ def child(way: str, path: str, layers: int, width: int) -> None:
                     got += n
                     off += n
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
     else:
         raise SystemExit(f"unknown way {way}")
     t1 = time.perf_counter()
