@@ -37,6 +37,16 @@
 //! - `memcpy_fresh`: new buffers every iteration, one per tensor as a load allocates them,
 //!   then `convert::copy_bytes` into each (fresh memory from the allocator: page faults, or
 //!   memory glibc kept from the previous iteration, exactly as for the `_fresh` loads).
+//!
+//! Group `region` (issue 24: the DCP reader's two ways): the same bytes saved as 64 plain
+//! 2-D FP32 tensors (256 KiB block CRCs), each read whole as a region into a destination
+//! allocated and touched once, tensors in parallel as `ckptstore.torch.dcp.Reader` reads:
+//! - `read_region_into`: every block checked, then the box copied (two passes; the
+//!   destination unchanged on error).
+//! - `fill_region_into`: each block checked and copied while in the cache (one pass; for
+//!   fresh destinations).
+//! - `copy_region_unchecked` (baseline): the copy alone, the floor of any region read.
+//! - `verify_region` (baseline): the check alone.
 #![allow(missing_docs)] // criterion's macros generate undocumented items
 
 use std::io::Write;
@@ -210,8 +220,56 @@ fn load(c: &mut Criterion, fx: &Fixture) {
     g.finish();
 }
 
+fn region(c: &mut Criterion, fx: &Fixture) {
+    let dir = tempfile::tempdir().unwrap();
+    let cols = 1024usize;
+    let rows = (fx.per / cols).max(1);
+    let names: Vec<String> = (0..TENSORS).map(|i| format!("t{i:04}")).collect();
+    let refs: Vec<ckptstore::TensorRef<'_>> = names
+        .iter()
+        .zip(fx.src.chunks(fx.per))
+        .map(|(n, d)| {
+            ckptstore::TensorRef::from_slice(n, &[rows as u64, cols as u64], &d[..rows * cols])
+        })
+        .collect();
+    ckptstore::save(dir.path(), &refs, &save_opts()).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let shape = [rows as u64, cols as u64];
+    let mut dsts: Vec<Vec<u8>> = (0..TENSORS).map(|_| vec![1u8; rows * cols * 4]).collect();
+    let mut g = c.benchmark_group("region");
+    configure(&mut g, (TENSORS * rows * cols * 4) as u64, 5);
+    type Op = fn(&Checkpoint, &str, &[u64], &[u64], &mut [u8]) -> ckptstore::Result<()>;
+    let ops: [(&str, Op); 3] = [
+        ("read_region_into", Checkpoint::read_region_into),
+        ("fill_region_into", Checkpoint::fill_region_into),
+        ("copy_region_unchecked", Checkpoint::copy_region_unchecked),
+    ];
+    for (id, op) in ops {
+        g.bench_function(id, |b| {
+            b.iter(|| {
+                names
+                    .par_iter()
+                    .zip(dsts.par_iter_mut())
+                    .for_each(|(n, d)| {
+                        op(&ck, n, &[0, 0], &shape, d).unwrap();
+                    })
+            })
+        });
+    }
+    g.bench_function("verify_region", |b| {
+        b.iter(|| {
+            names
+                .par_iter()
+                .for_each(|n| ck.verify_region(n, &[0, 0], &shape).unwrap())
+        })
+    });
+    black_box(&dsts);
+    g.finish();
+}
+
 fn all(c: &mut Criterion) {
     let fx = Fixture::new();
+    region(c, &fx);
     save(c, &fx);
     load(c, &fx);
 }

@@ -382,6 +382,40 @@ proptest! {
         let t = ck.read_region("g", &o, &s).unwrap();
         prop_assert_eq!(t.bytes(), &expected(&gshape, &o, &s, es.size())[..]);
         prop_assert_eq!(numel(&s) * es.size() as u64, t.bytes().len() as u64);
+        let mut filled = vec![0x5au8; t.bytes().len()];
+        ck.fill_region_into("g", &o, &s, &mut filled).unwrap();
+        prop_assert_eq!(&filled[..], t.bytes());
+    }
+
+    /// The fused read (each block checked as it is copied) of chunks with 4 KiB block
+    /// CRCs: random boxes equal the plain read byte for byte, whether the box is whole
+    /// rows (one run per piece, split at blocks) or many short runs (checked first).
+    #[test]
+    fn fused_fill_equals_the_checked_read_over_blocks(
+        gshape in proptest::collection::vec(1u64..48, 1..4),
+        cuts in proptest::collection::vec(proptest::collection::vec(0u64..48, 0..3), 3),
+        picks in proptest::collection::vec((0u64..64, 0u64..64), 3),
+        es in prop_oneof![Just(DType::U8), Just(DType::F32), Just(DType::I64)],
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let chunks = grid(&gshape, &cuts);
+        save_chunked_with(dir.path(), es, &gshape, &chunks, 4096);
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let (o, s): (Vec<u64>, Vec<u64>) = gshape
+            .iter()
+            .zip(&picks)
+            .map(|(&n, &(a, b))| {
+                let o = a % n;
+                (o, 1 + b % (n - o))
+            })
+            .unzip();
+        let want = expected(&gshape, &o, &s, es.size());
+        let mut filled = vec![0xa5u8; want.len()];
+        ck.fill_region_into("g", &o, &s, &mut filled).unwrap();
+        prop_assert_eq!(&filled, &want);
+        let mut whole = vec![0u8; (numel(&gshape) * es.size() as u64) as usize];
+        ck.fill_region_into("g", &vec![0; gshape.len()], &gshape, &mut whole).unwrap();
+        prop_assert_eq!(whole, expected(&gshape, &vec![0; gshape.len()], &gshape, es.size()));
     }
 }
 
@@ -487,6 +521,28 @@ fn block_crcs_check_only_the_blocks_a_region_touches() {
         4,
         &[(vec![0, 0], vec![12, 256]), (vec![16, 0], vec![48, 256])],
     );
+    // The fused read checks each block as it copies it: a damaged block fails the read,
+    // named like the checked read's; rows that avoid it fill exactly. Whole rows are one
+    // run per chunk (split at blocks), a column is many short runs (checked first).
+    for (o, s) in [([8u64, 0u64], [8u64, 256u64]), ([0, 5], [64, 1])] {
+        let mut out = vec![0u8; (s[0] * s[1] * 4) as usize];
+        let e = ck.fill_region_into("g", &o, &s, &mut out).unwrap_err();
+        assert!(
+            matches!(e, Error::ChecksumMismatch { .. })
+                && e.to_string().contains("g@0,0")
+                && e.to_string().contains("block 3"),
+            "{e}"
+        );
+    }
+    for (o, s) in [
+        ([16u64, 0u64], [48u64, 256u64]),
+        ([0, 0], [12, 256]),
+        ([16, 9], [40, 1]),
+    ] {
+        let mut out = vec![0u8; (s[0] * s[1] * 4) as usize];
+        ck.fill_region_into("g", &o, &s, &mut out).unwrap();
+        assert_eq!(out, expected(&gshape, &o, &s, 4), "{o:?} {s:?}");
+    }
     // Into a caller's buffer: nothing is written when a block is bad; the unchecked copy
     // (for callers that verified first) copies what is there; a wrong size is refused.
     let mut out = vec![0xaau8; 4 * 9 * 4];

@@ -488,7 +488,13 @@ impl<S: ShardSource> Checkpoint<S> {
         // size is then backed by stored chunks, never by a shape alone.
         let plan = plan_region(&src, &region)?;
         let mut out = Tensor::zeros(src.dtype, shape)?;
-        run_plan(&src, &plan, &region, Some(out.bytes_mut()), true)?;
+        run_plan(
+            &src,
+            &plan,
+            &region,
+            Some(out.bytes_mut()),
+            Pass::CheckFirst,
+        )?;
         Ok(out)
     }
 
@@ -507,7 +513,7 @@ impl<S: ShardSource> Checkpoint<S> {
         shape: &[u64],
         out: &mut [u8],
     ) -> Result<()> {
-        self.region_op(name, offsets, shape, Some(out), true)
+        self.region_op(name, offsets, shape, Some(out), Pass::CheckFirst)
     }
 
     /// Check the CRC32s of everything a read of this region uses (in parallel), reading
@@ -519,7 +525,7 @@ impl<S: ShardSource> Checkpoint<S> {
     /// # Errors
     /// As [`Checkpoint::read_region`].
     pub fn verify_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<()> {
-        self.region_op(name, offsets, shape, None, true)
+        self.region_op(name, offsets, shape, None, Pass::CheckFirst)
     }
 
     /// Copy the region into `out` (exactly its bytes) **without checking any CRC**: the
@@ -537,7 +543,7 @@ impl<S: ShardSource> Checkpoint<S> {
         shape: &[u64],
         out: &mut [u8],
     ) -> Result<()> {
-        self.region_op(name, offsets, shape, Some(out), false)
+        self.region_op(name, offsets, shape, Some(out), Pass::Unchecked)
     }
 
     /// The whole of `name` (a global tensor assembled from its chunks, or a whole tensor),
@@ -551,32 +557,64 @@ impl<S: ShardSource> Checkpoint<S> {
         self.read_region(name, &vec![0; shape.len()], &shape)
     }
 
+    /// [`Checkpoint::read_region_into`] in one pass over the stored bytes, for a
+    /// destination that nothing uses if the read fails (fresh memory, or memory the
+    /// caller declares unusable on error): each block (or chunk without block CRCs) is
+    /// CRC-checked and then copied while it is still in the cache, blocks in parallel.
+    /// **On error `out` is partly written**: some blocks copied, others not. Regions made
+    /// of many runs shorter than a page are checked whole first, then copied.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_region_into`]: the first damaged block in the region's plan
+    /// order is the one reported.
+    pub fn fill_region_into(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+        out: &mut [u8],
+    ) -> Result<()> {
+        self.region_op(name, offsets, shape, Some(out), Pass::Fused)
+    }
+
     /// The one region read: plan the region, get the bytes it uses ([`Checkpoint::windows`]),
-    /// check them if `check`, then copy the box into `out` if given (checked for size
-    /// before anything is read).
+    /// check them and copy the box into `out` if given (checked for size before anything
+    /// is read), as `pass` says.
     fn region_op(
         &self,
         name: &str,
         offsets: &[u64],
         shape: &[u64],
         out: Option<&mut [u8]>,
-        check: bool,
+        pass: Pass,
     ) -> Result<()> {
         let region = Region::new(offsets, shape);
         let src = self.source(name, Some(&region))?;
         let plan = plan_region(&src, &region)?;
-        run_plan(&src, &plan, &region, out, check)
+        run_plan(&src, &plan, &region, out, pass)
     }
 }
 
+/// How a region read treats the stored bytes it uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Every block (or chunk) CRC-checked before any byte is copied.
+    CheckFirst,
+    /// Copied without any check.
+    Unchecked,
+    /// Each block checked as it is copied: one pass over the bytes, the copy reading what
+    /// the check brought into the cache; on error the destination is partly written.
+    Fused,
+}
+
 /// The rest of a region read once planned: the destination's size, the bytes each piece
-/// uses, their checks if `check`, the copy into `out` if given.
+/// uses, their checks (as `pass` says), the copy into `out` if given.
 fn run_plan<S: ShardSource>(
     src: &Source<'_, S>,
     plan: &[Step<'_, S>],
     region: &Region,
     out: Option<&mut [u8]>,
-    check: bool,
+    pass: Pass,
 ) -> Result<()> {
     {
         let (name, shape) = (src.name, &region.shape);
@@ -614,7 +652,15 @@ fn run_plan<S: ShardSource>(
         }
         let es = src.dtype.size();
         let wins = windows_by_owner(plan, region, es)?;
-        if check {
+        let out = match (pass, out) {
+            (Pass::Fused, Some(dst)) => match fill_segments(&wins, plan, region, dst, es)? {
+                Ok(jobs) => return fill_jobs(&wins, plan, jobs),
+                // Too many small runs to pay for a job each: check first, then copy.
+                Err(dst) => Some(dst),
+            },
+            (_, out) => out,
+        };
+        if pass != Pass::Unchecked {
             // The first failure in plan order (rayon's own would be the first in time).
             wins.par_iter()
                 .zip(plan.par_iter())
@@ -632,6 +678,128 @@ fn run_plan<S: ShardSource>(
         }
         Ok(())
     }
+}
+
+/// A unit of a fused region read: a window (by plan position) and the block of it that is
+/// checked (`None`: the whole window, its tensor having no block CRCs).
+type Unit = (usize, Option<u64>);
+/// A unit's copies: the tensor-relative offset of each run's first byte, and its slice of
+/// the destination.
+type FillJob<'d> = (Unit, Vec<(u64, &'d mut [u8])>);
+
+/// The jobs of a fused region read ([`Pass::Fused`]): each unit with the runs of the box
+/// whose source bytes lie in it, split at block boundaries, and those runs' disjoint slices
+/// of `dst`, in plan then block order. `Ok(Err(dst))` hands `dst` back when the box is
+/// made of so many runs shorter than a page that a job per run would cost more than a
+/// second pass.
+#[allow(clippy::type_complexity)]
+fn fill_segments<'d, S: ShardSource>(
+    wins: &[Window<'_>],
+    plan: &[Step<'_, S>],
+    region: &Region,
+    dst: &'d mut [u8],
+    es: usize,
+) -> Result<std::result::Result<Vec<FillJob<'d>>, &'d mut [u8]>> {
+    let cap = 1 + dst.len() / 4096;
+    let mut units: Vec<Unit> = Vec::new();
+    // (unit index, source offset in the tensor, destination offset, length)
+    let mut segs: Vec<(usize, u64, usize, usize)> = Vec::new();
+    for (wi, (w, (piece, _, t, lo, hi))) in wins.iter().zip(plan).enumerate() {
+        let bs = t
+            .blocks
+            .as_ref()
+            .filter(|_| w.blocks.is_some())
+            .map(|b| b.size);
+        let mut too_many = false;
+        let ok = for_each_run(piece, region, lo, hi, es, |so, dof, n| {
+            let (mut at, mut d) = (so as u64, dof);
+            let end = at.checked_add(n as u64)?;
+            while at < end {
+                let (unit, stop) = match bs {
+                    Some(bs) => {
+                        let i = at / bs;
+                        (Some(i), i.checked_add(1)?.checked_mul(bs)?.min(end))
+                    }
+                    None => (None, end),
+                };
+                if units.last() != Some(&(wi, unit)) {
+                    units.push((wi, unit));
+                }
+                let len = usize::try_from(stop - at).ok()?;
+                segs.push((units.len() - 1, at, d, len));
+                if segs.len() > cap {
+                    too_many = true;
+                    return None;
+                }
+                d = d.checked_add(len)?;
+                at = stop;
+            }
+            Some(())
+        });
+        if too_many {
+            return Ok(Err(dst));
+        }
+        ok.ok_or_else(|| bad_piece(t))?;
+    }
+    // Hand each run its slice of the destination, in destination order: the runs of one
+    // piece increase, and pieces that overlap are a damaged layout (refused, not copied).
+    let mut order: Vec<usize> = (0..segs.len()).collect();
+    order.sort_unstable_by_key(|&k| segs[k].2);
+    let mut slots: Vec<Option<&'d mut [u8]>> = (0..segs.len()).map(|_| None).collect();
+    let mut rest: &'d mut [u8] = dst;
+    let mut at = 0usize;
+    for k in order {
+        let (u, _, dof, len) = segs[k];
+        let t = plan[units[u].0].2;
+        let r = std::mem::take(&mut rest);
+        let skip = dof
+            .checked_sub(at)
+            .filter(|&skip| skip.checked_add(len).is_some_and(|e| e <= r.len()))
+            .ok_or_else(|| Error::InvalidTensor {
+                name: t.name.clone(),
+                reason: "the stored chunks overlap in the region read (a damaged chunk layout)"
+                    .into(),
+            })?;
+        let (piece, r) = r.split_at_mut(skip).1.split_at_mut(len);
+        slots[k] = Some(piece);
+        rest = r;
+        at = dof + len;
+    }
+    let mut jobs: Vec<FillJob<'d>> = Vec::with_capacity(units.len());
+    for ((u, so, _, _), slot) in segs.into_iter().zip(slots) {
+        let d = slot.unwrap_or_default();
+        match jobs.last_mut() {
+            Some((unit, items)) if *unit == units[u] => items.push((so, d)),
+            _ => jobs.push((units[u], vec![(so, d)])),
+        }
+    }
+    Ok(Ok(jobs))
+}
+
+/// Run the jobs of a fused region read in parallel: check each unit, then copy its runs
+/// (read from the cache the check just filled). The first failure in plan order is
+/// returned; the destinations of other units may be written by then.
+fn fill_jobs<S: ShardSource>(
+    wins: &[Window<'_>],
+    plan: &[Step<'_, S>],
+    jobs: Vec<FillJob<'_>>,
+) -> Result<()> {
+    jobs.into_par_iter()
+        .map(|((wi, block), items)| {
+            let (w, (_, owner, t, _, _)) = (&wins[wi], &plan[wi]);
+            match block {
+                Some(i) => owner.check_block(t, w, i)?,
+                None => owner.check_window(t, w)?,
+            }
+            for (so, d) in items {
+                let end = so.checked_add(d.len() as u64).ok_or_else(|| bad_piece(t))?;
+                d.copy_from_slice(window_bytes(w, so, end).ok_or_else(|| bad_piece(t))?);
+            }
+            Ok(())
+        })
+        .collect::<Vec<Result<()>>>()
+        .into_iter()
+        .collect()
 }
 
 impl<S: ShardSource> Checkpoint<S> {
@@ -719,37 +887,45 @@ impl<S: ShardSource> Checkpoint<S> {
 
     /// Check a window's blocks (or its whole tensor) against the recorded CRC32s.
     fn check_window(&self, t: &TensorInfo, w: &Window<'_>) -> Result<()> {
-        let file = || self.shards[t.shard].file.clone();
-        let (Some(blocks), Some(bl)) = (&w.blocks, &t.blocks) else {
+        let Some(blocks) = &w.blocks else {
             return self.check_crc(t, crate::crc::crc32_parallel(&w.buf));
         };
         let found: Vec<Result<()>> = blocks
             .par_iter()
-            .map(|&i| {
-                let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
-                let bytes = b
-                    .checked_sub(w.base)
-                    .and_then(|x| usize::try_from(x).ok())
-                    .zip(e.checked_sub(w.base).and_then(|x| usize::try_from(x).ok()))
-                    .and_then(|(x, y)| w.buf.get(x..y))
-                    .ok_or_else(|| bad_piece(t))?;
-                let expected = *bl.crc32.get(i as usize).ok_or_else(|| bad_piece(t))?;
-                let got = crc32fast::hash(bytes);
-                if got != expected {
-                    return Err(Error::ChecksumMismatch {
-                        what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
-                        shard: t.shard,
-                        file: file(),
-                        expected,
-                        got,
-                    });
-                }
-                Ok(())
-            })
+            .map(|&i| self.check_block(t, w, i))
             .collect();
         // The first damaged block in order.
         found.into_iter().collect()
     }
+
+    /// Check block `i` of tensor `t` (held by window `w`) against its recorded CRC32, or
+    /// the whole window where the tensor has no block CRCs.
+    fn check_block(&self, t: &TensorInfo, w: &Window<'_>, i: u64) -> Result<()> {
+        let Some(bl) = &t.blocks else {
+            return self.check_crc(t, crate::crc::crc32_parallel(&w.buf));
+        };
+        let (b, e) = block_range(t, bl.size, i).ok_or_else(|| bad_piece(t))?;
+        let bytes = window_bytes(w, b, e).ok_or_else(|| bad_piece(t))?;
+        let expected = *bl.crc32.get(i as usize).ok_or_else(|| bad_piece(t))?;
+        let got = crc32fast::hash(bytes);
+        if got != expected {
+            return Err(Error::ChecksumMismatch {
+                what: format!("tensor {:?}, block {i} (bytes {b}..{e})", t.name),
+                shard: t.shard,
+                file: self.shards[t.shard].file.clone(),
+                expected,
+                got,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Bytes `[b, e)` of a tensor, out of the window that holds them.
+fn window_bytes<'w>(w: &'w Window<'_>, b: u64, e: u64) -> Option<&'w [u8]> {
+    let x = usize::try_from(b.checked_sub(w.base)?).ok()?;
+    let y = usize::try_from(e.checked_sub(w.base)?).ok()?;
+    w.buf.get(x..y)
 }
 
 /// [`Checkpoint::windows`] of each checkpoint the plan reads from (the one read, and the
