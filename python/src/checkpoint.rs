@@ -254,6 +254,41 @@ impl PyCheckpoint {
             )
         }
     }
+
+    /// `read_into` (`fill` false) and `fill_into` (`fill` true): decode the requests,
+    /// then run them in parallel with the interpreter released.
+    fn region_requests(
+        &self,
+        py: Python<'_>,
+        mut requests: Vec<Request<'_>>,
+        fill: bool,
+    ) -> PyResult<()> {
+        let ck = self.reader()?;
+        let mut owned: Vec<Decoded<'_>> = requests
+            .drain(..)
+            .map(|(n, o, s, a)| (n.0, indexes(o), indexes(s), a))
+            .collect();
+        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(owned.len());
+        for (name, offsets, shape, out) in owned.iter_mut() {
+            let buf = out.as_slice_mut().map_err(|_| {
+                invalid_arg(format!(
+                    "tensor {name:?}: the destination must be C-contiguous"
+                ))
+            })?;
+            jobs.push((name.as_str(), offsets.as_slice(), shape.as_slice(), buf));
+        }
+        py.detach(|| {
+            jobs.par_iter_mut().try_for_each(|(n, o, s, buf)| {
+                if fill {
+                    self.regions.fill(ck.as_ref(), n, o, s, buf)
+                } else {
+                    self.regions.copy(ck.as_ref(), n, o, s, buf)
+                }
+            })
+        })
+        .map_err(CkError)?;
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -949,27 +984,18 @@ impl PyCheckpoint {
     /// the destination tensor), every stored tensor read from CRC-checked first (once per
     /// checkpoint object: see `verify_regions`). Requests run in parallel with the
     /// interpreter released; the destinations must not overlap.
-    fn read_into(&self, py: Python<'_>, mut requests: Vec<Request<'_>>) -> PyResult<()> {
-        let ck = self.reader()?;
-        let mut owned: Vec<Decoded<'_>> = requests
-            .drain(..)
-            .map(|(n, o, s, a)| (n.0, indexes(o), indexes(s), a))
-            .collect();
-        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(owned.len());
-        for (name, offsets, shape, out) in owned.iter_mut() {
-            let buf = out.as_slice_mut().map_err(|_| {
-                invalid_arg(format!(
-                    "tensor {name:?}: the destination must be C-contiguous"
-                ))
-            })?;
-            jobs.push((name.as_str(), offsets.as_slice(), shape.as_slice(), buf));
-        }
-        py.detach(|| {
-            jobs.par_iter_mut()
-                .try_for_each(|(n, o, s, buf)| self.regions.copy(ck.as_ref(), n, o, s, buf))
-        })
-        .map_err(CkError)?;
-        Ok(())
+    fn read_into(&self, py: Python<'_>, requests: Vec<Request<'_>>) -> PyResult<()> {
+        self.region_requests(py, requests, false)
+    }
+
+    /// `fill_into([(name, offsets, shape, out), ...])`: `read_into` in one pass over the
+    /// stored bytes, for destinations nothing uses if the call fails: each block is
+    /// CRC-checked and copied while it is in the cache (blocks and requests in parallel,
+    /// interpreter released). **On `ChecksumError` the destinations are partly written**
+    /// (fresh tensors to throw away, or state the caller must not use). Regions already
+    /// checked by `verify_regions` are copied as `read_into` copies them.
+    fn fill_into(&self, py: Python<'_>, requests: Vec<Request<'_>>) -> PyResult<()> {
+        self.region_requests(py, requests, true)
     }
 
     /// Drop this object's hold on the mapping. Arrays already handed out stay valid (each

@@ -39,6 +39,7 @@ pub(crate) trait Reader: Send + Sync {
     fn read_global(&self, name: &str) -> Result<Tensor, Error>;
     fn read_region(&self, name: &str, o: &[u64], s: &[u64]) -> Result<Tensor, Error>;
     fn read_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error>;
+    fn fill_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error>;
     fn verify_region(&self, name: &str, o: &[u64], s: &[u64]) -> Result<(), Error>;
     fn copy_region_unchecked(
         &self,
@@ -136,6 +137,9 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
     }
     fn read_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error> {
         Checkpoint::read_region_into(self, n, o, s, out)
+    }
+    fn fill_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error> {
+        Checkpoint::fill_region_into(self, n, o, s, out)
     }
     fn verify_region(&self, name: &str, o: &[u64], s: &[u64]) -> Result<(), Error> {
         Checkpoint::verify_region(self, name, o, s)
@@ -251,5 +255,23 @@ impl Regions {
         }
         out.copy_from_slice(b);
         Ok(())
+    }
+
+    /// Copy the box into `out` checking each block as it is copied (one pass:
+    /// `Checkpoint::fill_region_into`); on error `out` is partly written. Bytes kept by an
+    /// earlier `verify` of the same region (fetched shards) are copied from instead.
+    pub(crate) fn fill(
+        &self,
+        ck: &dyn Reader,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        let key = (name.to_string(), offsets.to_vec(), shape.to_vec());
+        if lock(&self.verified).contains(&key) {
+            return self.copy(ck, name, offsets, shape, out);
+        }
+        ck.fill_region_into(name, offsets, shape, out)
     }
 }

@@ -107,12 +107,12 @@ def job_save(rank, world, base):
     return True
 
 
-def job_load(rank, world, base, dirs):
+def job_load(rank, world, base, dirs, reader_kw=None):
     bad = {}
     for d in dirs:
         sd = empty_state_dict(world)
         path = os.path.join(base, d)
-        reader = dcp.FileSystemReader(path) if d.startswith("fs-") else Reader(path)
+        reader = dcp.FileSystemReader(path) if d.startswith("fs-") else Reader(path, **(reader_kw or {}))
         dcp.load(sd, storage_reader=reader)
         b = check_state(sd)
         if b:
@@ -122,10 +122,10 @@ def job_load(rank, world, base, dirs):
     return bad
 
 
-def job_flipped(rank, world, path):
+def job_flipped(rank, world, path, reader_kw=None):
     sd = empty_state_dict(world)
     try:
-        dcp.load(sd, storage_reader=Reader(path))
+        dcp.load(sd, storage_reader=Reader(path, **(reader_kw or {})))
         err = None
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         err = f"{type(e).__name__}: {e}"
@@ -280,6 +280,34 @@ def test_flipped_byte_fails_naming_the_tensor_and_changes_nothing(saved, tmp_pat
     assert all(e is not None for e in errs), errs
     assert any(victim in e for e in errs), errs
     assert all(untouched for _, untouched in res), "a rank wrote into its state dict"
+
+
+@pytest.mark.parametrize("mode", ["fresh_destinations", "streaming"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_one_pass_modes_load_bit_identical(saved, world, mode):
+    """The one-pass reads (each block CRC-checked as it is copied): the same tensors as
+    the default reader, from every save, resharded."""
+    for rank_bad in dh.results(world, job_load, str(saved), DIRS[:-1], {mode: True}):
+        assert rank_bad == {}
+
+
+def test_flipped_byte_in_one_pass_modes(saved, tmp_path):
+    """fresh_destinations: every rank raises (the ranks still agree), the damaged tensor
+    named. streaming: the rank that read the damaged chunk raises, naming it and saying
+    that its destinations are partly written; no agreement, so the other rank may load."""
+    path = tmp_path / "ck"
+    shutil.copytree(saved / "ours-2", path)
+    victim = _flip_in(path, "b@")
+    errs = [e for e, _ in dh.results(2, job_flipped, str(path), {"fresh_destinations": True})]
+    assert all(e is not None for e in errs), errs
+    assert any(victim in e for e in errs), errs
+    assert any("another rank's checks failed" in e for e in errs if victim not in e) or all(
+        victim in e for e in errs
+    ), errs
+    errs = [e for e, _ in dh.results(2, job_flipped, str(path), {"streaming": True})]
+    hit = [e for e in errs if e is not None and victim in e]
+    assert hit, errs
+    assert all("partly written" in e and "must not be used" in e for e in hit), hit
 
 
 def test_stray_shard_ignored_unlike_hf_reader(tmp_path):

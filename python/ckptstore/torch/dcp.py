@@ -37,7 +37,11 @@ resharding on load); ckptstore stores it:
   tensor the plan touches. By default the ranks agree (one all-reduce) that every check
   passed before any rank writes a destination: a damaged checkpoint raises
   :class:`ckptstore.ChecksumError` naming the tensor and leaves the state dict untouched on
-  every rank.
+  every rank. ``Reader(fresh_destinations=True)`` (for state dicts of fresh tensors that
+  the caller drops on error, as :func:`ckptstore.torch.distributed.load` does) checks each
+  block as it copies it, one pass over the bytes, and the ranks still agree before the load
+  returns; ``Reader(streaming=True)`` does the same into live destinations without the
+  agreement, and a failed check then leaves them partly written (the error says so).
 
 **What loading bytes items trusts.** DCP serializes non-tensor state-dict values (Python
 objects: hyperparameters, RNG states, ...) with ``torch.save``, and its load planner
@@ -296,6 +300,18 @@ def _metadata_to_json(metadata: Metadata, storage_meta: Optional[StorageMeta]) -
     }
 
 
+def _partly_written(e: CheckpointError, path: str) -> CheckpointError:
+    """``e`` of a streaming load (same class and attributes), its message saying that the
+    destinations are partly written and must not be used."""
+    out = type(e)(
+        f"{e} -- streaming load of {path}: the state dict's tensors are partly written "
+        "and must not be used (load again from a good checkpoint)"
+    )
+    out.__dict__.update({k: v for k, v in e.__dict__.items() if k != "message"})
+    out.partly_written = True  # type: ignore[attr-defined]
+    return out
+
+
 def _prefetch(ranges: list) -> None:
     """Ask the kernel to read the byte ranges a plan needs ahead (``POSIX_FADV_WILLNEED``):
     the CRC pass then faults in pages the kernel is already reading sequentially. Advisory:
@@ -323,6 +339,20 @@ class Reader(StorageReader):
     rank's checks passed, and only then write into the destinations. Without it (or without
     an initialized process group) each rank checks before it writes its own destinations.
 
+    ``fresh_destinations`` (default ``False``): the caller promises that the tensors it
+    hands ``dcp.load`` are fresh memory that nothing reads if the load raises (as
+    :func:`ckptstore.torch.distributed.load` does). Each block is then CRC-checked as it
+    is copied into its destination (one pass over the bytes instead of a check pass and
+    a copy pass), and the ranks still agree before ``dcp.load`` returns: a damaged
+    checkpoint raises on every rank, with the fresh tensors partly written and the live
+    state untouched.
+
+    ``streaming`` (default ``False``, opt-in): check while copying into the destinations
+    themselves, with no agreement between ranks. The fastest load, but **a failed check
+    leaves the destinations partly written**: the error says so, and that state must not
+    be used (load again from a good checkpoint, or restart). Use it where a failed load
+    ends the process anyway.
+
     Every rank reads the checkpoint the coordinator's ``read_metadata`` found (and, with
     ``expect_checkpoint_id``, that one): a commit into the directory in between makes the
     load fail instead of mixing checkpoints.
@@ -335,9 +365,13 @@ class Reader(StorageReader):
         all_or_nothing: bool = True,
         process_group: Any = None,
         expect_checkpoint_id: Optional[str] = None,
+        fresh_destinations: bool = False,
+        streaming: bool = False,
     ) -> None:
         StorageReader.__init__(self)
         self.expect_checkpoint_id = expect_checkpoint_id
+        self.fresh_destinations = bool(fresh_destinations)
+        self.streaming = bool(streaming)
         self.path = os.fspath(path)
         self.all_or_nothing = all_or_nothing
         self.process_group = process_group
@@ -455,23 +489,47 @@ class Reader(StorageReader):
                 offs = [int(b) + int(o) for b, o in zip(base, ri.storage_offsets)]
                 tensor_reqs.append((ri, fqn, offs, [int(n) for n in ri.lengths]))
 
-        # 1. Check every stored tensor the plan reads; read the bytes items.
+        one_pass = self.streaming or self.fresh_destinations
+        # 1. Read the bytes items, and check every stored tensor the plan reads: all of it
+        #    before any destination is written, or (one pass) each block as it is copied
+        #    into its destination.
         err: Optional[BaseException] = None
         blobs = []
+        writing = False
         try:
             regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
             _prefetch(rr.byte_ranges(regions))
-            rr.verify_regions(regions)
+            if not one_pass:
+                rr.verify_regions(regions)
             for ri, name in byte_reqs:
                 _, shape = rr.shape_of(name)
                 buf = np.empty(shape, dtype=np.uint8)
                 rr.read_into([(name, [0], list(shape), buf)])
                 blobs.append((ri, buf))
+            if one_pass:
+                writing = True
+                self._write(rr, planner, tensor_reqs, fill=True)
         except BaseException as e:  # noqa: BLE001 - reported after the ranks agree
+            if self.streaming:
+                if writing and isinstance(e, CheckpointError):
+                    raise _partly_written(e, self.path) from e
+                raise
             err = e
-        self._agree(err)
+        if not self.streaming:
+            self._agree(err)
+        if not one_pass:
+            # 2. Write the destinations: every byte was checked, every rank agreed.
+            self._write(rr, planner, tensor_reqs, fill=False)
+        for ri, buf in blobs:
+            planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
+        return _done(None)
 
-        # 2. Write the destinations.
+    def _write(self, rr: Any, planner: LoadPlanner, tensor_reqs: list, fill: bool) -> None:
+        """Copy each read item's box into the destination DCP resolves for it: straight
+        into a CPU destination of the stored dtype and layout, through a fresh buffer
+        otherwise; ``fill``: each block CRC-checked as it is copied (``fill_into``), else
+        copied from bytes already checked (``read_into`` after ``verify_regions``)."""
+        read = rr.fill_into if fill else rr.read_into
         fast = []
         slow = []
         for ri, name, offs, shape in tensor_reqs:
@@ -489,13 +547,13 @@ class Reader(StorageReader):
             else:
                 slow.append((ri, dst, name, offs, shape, wire))
         if fast:
-            rr.read_into([f[2] for f in fast])
+            read([f[2] for f in fast])
             for ri, dst, _ in fast:
                 planner.commit_tensor(ri, dst)
         for ri, dst, name, offs, shape, wire in slow:
             nbytes = int(np.prod(shape, dtype=np.int64)) * _torch_of[wire].itemsize
             buf = np.empty(nbytes, dtype=np.uint8)
-            rr.read_into([(name, offs, shape, buf)])
+            read([(name, offs, shape, buf)])
             src = torch.from_numpy(buf).view(_torch_of[wire]).reshape(shape)
             if tuple(dst.shape) != tuple(shape):
                 raise CheckpointError(
@@ -504,9 +562,6 @@ class Reader(StorageReader):
                 )
             dst.copy_(src)
             planner.commit_tensor(ri, dst)
-        for ri, buf in blobs:
-            planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
-        return _done(None)
 
     def _agree(self, err: Optional[BaseException]) -> None:
         """Raise ``err``, or an error saying another rank failed, unless every rank's

@@ -281,13 +281,17 @@ def load(
         size, dtype = stored(f"extra.{k}")
         tgt_x[k] = torch.empty(size, dtype=dtype)
 
-    # 4. Read everything into the fresh tensors (CRC-checked; all ranks agree).
+    # 4. Read everything into the fresh tensors (CRC-checked as copied; all ranks agree).
     sd: dict[str, Any] = {"model": tgt_m}
     if tgt_o:
         sd["optim"] = tgt_o
     if tgt_x:
         sd["extra"] = tgt_x
-    reader = Reader(path, process_group=process_group, expect_checkpoint_id=cid)
+    # The destinations are the fresh tensors above, which nothing uses if the load raises:
+    # each block is checked as it is copied (one pass), the ranks agreeing before return.
+    reader = Reader(
+        path, process_group=process_group, expect_checkpoint_id=cid, fresh_destinations=True
+    )
     try:
         dcp.load(sd, storage_reader=reader, process_group=process_group)
     except CheckpointException as e:
