@@ -117,6 +117,10 @@ fn real_processes_commit_a_root_that_reads_back_on_any_split() {
                         "{} world {world} reader {k}/{readers}",
                         spec.name
                     );
+                    // The one-pass read (each block checked as copied), through the parts.
+                    let mut filled = vec![0u8; want.len()];
+                    ck.fill_region_into(spec.name, &o, &s, &mut filled).unwrap();
+                    assert_eq!(filled, want, "{} fill, world {world}", spec.name);
                 }
             }
             ck.verify().unwrap();
@@ -225,6 +229,13 @@ fn damaged_and_missing_indexes_fail_only_what_they_hold() {
         all[16..]
     );
     let e = ck.read_region("w", &[3, 0], &[1, 4]).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidPart { reason, .. } if reason.contains("missing")),
+        "{e:?}"
+    );
+    let e = ck
+        .fill_region_into("w", &[3, 0], &[1, 4], &mut [0u8; 16])
+        .unwrap_err();
     assert!(
         matches!(&e, Error::InvalidPart { reason, .. } if reason.contains("missing")),
         "{e:?}"
