@@ -161,6 +161,11 @@ class Checkpoint:
     ) -> None:
         """Copy each box ``(name, offsets, shape)`` into its writable, C-contiguous 1-D
         uint8 array of exactly the box's bytes, CRC-checked first; in parallel."""
+    def fill_into(
+        self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
+    ) -> None:
+        """``read_into`` in one pass: each block CRC-checked as it is copied. On
+        ``ChecksumError`` the arrays are partly written: for fresh destinations only."""
     def keys(self) -> list[str]:
         """Tensor names, in manifest (or header) order."""
     def __len__(self) -> int: ...
