@@ -355,6 +355,19 @@ fn hostile_globals_are_refused_at_open() {
     }
 }
 
+/// A box inside `gshape` from random picks: offset `a mod n` and a non-empty extent that
+/// fits, per dimension.
+fn pick_box(gshape: &[u64], picks: &[(u64, u64)]) -> (Vec<u64>, Vec<u64>) {
+    gshape
+        .iter()
+        .zip(picks)
+        .map(|(&n, &(a, b))| {
+            let o = a % n;
+            (o, 1 + b % (n - o))
+        })
+        .unzip()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
@@ -371,14 +384,7 @@ proptest! {
         let chunks = grid(&gshape, &cuts);
         save_chunked(dir.path(), es, &gshape, &chunks);
         let ck = Checkpoint::open(dir.path()).unwrap();
-        let (o, s): (Vec<u64>, Vec<u64>) = gshape
-            .iter()
-            .zip(&picks)
-            .map(|(&n, &(a, b))| {
-                let o = a % n;
-                (o, 1 + b % (n - o))
-            })
-            .unzip();
+        let (o, s) = pick_box(&gshape, &picks);
         let t = ck.read_region("g", &o, &s).unwrap();
         prop_assert_eq!(t.bytes(), &expected(&gshape, &o, &s, es.size())[..]);
         prop_assert_eq!(numel(&s) * es.size() as u64, t.bytes().len() as u64);
@@ -401,14 +407,7 @@ proptest! {
         let chunks = grid(&gshape, &cuts);
         save_chunked_with(dir.path(), es, &gshape, &chunks, 4096);
         let ck = Checkpoint::open(dir.path()).unwrap();
-        let (o, s): (Vec<u64>, Vec<u64>) = gshape
-            .iter()
-            .zip(&picks)
-            .map(|(&n, &(a, b))| {
-                let o = a % n;
-                (o, 1 + b % (n - o))
-            })
-            .unzip();
+        let (o, s) = pick_box(&gshape, &picks);
         let want = expected(&gshape, &o, &s, es.size());
         let mut filled = vec![0xa5u8; want.len()];
         ck.fill_region_into("g", &o, &s, &mut filled).unwrap();

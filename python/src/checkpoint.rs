@@ -278,13 +278,8 @@ impl PyCheckpoint {
             jobs.push((name.as_str(), offsets.as_slice(), shape.as_slice(), buf));
         }
         py.detach(|| {
-            jobs.par_iter_mut().try_for_each(|(n, o, s, buf)| {
-                if fill {
-                    self.regions.fill(ck.as_ref(), n, o, s, buf)
-                } else {
-                    self.regions.copy(ck.as_ref(), n, o, s, buf)
-                }
-            })
+            jobs.par_iter_mut()
+                .try_for_each(|(n, o, s, buf)| self.regions.copy(ck.as_ref(), n, o, s, buf, fill))
         })
         .map_err(CkError)?;
         Ok(())

@@ -227,7 +227,9 @@ impl Regions {
     }
 
     /// Copy the box into `out` (its bytes, row-major), CRC-checking it first unless this
-    /// reader already did.
+    /// reader already did. With `fill`, a region not checked yet is read in one pass, each
+    /// block checked as it is copied (`Checkpoint::fill_region_into`): on error `out` is
+    /// then partly written.
     pub(crate) fn copy(
         &self,
         ck: &dyn Reader,
@@ -235,12 +237,16 @@ impl Regions {
         offsets: &[u64],
         shape: &[u64],
         out: &mut [u8],
+        fill: bool,
     ) -> Result<(), Error> {
         let key = (name.to_string(), offsets.to_vec(), shape.to_vec());
         let kept = lock(&self.fetched).remove(&key);
         let Some(t) = kept else {
-            return if ck.resident() && lock(&self.verified).contains(&key) {
+            let verified = lock(&self.verified).contains(&key);
+            return if ck.resident() && verified {
                 ck.copy_region_unchecked(name, offsets, shape, out)
+            } else if fill && !verified {
+                ck.fill_region_into(name, offsets, shape, out)
             } else {
                 ck.read_region_into(name, offsets, shape, out)
             };
@@ -255,23 +261,5 @@ impl Regions {
         }
         out.copy_from_slice(b);
         Ok(())
-    }
-
-    /// Copy the box into `out` checking each block as it is copied (one pass:
-    /// `Checkpoint::fill_region_into`); on error `out` is partly written. Bytes kept by an
-    /// earlier `verify` of the same region (fetched shards) are copied from instead.
-    pub(crate) fn fill(
-        &self,
-        ck: &dyn Reader,
-        name: &str,
-        offsets: &[u64],
-        shape: &[u64],
-        out: &mut [u8],
-    ) -> Result<(), Error> {
-        let key = (name.to_string(), offsets.to_vec(), shape.to_vec());
-        if lock(&self.verified).contains(&key) {
-            return self.copy(ck, name, offsets, shape, out);
-        }
-        ck.fill_region_into(name, offsets, shape, out)
     }
 }
