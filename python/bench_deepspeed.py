@@ -45,7 +45,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _here)
 from bench_util import (  # noqa: E402  (the shared file and timing helpers)
     evict_checked,
     fsync_path,
@@ -54,6 +55,8 @@ from bench_util import (  # noqa: E402  (the shared file and timing helpers)
     run_json,
     status_kib,
 )
+# Import the installed ckptstore, not the source tree beside this script (no native module).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # DeepSpeed JIT-builds its CPU comm op with ninja: the interpreter's bin dir on PATH.

@@ -48,6 +48,8 @@ import tempfile
 import time
 
 _here = os.path.dirname(os.path.abspath(__file__))
+# Import the installed ckptstore, not the source tree beside this script (no native module).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 import warnings  # noqa: E402
 
@@ -74,6 +76,7 @@ from bench_util import (  # noqa: E402  (the shared file and timing helpers)
     state_bytes,
     status_kib,
 )
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 
 class Net(L.LightningModule):

@@ -41,8 +41,11 @@ import time
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _here)
 from bench_util import copy_seconds, evict, raw_read, status_kib  # noqa: E402  (shared helpers)
+# Import the installed ckptstore, not the source tree beside this script (no native module).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 
 def _quiet() -> None:

@@ -171,6 +171,25 @@ def test_tree_saver_reuses_its_buffers_and_commits_in_order(tmp_path: Path):
         _assert_same(got["state_dict"]["weight"], handles[i][2])
 
 
+def test_tree_saver_holds_a_write_until_released(tmp_path: Path):
+    """``save(after=event)``: the snapshot is taken at once, nothing is written until the
+    event is set (the DeepSpeed engine releases a tag's writes at its commit), then the
+    save commits the snapshot."""
+    import threading
+
+    obj = _sample()
+    want = obj["state_dict"]["weight"].clone()
+    go = threading.Event()
+    with TreeSaver() as saver:
+        hd = saver.save(tmp_path / "c", obj, after=go)
+        obj["state_dict"]["weight"].add_(1.0)  # after the snapshot: not saved
+        assert not go.wait(0.3)
+        assert not hd.done() and not (tmp_path / "c").exists()
+        go.set()
+        hd.wait()
+    _assert_same(load_tree(tmp_path / "c")["state_dict"]["weight"], want)
+
+
 def test_tree_saver_reports_a_refused_value_at_once(tmp_path: Path):
     with TreeSaver() as saver:
         with pytest.raises(PickleNotAllowedError):

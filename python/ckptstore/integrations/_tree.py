@@ -425,7 +425,7 @@ class TreeSaver:
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._lock = threading.Lock()
         self._free: List[Any] = []
-        self._queue: Deque[Tuple[TreeSaveHandle, Any, Any, str]] = deque()
+        self._queue: Deque[Tuple[TreeSaveHandle, Any, Any, str, Any]] = deque()
         self._worker: Optional[threading.Thread] = None
         self._handles: List[TreeSaveHandle] = []
         self._closed = False
@@ -443,10 +443,17 @@ class TreeSaver:
         with self._lock:
             return sum(s.allocations for s in self._free)
 
-    def save(self, location: "str | os.PathLike[str]", obj: Any) -> TreeSaveHandle:
+    def save(
+        self, location: "str | os.PathLike[str]", obj: Any, *, after: Any = None
+    ) -> TreeSaveHandle:
         """Snapshot ``obj`` and save it to ``location`` in the background; the live tensors
         may change as soon as this returns. Raises an earlier save's unreported error, and
-        :class:`PickleNotAllowedError` (nothing saved) as :func:`save_tree` does."""
+        :class:`PickleNotAllowedError` (nothing saved) as :func:`save_tree` does.
+
+        ``after``: a ``threading.Event`` the background write waits for before it starts
+        (the caller sets it, also on failure): a caller snapshotting several objects for
+        one checkpoint holds the writes until every snapshot is taken, so that no write
+        competes with the copies for the cores."""
         if self._closed:
             raise InvalidArgumentError("the TreeSaver is closed")
         self._slots.acquire()
@@ -468,7 +475,7 @@ class TreeSaver:
         h = TreeSaveHandle(os.fspath(location))
         with self._lock:
             self._handles.append(h)
-            self._queue.append((h, snap, entries, metadata))
+            self._queue.append((h, snap, entries, metadata, after))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._run, name="ckptstore-tree-save")
                 self._worker.start()
@@ -480,8 +487,13 @@ class TreeSaver:
                 if not self._queue:
                     self._worker = None
                     return
-                h, snap, entries, metadata = self._queue.popleft()
+                h, snap, entries, metadata, after = self._queue.popleft()
             info, err = None, None
+            # Held until `after` is set, or the interpreter is shutting down (its main
+            # thread has stopped: a save abandoned before its release must not hang exit).
+            while after is not None and not after.wait(0.25):
+                if not threading.main_thread().is_alive():
+                    break
             try:
                 info = _ckptstore.save(h.location, entries, metadata, self.max_shard_size, None, self.cleanup)
             except BaseException as e:  # noqa: BLE001 - handed to the handle

@@ -411,6 +411,9 @@ class _Pending:
     staging: str
     files: List[str]
     handles: List[Any]
+    #: Non-blocking saves: the writes of the tag's files start when this is set (at the
+    #: commit, once every file is snapshotted, or when the save is abandoned).
+    go: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class CheckpointEngine(_DSCheckpointEngine):
@@ -469,6 +472,7 @@ class CheckpointEngine(_DSCheckpointEngine):
         self.wait()  # a tag still being written in the background comes first
         stale, self._pending = self._pending, None
         if stale is not None:  # a save that failed before its commit: let its writers end
+            stale.go.set()
             for h in stale.handles:
                 try:
                     h.wait()
@@ -513,7 +517,9 @@ class CheckpointEngine(_DSCheckpointEngine):
             if saver is None:
                 saver = self._savers[rel] = TreeSaver(1, allow_pickle=self.allow_pickle,
                                                       max_shard_size=self.max_shard_size)
-            p.handles.append(saver.save(target, obj))  # returns once the tensors are copied
+            # Returns once the tensors are copied; the write waits for the commit (`p.go`),
+            # so that it does not compete with the copies of the tag's other files.
+            p.handles.append(saver.save(target, obj, after=p.go))
         else:
             save_tree(target, obj, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
                       cleanup="inline")
@@ -527,6 +533,7 @@ class CheckpointEngine(_DSCheckpointEngine):
                 f"commit of tag {info.tag!r} in {info.save_dir!r} without its create "
                 f"(open: {None if p is None else (p.tag, p.save_dir)})")
         self._pending = None
+        p.go.set()  # every file of the tag is snapshotted: its writes start
         write_latest = bool(info.save_latest or self._save_latest)
         dist = _dist()
         # In the background only where nothing else depends on the commit having happened:
@@ -589,6 +596,9 @@ class CheckpointEngine(_DSCheckpointEngine):
         """:meth:`wait`, then drop the snapshot buffers. (DeepSpeed's engine teardown calls
         this hook only for its decoupled engines; :func:`install` calls it on the engine it
         replaces.)"""
+        p = self._pending
+        if p is not None:  # a save never committed: its held writes may run and end
+            p.go.set()
         try:
             self.wait()
         finally:
