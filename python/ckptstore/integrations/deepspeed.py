@@ -428,8 +428,10 @@ class CheckpointEngine(_DSCheckpointEngine):
             another optimizer class (module docstring); refused by default.
         non_blocking: ``save`` copies the tensors into snapshot buffers (one set per file
             name, reused by the next tag: no allocation after the first save) and returns;
-            the files are written on background threads and ``commit`` returns at once, a
-            thread publishing the tag and writing ``latest`` when every file is committed.
+            the files are written on background threads from ``commit`` on (held until
+            then, so that no write competes with the copies of the tag's later files), and
+            ``commit`` returns at once, a thread publishing the tag and writing ``latest``
+            when every file is committed.
             The live model may change as soon as ``save_checkpoint`` returns. The next
             ``create`` (save), any ``load``, :meth:`wait` and :meth:`cleanup` wait for it
             and raise its error. The publish runs in the background only in one process
