@@ -28,18 +28,6 @@ use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStoreExt, WriteMultipart};
 
-fn best<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
-    let mut best = f64::INFINITY;
-    let mut last = None;
-    for _ in 0..reps {
-        let t = Instant::now();
-        let r = f();
-        best = best.min(t.elapsed().as_secs_f64());
-        last = Some(r);
-    }
-    (best, last.expect("reps >= 1"))
-}
-
 fn main() -> ckptstore::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let url = match Location::parse(args.get(1).map_or("s3://bench/run", |s| s.as_str()))? {
@@ -79,7 +67,7 @@ fn main() -> ckptstore::Result<()> {
         .collect();
 
     // Raw multipart PUT of the same bytes, same part size and concurrency, 8 MiB writes.
-    let (raw_put, ()) = best(reps, || {
+    let raw_put_once = || {
         r.block_on(async {
             let up = store.put_multipart(&raw_key).await.expect("create upload");
             let mut w = WriteMultipart::new_with_chunk_size(up, cfg.part_size);
@@ -91,10 +79,22 @@ fn main() -> ckptstore::Result<()> {
             }
             w.finish().await.expect("complete");
         })
-    });
-    let (save, _) = best(reps, || {
-        s3::save_with(&url, &tensors, &SaveOptions::default(), None, &cfg)
-    });
+    };
+    // Saves alternate with the raw PUTs (the order swapped from one round to the next), so
+    // that drift on a shared machine touches both alike; the best round of each is reported.
+    let (mut raw_put, mut save) = (f64::INFINITY, f64::INFINITY);
+    for round in 0..reps {
+        for k in 0..2 {
+            let t0 = Instant::now();
+            if (round + k) % 2 == 0 {
+                raw_put_once();
+                raw_put = raw_put.min(t0.elapsed().as_secs_f64());
+            } else {
+                s3::save_with(&url, &tensors, &SaveOptions::default(), None, &cfg)?;
+                save = save.min(t0.elapsed().as_secs_f64());
+            }
+        }
+    }
 
     // Raw parallel ranged GETs of the same bytes, same range size and concurrency.
     let size = flat.len() as u64;
