@@ -48,6 +48,19 @@ import tempfile
 import time
 
 _here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _here)
+from bench_util import (  # noqa: E402  (the shared file and timing helpers)
+    copy_seconds,
+    evict,
+    files_of,
+    fsync_file,
+    keep_best,
+    raw_read,
+    remove,
+    run_json,
+    state_bytes,
+    status_kib,
+)
 # Import the installed ckptstore, not the source tree beside this script (no native module).
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
@@ -63,20 +76,6 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from ckptstore.integrations.lightning import CheckpointIO  # noqa: E402
 
-sys.path.insert(0, _here)
-from bench_util import (  # noqa: E402  (the shared file and timing helpers)
-    copy_seconds,
-    evict,
-    files_of,
-    fsync_file,
-    keep_best,
-    raw_read,
-    remove,
-    run_json,
-    state_bytes,
-    status_kib,
-)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 
 class Net(L.LightningModule):

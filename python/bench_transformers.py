@@ -41,15 +41,6 @@ import tempfile
 import time
 
 _here = os.path.dirname(os.path.abspath(__file__))
-# Import the installed ckptstore, not the source tree beside this script (no native module).
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-
-T_SPAWN = float(os.environ.get("BENCH_T_SPAWN", "nan"))
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from ckptstore.integrations.transformers import Trainer as CkTrainer  # noqa: E402
-
 sys.path.insert(0, _here)
 from bench_util import (  # noqa: E402  (the shared file and timing helpers)
     copy_seconds,
@@ -61,7 +52,15 @@ from bench_util import (  # noqa: E402  (the shared file and timing helpers)
     run_json,
     state_bytes,
 )
+# Import the installed ckptstore, not the source tree beside this script (no native module).
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+T_SPAWN = float(os.environ.get("BENCH_T_SPAWN", "nan"))
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from ckptstore.integrations.transformers import Trainer as CkTrainer  # noqa: E402
+
 
 SEQ = 32
 
