@@ -176,3 +176,55 @@ fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
         Err(Error::ChecksumMismatch { .. })
     ));
 }
+
+#[test]
+fn cold_fills_into_fresh_and_written_memory_are_exact_and_damage_is_named() {
+    use ckptstore::checkpoint::set_prefault_destinations;
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
+    let want: Vec<Vec<u8>> = names
+        .iter()
+        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .collect();
+    drop(ck);
+    let evict = |ck: &Checkpoint| {
+        for p in ck.shard_paths() {
+            drop_page_cache(&p).unwrap();
+        }
+    };
+    // With and without the thread that faults destinations in while the source is cold
+    // (cold where the file system drops pages; elsewhere the same bytes hot), into fresh
+    // zeroed memory and into memory already written.
+    for (prefault, fill_byte) in [(true, 0u8), (true, 0xAA), (false, 0), (false, 0xAA)] {
+        set_prefault_destinations(prefault);
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        evict(&ck);
+        let mut bufs: Vec<Vec<u8>> = want.iter().map(|w| vec![fill_byte; w.len()]).collect();
+        let fills: Vec<(&str, &mut [u8])> = names
+            .iter()
+            .map(String::as_str)
+            .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+            .collect();
+        ck.fill_and_verify(fills, &[], true).unwrap();
+        assert_eq!(bufs, want, "prefault {prefault}, memory {fill_byte:#x}");
+    }
+    set_prefault_destinations(true);
+    // One damaged byte in the second tensor in file order: the cold fill names it.
+    let t = damage_in_file_order(dir.path(), &[1], 3, 0x01).swap_remove(1);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    evict(&ck);
+    let mut bufs: Vec<Vec<u8>> = want.iter().map(|w| vec![0u8; w.len()]).collect();
+    let fills: Vec<(&str, &mut [u8])> = names
+        .iter()
+        .map(String::as_str)
+        .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+        .collect();
+    match ck.fill_and_verify(fills, &[], true) {
+        Err(Error::ChecksumMismatch { what, .. }) => {
+            assert_eq!(what, format!("tensor {:?}", t.name))
+        }
+        other => panic!("expected a checksum mismatch, got {other:?}"),
+    }
+}
