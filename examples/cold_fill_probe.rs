@@ -1,15 +1,13 @@
 //! One-pass restore probe (issue 24): `fill_and_verify` of every tensor of a checkpoint into
 //! fresh memory (and, as a control, into destinations faulted in before the clock), its page
-//! cache evicted before each run (`CKPT_PROBE_HOT=1`: kept), under each read strategy, with
-//! and without `fill_and_verify`'s thread that faults the destinations in while the source
-//! is cold, beside a raw `pread` of the same files (8 MiB reused buffer); the order rotated
-//! each repetition, medians printed. `cargo run --release --example cold_fill_probe -- DIR [REPS]`.
+//! cache evicted before each run (`CKPT_PROBE_HOT=1`: kept), under each read strategy, beside
+//! a raw `pread` of the same files (8 MiB reused buffer); the order rotated each repetition,
+//! medians and each repetition's time printed (`CKPT_PROBE_WAYS=raw,faults`: only those).
+//! `cargo run --release --example cold_fill_probe -- DIR [REPS]`.
 use std::io::Read;
 use std::time::Instant;
 
-use ckptstore::checkpoint::{
-    drop_page_cache, set_prefault_destinations, set_read_strategy, ReadStrategy,
-};
+use ckptstore::checkpoint::{drop_page_cache, set_read_strategy, ReadStrategy};
 
 fn files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(dir)
@@ -36,19 +34,12 @@ fn main() -> ckptstore::Result<()> {
         Ok(())
     };
     // (name, read strategy (None: a raw pread of the files), destinations faulted in
-    // before the clock starts, destinations faulted in by fill_and_verify's own thread
-    // while the source is cold).
-    let ways: [(&str, Option<ReadStrategy>, bool, bool); 5] = [
-        ("raw", None, false, false),
-        ("faults", Some(ReadStrategy::Faults), false, false),
-        ("faults_prefault", Some(ReadStrategy::Faults), false, true),
-        ("willneed", Some(ReadStrategy::WillNeed), false, false),
-        (
-            "faults_prefaulted_dst",
-            Some(ReadStrategy::Faults),
-            true,
-            false,
-        ),
+    // before the clock starts).
+    let ways: [(&str, Option<ReadStrategy>, bool); 4] = [
+        ("raw", None, false),
+        ("faults", Some(ReadStrategy::Faults), false),
+        ("willneed", Some(ReadStrategy::WillNeed), false),
+        ("faults_prefaulted_dst", Some(ReadStrategy::Faults), true),
     ];
     // CKPT_PROBE_WAYS=raw,faults,...: only those ways (default: all).
     let only = std::env::var("CKPT_PROBE_WAYS").ok();
@@ -73,7 +64,6 @@ fn main() -> ckptstore::Result<()> {
                 }
                 Some(s) => {
                     set_read_strategy(s);
-                    set_prefault_destinations(ways[w].3);
                     let ck = ckptstore::Checkpoint::open(&dir)?;
                     let mut bufs: Vec<Vec<u8>> = ck
                         .tensors()

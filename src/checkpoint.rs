@@ -18,7 +18,6 @@ pub mod remote;
 pub mod source;
 mod storage;
 pub use catalog::Entry;
-pub use fill::set_prefault_destinations;
 pub(crate) use open::{open_native_retrying, read_capped};
 pub use pread::{FileShard, ReadAt};
 pub use readahead::{

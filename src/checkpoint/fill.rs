@@ -31,47 +31,6 @@ fn hash_block(src: &[u8], dst: Option<&mut [u8]>) -> crc32fast::Hasher {
     h
 }
 
-static PREFAULT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether [`Checkpoint::fill_and_verify`] faults destinations in from a second thread while
-/// its source is cold (on by default; off only for benchmarks that measure what it gains).
-#[doc(hidden)]
-pub fn set_prefault_destinations(on: bool) {
-    PREFAULT.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Run `f` while, given `dsts` (the address and length of each destination, in the order
-/// `f` fills them), a thread faults their pages in, writable, ahead of the copies
-/// (`MADV_POPULATE_WRITE`, a window at a time; stopped when `f` returns). Fresh memory's
-/// first touch costs the kernel a zeroed page per 4 KiB, as much CPU time as the copy
-/// itself on the machines measured (BENCHMARKS.md, issue 24): when the source is cold and
-/// the copies wait on the device, that work moves into the wait instead of following it.
-/// With the source in memory the copies keep every core busy, and no thread is started.
-fn with_destinations_faulted_in<R: Send>(
-    dsts: Option<&[(usize, usize)]>,
-    f: impl FnOnce() -> R + Send,
-) -> R {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let Some(dsts) = dsts else { return f() };
-    let done = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            for &(addr, len) in dsts {
-                for at in (0..len).step_by(RELEASE_BLOCK) {
-                    if done.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    let n = RELEASE_BLOCK.min(len - at);
-                    crate::sys::mmap::populate_write(addr + at, n);
-                }
-            }
-        });
-        let r = f();
-        done.store(true, Ordering::Relaxed);
-        r
-    })
-}
-
 /// One unit of [`Checkpoint::fill_and_verify`]: a tensor to copy (fused with its CRC) into
 /// a destination, or one whose CRC is only checked.
 enum Job<'a, 'd> {
@@ -125,31 +84,17 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
         order.sort_by_key(|(_, j)| match j {
             Job::Fill(t, _) | Job::Verify(t) => (t.shard, t.offsets[0]),
         });
-        // The destinations, in the order they will be filled, for the thread that faults
-        // them in while the copies wait on cold reads.
-        let dsts: Vec<(usize, usize)> = order
-            .iter()
-            .filter_map(|(_, j)| match j {
-                Job::Fill(_, d) => Some((d.as_ptr() as usize, d.len())),
-                Job::Verify(_) => None,
-            })
-            .collect();
-        let prefault = !dsts.is_empty()
-            && PREFAULT.load(std::sync::atomic::Ordering::Relaxed)
-            && super::readahead::looks_cold(&ranges);
         let first_bad = with_readahead(&ranges, false, |_| {
-            with_destinations_faulted_in(prefault.then_some(&dsts[..]), || {
-                order
-                    .into_iter()
-                    .filter_map(|(i, job)| {
-                        let (t, crc) = match job {
-                            Job::Fill(t, dst) => (t, self.blocks(t, Some(dst), true, release)),
-                            Job::Verify(t) => (t, self.blocks(t, None, true, release)),
-                        };
-                        self.check_crc(t, crc).err().map(|e| (i, e))
-                    })
-                    .min_by_key(|(i, _)| *i)
-            })
+            order
+                .into_iter()
+                .filter_map(|(i, job)| {
+                    let (t, crc) = match job {
+                        Job::Fill(t, dst) => (t, self.blocks(t, Some(dst), true, release)),
+                        Job::Verify(t) => (t, self.blocks(t, None, true, release)),
+                    };
+                    self.check_crc(t, crc).err().map(|e| (i, e))
+                })
+                .min_by_key(|(i, _)| *i)
         });
         match first_bad {
             Some((_, e)) => Err(e),

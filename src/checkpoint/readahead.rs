@@ -133,7 +133,12 @@ pub(crate) fn with_readahead<R: Send>(
 ) -> R {
     use std::sync::atomic::{AtomicBool, Ordering};
     let strategy = read_strategy();
-    if strategy == ReadStrategy::Faults || !looks_cold(ranges) {
+    if strategy == ReadStrategy::Faults
+        || ranges
+            .iter()
+            .flat_map(|r| r.chunks(READAHEAD_WINDOW))
+            .all(crate::sys::mmap::looks_resident)
+    {
         return f(&Gate::open());
     }
     let done = AtomicBool::new(false);
@@ -178,15 +183,6 @@ pub(crate) fn with_readahead<R: Send>(
         done.store(true, Ordering::Relaxed);
         r
     })
-}
-
-/// Whether some of `ranges` (mapped shard bytes) is not in memory, sampled per read-ahead
-/// window (its first and last page: two `mincore` calls per 16 MiB).
-pub(crate) fn looks_cold(ranges: &[&[u8]]) -> bool {
-    !ranges
-        .iter()
-        .flat_map(|r| r.chunks(READAHEAD_WINDOW))
-        .all(crate::sys::mmap::looks_resident)
 }
 
 /// Whether loads should convert tensors one after the other (see [`ReadStrategy`]).

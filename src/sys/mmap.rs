@@ -163,14 +163,6 @@ fn page_span(addr: usize, len: usize, page: usize) -> Option<(usize, usize)> {
     Some((start, end - start))
 }
 
-/// The whole pages (of `page` bytes, a power of two) inside the `len` bytes at address
-/// `addr`, as `(start, len)`: `None` where the range covers no whole page.
-fn inner_page_span(addr: usize, len: usize, page: usize) -> Option<(usize, usize)> {
-    let start = addr.checked_next_multiple_of(page)?;
-    let end = addr.checked_add(len)? / page * page;
-    (end > start).then(|| (start, end - start))
-}
-
 /// Ask the kernel to start reading the pages behind `bytes` now (`madvise(MADV_WILLNEED)`),
 /// without waiting for them: a read-ahead hint for memory-mapped shard bytes that a loader
 /// will touch soon. For anonymous memory it is harmless. Failures are ignored (a hint).
@@ -202,30 +194,6 @@ pub(crate) fn populate_read(bytes: &[u8]) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = bytes;
-}
-
-/// Fault in, writable, the whole pages inside the `len` bytes at address `addr` now
-/// (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+), without writing to them: fresh anonymous
-/// memory that a loader is about to fill gets its zeroed pages here, so that a thread
-/// waiting on cold reads can create them before the copies arrive. The range is given as
-/// an address, not a slice, so that another thread may hold the bytes mutably meanwhile;
-/// pages the range only partly covers are left alone (they may hold other memory).
-/// Failures are ignored (older kernels, unmapped or read-only ranges: the copy that writes
-/// the bytes faults them in itself).
-pub(crate) fn populate_write(addr: usize, len: usize) {
-    #[cfg(target_os = "linux")]
-    if let Some((start, len)) = inner_page_span(addr, len, page_size()) {
-        // SAFETY: MADV_POPULATE_WRITE changes no memory contents and no mapping: it only
-        // runs the page faults that a write would (allocating a zeroed page where an
-        // anonymous one is missing, breaking copy-on-write with the same bytes), under the
-        // kernel's page-table locks, so it races with no access of ours. A range that is
-        // unmapped or not writable only makes the call fail (ENOMEM, EFAULT), which is
-        // ignored.
-        let _ =
-            unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (addr, len);
 }
 
 /// How many of the pages behind `bytes` are in memory (`mincore`): for a file map, the
@@ -303,34 +271,6 @@ mod tests {
         }
         assert_eq!(page_span(10, 0, K64), None);
         assert_eq!(page_span(usize::MAX - 5, 10, K64), None);
-    }
-
-    #[test]
-    fn populated_spans_keep_inside_the_range() {
-        assert_eq!(inner_page_span(K4, 3 * K4, K4), Some((K4, 3 * K4)));
-        assert_eq!(inner_page_span(10, 3 * K4, K4), Some((K4, 2 * K4)));
-        assert_eq!(inner_page_span(10, K4, K4), None);
-        assert_eq!(inner_page_span(10, 0, K4), None);
-        assert_eq!(inner_page_span(K64 - 1, 2 * K64, K64), Some((K64, K64)));
-        assert_eq!(inner_page_span(usize::MAX - 5, 10, K4), None);
-        assert_eq!(inner_page_span(usize::MAX - K4, 10, K4), None);
-    }
-
-    #[test]
-    fn populating_for_write_changes_no_byte() {
-        let p = page_size();
-        // Fresh (untouched) memory reads back zero; written memory keeps its bytes; a span
-        // reaching past the allocation's pages, or at an unmapped address, is refused by the
-        // kernel and ignored.
-        let fresh = vec![0u8; 64 * p];
-        populate_write(fresh.as_ptr() as usize, fresh.len());
-        assert!(fresh.iter().all(|&b| b == 0));
-        let mut written: Vec<u8> = (0..16 * p).map(|i| (i % 251) as u8).collect();
-        let want = written.clone();
-        populate_write(written.as_mut_ptr() as usize + 3, written.len() - 5);
-        assert_eq!(written, want);
-        populate_write(p, 4 * p);
-        populate_write(0, 0);
     }
 
     #[test]
