@@ -176,3 +176,42 @@ fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
         Err(Error::ChecksumMismatch { .. })
     ));
 }
+
+#[test]
+fn cold_fills_into_fresh_and_written_memory_are_exact_and_damage_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    saved(dir.path());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
+    let want: Vec<Vec<u8>> = names
+        .iter()
+        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .collect();
+    drop(ck);
+    // From a new map over evicted files (cold where the file system drops pages; elsewhere
+    // the same bytes hot), into fresh zeroed memory and into memory already written.
+    let fill = |fill_byte: u8| {
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        for p in ck.shard_paths() {
+            drop_page_cache(&p).unwrap();
+        }
+        let mut bufs: Vec<Vec<u8>> = want.iter().map(|w| vec![fill_byte; w.len()]).collect();
+        let fills: Vec<(&str, &mut [u8])> = names
+            .iter()
+            .map(String::as_str)
+            .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+            .collect();
+        ck.fill_and_verify(fills, &[], true).map(|()| bufs)
+    };
+    for fill_byte in [0u8, 0xAA] {
+        assert_eq!(fill(fill_byte).unwrap(), want, "memory {fill_byte:#x}");
+    }
+    // One damaged byte in the second tensor in file order: the cold fill names it.
+    let t = damage_in_file_order(dir.path(), &[1], 3, 0x01).swap_remove(1);
+    match fill(0) {
+        Err(Error::ChecksumMismatch { what, .. }) => {
+            assert_eq!(what, format!("tensor {:?}", t.name))
+        }
+        other => panic!("expected a checksum mismatch, got {:?}", other.map(|_| ())),
+    }
+}
