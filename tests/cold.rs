@@ -9,7 +9,7 @@ mod sample;
 
 use ckptstore::optim::{ScaleShape, StateLayout, Target};
 use ckptstore::{Checkpoint, Error};
-use sample::{damage_in_file_order, saved};
+use sample::{damage_in_file_order, saved, stored};
 
 fn layouts() -> Vec<StateLayout> {
     vec![
@@ -182,11 +182,7 @@ fn cold_fills_into_fresh_and_written_memory_are_exact_and_damage_is_named() {
     let dir = tempfile::tempdir().unwrap();
     saved(dir.path());
     let ck = Checkpoint::open(dir.path()).unwrap();
-    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
-    let want: Vec<Vec<u8>> = names
-        .iter()
-        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
-        .collect();
+    let (names, want) = stored(&ck);
     drop(ck);
     // From a new map over evicted files (cold where the file system drops pages; elsewhere
     // the same bytes hot), into fresh zeroed memory and into memory already written.

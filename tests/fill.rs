@@ -7,18 +7,14 @@ mod sample;
 
 use ckptstore::optim::synthetic_state;
 use ckptstore::{Checkpoint, Error, SaveOptions};
-use sample::{damage_in_file_order, saved};
+use sample::{damage_in_file_order, saved, stored};
 
 #[test]
 fn fills_are_exact_and_names_and_lengths_are_checked_before_any_write() {
     let dir = tempfile::tempdir().unwrap();
     saved(dir.path());
     let ck = Checkpoint::open(dir.path()).unwrap();
-    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
-    let want: Vec<Vec<u8>> = names
-        .iter()
-        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
-        .collect();
+    let (names, want) = stored(&ck);
     // Half filled, half only verified; released pages read back the same afterwards.
     let mut bufs: Vec<Vec<u8>> = want.iter().map(|w| vec![0xAA; w.len()]).collect();
     let half = names.len() / 2;
@@ -38,11 +34,7 @@ fn fills_are_exact_and_names_and_lengths_are_checked_before_any_write() {
             "a verified tensor was written"
         );
     }
-    let again: Vec<Vec<u8>> = names
-        .iter()
-        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
-        .collect();
-    assert_eq!(again, want);
+    assert_eq!(stored(&ck).1, want);
 
     // A short destination or an unknown name anywhere: nothing is written.
     let mut a = vec![0u8; want[0].len()];

@@ -1,5 +1,5 @@
 //! A small saved optimizer checkpoint, and byte damage to its tensors by position in file
-//! order (shared by tests/cold.rs and tests/fill.rs).
+//! order, and the bytes of every tensor (shared by tests/cold.rs and tests/fill.rs).
 
 use std::path::Path;
 
@@ -14,6 +14,16 @@ pub fn saved(dir: &Path) {
         ..Default::default()
     };
     opt.save(dir, &[], &opts).unwrap();
+}
+
+/// The name of every tensor of `ck`, and its stored bytes (for bit-exact comparisons).
+pub fn stored(ck: &Checkpoint) -> (Vec<String>, Vec<Vec<u8>>) {
+    let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
+    let bytes = names
+        .iter()
+        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .collect();
+    (names, bytes)
 }
 
 /// Flip `mask` in byte `at` of each tensor at the positions `picks` of the file order
