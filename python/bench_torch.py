@@ -37,9 +37,13 @@ pass, see ``prev_load``); torch.load (plain, and mmap=True) +
 load_state_dict; safetensors.torch.load_file + load_state_dict; DCP (FileSystemReader,
 ``dcp.load`` + ``set_state_dict``); and a raw pread of the same files (baseline). ``cold``:
 the files are evicted from the page cache before each child (posix_fadvise DONTNEED, checked
-with ``fincore`` where present); ``hot``: read once before. Best of ``--repeat`` for each.
+with ``fincore`` where present); ``hot``: read once before. Best of ``--repeat`` for each,
+the order of the ways rotated each repetition. ``--throttle 600MiB`` runs every child in a
+cgroup that holds its reads from the disk to that rate (root only): on a shared VM whose disk
+speed swings 3x between runs, the cold ratios then compare like with like.
 
     python python/bench_torch.py --restore [--layers 5 --width 4096] [--repeat 2] [--dir DIR]
+                                 [--throttle 600MiB]
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from bench_util import (  # noqa: E402  (the shared helpers; stdlib only, so imp
     fsync_path,
     keep_best,
     parse_size,
+    ReadThrottle,
     raw_read,
     remove,
     state_bytes,
@@ -339,6 +344,9 @@ def restore_bench(args) -> None:
           f"{os.cpu_count()} CPUs; torch {torch.__version__}; fresh process per run; "
           f"order rotated each repetition; best of {args.repeat}",
           flush=True)
+    throttle = ReadThrottle(base, parse_size(args.throttle)) if args.throttle else None
+    if throttle:
+        print(f"every child's reads throttled: {throttle.rule}", flush=True)
     res: dict = {}
     for cache in ("cold", "hot"):
         for rep in range(args.repeat):
@@ -354,7 +362,8 @@ def restore_bench(args) -> None:
                     raw_read(path)
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", way, path,
                                       "--layers", str(layers), "--width", str(width)],
-                                     capture_output=True, text=True)
+                                     capture_output=True, text=True,
+                                     preexec_fn=throttle.enter if throttle else None)
                 if out.returncode != 0:
                     print(f"{way} ({cache}) failed: {out.stderr.strip().splitlines()[-1:]}")
                     continue
@@ -396,6 +405,8 @@ def restore_bench(args) -> None:
         print(f"cold: raw read of the files / ckptstore's restore: "
               f"{raw['load_s'] / cold['load_s']:.2f}x ({raw['load_s']:.3f} s / {cold['load_s']:.3f} s)")
     print("JSON " + json.dumps({f"{c}_{w}": v for (c, w), v in res.items()}))
+    if throttle:
+        throttle.close()
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -487,6 +498,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5, help="--restore: Linear layers (default 5)")
     ap.add_argument("--width", type=int, default=4096, help="--restore: layer width (default 4096)")
     ap.add_argument("--ways", default=None, help="--restore: comma-separated subset of the ways")
+    ap.add_argument("--throttle", default=None,
+                    help="--restore: hold every child's reads from the disk to this rate, e.g. "
+                         "600MiB (a cgroup read throttle, root only): cold figures that do not "
+                         "move with a shared disk's load")
     ap.add_argument("--save-compare", action="store_true",
                     help="ckptstore.save against safetensors save_file + fsync, 64 FP32 tensors")
     args = ap.parse_args()

@@ -112,6 +112,54 @@ def raw_read(path: str) -> int:
     return n
 
 
+class ReadThrottle:
+    """A control group that holds reads from the disk behind ``path`` to ``bytes_per_s``
+    (cgroup v2 ``io.max rbps``, or v1 ``blkio.throttle.read_bps_device``; root only), for
+    cold figures that do not move with a shared disk's load: a process joins it with
+    :meth:`enter` (``subprocess.run(..., preexec_fn=throttle.enter)``), and every read it
+    makes from that disk, page faults on mapped files included, goes at most that fast.
+    :meth:`close` removes the group once its processes have exited. Exits with a message
+    where the system offers no such group (not root, no cgroup file system)."""
+
+    def __init__(self, path: str, bytes_per_s: int) -> None:
+        dev = os.stat(path).st_dev
+        node = f"{os.major(dev)}:{os.minor(dev)}"
+        sysdev = os.path.realpath(f"/sys/dev/block/{node}")
+        # The rule names a whole disk: a partition's is its parent's.
+        if os.path.exists(os.path.join(sysdev, "partition")):
+            with open(os.path.join(os.path.dirname(sysdev), "dev")) as f:
+                node = f.read().strip()
+        name = f"ckptstore-bench-{os.getpid()}"
+        try:
+            if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+                with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
+                    f.write("+io")
+                self.dir = os.path.join("/sys/fs/cgroup", name)
+                rule, value = "io.max", f"{node} rbps={bytes_per_s}"
+            else:
+                self.dir = os.path.join("/sys/fs/cgroup/blkio", name)
+                rule, value = "blkio.throttle.read_bps_device", f"{node} {bytes_per_s}"
+            os.makedirs(self.dir, exist_ok=True)
+            with open(os.path.join(self.dir, rule), "w") as f:
+                f.write(value)
+        except OSError as e:
+            raise SystemExit(f"cannot throttle reads from {node} ({path}): {e}; "
+                             "a cgroup file system and root are needed") from e
+        self.rule = f"{rule} = {value}"
+
+    def enter(self) -> None:
+        """Move the calling process into the group (a ``preexec_fn``)."""
+        with open(os.path.join(self.dir, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def close(self) -> None:
+        """Remove the group (its processes must have exited)."""
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
 # ---- memory and state --------------------------------------------------------------------
 
 
