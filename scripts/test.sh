@@ -19,11 +19,17 @@ step "Python packages: tests/python/requirements.txt (torch is large: minutes on
 step "Python packages: tests/python/requirements-frameworks.txt (Lightning, Accelerate, DeepSpeed, TorchTitan)"
 # DeepSpeed is an sdist: build none of its CUDA ops (its CPU comm op is JIT-built at run time
 # with ninja, which the venv's bin/ provides; tests put it on PATH).
-DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/python/requirements-frameworks.txt
+# Both files in one resolve: installed alone, the frameworks' file downgraded a package the
+# first file's need (2026-12-03: huggingface-hub to 1.33 for TorchTitan's datasets 4.7, under
+# the >= 2.4 that transformers 5.25 requires), and pip only warned.
+DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check \
+  -r tests/python/requirements.txt -r tests/python/requirements-frameworks.txt
 # The Python bindings (python/): built from source by maturin, the PEP 517 backend pip
 # fetches from PyPI, into this workspace's target/ directory.
 step "bindings: building python/ with maturin (release)"
 .venv/bin/python -m pip install -q --disable-pip-version-check ./python
+# Fail here, naming any conflict between the installed packages, not in a test's import.
+.venv/bin/python -m pip check --disable-pip-version-check
 
 # The S3 server the object-storage tests start on loopback (tests/s3.rs,
 # tests/python/test_s3.py): installed once into ~/.cargo/bin, skipped when the pinned version
