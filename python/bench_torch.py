@@ -346,6 +346,9 @@ def restore_bench(args) -> None:
           flush=True)
     throttle = ReadThrottle(base, parse_size(args.throttle)) if args.throttle else None
     if throttle:
+        import atexit
+
+        atexit.register(throttle.close)  # also when a run fails part-way
         print(f"every child's reads throttled: {throttle.rule}", flush=True)
     res: dict = {}
     for cache in ("cold", "hot"):
@@ -405,8 +408,6 @@ def restore_bench(args) -> None:
         print(f"cold: raw read of the files / ckptstore's restore: "
               f"{raw['load_s'] / cold['load_s']:.2f}x ({raw['load_s']:.3f} s / {cold['load_s']:.3f} s)")
     print("JSON " + json.dumps({f"{c}_{w}": v for (c, w), v in res.items()}))
-    if throttle:
-        throttle.close()
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
 
