@@ -34,6 +34,10 @@ what ``ckptstore.torch.distributed.load`` uses: each block checked as it is copi
 fresh destinations, then the ranks agree) and ``ckptstore-stream`` (``Reader(streaming=True)``:
 checked while copied, no agreement). Both read ckptstore's checkpoint; they save nothing.
 ``--world 1`` runs one process (no second rank).
+
+``--cold --throttle 600MiB`` (root; cgroup v2 ``io.max`` or v1 blkio) holds every rank's
+reads from the disk under ``--dir`` to that rate, so that cold readers are compared at one
+fixed device speed rather than at whatever a shared disk gives each in turn.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from datetime import timedelta
 # Import the installed ckptstore, not the source tree next to this script (no native module).
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _here)
-from bench_util import evict, files_of, fsync_file, raw_read  # noqa: E402  (stdlib only, so imported first)
+from bench_util import ReadThrottle, evict, files_of, fsync_file, parse_size, raw_read  # noqa: E402  (stdlib only, so imported first)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 LAYERS = 8
@@ -99,7 +103,9 @@ def drop_caches() -> bool:
         return False
 
 
-def worker(rank, world, port, args, q):
+def worker(rank, world, port, args, q, throttle=None):
+    if throttle is not None:
+        throttle.enter()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import warnings
 
@@ -245,14 +251,23 @@ def main() -> None:
     ap.add_argument("--load-only", action="store_true",
                     help="time loads only, of the checkpoints an earlier run left in --dir")
     ap.add_argument("--json", action="store_true", help="print the result as JSON too")
+    ap.add_argument("--throttle", default=None,
+                    help="hold every rank's reads from --dir's disk to this rate, e.g. 600MiB "
+                         "(a cgroup read throttle, root only)")
     args = ap.parse_args()
+    import atexit
     import multiprocessing as mp
 
     os.makedirs(args.dir, exist_ok=True)
+    throttle = ReadThrottle(args.dir, parse_size(args.throttle)) if args.throttle else None
+    if throttle:
+        atexit.register(throttle.close)  # after the ranks have exited, also on failure
+        print(f"every rank's reads throttled: {throttle.rule}", flush=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    procs = [ctx.Process(target=worker, args=(r, args.world, port, args, q, throttle))
+             for r in range(args.world)]
     for p in procs:
         p.start()
     import queue
@@ -274,6 +289,7 @@ def main() -> None:
     print(f"dcp.save / dcp.load, {args.world} rank(s), {gib:.2f} GiB of model + Adam state, "
           f"median of {args.reps}, page cache "
           f"{'evicted' if args.cold else 'dropped' if res['dropped'] else 'warm'}, "
+          f"{'reads held to ' + args.throttle + '/s, ' if args.throttle else ''}"
           f"load average {os.getloadavg()[0]:.2f}")
     med = {
         m: {op: (statistics.median(v) if v else float("nan")) for op, v in d.items()}
