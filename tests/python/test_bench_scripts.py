@@ -1,0 +1,73 @@
+"""The benchmark scripts that issue 24's figures come from, run end to end on tiny states:
+each must finish, check what it loaded, and print the lines BENCHMARKS.md quotes. Timings
+are printed, never asserted (speed is measured by the scripts, not by tests)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "python"
+
+
+def run_script(name: str, *args: str, timeout: float = 600) -> str:
+    out = subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, f"{name} {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def restore_args(tmp_path: Path, repeat: int, ways: str) -> list[str]:
+    # Each way runs in a child process of its own (torch imported each time): few of them.
+    return ["--restore", "--layers", "1", "--width", "256", "--repeat", str(repeat),
+            "--ways", ways, "--dir", str(tmp_path)]
+
+
+def test_bench_torch_restore_prints_the_floor_pairs(tmp_path):
+    out = run_script("bench_torch.py", *restore_args(tmp_path, 2, "raw,floor,ckptstore"))
+    assert "hot restore / its floor (fresh optimizer state" in out, out
+    m = re.search(r"each repetition's pair: ([0-9., ]+); median ([0-9.]+)x", out)
+    assert m, out
+    assert len(m.group(1).split(",")) == 2, out  # one ratio per repetition
+    assert re.search(r"cold: raw read of the files / ckptstore's restore: [0-9.]+x", out), out
+
+
+def test_bench_dcp_one_rank_cold(tmp_path):
+    out = run_script("bench_dcp.py", "--gib", "0.004", "--reps", "1", "--world", "1", "--cold",
+                     "--dir", str(tmp_path))
+    # Every load is compared with the saved bytes inside the script (AssertionError there).
+    for line in ("load floor", "ckptstore        vs HuggingFace", "ckptstore-stream vs FileSystem"):
+        assert line in out, out
+
+
+def throttle_root() -> str | None:
+    """The cgroup directory under which ReadThrottle makes its group, or None when this
+    machine cannot throttle (not root, or no cgroup file system of a kind it knows)."""
+    if os.geteuid() != 0:
+        return None
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        return "/sys/fs/cgroup"
+    if os.path.isdir("/sys/fs/cgroup/blkio"):
+        return "/sys/fs/cgroup/blkio"
+    return None
+
+
+@pytest.mark.skipif(throttle_root() is None, reason="a read throttle needs root and a cgroup file system")
+def test_read_throttle_is_applied_and_removed(tmp_path):
+    root = throttle_root()
+    before = {d for d in os.listdir(root) if d.startswith("ckptstore-bench-")}
+    out = run_script("bench_torch.py", *restore_args(tmp_path, 1, "floor,ckptstore"),
+                     "--throttle", "1GiB")
+    assert re.search(r"every child's reads throttled: \S+ = \d+:\d+ (rbps=)?1073741824", out), out
+    assert "each repetition's pair" in out, out
+    out = run_script("bench_dcp.py", "--gib", "0.004", "--reps", "1", "--world", "1", "--cold",
+                     "--throttle", "1GiB", "--dir", str(tmp_path / "dcp"))
+    assert "every rank's reads throttled" in out and "reads held to 1GiB/s" in out, out
+    left = {d for d in os.listdir(root) if d.startswith("ckptstore-bench-")} - before
+    assert not left, f"throttle groups left behind: {left}"
