@@ -71,3 +71,21 @@ def test_read_throttle_is_applied_and_removed(tmp_path):
     assert "every rank's reads throttled" in out and "reads held to 1GiB/s" in out, out
     left = {d for d in os.listdir(root) if d.startswith("ckptstore-bench-")} - before
     assert not left, f"throttle groups left behind: {left}"
+
+
+def test_bench_gpu_runs_on_cpu(tmp_path):
+    # The GPU part of issue 24 waits for a CUDA machine; the script must be ready for it.
+    out = run_script("bench_gpu.py", "--device", "cpu", "--layers", "2", "--width", "256",
+                     "--repeat", "1", "--dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
+    for mode in ("hot:", "cold:"):
+        assert mode in out, out
+    assert "ckptstore / read bandwidth" in out, out
+    assert (tmp_path / "r.json").stat().st_size > 0
+
+
+def test_bench_manager_prints_its_goals(tmp_path):
+    out = run_script("bench_manager.py", "--size", "8MiB", "--runs", "1", "--saves", "3",
+                     "--width", "256", "--dir", str(tmp_path))
+    assert "restore of a background save: bit-exact" in out, out
+    assert re.search(r"copying the state once into reused buffers: [0-9.]+x", out), out
+    assert re.search(r"peak RSS after save 3 / after save 2 [0-9.]+", out), out
