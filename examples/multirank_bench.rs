@@ -1,6 +1,7 @@
 //! Issue 12, Performance: multi-rank save against a single-process save of the same bytes,
 //! and the read amplification and throughput of resharding reads. Every figure sits beside a
-//! baseline measured in the same run (BENCHMARKS.md §Multi-rank save and resharding).
+//! baseline measured in the same run (BENCHMARKS.md §Current figures, the "N-process save"
+//! and "reshard" rows).
 //!
 //! Run: `cargo run --release --example multirank_bench -- [--size 1GiB] [--tensors 64]
 //! [--ranks 2] [--reps 3] [--dir DIR] [--only save|reshard] [--block-size 1MiB] [--json]`.

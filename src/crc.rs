@@ -28,7 +28,8 @@ pub fn crc32_parallel(bytes: &[u8]) -> u32 {
 
 /// Block size of the per-block CRC32s a save records for large tensors
 /// (format-spec/integrity.md §Block CRCs): 256 KiB, small enough that a region read of a
-/// few MiB reads at most a few percent more than it needs (BENCHMARKS.md §Reshard), large
+/// few MiB reads at most a few percent more than it needs (BENCHMARKS.md §Current figures,
+/// the "reshard read amplification" rows), large
 /// enough that the manifest grows by only about 44 bytes per MiB of data.
 pub const DEFAULT_BLOCK_SIZE: u64 = 256 << 10;
 

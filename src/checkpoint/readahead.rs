@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 #[non_exhaustive]
 pub enum ReadStrategy {
     /// Page faults only (the kernel's fault read-ahead), tensors in parallel: the default,
-    /// the fastest of these in issue 16's measurements (BENCHMARKS.md).
+    /// the fastest of these when measured (BENCHMARKS.md §Tried and dropped).
     Faults,
     /// A read-ahead thread walks the tensors in file order, ahead of the converters,
     /// asking for windows that are not in memory (`MADV_WILLNEED`); tensors in parallel.

@@ -18,8 +18,8 @@ use rayon::prelude::*;
 /// Chunks (over all parts) from which [`super::parts::Layout::Auto`] commits a two-level
 /// manifest: below it the flat manifest is smaller in all, one file for the readers that see
 /// everything (1.5-2x faster for them) and under 0.4 s and 28 MB of decode for each rank;
-/// the two-level one opens faster for one rank at every size (BENCHMARKS.md
-/// §`Layout::Auto`'s threshold).
+/// the two-level one opens faster for one rank at every size (BENCHMARKS.md §Current
+/// figures, the rows "two-level vs flat").
 pub const AUTO_TWO_LEVEL_CHUNKS: usize = 100_000;
 
 /// One global tensor being gathered: its name and declaration, the rank that first declared
