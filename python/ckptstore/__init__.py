@@ -62,6 +62,7 @@ from .errors import (
     MissingPartsError,
     OptimizerStateError,
     PartError,
+    PickleNotAllowedError,
     TensorNotFoundError,
     UnsupportedFormatError,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "MissingPartsError",
     "OptimizerStateError",
     "PartError",
+    "PickleNotAllowedError",
     "TensorNotFoundError",
     "UnsupportedFormatError",
 ]

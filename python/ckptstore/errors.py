@@ -28,6 +28,7 @@ __all__ = [
     "InvalidArgumentError",
     "PartError",
     "MissingPartsError",
+    "PickleNotAllowedError",
 ]
 
 
@@ -107,3 +108,9 @@ class PartError(CheckpointError):
 class MissingPartsError(PartError, TimeoutError):
     """Ranks of a multi-rank save wrote no part (``missing``: their ranks), so nothing was
     committed and the previous checkpoint stays."""
+
+
+class PickleNotAllowedError(InvalidArgumentError):
+    """A value that only pickle can store (or a stored pickled value) met without the
+    caller's ``allow_pickle=True`` opt-in; nothing was saved or loaded. The one class for
+    every module (``ckptstore.torch``, the tree codec and each integration re-export it)."""

@@ -48,7 +48,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import _WIRE, _ckptstore, _prepare, open as _open
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PickleNotAllowedError
 from ..torch.manager import _Handle, _Snapshot
 
 __all__ = ["save_tree", "load_tree", "TreeSaver", "TreeSaveHandle", "PickleNotAllowedError", "TREE_KEY"]
@@ -57,11 +57,6 @@ __all__ = ["save_tree", "load_tree", "TreeSaver", "TreeSaveHandle", "PickleNotAl
 TREE_KEY = "ckptstore.tree"
 _VERSION = 1
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
-
-
-class PickleNotAllowedError(InvalidArgumentError):
-    """A value that only pickle can store (or a stored pickled value), without
-    ``allow_pickle=True``."""
 
 
 def _torch():
