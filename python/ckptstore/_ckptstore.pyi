@@ -263,3 +263,18 @@ class Checkpoint:
 
 def RegionReader(path: Union[str, os.PathLike[str]]) -> Checkpoint:
     """The old region reader: ``Checkpoint(path, lazy=True)``, which has all its methods."""
+
+def publish_dir(staging: str, target: str) -> None:
+    """``ckptstore.atomic.publish_dir``."""
+
+def remove_dir(target: str) -> bool:
+    """``ckptstore.atomic.remove_dir``."""
+
+def sweep_leftovers(parent: str) -> int:
+    """``ckptstore.atomic.sweep_leftovers``."""
+
+def fsync_dir(path: str) -> None:
+    """``ckptstore.atomic.fsync_dir``."""
+
+def write_file(location: str, name: str, data: bytes) -> None:
+    """``ckptstore.atomic.write_file``."""

@@ -14,6 +14,7 @@
 
 mod args;
 mod checkpoint;
+mod dirs;
 mod dtypes;
 mod errors;
 mod manager;
@@ -42,6 +43,11 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MappedCheckpoint>()?;
     m.add_class::<OwnedBuffer>()?;
     m.add_function(wrap_pyfunction!(checkpoint::region_reader, m)?)?;
+    m.add_function(wrap_pyfunction!(dirs::publish_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(dirs::remove_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(dirs::sweep_leftovers, m)?)?;
+    m.add_function(wrap_pyfunction!(dirs::fsync_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(dirs::write_file, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -35,6 +35,21 @@ pub trait Fs: Sync {
     fn start_writeback(&self, file: &mut Self::File, offset: u64, len: u64) {
         let _ = (file, offset, len);
     }
+    /// Swap two existing entries (files or directories) atomically: afterwards `a` holds
+    /// what `b` held and `b` what `a` held, and no state in between exists (Linux
+    /// `renameat2(RENAME_EXCHANGE)`). Publishing a directory over an existing one
+    /// ([`super::publish::publish_dir`]) uses it. The default, and a system or file system
+    /// without such a call, answers `ErrorKind::Unsupported`.
+    fn exchange(&self, a: &Path, b: &Path) -> io::Result<()> {
+        let _ = (a, b);
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
+    /// Remove the directory `dir` and everything below it. The default answers
+    /// `ErrorKind::Unsupported`.
+    fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
+        let _ = dir;
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
 }
 
 /// The real file system.
@@ -74,6 +89,14 @@ impl Fs for StdFs {
 
     fn start_writeback(&self, file: &mut File, offset: u64, len: u64) {
         crate::sys::io::start_writeback(file, offset, len);
+    }
+
+    fn exchange(&self, a: &Path, b: &Path) -> io::Result<()> {
+        crate::sys::io::rename_exchange(a, b)
+    }
+
+    fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
+        std::fs::remove_dir_all(dir)
     }
 
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {

@@ -22,6 +22,7 @@ pub use crate::location::{IntoLocation, Location, RemoteUrl};
 pub mod fs;
 pub(crate) mod local;
 mod object;
+pub mod publish;
 pub mod ranged;
 #[cfg(feature = "s3")]
 pub mod s3;

@@ -49,3 +49,53 @@ pub(crate) fn drop_cached(file: &File) -> std::io::Result<()> {
     let _ = file;
     Ok(())
 }
+
+/// Swap the two existing entries `a` and `b` (files or directories) in one atomic step
+/// (Linux `renameat2(RENAME_EXCHANGE)`): every observer, and every state the file system
+/// can recover to, sees either both old entries or both swapped.
+///
+/// # Errors
+/// `ErrorKind::Unsupported` where the system or the file system has no such call (other
+/// systems, `ENOSYS`, `EINVAL` from a file system without it); otherwise the call's `errno`
+/// (`NotFound` when either entry is missing, `EXDEV` across file systems, ...).
+pub(crate) fn rename_exchange(a: &std::path::Path, b: &std::path::Path) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::ffi::CString;
+        use std::io::{Error, ErrorKind};
+        use std::os::unix::ffi::OsStrExt;
+        let c = |p: &std::path::Path| {
+            CString::new(p.as_os_str().as_bytes())
+                .map_err(|_| Error::new(ErrorKind::InvalidInput, "path holds a NUL byte"))
+        };
+        let (ca, cb) = (c(a)?, c(b)?);
+        // SAFETY: `renameat2` reads the two NUL-terminated strings, which `ca` and `cb` own
+        // and keep alive for the duration of the call; it writes no memory of ours. Relative
+        // paths resolve against the working directory (`AT_FDCWD`), as `std::fs::rename`'s
+        // do. Failures come back as -1 with `errno`, which we read at once.
+        let rc = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                ca.as_ptr(),
+                libc::AT_FDCWD,
+                cb.as_ptr(),
+                libc::RENAME_EXCHANGE,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENOSYS) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
+                Err(Error::new(ErrorKind::Unsupported, e))
+            }
+            _ => Err(e),
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (a, b);
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+    }
+}

@@ -1,7 +1,7 @@
 //! The only module with `unsafe`: read-only memory maps of shard files ([`mmap`]), the
-//! runtime-dispatched SIMD conversion kernels ([`simd`]) and one write-back hint system
-//! call ([`io`]). Every block carries a `// SAFETY:` comment; the rest of the crate denies
-//! `unsafe_code`.
+//! runtime-dispatched SIMD conversion kernels ([`simd`]) and a few system calls ([`io`]:
+//! write-back and cache hints, the atomic exchange of two directory entries). Every block
+//! carries a `// SAFETY:` comment; the rest of the crate denies `unsafe_code`.
 #![allow(unsafe_code)]
 
 pub(crate) mod io;

@@ -1,0 +1,71 @@
+"""ckptstore.atomic: the one publish / remove / sweep of checkpoint directories and durable
+small-file write that every Python module uses (the crash enumeration of the same engine
+functions is tests/publish_crash.rs)."""
+
+import os
+
+import pytest
+
+import ckptstore
+from ckptstore import atomic
+
+
+def _dir(path, body):
+    os.makedirs(path)
+    with open(os.path.join(path, "f"), "w") as f:
+        f.write(body)
+
+
+def _read(path):
+    with open(os.path.join(path, "f")) as f:
+        return f.read()
+
+
+def test_publish_onto_missing_then_over_existing(tmp_path):
+    staging, target = tmp_path / "staging", tmp_path / "target"
+    _dir(staging, "one")
+    atomic.publish_dir(staging, target)
+    assert _read(target) == "one" and not staging.exists()
+    _dir(staging, "two")
+    atomic.publish_dir(str(staging), str(target))
+    assert _read(target) == "two"
+    assert sorted(os.listdir(tmp_path)) == ["target"], "the replaced directory is deleted"
+
+
+def test_publish_of_a_missing_staging_names_it_and_keeps_the_target(tmp_path):
+    _dir(tmp_path / "target", "kept")
+    with pytest.raises(ckptstore.CheckpointIOError, match="staging") as e:
+        atomic.publish_dir(tmp_path / "staging", tmp_path / "target")
+    assert isinstance(e.value, OSError)
+    assert _read(tmp_path / "target") == "kept"
+
+
+def test_remove_dir_whole_and_missing(tmp_path):
+    _dir(tmp_path / "t", "x")
+    assert atomic.remove_dir(tmp_path / "t") is True
+    assert os.listdir(tmp_path) == []
+    assert atomic.remove_dir(tmp_path / "t") is False
+
+
+def test_sweep_restores_a_displaced_directory_and_deletes_trash(tmp_path):
+    # What a crash leaves: the fallback publish between its two renames (the old directory
+    # displaced, no target), a removal before its delete, and an old copy beside its target.
+    _dir(tmp_path / ".a.ckpt-old-0123456789abcdef", "old a")
+    _dir(tmp_path / ".b.ckpt-trash-0123456789abcdef", "gone")
+    _dir(tmp_path / "c", "new c")
+    _dir(tmp_path / ".c.ckpt-old-fedcba9876543210", "old c")
+    _dir(tmp_path / ".d.ckpt-old-xyz", "not ours: no 16-hex id")
+    assert atomic.sweep_leftovers(tmp_path) == 3
+    assert sorted(os.listdir(tmp_path)) == [".d.ckpt-old-xyz", "a", "c"]
+    assert _read(tmp_path / "a") == "old a" and _read(tmp_path / "c") == "new c"
+    assert atomic.sweep_leftovers(tmp_path / "missing") == 0
+
+
+def test_write_file_and_fsync_dir(tmp_path):
+    atomic.write_file(tmp_path, "latest", "global_step7")
+    atomic.write_file(tmp_path, "latest", b"global_step8")
+    assert (tmp_path / "latest").read_text() == "global_step8"
+    assert os.listdir(tmp_path) == ["latest"], "no temporary file is left"
+    atomic.fsync_dir(tmp_path)
+    with pytest.raises(ckptstore.CheckpointIOError, match="missing"):
+        atomic.fsync_dir(tmp_path / "missing")
