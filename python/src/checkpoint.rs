@@ -59,6 +59,7 @@ pub(crate) struct OwnedBuffer {
 }
 
 /// A numpy array that owns a freshly loaded tensor's buffer (no copy).
+#[allow(unsafe_code)] // the one call of `array_over` for owned buffers
 fn owned_array(py: Python<'_>, mut t: Tensor, raw: bool) -> PyResult<Py<PyAny>> {
     let (d, shape) = if raw {
         (uint8(py)?, vec![t.bytes().len() as u64])
@@ -226,6 +227,7 @@ impl PyCheckpoint {
         self.wrap(py, base, v, raw)
     }
 
+    #[allow(unsafe_code)] // the one call of `array_over` for mapped (or fetched) bytes
     fn wrap(
         &self,
         py: Python<'_>,

@@ -1,4 +1,8 @@
 //! Tensor dtypes as numpy sees them, and numpy arrays over engine memory (and back).
+//!
+//! The bindings' FFI module: the only one allowed `unsafe` code (the crate denies it), each
+//! block with its `// SAFETY:` argument.
+#![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};

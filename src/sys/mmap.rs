@@ -30,9 +30,14 @@ pub struct Map {
 impl Map {
     /// Map `file` (opened read-only at `path`, used in errors) whole.
     ///
+    /// Crate-private: the contract above is kept by the engine's own files only, so no
+    /// caller outside the crate can map a file it might change (memmap2 makes the same
+    /// point by marking its constructor `unsafe`). Users get maps through
+    /// [`crate::open`].
+    ///
     /// # Errors
     /// [`Error::Io`] when the size cannot be read or `mmap` fails.
-    pub fn open(file: &File, path: &Path) -> Result<Map> {
+    pub(crate) fn open(file: &File, path: &Path) -> Result<Map> {
         let len = file
             .metadata()
             .map_err(|e| Error::io("stat", path, e))?
