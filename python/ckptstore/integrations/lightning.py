@@ -49,6 +49,11 @@ asks for ``weights_only=True``): unpickling runs code chosen by whoever wrote th
 checkpoint, so opt in only for checkpoints you trust as much as the code you run. The CRCs
 detect damage, not malice. Without the opt-in nothing is ever unpickled.
 
+**Pickling** (``torch.save(trainer)``, ``strategy="ddp_spawn"`` and other spawn launches
+pickle the Trainer with its plug-ins): a :class:`CheckpointIO` pickles its settings only;
+saves in flight are waited for first (a background save's error is raised there), and the
+copy starts a thread and buffers of its own at its first non-blocking save.
+
 **Non-blocking saves.** ``CheckpointIO(async_save=True)``: ``save_checkpoint`` copies every
 tensor into snapshot buffers and returns; a background thread writes and commits, saves in
 the order they were made (:class:`ckptstore.integrations._tree.TreeSaver`). Unlike
@@ -215,6 +220,27 @@ class CheckpointIO(_lio.CheckpointIO):
         self._lock = threading.Lock()
         #: Saves made (a test and benchmark counter).
         self.saves = 0
+
+    # ---- pickling (torch.save(trainer), spawn launches) --------------------------------
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The plug-in's settings, without its lock, background thread, snapshot buffers
+        and in-flight saves: the copy starts with none (a new thread and buffers at its
+        first non-blocking save). Saves in flight are waited for first, so that none is
+        lost with the copy, and a background save's error not yet reported is raised here
+        (pickling fails with it)."""
+        self.wait()
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_saver"] = None
+        state["_pending"] = {}
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._saver = None
+        self._pending = {}
 
     # ---- saving ------------------------------------------------------------------------
 
