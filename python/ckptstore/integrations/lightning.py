@@ -49,6 +49,14 @@ asks for ``weights_only=True``): unpickling runs code chosen by whoever wrote th
 checkpoint, so opt in only for checkpoints you trust as much as the code you run. The CRCs
 detect damage, not malice. Without the opt-in nothing is ever unpickled.
 
+**torch.save files** (Lightning's default format) load: a regular file at the path is read
+with ``torch.load(weights_only=True)`` as ``TorchCheckpointIO`` reads it (every tensor on the
+CPU unless ``map_location`` says otherwise), so that ``fabric.load_raw("pretrained.pt",
+model)`` works and a run begun with the default IO resumes after the switch (the load is
+logged; later saves are ckptstore checkpoints). A file that needs pickle is refused with
+:class:`PickleNotAllowedError` unless ``allow_pickle=True`` (then ``weights_only=False``,
+unless Lightning asks for ``weights_only=True``).
+
 **Pickling** (``torch.save(trainer)``, ``strategy="ddp_spawn"`` and other spawn launches
 pickle the Trainer with its plug-ins): a :class:`CheckpointIO` pickles its settings only;
 saves in flight are waited for first (a background save's error is raised there), and the
@@ -128,6 +136,7 @@ Tested with lightning 2.6.6 and torch 2.15 (CPU, gloo).
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import threading
 import warnings
@@ -137,6 +146,7 @@ from typing import Any, Dict, Optional
 import lightning.fabric.plugins.io as _lio
 import torch
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info as _rank_zero_info
 from lightning.pytorch.callbacks import Callback as _Callback
 
 from .. import open as _open, wait_for_cleanup as _wait_for_cleanup
@@ -323,20 +333,34 @@ class CheckpointIO(_lio.CheckpointIO):
         ``allow_pickle``. Raises ``FileNotFoundError`` (a
         :class:`ckptstore.errors.CheckpointNotFoundError`) when nothing is there,
         :class:`ckptstore.errors.ChecksumError` naming a damaged tensor, and
-        :class:`PickleNotAllowedError` for a pickled value without the opt-in."""
+        :class:`PickleNotAllowedError` for a pickled value without the opt-in.
+
+        A regular file at ``path`` is a ``torch.save`` file (Lightning's default format: a
+        run begun with ``TorchCheckpointIO``, a pretrained state dict for
+        ``fabric.load_raw``): loaded as ``TorchCheckpointIO`` loads it (``map_location=None``
+        keeps every tensor on the CPU), with ``torch.load(weights_only=True)``, or
+        ``weights_only=False`` under the same opt-in as a pickled value (``allow_pickle``,
+        and Lightning not asking for ``weights_only=True``); a file ``weights_only=True``
+        refuses raises :class:`PickleNotAllowedError` saying so. The load is logged (rank
+        zero, info)."""
         location = _location(path)
         self._wait_for(location)
         allow = self.allow_pickle and weights_only is not True
         if not _is_remote(location) and os.path.isfile(_local(location)):
-            raise InvalidArgumentError(
-                f"{location!r} is a file, not a ckptstore checkpoint (a directory): a torch.save "
-                "checkpoint? Load it with Lightning's TorchCheckpointIO"
-            )
-        try:
-            return load_tree(location, allow_pickle=allow, map_location=map_location)
-        except CheckpointError as e:
-            _naming(e, location)
-            raise
+            # A torch.save file (Lightning's default format: a run begun with the stock IO,
+            # a pretrained state dict for fabric.load_raw).
+            if allow:
+                hint = ""
+            elif self.allow_pickle:
+                hint = "Lightning asked for weights_only=True"
+            else:
+                hint = (
+                    f"to load it with torch.load(weights_only=False) pass "
+                    f"{type(self).__name__}(allow_pickle=True), only if you trust the file as "
+                    "much as code you run"
+                )
+            return _load_torch_file(location, map_location, allow, hint)
+        return _load_ckptstore(location, map_location, allow)
 
     # ---- removing ----------------------------------------------------------------------
 
@@ -421,6 +445,54 @@ class CheckpointIO(_lio.CheckpointIO):
         return (
             f"{type(self).__name__}(async_save={self.async_save}, allow_pickle={self.allow_pickle})"
         )
+
+
+def _load_ckptstore(location: str, map_location: Any, allow_pickle: bool) -> Dict[str, Any]:
+    """The dict of the ckptstore checkpoint at ``location`` (:func:`load_tree`), errors
+    naming the checkpoint."""
+    try:
+        return load_tree(location, allow_pickle=allow_pickle, map_location=map_location)
+    except CheckpointError as e:
+        _naming(e, location)
+        raise
+
+
+def _torch_reason(message: str) -> str:
+    """The reason in ``torch.load``'s weights-only refusal, without its advice."""
+    i = message.find("WeightsUnpickler error:")
+    r = message[i + len("WeightsUnpickler error:") :] if i >= 0 else message
+    r = r.split("Check the documentation of torch.load")[0]
+    return " ".join(r.replace("\033[1m", "").replace("\033[0m", "").split())[:500]
+
+
+def _load_torch_file(location: str, map_location: Any, allow_pickle: bool, hint: str) -> Any:
+    """A ``torch.save`` file, as ``TorchCheckpointIO`` loads it (``map_location=None``:
+    every tensor on the CPU), with ``weights_only=True`` unless ``allow_pickle``."""
+    ml = (lambda storage, loc: storage) if map_location is None else map_location
+    path = _local(location)
+    try:
+        obj = torch.load(path, map_location=ml, weights_only=not allow_pickle)
+    except pickle.UnpicklingError as e:
+        if not allow_pickle and "Weights only load failed" in str(e):
+            raise PickleNotAllowedError(
+                f"{location!r} is not a ckptstore checkpoint but a file that "
+                f"torch.load(weights_only=True) refuses ({_torch_reason(str(e))}): {hint}"
+            ) from None
+        raise InvalidArgumentError(
+            f"{location!r} is neither a ckptstore checkpoint (a directory) nor a torch.save "
+            f"file torch.load can read: {e}"
+        ) from e
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, ImportError) as e:
+        raise InvalidArgumentError(
+            f"{location!r} is neither a ckptstore checkpoint (a directory) nor a torch.save "
+            f"file torch.load can read: {type(e).__name__}: {e}"
+        ) from e
+    _rank_zero_info(
+        f"ckptstore: {location} is a torch.save file (Lightning's default checkpoint format), "
+        f"loaded with torch.load(weights_only={not allow_pickle}); checkpoints saved from now "
+        "on are ckptstore checkpoints"
+    )
+    return obj
 
 
 def _naming(e: CheckpointError, location: str) -> CheckpointError:

@@ -214,11 +214,12 @@ def test_pickle_only_with_the_opt_in(tmp_path):
     assert_same(got["state_dict"]["w"], torch.ones(2))
 
 
-def test_a_torch_save_file_is_refused_clearly(tmp_path):
+def test_a_torch_save_file_loads_and_a_missing_path_is_not_found(tmp_path):
+    # torch.save files load with torch.load(weights_only=True) (more in test_lightning_contracts.py).
     f = tmp_path / "old.ckpt"
-    torch.save({"state_dict": {}}, f)
-    with pytest.raises(InvalidArgumentError, match="is a file.*TorchCheckpointIO"):
-        CheckpointIO().load_checkpoint(f)
+    ck = {"state_dict": collections.OrderedDict(w=torch.randn(2, 3)), "epoch": 1}
+    torch.save(ck, f)
+    assert_same(CheckpointIO().load_checkpoint(f), ck)
     with pytest.raises(FileNotFoundError):
         CheckpointIO().load_checkpoint(tmp_path / "missing.ckpt")
 

@@ -3,12 +3,16 @@
 * the plug-in pickles (``torch.save(trainer)``, spawn launches): settings kept, no lock or
   thread carried over, a save in flight waited for (never lost), a background save's error
   raised; a Trainer using it pickles, and ``strategy="ddp_spawn"`` runs;
+* plain ``torch.save`` files load (``fabric.load_raw`` of a pretrained state dict, a run begun
+  with Lightning's default IO resumed), with ``torch.load(weights_only=True)`` unless opted in,
+  and the load is logged;
 """
 
 from __future__ import annotations
 
 import collections
 import io as _io
+import logging
 import pickle
 import sys
 import threading
@@ -35,6 +39,32 @@ warnings.filterwarnings("ignore", module="lightning")
 
 def _state(module) -> dict:
     return collections.OrderedDict((k, v.detach().clone()) for k, v in module.state_dict().items())
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def rank_zero_log():
+    """The messages of Lightning's rank_zero_info (its logger is chosen at import time)."""
+    import lightning_utilities.core.rank_zero as rz
+
+    logger = rz.log
+    rec = _Records()
+    old = logger.level
+    logger.addHandler(rec)
+    logger.setLevel(logging.INFO)
+    try:
+        yield rec.messages
+    finally:
+        logger.removeHandler(rec)
+        logger.setLevel(old)
 
 
 # ---- 1. pickling -------------------------------------------------------------------------
@@ -156,3 +186,96 @@ def test_ddp_spawn_runs_with_the_plugin(tmp_path):
     # The spawned process trained; its weights came back here, equal to its checkpoint's.
     assert not torch.equal(before["net.0.weight"], model.net[0].weight.detach())
     assert_same(_state(model), saved["state_dict"], "state_dict")
+
+
+# ---- 2. torch.save files -----------------------------------------------------------------
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 4)
+        self.b = torch.nn.Linear(4, 2, bias=False)
+        self.register_buffer("count", torch.tensor(7))
+
+
+def test_fabric_load_raw_of_a_torch_save_state_dict(tmp_path, rank_zero_log):
+    torch.manual_seed(5)
+    pretrained = Tiny()
+    f = tmp_path / "pretrained.pt"
+    torch.save(pretrained.state_dict(), f)
+    want = _state(pretrained)
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[CheckpointIO()])
+    torch.manual_seed(6)
+    model = fabric.setup(Tiny())
+    assert not torch.equal(model.a.weight.detach(), want["a.weight"])
+    fabric.load_raw(f, model)
+    assert_same(_state(model.module), want, "state_dict")
+    assert any("pretrained.pt" in m and "torch.save" in m for m in rank_zero_log), rank_zero_log
+    # Lightning's weights_only=True changes nothing for a weights-only file.
+    torch.manual_seed(6)
+    model = fabric.setup(Tiny())
+    fabric.load_raw(f, model, weights_only=True)
+    assert_same(_state(model.module), want, "state_dict")
+
+
+def test_a_torch_save_file_that_needs_pickle_is_refused_unless_opted_in(tmp_path):
+    f = tmp_path / "objects.pt"
+    torch.save({"w": torch.ones(2), "o": Opaque(9)}, f)
+    with pytest.raises(PickleNotAllowedError, match=r"objects\.pt.*weights_only=True.*allow_pickle=True") as e:
+        CheckpointIO().load_checkpoint(f)
+    assert isinstance(e.value, InvalidArgumentError)
+    with pytest.raises(PickleNotAllowedError, match="Lightning asked for weights_only=True"):
+        CheckpointIO(allow_pickle=True).load_checkpoint(f, weights_only=True)
+    got = CheckpointIO(allow_pickle=True).load_checkpoint(f)
+    assert got["o"] == Opaque(9)
+    assert_same(got["w"], torch.ones(2))
+    # Not a torch.save file at all: an error naming the file, not a crash.
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"\x00\x01 not a checkpoint")
+    with pytest.raises(InvalidArgumentError, match="junk.ckpt"):
+        CheckpointIO().load_checkpoint(junk)
+    with pytest.raises(InvalidArgumentError, match="junk.ckpt"):
+        CheckpointIO(allow_pickle=True).load_checkpoint(junk)
+
+
+def test_a_torch_save_file_map_location(tmp_path):
+    f = tmp_path / "sd.pt"
+    torch.save({"w": torch.arange(4.0)}, f)
+    got = CheckpointIO().load_checkpoint(f, map_location=lambda storage, loc: None)
+    assert_same(got, {"w": torch.arange(4.0)})
+    got = CheckpointIO().load_checkpoint(f, map_location="cpu")
+    assert_same(got, {"w": torch.arange(4.0)})
+
+
+def test_trainer_resumes_a_run_begun_with_the_default_io(tmp_path, rank_zero_log):
+    """The migration path: a Trainer with Lightning's default TorchCheckpointIO saves; a
+    Trainer with ckptstore's CheckpointIO resumes from that file: model, optimizer,
+    scheduler and loops exactly as saved, and trains on."""
+    torch.manual_seed(0)
+    stock = lt.make_trainer(str(tmp_path / "stock"), 1, "torch", -1)
+    stock.fit(lt.Net(), lt.data())
+    src = tmp_path / "stock" / "ckpts" / "epoch=0-step=6.ckpt"
+    assert src.is_file()
+    saved = torch.load(src, weights_only=True)
+
+    starts = []
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            starts.append((_state(pl_module), _clone(trainer.optimizers[0].state_dict()), trainer.global_step))
+
+    torch.manual_seed(1)
+    model = lt.Net()
+    trainer = lt.make_trainer(str(tmp_path / "switched"), 2, "sync", -1, extra_callbacks=[AtStart()])
+    trainer.fit(model, lt.data(), ckpt_path=str(src))
+    ((params, opt_state, step),) = starts
+    assert_same(params, saved["state_dict"], "state_dict")
+    assert_same(opt_state["state"], saved["optimizer_states"][0]["state"], "optimizer state")
+    assert opt_state["param_groups"] == saved["optimizer_states"][0]["param_groups"]
+    assert step == 6
+    assert trainer.global_step == 12
+    assert any(str(src) in m and "torch.save" in m for m in rank_zero_log), rank_zero_log
+    last = tmp_path / "switched" / "ckpts" / "last.ckpt"
+    assert (last / ckl.MANIFEST).is_file()  # the next saves are ckptstore checkpoints
