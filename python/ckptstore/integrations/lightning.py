@@ -57,6 +57,10 @@ logged; later saves are ckptstore checkpoints). A file that needs pickle is refu
 :class:`PickleNotAllowedError` unless ``allow_pickle=True`` (then ``weights_only=False``,
 unless Lightning asks for ``weights_only=True``).
 
+``map_location``: a callable returning ``None`` means ``torch.load``'s default placement,
+the device the tensor was saved from (Lightning's ``_default_map_location`` returns ``None``
+for every tensor it leaves where it is).
+
 **Pickling** (``torch.save(trainer)``, ``strategy="ddp_spawn"`` and other spawn launches
 pickle the Trainer with its plug-ins): a :class:`CheckpointIO` pickles its settings only;
 saves in flight are waited for first (a background save's error is raised there), and the
@@ -330,7 +334,9 @@ class CheckpointIO(_lio.CheckpointIO):
     ) -> Dict[str, Any]:
         """The checkpoint dict saved at ``path``, every tensor fresh and CRC-checked before
         anything is returned. ``weights_only=True`` refuses pickled values even with
-        ``allow_pickle``. Raises ``FileNotFoundError`` (a
+        ``allow_pickle``. ``map_location`` as ``torch.load`` takes it; a callable returning
+        ``None`` leaves the tensor on the device it was saved from (``torch.load``'s
+        default). Raises ``FileNotFoundError`` (a
         :class:`ckptstore.errors.CheckpointNotFoundError`) when nothing is there,
         :class:`ckptstore.errors.ChecksumError` naming a damaged tensor, and
         :class:`PickleNotAllowedError` for a pickled value without the opt-in.
@@ -447,11 +453,28 @@ class CheckpointIO(_lio.CheckpointIO):
         )
 
 
+def _placement(map_location: Any) -> Any:
+    """``map_location`` for :func:`load_tree`, with ``torch.load``'s meaning of a callable
+    that returns ``None`` (Lightning's ``_default_map_location`` does for every tensor it
+    leaves alone): the default placement, the device the tensor was saved from."""
+    if not callable(map_location):
+        return map_location
+    m = map_location
+
+    def place(t: Any, saved: str) -> Any:
+        r = m(t, saved)
+        if r is None:
+            return t if str(saved) == "cpu" else t.to(saved)
+        return r
+
+    return place
+
+
 def _load_ckptstore(location: str, map_location: Any, allow_pickle: bool) -> Dict[str, Any]:
     """The dict of the ckptstore checkpoint at ``location`` (:func:`load_tree`), errors
     naming the checkpoint."""
     try:
-        return load_tree(location, allow_pickle=allow_pickle, map_location=map_location)
+        return load_tree(location, allow_pickle=allow_pickle, map_location=_placement(map_location))
     except CheckpointError as e:
         _naming(e, location)
         raise

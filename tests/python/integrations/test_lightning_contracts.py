@@ -6,6 +6,8 @@
 * plain ``torch.save`` files load (``fabric.load_raw`` of a pretrained state dict, a run begun
   with Lightning's default IO resumed), with ``torch.load(weights_only=True)`` unless opted in,
   and the load is logged;
+* ``map_location`` callables returning ``None`` (``torch.load``'s "default placement", what
+  Lightning's ``_default_map_location`` returns for CPU tensors) keep the tensor.
 """
 
 from __future__ import annotations
@@ -279,3 +281,24 @@ def test_trainer_resumes_a_run_begun_with_the_default_io(tmp_path, rank_zero_log
     assert any(str(src) in m and "torch.save" in m for m in rank_zero_log), rank_zero_log
     last = tmp_path / "switched" / "ckpts" / "last.ckpt"
     assert (last / ckl.MANIFEST).is_file()  # the next saves are ckptstore checkpoints
+
+
+# ---- 4. map_location callables returning None ---------------------------------------------
+
+
+def test_map_location_callable_returning_none_keeps_the_tensors(tmp_path):
+    from lightning.pytorch.core.saving import _default_map_location
+
+    ck = {"state_dict": collections.OrderedDict(w=torch.randn(3, 2), n=torch.tensor(5)), "step": 4,
+          "rng": torch.randint(0, 255, (8,), dtype=torch.uint8)}
+    path = tmp_path / "m.ckpt"
+    io = CheckpointIO()
+    io.save_checkpoint(ck, path)
+    for ml in (lambda t, loc: None, _default_map_location):
+        assert_same(io.load_checkpoint(path, map_location=ml), ck)
+    # A callable's tensor is used as it is; None mixed with tensors, per tensor.
+    got = io.load_checkpoint(path, map_location=lambda t, loc: t.double() if t.dtype == torch.float32 else None)
+    assert got["state_dict"]["w"].dtype == torch.float64
+    assert torch.equal(got["state_dict"]["w"], ck["state_dict"]["w"].double())
+    assert_same(got["rng"], ck["rng"])
+    assert_same(got["state_dict"]["n"], ck["state_dict"]["n"])
