@@ -6,6 +6,8 @@
 * plain ``torch.save`` files load (``fabric.load_raw`` of a pretrained state dict, a run begun
   with Lightning's default IO resumed), with ``torch.load(weights_only=True)`` unless opted in,
   and the load is logged;
+* ``LightningModule.load_from_checkpoint`` of a ckptstore checkpoint: weights and hparams;
+  everything else still goes to Lightning's own loader;
 * ``map_location`` callables returning ``None`` (``torch.load``'s "default placement", what
   Lightning's ``_default_map_location`` returns for CPU tensors) keep the tensor.
 """
@@ -281,6 +283,78 @@ def test_trainer_resumes_a_run_begun_with_the_default_io(tmp_path, rank_zero_log
     assert any(str(src) in m and "torch.save" in m for m in rank_zero_log), rank_zero_log
     last = tmp_path / "switched" / "ckpts" / "last.ckpt"
     assert (last / ckl.MANIFEST).is_file()  # the next saves are ckptstore checkpoints
+
+
+# ---- 3. LightningModule.load_from_checkpoint ------------------------------------------------
+
+
+def _trained(tmp_path, **hparams) -> tuple:
+    torch.manual_seed(0)
+    model = lt.Net(**hparams)
+    trainer = lt.make_trainer(str(tmp_path), 1, "sync", -1)
+    trainer.fit(model, lt.data())
+    return model, tmp_path / "ckpts" / "last.ckpt"
+
+
+def test_load_from_checkpoint_of_a_ckptstore_checkpoint(tmp_path):
+    model, last = _trained(tmp_path, lr=0.03, hidden=12)
+    assert (last / ckl.MANIFEST).is_file()
+    loaded = lt.Net.load_from_checkpoint(last)
+    assert type(loaded) is lt.Net
+    assert dict(loaded.hparams) == {"lr": 0.03, "hidden": 12}
+    assert loaded.net[0].out_features == 12
+    assert_same(_state(loaded), _state(model), "state_dict")
+    loaded = lt.Net.load_from_checkpoint(str(last), map_location="cpu", lr=0.5)  # kwargs override hparams
+    assert loaded.hparams.lr == 0.5 and loaded.hparams.hidden == 12
+    assert_same(_state(loaded), _state(model), "state_dict")
+
+    # Anything else is Lightning's own load, unchanged: a torch.save file,
+    f = tmp_path / "stock.ckpt"
+    torch.save(_stock_dict(model), f)
+    assert_same(_state(lt.Net.load_from_checkpoint(f)), _state(model), "state_dict")
+    # an open file,
+    with open(f, "rb") as fh:
+        assert_same(_state(lt.Net.load_from_checkpoint(fh)), _state(model), "state_dict")
+    # a directory that is not a ckptstore checkpoint (Lightning's error).
+    (tmp_path / "plain_dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        lt.Net.load_from_checkpoint(tmp_path / "plain_dir")
+
+
+def _stock_dict(model) -> dict:
+    return {
+        "state_dict": _state(model),
+        "hyper_parameters": dict(model.hparams),
+        "pytorch-lightning_version": L.__version__,
+    }
+
+
+def test_the_helper_needs_no_plugin(tmp_path, monkeypatch):
+    import lightning.pytorch.core.saving as saving
+
+    model, last = _trained(tmp_path, hidden=10)
+    # Without the patch (a script that never built a CheckpointIO): Lightning's own error.
+    monkeypatch.setattr(saving, "pl_load", saving.pl_load._ckptstore_original)
+    with pytest.raises(IsADirectoryError):
+        lt.Net.load_from_checkpoint(last)
+    loaded = ckl.load_from_checkpoint(lt.Net, last)
+    assert loaded.hparams.hidden == 10
+    assert_same(_state(loaded), _state(model), "state_dict")
+    lt.Net.load_from_checkpoint(last)  # installed now
+
+
+def test_load_from_checkpoint_unpickles_only_with_weights_only_false(tmp_path):
+    model, last = _trained(tmp_path)
+    ck = CheckpointIO().load_checkpoint(last)
+    ck["callbacks"]["Custom"] = {"obj": Opaque(2)}
+    pickled = tmp_path / "pickled.ckpt"
+    CheckpointIO(allow_pickle=True).save_checkpoint(ck, pickled)
+    with pytest.raises(PickleNotAllowedError, match="pickled.ckpt.*weights_only=False"):
+        lt.Net.load_from_checkpoint(pickled)
+    with pytest.raises(PickleNotAllowedError, match="weights_only=False"):
+        lt.Net.load_from_checkpoint(pickled, weights_only=True)
+    loaded = lt.Net.load_from_checkpoint(pickled, weights_only=False)  # torch.load's opt-in
+    assert_same(_state(loaded), _state(model), "state_dict")
 
 
 # ---- 4. map_location callables returning None ---------------------------------------------
