@@ -69,6 +69,20 @@ step a reader holds (``ckptstore.CheckpointManager.lease``). A save killed befor
 leaves an uncommitted step directory that :meth:`CheckpointManager.load` ignores (the
 previous committed step is the latest) and a later commit removes.
 
+Switching a running job from TorchTitan's own manager: its ``step-<N>`` directories (DCP's
+``.metadata`` and ``.distcp`` files) count as steps. ``load(step=-1)`` takes the newest step
+of either kind (a ckptstore step wins a tie) and ``load(step=N)`` either kind; a stock step
+is loaded as TorchTitan loads it (``dcp.load`` of its flattened state, then the model's
+``load_state_dict``), with a warning in the log saying so. Its DCP ``.metadata`` (a pickle)
+is read allowing only the classes DCP metadata is made of, and its non-tensor values with
+``torch.load(weights_only=True)`` (DCP's own reader uses ``weights_only=False``): anything
+else raises :class:`PickleNotAllowedError` unless ``allow_pickle=True``. DCP's files carry no
+checksums and DCP writes the live tensors as it reads them, so a stock step does not get the
+all-or-nothing load above (an export, model-only or Hugging Face, and a missing component are
+refused before anything is read). ``keep_latest_k`` counts the steps of both kinds by step
+and removes stock steps beyond it too (renamed out of the ``step-<N>`` names, then deleted);
+the newest ckptstore step is always kept. Local folders only.
+
 Async modes: ``"async"`` copies the state into reused CPU buffers on the calling thread
 (``DefaultStager``; pinned when CUDA is available) and writes and commits on a background
 thread (DCP's thread executor; the engine writes with the interpreter released).
@@ -101,10 +115,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import json
+import logging
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -117,6 +134,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -138,6 +158,7 @@ from ..errors import (
     ChecksumError,
     IncompatibleStateError,
     InvalidArgumentError,
+    PickleNotAllowedError,
 )
 from ..torch._state import _check_class, _optimizer_class
 from ..torch.dcp import META_KEY, Reader, Writer
@@ -149,11 +170,13 @@ STATE_KEY = "ckptstore.torchtitan"
 _VERSION = 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _KILL_ENV = "CKPTSTORE_TORCHTITAN_KILL"
+#: A step directory of TorchTitan's own manager (``step-<N>``, no padding) or of ours.
+_STEP_RE = re.compile(r"^step-(\d+)$")
+#: What retention renames a stock step directory to before deleting it.
+_TRASH = ".ckptstore-trash"
+_TRASH_RE = re.compile(r"^\.step-\d+\.ckptstore-trash-\d+$")
 
-
-class PickleNotAllowedError(InvalidArgumentError):
-    """A non-tensor value that only pickle can store (or a stored pickled value) without
-    ``allow_pickle=True`` in the config."""
+logger = logging.getLogger(__name__)
 
 
 def step_name(step: int) -> str:
@@ -302,6 +325,114 @@ def _unwrap(e: BaseException) -> BaseException:
     return found[0] if found else e
 
 
+# ---- TorchTitan's own checkpoints (the migration path) -----------------------------------------
+
+#: Globals a DCP ``.metadata`` file may name: the classes of DCP's metadata modules (defined
+#: there), the torch dtypes, and these.
+_META_CLASS_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_META_GLOBALS = {
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
+_MANIFEST = "ckpt-manifest.json"
+_DCP_METADATA = ".metadata"
+_HF_INDEX = "model.safetensors.index.json"
+
+
+def _pickle_refused(where: str, what: str) -> PickleNotAllowedError:
+    return PickleNotAllowedError(
+        f"{where}: {what}; reading it needs pickle beyond torch.load(weights_only=True): set "
+        "allow_pickle=True in the checkpoint config only for checkpoints you trust (unpickling "
+        "runs code chosen by whoever wrote them)"
+    )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` (a pickle) read with only the globals DCP metadata is made of."""
+
+    def __init__(self, f: Any, where: str) -> None:
+        super().__init__(f)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:
+            if (module, name) in _META_GLOBALS:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            if module in _META_CLASS_MODULES:
+                obj = super().find_class(module, name)
+                if isinstance(obj, type) and obj.__module__ == module:
+                    return obj
+        raise _pickle_refused(self.where, f"the DCP metadata names {module}.{name}, which DCP metadata is not made of")
+
+
+class _StockReader(FileSystemReader):
+    """DCP's file reader for a step of TorchTitan's own manager; its ``.metadata`` is
+    unpickled with :class:`_MetadataUnpickler` (plain pickle with ``allow_pickle``)."""
+
+    def __init__(self, path: str, allow_pickle: bool) -> None:
+        super().__init__(path)
+        self._dir = str(path)
+        self._allow_pickle = allow_pickle
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        path = os.path.join(self._dir, _DCP_METADATA if rank is None else f"__{rank}{_DCP_METADATA}")
+        try:
+            with open(path, "rb") as f:
+                md = pickle.load(f) if self._allow_pickle else _MetadataUnpickler(f, path).load()
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged pickle raises many kinds
+            raise CheckpointError(f"{path}: cannot read the DCP metadata: {e!r}") from e
+        if not hasattr(md, "state_dict_metadata") or not isinstance(md.state_dict_metadata, dict):
+            raise CheckpointError(f"{path}: not DCP metadata ({type(md).__name__})")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _StockPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, its non-tensor values read with
+    ``torch.load(weights_only=True)`` (DCP's own uses ``weights_only=False``); a value that
+    needs more is refused unless ``allow_pickle``."""
+
+    def __init__(self, allow_pickle: bool, where: str) -> None:
+        super().__init__()
+        self._allow_pickle = allow_pickle
+        self._where = where
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        if self._allow_pickle:
+            return super().load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _pickle_refused(self._where, f"state entry {fqn!r} is not plain data ({e})") from e
+        except Exception as e:  # noqa: BLE001 - damaged bytes raise many kinds
+            raise CheckpointError(f"{self._where}: state entry {fqn!r} cannot be read: {e!r}") from e
+        # The planner's own placement, fed the value just read (re-serialized: plain data).
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return super().load_bytes(read_item, buf)
+
+
+def _is_stock_step(path: str) -> bool:
+    """A step directory of TorchTitan's own manager: DCP's ``.metadata`` (or a Hugging Face
+    export's index) and no ckptstore manifest."""
+    if os.path.isfile(os.path.join(path, _MANIFEST)):
+        return False
+    return os.path.isfile(os.path.join(path, _DCP_METADATA)) or os.path.isfile(os.path.join(path, _HF_INDEX))
+
+
 # ---- the optimizer class ----------------------------------------------------------------------
 
 
@@ -335,6 +466,14 @@ class _StepWriter(Writer):
 
 
 # ---- step listing and retention -------------------------------------------------------------
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _ckpt_cli() -> str:
@@ -381,11 +520,51 @@ class _Steps:
         s = self.steps()
         return s[-1] if s else None
 
+    def _gc_local(self) -> None:
+        """Keep the newest ``keep`` steps of both kinds by step (a ckptstore step wins a tie,
+        and the newest ckptstore step is always kept): stock steps beyond them are renamed
+        out of the ``step-<N>`` names, then deleted; ckptstore steps go through the engine's
+        manager (which never deletes a step a reader holds)."""
+        assert self.keep is not None
+        for name in os.listdir(self.folder):
+            if _TRASH_RE.match(name):  # a removal cut short
+                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        stock = self.stock_steps()
+        if not stock:
+            self._mgr().gc()
+            return
+        ours = self.steps()
+        every = sorted([(s, 0) for s in stock] + [(s, 1) for s in ours])
+        kept = every[-self.keep:]
+        for s, kind in every[: -self.keep]:
+            if kind == 0:
+                path = stock[s]
+                trash = os.path.join(self.folder, f".{os.path.basename(path)}{_TRASH}-{os.getpid()}")
+                os.rename(path, trash)
+                _fsync_dir(self.folder)
+                shutil.rmtree(trash, ignore_errors=True)
+        if ours:
+            keep_ours = max(1, sum(1 for _, kind in kept if kind == 1))
+            _EngineManager(self.folder, keep_last=keep_ours).gc()
+
+    def stock_steps(self) -> dict[int, str]:
+        """The steps TorchTitan's own manager wrote under a local folder (``step-<N>``
+        holding DCP's ``.metadata`` or a Hugging Face export), by step."""
+        if self.remote or not os.path.isdir(self.folder):
+            return {}
+        out: dict[int, str] = {}
+        for name in sorted(os.listdir(self.folder)):
+            m = _STEP_RE.match(name)
+            path = os.path.join(self.folder, name)
+            if m and os.path.isdir(path) and _is_stock_step(path):
+                out.setdefault(int(m.group(1)), path)
+        return out
+
     def gc(self) -> None:
         if self.keep is None:
             return
         if not self.remote:
-            self._mgr().gc()
+            self._gc_local()
             return
         r = subprocess.run(
             [_ckpt_cli(), "gc", self.folder, "--keep", str(self.keep), "--json"],
@@ -667,20 +846,42 @@ class CheckpointManager(BaseCheckpointManager):
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         steps = self._steps.steps()
+        # Steps of TorchTitan's own manager (a job switched to ckptstore): the newest step of
+        # either kind is the latest (a ckptstore step wins a tie).
+        stock = self._steps.stock_steps()
         if step != -1:
-            if step not in steps:
+            if step not in steps and step not in stock:
                 raise CheckpointNotFoundError(
                     f"{self.step_path(step)}: step {step} is not a committed checkpoint under "
-                    f"{self.folder} (committed: {steps})"
+                    f"{self.folder} (committed: {steps}"
+                    + (f"; TorchTitan's own: {sorted(stock)})" if stock else ")")
                 )
             load_step = step
         else:
-            load_step = steps[-1] if steps else -1
+            load_step = max(steps[-1] if steps else -1, max(stock) if stock else -1)
         cfg = self.config
+        if load_step != -1 and load_step not in steps:
+            path = stock[load_step]
+            self._load_stock(path, model_only=load_step == 0)
+            self.loaded_step = load_step
+            logger.warning(
+                "ckptstore: resumed step %d from %s, a checkpoint of TorchTitan's own manager "
+                "(DCP format, loaded as TorchTitan loads it: no CRC check); the next saves are "
+                "ckptstore checkpoints (%s)",
+                load_step, path, _join(self.folder, "step-<8 digits>"),
+            )
+            return True
         if load_step == -1:
             if cfg.initial_load_path:
                 if cfg.initial_load_in_hf:
                     self._load_hf(cfg.initial_load_path, cfg.initial_load_in_hf_quantized)
+                elif "://" not in cfg.initial_load_path and _is_stock_step(cfg.initial_load_path):
+                    self._load_stock(cfg.initial_load_path, model_only=cfg.initial_load_model_only)
+                    logger.warning(
+                        "ckptstore: initial_load_path %s is a checkpoint of TorchTitan's own "
+                        "manager (DCP format), loaded as TorchTitan loads it (no CRC check)",
+                        cfg.initial_load_path,
+                    )
                 else:
                     self._load_path(cfg.initial_load_path, model_only=cfg.initial_load_model_only)
                 return True
@@ -694,6 +895,51 @@ class CheckpointManager(BaseCheckpointManager):
         self._load_path(self.step_path(load_step), model_only=load_step == 0)
         self.loaded_step = load_step
         return True
+
+    def _load_stock(self, path: str, *, model_only: bool) -> None:
+        """A step of TorchTitan's own manager, loaded as TorchTitan loads it (``dcp.load`` of
+        its flattened state, then the model's ``load_state_dict``), with its non-tensor
+        values and DCP metadata read as plain data (pickle beyond that needs
+        ``allow_pickle``). Checked before anything is read: an export (model only, or in
+        Hugging Face format) is refused when resuming, and every component loaded must be in
+        it. No CRC: DCP's files have none, and DCP writes the live tensors as it reads."""
+        if not os.path.isfile(os.path.join(path, _DCP_METADATA)):
+            raise CheckpointError(
+                f"{path}: a Hugging Face export of TorchTitan's own manager (model only); load "
+                "an earlier step (checkpoint.load_step) to resume training"
+            )
+        reader = _StockReader(path, self.allow_pickle)
+        stored = set(reader.read_metadata().state_dict_metadata)
+        if model_only:
+            states: dict[str, Any] = {MODEL: self.states[MODEL]}
+        else:
+            for k in self.exclude_from_loading:
+                if k not in self.states:
+                    raise ValueError(f"{k} not found in state_dict.")
+            states = {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
+            parts = [k for k, v in states.items() if k != MODEL and v is not None]
+
+            def held(k: str) -> bool:
+                return any(n == k or n.startswith(k + ".") for n in stored)
+
+            absent = [k for k in parts if not held(k)]
+            if absent and not any(held(k) for k in parts):
+                raise CheckpointError(
+                    f"{path}: a model-only export of TorchTitan's own manager; load an earlier "
+                    "step (checkpoint.load_step) to resume training"
+                )
+            if absent:
+                raise CheckpointError(f"{path}: the checkpoint holds no state {absent[0]!r}")
+        # TorchTitan's own layout (its manager's _states_to_load): the model's entries at the
+        # top level, the other components as themselves (DCP calls their state_dict and
+        # load_state_dict).
+        sd: dict[str, Any] = {k: v for k, v in states.items() if k != MODEL}
+        sd.update(states[MODEL].state_dict())
+        try:
+            dcp.load(sd, storage_reader=reader, planner=_StockPlanner(self.allow_pickle, path), no_dist=not _dist())
+        except CheckpointException as e:
+            raise _unwrap(e) from e
+        states[MODEL].load_state_dict(sd)
 
     def _load_hf(self, path: str, quantized: bool) -> None:
         """A Hugging Face directory through the adapter's reader (TorchTitan's own path)."""

@@ -40,9 +40,12 @@ STEPS = 10  # the schedule's length (warmup 2, cosine decay): lr is not 0 at ste
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def run_job(folder, out, *, until, mode="disabled", keep=0, env=None, expect_rc=0, no_load=False):
+def run_job(folder, out, *, until, mode="disabled", keep=0, env=None, expect_rc=0, no_load=False,
+            args=(), stderr=None):
+    """One process of the job; its snapshot. ``args``: more of the script's flags;
+    ``stderr``: a list that gets the process's stderr."""
     cmd = [sys.executable, JOB, "--folder", str(folder), "--out", str(out), "--until", str(until),
-           "--steps", str(STEPS), "--mode", mode, "--keep", str(keep)]
+           "--steps", str(STEPS), "--mode", mode, "--keep", str(keep), *args]
     if no_load:
         cmd.append("--no-load")
     e = dict(os.environ)
@@ -50,6 +53,8 @@ def run_job(folder, out, *, until, mode="disabled", keep=0, env=None, expect_rc=
     e.update(env or {})
     r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=180)
     assert r.returncode == expect_rc, f"rc {r.returncode}, expected {expect_rc}:\n{r.stderr[-3000:]}"
+    if stderr is not None:
+        stderr.append(r.stderr)
     return torch.load(out, weights_only=False) if expect_rc == 0 else None
 
 
@@ -136,6 +141,66 @@ def test_async_save_holds_the_state_of_its_step(tmp_path, mode):
     other = tj.build(str(tmp_path / "ck"), mode=mode, steps=STEPS)
     assert other.checkpointer.load(step=2)
     assert_same(state_of(tj.snapshot(other)), state_of(at_2))
+
+
+# ---- a job switched from TorchTitan's own manager --------------------------------------------
+
+
+def test_steps_of_torchtitans_own_manager_resume_and_count_for_keep_latest_k(tmp_path):
+    """A job checkpointed by TorchTitan's own manager (DCP, ``step-N``: steps 2, 4, 6) is
+    switched to ckptstore with step 6 gone: the newest step, stock step 4, resumes as
+    TorchTitan resumes it (a log line says so), and steps 5-6 end bit for bit where the stock
+    run did. Retention (keep 2) counts both kinds: saving step 6 removes stock step 2; a
+    later job loads stock step 4 by ``load(step=4)``, resumes ckptstore step 6 (newer than
+    stock step 4) by default, and saving step 8 removes stock step 4."""
+    ck = tmp_path / "ck"
+    late = ["--use-late"]  # TorchTitan's manager cannot resume a parameter without state
+    stock = run_job(ck, tmp_path / "stock.pt", until=6, args=["--stock", *late])
+    assert sorted(os.listdir(ck)) == ["step-2", "step-4", "step-6"]
+    assert (ck / "step-4" / ".metadata").is_file() and committed(ck) == []
+    (ck / "step-6").rename(tmp_path / "step-6-away")
+    log = []
+    resumed = run_job(ck, tmp_path / "resumed.pt", until=6, keep=2, args=late, stderr=log)
+    assert resumed["loaded_step"] == 4
+    assert "resumed step 4 from" in log[0] and "TorchTitan's own manager" in log[0], log[0][-2000:]
+    assert_same(state_of(resumed), state_of(stock))
+    assert sorted(n for n in os.listdir(ck) if "step-" in n) == [step_name(6), "step-4"]
+
+    job = tj.build(str(ck), steps=STEPS, keep=2)
+    with pytest.raises(ckptstore.CheckpointNotFoundError, match=r"TorchTitan's own: \[4\]"):
+        job.checkpointer.load(step=2)
+    assert job.checkpointer.load(step=4) and job.checkpointer.loaded_step == 4  # load_step: stock
+    assert job.checkpointer.load() and job.checkpointer.loaded_step == 6  # the newest of both
+    assert_same(tj.snapshot(job)["params"], stock["params"])
+    tj.train(job, 8, load=False)
+    assert sorted(n for n in os.listdir(ck) if "step-" in n) == [step_name(6), step_name(8)]
+    # initial_load_path may name a stock step: its model only.
+    fresh = tj.build(str(tmp_path / "fresh"), steps=STEPS, initial_load_path=str(tmp_path / "step-6-away"))
+    assert fresh.checkpointer.load() and fresh.checkpointer.loaded_step is None
+    assert_same(tj.snapshot(fresh)["params"], stock["params"])
+    assert fresh.train_state.step == 0
+
+
+def test_stock_dcp_metadata_naming_other_globals_is_refused(tmp_path):
+    """DCP's ``.metadata`` is a pickle: a stock step whose metadata names a global DCP
+    metadata is not made of is refused (PickleNotAllowedError) before anything changes,
+    and its non-tensor values are read with torch.load(weights_only=True)."""
+    import pickle
+    from fractions import Fraction
+
+    ck = tmp_path / "ck"
+    step = ck / "step-2"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(pickle.dumps({"odd": Fraction(1, 3)}))
+    job = tj.build(str(ck), steps=STEPS)
+    before = tj.snapshot(job)
+    with pytest.raises(PickleNotAllowedError, match=r"fractions\.Fraction"):
+        job.checkpointer.load()
+    assert_same(state_of(tj.snapshot(job)), state_of(before))
+    job.checkpointer.allow_pickle = True  # read with pickle: then it is not DCP metadata
+    with pytest.raises(ckptstore.CheckpointError, match="not DCP metadata"):
+        job.checkpointer.load()
+    assert job.checkpointer.loaded_step is None
 
 
 # ---- SIGKILL during a save ------------------------------------------------------------------

@@ -30,6 +30,8 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
+from torchtitan.components.checkpointer import CheckpointManager as StockCheckpointManager
+
 from ckptstore.integrations.torchtitan import CheckpointManager
 
 VOCAB = 32
@@ -135,6 +137,7 @@ def build(
     last_save_model_only: bool = True,
     export_dtype: str = "float32",
     optimizer: str = "AdamW",
+    stock: bool = False,
     **checkpoint_config: Any,
 ) -> Job:
     torch.manual_seed(0)
@@ -158,7 +161,9 @@ def build(
     )
     dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
     train_state = TrainState()
-    config = CheckpointManager.Config(
+    # ``stock``: TorchTitan's own manager (DCP, ``step-N``), the job before its switch.
+    config_class = StockCheckpointManager.Config if stock else CheckpointManager.Config
+    config = config_class(
         enable=True,
         folder=folder,
         interval=interval,
@@ -226,7 +231,7 @@ def snapshot(job: Job) -> dict:
         },
         "dataloader": job.dataloader.state_dict(),
         "train_state": job.train_state.state_dict(),
-        "loaded_step": job.checkpointer.loaded_step,
+        "loaded_step": getattr(job.checkpointer, "loaded_step", None),
     }
 
 
@@ -238,13 +243,19 @@ def main() -> None:
     ap.add_argument("--until", type=int, default=6)
     ap.add_argument("--keep", type=int, default=0)
     ap.add_argument("--no-load", action="store_true")
+    ap.add_argument("--stock", action="store_true", help="TorchTitan's own checkpoint manager")
+    ap.add_argument("--use-late", action="store_true", help="train `late` from the first step")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    job = build(a.folder, mode=a.mode, steps=a.steps, keep=a.keep)
+    job = build(a.folder, mode=a.mode, steps=a.steps, keep=a.keep, stock=a.stock)
+    # TorchTitan's own manager cannot resume a step saved while a parameter had no optimizer
+    # state (its optimizer state dict then names state the checkpoint lacks): its runs use
+    # every parameter from the first step.
+    job.model.use_late = a.use_late
     train(job, a.until, load=not a.no_load)
     job.checkpointer.close()
     torch.save(snapshot(job), a.out)
