@@ -558,7 +558,13 @@ def _is_ckptstore_checkpoint(path: Any) -> bool:
 
 def _routing_loader(original: Any) -> Any:
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
-        if not _is_ckptstore_checkpoint(path_or_url):
+        try:
+            ours = _is_ckptstore_checkpoint(path_or_url)
+        except CheckpointError:
+            # An s3:// location the engine cannot read (credentials, a damaged manifest):
+            # Lightning's own load, which worked before the patch, with this error as context.
+            return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        if not ours:
             return original(path_or_url, map_location=map_location, weights_only=weights_only)
         location = _location(path_or_url)
         try:

@@ -343,6 +343,29 @@ def test_the_helper_needs_no_plugin(tmp_path, monkeypatch):
     lt.Net.load_from_checkpoint(last)  # installed now
 
 
+def test_the_patched_loader_falls_through_for_s3_it_cannot_read(monkeypatch):
+    """An s3:// location the engine cannot open goes to Lightning's own loader, as before the
+    patch (no S3 server needed: the engine's open is stubbed)."""
+    from ckptstore.errors import CheckpointIOError, CheckpointNotFoundError
+
+    calls = []
+
+    def lightning_load(path, map_location=None, weights_only=None):
+        calls.append((path, map_location, weights_only))
+        return {"loaded by": "lightning"}
+
+    pl_load = ckl._routing_loader(lightning_load)
+    for err in (CheckpointNotFoundError("no manifest"), CheckpointIOError("no credentials")):
+
+        def refuse(location, err=err):
+            raise err
+
+        monkeypatch.setattr(ckl, "_open", refuse)
+        assert pl_load("s3://bkt/stock.ckpt", map_location="cpu", weights_only=True) == {"loaded by": "lightning"}
+    assert calls == [("s3://bkt/stock.ckpt", "cpu", True)] * 2
+    assert pl_load("https://example.invalid/x.ckpt") == {"loaded by": "lightning"}  # never opened
+
+
 def test_load_from_checkpoint_unpickles_only_with_weights_only_false(tmp_path):
     model, last = _trained(tmp_path)
     ck = CheckpointIO().load_checkpoint(last)
