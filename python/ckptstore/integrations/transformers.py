@@ -51,7 +51,9 @@ allocation after the first), captures the JSON values, and returns; a thread wri
 commits, publishes and rotates while training goes on. One save is in flight at a time (the
 next save waits for it first), its error is raised by the next save, by the end of
 ``train`` (which waits for it) or by :meth:`Trainer.ckptstore_wait`. ``on_save`` callbacks
-then run before ``checkpoint-N`` is published; ``push_to_hub`` waits for it.
+then run before ``checkpoint-N`` is published; ``push_to_hub`` waits for it. The end of
+training waits for it before the Trainer's end-of-training cleanup (``save_total_limit=1``
+keeps only the best checkpoint), so the checkpoints left are those of a blocking save.
 
 ``save_model`` (the final model) is the stock ``save_pretrained``: ``from_pretrained`` loads
 it. ``load_best_model_at_end`` reads the best checkpoint with :func:`ckptstore.torch.load`.
@@ -574,7 +576,35 @@ class Trainer(transformers.Trainer):
                 logger.error("ckptstore: a background save failed too: %s", e)
             raise
         self.ckptstore_wait()
+        self._ckptstore_end_of_train_cleanup()  # a no-op once _finalize_training ran it
         return out
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer's end of training (best model, then the save_total_limit=1 cleanup)
+        # must see the checkpoints a blocking save would have left: the save still in flight
+        # is published and rotated first, then the cleanup's rule is applied here, removing
+        # ckptstore checkpoints the way rotation does (out of the names first).
+        if self._ckptstore_active():
+            self.ckptstore_wait()
+            self._ckptstore_end_of_train_cleanup()
+        return super()._finalize_training(*args, **kwargs)
+
+    def _ckptstore_end_of_train_cleanup(self) -> None:
+        """The stock Trainer's end-of-train rule (``save_total_limit == 1`` and a best
+        checkpoint: every other checkpoint is deleted) on the committed ckptstore
+        checkpoints of the best checkpoint's run directory."""
+        best = self.state.best_model_checkpoint
+        if not (self.args.should_save and best is not None and self.args.save_total_limit == 1):
+            return
+        if not self._ckptstore_active():
+            return
+        run_dir = os.path.dirname(os.path.abspath(best))
+        if not os.path.isdir(run_dir):
+            return
+        for _, p in _committed_checkpoints(run_dir):
+            if os.path.abspath(p) != os.path.abspath(best):
+                logger.info("ckptstore: removing %s (save_total_limit=1, best is %s)", p, best)
+                _remove_checkpoint(p)
 
     def _ckptstore_after_publish(self, run_dir: str, final: str, best: Optional[str]) -> None:
         _pause("hf-after-publish")

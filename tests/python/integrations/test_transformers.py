@@ -462,6 +462,67 @@ def test_save_total_limit_keeps_the_latest_and_the_best(tmp_path):
             assert torch.equal(t, torch.from_numpy(np.asarray(ck[n]).copy())), n
 
 
+def test_non_blocking_save_total_limit_1_ends_like_the_stock_trainer(tmp_path, monkeypatch):
+    """save_total_limit=1 with a best checkpoint that is not the last: the stock Trainer ends
+    with the best checkpoint alone. With ckptstore_async=True the last save (checkpoint-6)
+    is still being written when training ends: its write is held until someone waits for
+    it or until on_train_end (which the Trainer calls after its end-of-train cleanup), so the
+    cleanup runs with that save in flight on every run, and the end state must still be the
+    stock one."""
+
+    def best_not_last(out, cls, **kw):
+        scores = iter([1.0, 5.0, 2.0, 3.0, 4.0, 0.0])
+        return tt.make_trainer(
+            str(out), 6, 1, cls=cls, save_total_limit=1, eval_strategy="steps", eval_steps=1,
+            metric_for_best_model="score", greater_is_better=True, load_best_model_at_end=True,
+            eval_dataset=tt.Tokens(n=4), compute_metrics=lambda p: {"score": next(scores)}, **kw,
+        )
+
+    stock_out = tmp_path / "stock"
+    best_not_last(stock_out, transformers.Trainer).train()
+    stock = sorted(p.name for p in stock_out.iterdir())
+    assert stock == ["checkpoint-2"]
+
+    gate = threading.Event()
+    events = []
+    write = hf._save_items
+
+    def held(path, items, max_shard_size):
+        if os.path.basename(path).startswith(".ckptstore-staging-checkpoint-6-"):
+            assert gate.wait(EVENT_TIMEOUT), "nobody waited for checkpoint-6"
+        return write(path, items, max_shard_size)
+
+    class Held(hf.Trainer):
+        last_save = None
+
+        def _ckptstore_write(self, run_dir, name, final, *a):
+            super()._ckptstore_write(run_dir, name, final, *a)
+            if name == "checkpoint-6":
+                self.last_save = self._ckptstore_thread
+                assert self.last_save is not None and self.last_save.is_alive()
+
+        def ckptstore_wait(self):
+            if self._ckptstore_thread is not None and self._ckptstore_thread is self.last_save:
+                events.append("waited")
+                gate.set()
+            super().ckptstore_wait()
+
+    class TrainEnd(transformers.TrainerCallback):
+        def on_train_end(self, args, state, control, **kw):
+            events.append("train_end")
+            gate.set()
+
+    monkeypatch.setattr(hf, "_save_items", held)
+    out = tmp_path / "run"
+    trainer = best_not_last(out, Held, ckptstore_async=True)
+    trainer.add_callback(TrainEnd())
+    trainer.train()
+    assert events[0] == "waited", events  # the end of training waited for the last save
+    assert sorted(p.name for p in out.iterdir()) == stock
+    assert hf.is_ckptstore_checkpoint(out / "checkpoint-2")
+    assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
+
+
 def test_accelerate_save_state_load_state(tmp_path):
     import accelerate
 
