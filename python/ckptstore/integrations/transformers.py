@@ -33,10 +33,15 @@ between them leaves the older checkpoints, never a torn one).
 
 Resuming: ``_load_from_checkpoint`` checks that ``trainer_state.json`` holds exactly the
 committed text (else :class:`~ckptstore.errors.CorruptCheckpointError`) and defers the model:
-it is restored together with the optimizer in ``_load_optimizer_and_scheduler``, through
-:func:`ckptstore.torch.load`: names, shapes and every CRC32 are checked before the model or
-the optimizer changes, and the optimizer state is replaced whole (state the live optimizer
-holds for a parameter the checkpoint does not name is gone). Checkpoint directories that are
+it is restored together with the optimizer in ``_load_optimizer_and_scheduler``. Names,
+shapes, the optimizer (:func:`ckptstore.torch.load`'s rule) and every CRC32 are checked, and
+the model's tensors read into fresh tensors, before the model or the optimizer changes; then
+the optimizer state is replaced whole (state the live optimizer holds for a parameter the
+checkpoint does not name is gone) and the model is loaded through its own
+``model.load_state_dict(tensors, True)``, as the stock Trainer does: an override of it and
+``register_load_state_dict_pre_hook`` hooks run. A model that loads its own way (such an
+override or a pre-hook) decides names and shapes itself (they are not checked first); if its
+``load_state_dict`` raises, the optimizer gets its previous state back. Checkpoint directories that are
 not ckptstore checkpoints (the stock Trainer's) are loaded by the stock code.
 
 Rotation (``save_total_limit``): after a checkpoint is published, the oldest committed
@@ -116,7 +121,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from .. import _ckptstore, open as _open
 from .. import torch as _ct
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, InvalidArgumentError
 from ._tree import TREE_KEY, PickleNotAllowedError, _flatten, _prepare_any, load_tree
 
 __all__ = [
@@ -252,6 +257,79 @@ def _naming(path: "str | os.PathLike[str]", what: str) -> Iterator[None]:
     except CheckpointError as e:
         e.message = f"{what} {os.fspath(path)!r}: {e.message}"
         e.args = (e.message,)
+        raise
+
+
+# ---- restoring the model through its own load_state_dict -------------------------------------
+
+
+class _Staged:
+    """What :func:`ckptstore.torch.load` uses of a model, over fresh tensors: its
+    ``state_dict`` is ``tensors`` (filled from the checkpoint, every CRC checked), its
+    parameters are the live model's (they name the optimizer's parameters)."""
+
+    def __init__(self, model: Any, tensors: Dict[str, Any]) -> None:
+        self._model = model
+        self._tensors = tensors
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        return dict(self._tensors)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self._model.named_parameters(*args, **kwargs)
+
+
+def _custom_loading(model: Any) -> bool:
+    """Whether ``model`` loads state its own way: an overridden ``load_state_dict`` (on its
+    class or the object) or a ``load_state_dict`` pre-hook on any of its modules. Then its
+    ``load_state_dict`` decides which names and shapes it takes."""
+    fn = getattr(getattr(model, "load_state_dict", None), "__func__", None)
+    if fn is not torch.nn.Module.load_state_dict:
+        return True
+    return any(getattr(m, "_load_state_dict_pre_hooks", None) for m in model.modules())
+
+
+def _restore(path: str, model: Any, optimizer: Any = None, allow_optimizer_change: bool = False) -> None:
+    """Restore ``model`` (and ``optimizer``) from a checkpoint of this module, the model
+    through its own ``load_state_dict`` (its overrides and pre-hooks run, as in the stock
+    Trainer).
+
+    Before anything changes: the model's names and shapes against the checkpoint (unless
+    the model loads its own way, :func:`_custom_loading`: its ``load_state_dict`` judges),
+    the optimizer by :func:`ckptstore.torch.load`'s rule, and every CRC32 (the model's
+    tensors are read into fresh tensors). Then the optimizer's state is replaced whole and
+    ``model.load_state_dict(tensors, True)`` runs; if it raises, the optimizer gets its
+    previous state back."""
+    with _open(path) as ck:
+        meta = ck.metadata.get(_ct.META_KEY)
+        names = meta.get("model") if isinstance(meta, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CorruptCheckpointError("the checkpoint lists no model tensors")
+        infos = {n: ck.info(n) for n in names}
+    if not _custom_loading(model):
+        live = model.state_dict()
+        missing = [n for n in live if n not in infos]
+        unexpected = [n for n in infos if n not in live]
+        bad = [n for n in live if n in infos and tuple(infos[n]["shape"]) != tuple(live[n].shape)]
+        if missing or unexpected or bad:
+            if missing:
+                why = f"the checkpoint has no tensor {missing[0]!r}"
+            elif unexpected:
+                why = f"the checkpoint holds {unexpected[0]!r}, which the model does not have"
+            else:
+                n = bad[0]
+                why = f"{n!r} has shape {tuple(infos[n]['shape'])} in the checkpoint, {tuple(live[n].shape)} in the model"
+            raise IncompatibleStateError(f"cannot restore the model: {why}")
+    tensors = {n: _ct._empty_for(info) for n, info in infos.items()}
+    before = optimizer.state_dict() if optimizer is not None else None
+    # Every CRC checked, the optimizer checked, then its state replaced; the model's bytes
+    # land in `tensors`, nothing of the live model changes here.
+    _ct.load(path, _Staged(model, tensors), optimizer, allow_optimizer_change=allow_optimizer_change)
+    try:
+        model.load_state_dict(tensors, True)
+    except BaseException:
+        if before is not None:
+            optimizer.load_state_dict(before)
         raise
 
 
@@ -681,7 +759,7 @@ class Trainer(transformers.Trainer):
                 model if model is not None else self.model, keep_torch_compile=False
             )
             with _naming(resume_from_checkpoint, "loading the model from"):
-                _ct.load(resume_from_checkpoint, target)
+                _restore(resume_from_checkpoint, target)
             return
         # In train(): the model is restored with the optimizer
         # (_load_optimizer_and_scheduler), all checked before either changes.
@@ -701,7 +779,7 @@ class Trainer(transformers.Trainer):
         with _naming(checkpoint, "resuming from"):
             with _open(checkpoint) as ck:
                 has_opt = ck.has_optimizer
-            _ct.load(
+            _restore(
                 checkpoint,
                 model,
                 self.optimizer if has_opt else None,
@@ -749,7 +827,7 @@ class Trainer(transformers.Trainer):
             return super()._load_best_model()
         logger.info("ckptstore: loading the best model from %s (score %s)", best, self.state.best_metric)
         with _naming(best, "loading the best model from"):
-            _ct.load(best, self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+            _restore(best, self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
 
 
 # ---- Accelerate ------------------------------------------------------------------------------
@@ -848,7 +926,7 @@ def load_state(
         with _open(input_dir) as ck:
             if opt is not None and not ck.has_optimizer:
                 raise InvalidArgumentError("it holds no optimizer state")
-        _ct.load(input_dir, model, opt, allow_optimizer_change=allow_optimizer_change)
+        _restore(os.fspath(input_dir), model, opt, allow_optimizer_change=allow_optimizer_change)
     for s, st in zip(accelerator._schedulers, tree["schedulers"]):
         s.load_state_dict(st)
     for dl, st in zip(accelerator._dataloaders, tree["dataloaders"]):

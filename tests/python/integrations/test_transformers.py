@@ -390,6 +390,105 @@ def test_a_flipped_byte_fails_the_resume_and_changes_nothing(ref, tmp_path, tens
     assert_same(before, capture(trainer.model, opt))
 
 
+class OrderLog(torch.nn.Module):
+    """transformers' own test_resume_batch_order model: a buffer logs the order of the samples
+    seen (it grows in forward), and load_state_dict resizes it to the checkpoint's first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(10, 10, bias=False)
+        self.register_buffer("data_order", torch.empty(0, dtype=torch.long))
+
+    def load_state_dict(self, state_dict, strict=True):
+        if "data_order" in state_dict and self.data_order.shape != state_dict["data_order"].shape:
+            self.data_order = state_dict["data_order"].clone()
+        return super().load_state_dict(state_dict, strict=strict)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.fc(input_ids)
+        loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        self.data_order = torch.cat([self.data_order, input_ids[:, 0].long()])
+        return {"loss": loss, "logits": logits}
+
+
+class Ordered(torch.utils.data.Dataset):
+    def __init__(self, n: int = 10) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 10, generator=g)
+        self.x[:, 0] = torch.arange(n)  # the sample's index, logged by OrderLog
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+def test_resume_goes_through_the_models_load_state_dict_override(tmp_path):
+    """transformers' test_resume_batch_order with ours: the model's load_state_dict resizes a
+    buffer before loading. Resuming from checkpoint-6 (epoch 2) runs it and ends with the
+    data order of the uninterrupted run."""
+
+    def run(out, resume=None):
+        torch.manual_seed(42)
+        args = tt.make_args(str(out), -1, 1, num_train_epochs=2, optim="sgd", learning_rate=0.1,
+                            per_device_train_batch_size=2, lr_scheduler_type="constant", warmup_steps=0)
+        trainer = hf.Trainer(model=OrderLog(), args=args, train_dataset=Ordered())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    base = tmp_path / "base"
+    run(base)
+    with ckptstore.open(base / "checkpoint-10") as ck:
+        want = np.asarray(ck["data_order"]).copy()
+    assert len(want) == 20 and sorted(want[:10]) == list(range(10))
+    resumed = run(tmp_path / "resumed", resume=str(base / "checkpoint-6"))
+    assert torch.equal(resumed.model.data_order, torch.from_numpy(want))
+    with ckptstore.open(tmp_path / "resumed" / "checkpoint-10") as ck:
+        assert np.array_equal(np.asarray(ck["data_order"]), want)
+
+
+def test_resume_runs_load_state_dict_pre_hooks(ref, tmp_path):
+    """A hook registered with register_load_state_dict_pre_hook runs on resume, with the
+    checkpoint's tensors; the run still ends as the uninterrupted one."""
+    out = copy_checkpoint(ref, tmp_path)
+    seen = {}
+
+    def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        seen[prefix] = state_dict[prefix + "weight"].clone()
+
+    model = tt.make_model()
+    model.model.norm.register_load_state_dict_pre_hook(hook)
+    trainer = tt.make_trainer(str(out), 8, 4, model=model)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert list(seen) == ["model.norm."]
+    with ckptstore.open(out / "checkpoint-4") as ck:
+        assert np.array_equal(seen["model.norm."].numpy(), np.asarray(ck["model.norm.weight"]))
+    assert_same(ref["dump"], tt.dump(trainer))
+
+
+def test_a_model_load_state_dict_that_raises_leaves_the_optimizer_as_it_was(ref, tmp_path):
+    """Everything is checked and read first; if the model's own load_state_dict then
+    raises, the optimizer gets its previous state back (the model's is the model's)."""
+    out = copy_checkpoint(ref, tmp_path)
+    trainer = tt.make_trainer(str(out), 8, 4)
+    trainer.create_optimizer_and_scheduler(num_training_steps=8)
+    opt = trainer.optimizer
+    batch = tt.Tokens()[0]
+    trainer.model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    opt.step()
+    before = capture(trainer.model, opt)
+
+    def refuse(state_dict, strict=True):
+        raise RuntimeError("refused by the model")
+
+    trainer.model.load_state_dict = refuse
+    with pytest.raises(RuntimeError, match="refused by the model"):
+        trainer.train(resume_from_checkpoint=True)
+    assert_same(before, capture(trainer.model, opt))
+
+
 def test_a_trainer_state_that_differs_from_the_committed_one_is_refused(ref, tmp_path):
     out = copy_checkpoint(ref, tmp_path)
     st = out / "checkpoint-4" / "trainer_state.json"
