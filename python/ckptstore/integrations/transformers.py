@@ -739,7 +739,17 @@ class Trainer(transformers.Trainer):
     # -- resuming
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if not self._ckptstore_active() or not is_ckptstore_checkpoint(resume_from_checkpoint):
+        if not self._ckptstore_active():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not is_ckptstore_checkpoint(resume_from_checkpoint):
+            # A run begun with the stock checkpointing: its checkpoint is loaded by the stock
+            # code (safetensors, torch.load(weights_only=True)); the next saves are ours.
+            logger.warning(
+                "ckptstore: %s is a checkpoint of the stock Trainer, not a ckptstore checkpoint: "
+                "resuming from it with the stock code (no CRC check, not all or nothing); the "
+                "next checkpoints are ckptstore checkpoints",
+                resume_from_checkpoint,
+            )
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         tree = self._ckptstore_tree(resume_from_checkpoint)
         state_file = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)

@@ -131,9 +131,11 @@ class StopAfterSave(transformers.TrainerCallback):
         control.should_training_stop = True
 
 
-def test_a_stock_checkpoint_resumes_through_the_stock_code(ref, tmp_path):
-    """A checkpoint-4 of the stock Trainer (no ckptstore) resumes with ours, and the run
-    ends where ours does uninterrupted: the same training either way."""
+def test_a_stock_checkpoint_resumes_through_the_stock_code(ref, tmp_path, caplog):
+    """A run begun with the stock Trainer (no ckptstore) is switched to ours:
+    ``resume_from_checkpoint=True`` takes its newest checkpoint (checkpoint-4), the stock
+    code loads it (safetensors, torch.load(weights_only=True)), a warning says so, and the
+    run ends where ours does uninterrupted: the same training either way."""
     out = tmp_path / "run"
     stock = tt.make_trainer(str(out), 8, 4, cls=transformers.Trainer)
     stock.add_callback(StopAfterSave())
@@ -141,7 +143,10 @@ def test_a_stock_checkpoint_resumes_through_the_stock_code(ref, tmp_path):
     assert (out / "checkpoint-4" / "optimizer.pt").exists()
     assert not hf.is_ckptstore_checkpoint(out / "checkpoint-4")
     trainer = tt.make_trainer(str(out), 8, 4)
-    trainer.train(resume_from_checkpoint=True)
+    with caplog.at_level("WARNING", logger=hf.__name__):
+        trainer.train(resume_from_checkpoint=True)
+    said = [r.getMessage() for r in caplog.records if r.name == hf.__name__]
+    assert any(str(out / "checkpoint-4") in m and "checkpoint of the stock Trainer" in m for m in said), said
     assert_same(ref["dump"], tt.dump(trainer))
     assert hf.is_ckptstore_checkpoint(out / "checkpoint-8")
 
