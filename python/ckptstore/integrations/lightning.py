@@ -149,7 +149,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import threading
 import warnings
 from pathlib import Path
@@ -161,7 +160,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info as _rank_zero_info
 from lightning.pytorch.callbacks import Callback as _Callback
 
-from .. import open as _open, wait_for_cleanup as _wait_for_cleanup
+from .. import atomic, open as _open, wait_for_cleanup as _wait_for_cleanup
 from ..errors import CheckpointError, CheckpointNotFoundError, IncompatibleStateError, InvalidArgumentError
 from ..torch._state import _check_class, _group_hyper, _optimizer_class
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
@@ -406,20 +405,17 @@ class CheckpointIO(_lio.CheckpointIO):
             )
         if self.cleanup == "background":
             _wait_for_cleanup()  # a background cleanup may still be removing files there
-        # Uncommit first (the manifest is the commit point), then the files.
-        manifest.unlink()
-        _fsync_dir(d)
-        try:
-            shutil.rmtree(d)
-        except FileNotFoundError:  # a file went meanwhile: remove what is left
-            if d.exists():
-                shutil.rmtree(d)
+        # Whole or not at all: renamed out of Lightning's names (durably), then deleted;
+        # what an earlier removal killed half-way left beside it goes too.
+        atomic.remove_dir(d)
+        atomic.sweep_leftovers(d.parent)
 
     def _remove_remote(self, location: str) -> None:
         from lightning.fabric.utilities.cloud_io import get_filesystem
 
         try:
-            _open(location).close()
+            # Lazy: the manifest and shard headers are read, no tensor is downloaded.
+            _open(location, lazy=True).close()
         except CheckpointNotFoundError:
             return  # nothing there (or nothing committed: nothing to uncommit)
         except CheckpointError as e:
@@ -549,7 +545,7 @@ def _is_ckptstore_checkpoint(path: Any) -> bool:
         if not location.startswith("s3://"):
             return False
         try:
-            _open(location).close()
+            _open(location, lazy=True).close()
         except CheckpointNotFoundError:
             return False  # a torch.save object there, or nothing: Lightning's own load
         return True
@@ -616,19 +612,6 @@ def _naming(e: CheckpointError, location: str) -> CheckpointError:
         if e.args:
             e.args = (e.message, *e.args[1:])
     return e
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---- the optimizer class: recorded at save, checked at resume -------------------------------

@@ -374,8 +374,14 @@ def test_top_k_removes_only_superseded_checkpoints(tmp_path):
         io.remove_checkpoint(plain)
     assert (plain / "data.bin").exists()
     victim = d / sorted(kept)[0]
+    # What a removal killed between its rename and its delete leaves (ckptstore.atomic):
+    # swept by the next removal, with nothing else of the directory touched.
+    trash = d / ".epoch=0.ckpt.ckpt-trash-0123456789abcdef"
+    trash.mkdir()
+    (trash / "x").write_bytes(b"x")
     io.remove_checkpoint(victim)
-    assert not victim.exists()
+    assert not victim.exists() and not trash.exists()
+    assert set(os.listdir(d)) == (kept | {"last.ckpt"}) - {victim.name}
 
 
 # ---- Fabric: damage leaves the live state, the ColossalAI scenario ------------------------
