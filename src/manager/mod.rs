@@ -43,10 +43,16 @@ use crate::optim::{OptimizerState, OptimizerStateRef, StateLayout};
 use crate::write::parts::{CommitOptions, Part};
 use crate::write::{CommitInfo, SaveOptions, TensorRef};
 use crate::DType;
+pub use save::SaveHandle;
+use save::*;
+pub use steps::StepEntry;
+use steps::*;
 
 mod local;
 #[cfg(feature = "s3")]
 mod remote;
+mod save;
+mod steps;
 
 const STEP_PREFIX: &str = "step-";
 
@@ -74,29 +80,6 @@ impl Default for Retention {
         Retention {
             keep_last: 3,
             keep_every: None,
-        }
-    }
-}
-
-/// One step under a manager root, as `ls` shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepEntry {
-    /// The step number.
-    pub step: u64,
-    /// Its directory (a `.tmp-step-` one for an interrupted local save) or prefix URL.
-    pub location: Location,
-    /// True if it holds a committed manifest.
-    pub committed: bool,
-    /// Bytes of the files (objects) directly in it.
-    pub bytes: u64,
-}
-
-impl StepEntry {
-    /// The directory of a local step (`None` for a step on an object store).
-    pub fn path(&self) -> Option<&Path> {
-        match &self.location {
-            Location::Local(p) => Some(p),
-            Location::Remote(_) => None,
         }
     }
 }
@@ -171,81 +154,6 @@ impl StepLease {
     }
 }
 
-/// What a manager needs from the store its steps live in: listing steps, saving one,
-/// holding, opening and deleting one. The retention rule, async saves, restores and
-/// multi-rank commits are written once on top, in [`CheckpointManager`].
-trait StepStore: Send + Sync + std::fmt::Debug {
-    /// The root directory or prefix URL.
-    fn root(&self) -> Location;
-
-    /// Where step `step` lives once committed.
-    fn step_location(&self, step: u64) -> Location;
-
-    /// Every step, committed or not, and leftovers of interrupted saves, by step.
-    fn list(&self) -> Result<Vec<StepEntry>>;
-
-    /// A lease on committed step `step`; [`Error::NotFound`] if it is not committed.
-    fn lease(&self, step: u64) -> Result<StepLease>;
-
-    /// Open the step `lease` holds.
-    fn open(&self, lease: &StepLease) -> Result<Checkpoint<Storage>>;
-
-    /// Save one step, committed and durable when this returns `Ok`; an existing committed
-    /// `step` is replaced atomically or kept.
-    fn save(
-        &self,
-        step: u64,
-        tensors: &[TensorRef<'_>],
-        section: Option<OptimizerSection>,
-        opts: &SaveOptions,
-    ) -> Result<CommitInfo>;
-
-    /// Commit the ranks' parts written under `step_location(step)`.
-    fn commit_parts(
-        &self,
-        step: u64,
-        checkpoint_id: &str,
-        parts: &[Part],
-        opts: &CommitOptions,
-    ) -> Result<CommitInfo>;
-
-    /// Delete a committed step retention does not keep: `Ok(false)` if a lease holds it.
-    fn delete(&self, entry: &StepEntry) -> Result<bool>;
-
-    /// Remove from a kept, committed step the engine files its manifest does not name;
-    /// how many.
-    fn sweep(&self, entry: &StepEntry) -> Result<usize>;
-
-    /// Remove the leftovers of interrupted saves among `entries` (those [`interrupted`]
-    /// picks), except `skip`; how many were removed.
-    fn remove_interrupted(&self, entries: &[StepEntry], skip: &Skip) -> Result<usize>;
-}
-
-/// What the removal of interrupted saves leaves alone: steps this manager is saving now,
-/// and locations of steps retention has just deleted (a user's file kept the directory).
-#[derive(Debug, Default)]
-struct Skip {
-    saving: BTreeSet<u64>,
-    deleted: Vec<Location>,
-}
-
-/// The uncommitted entries that are leftovers of interrupted saves and may be removed.
-/// An uncommitted step newer than every committed one that holds part descriptors
-/// (`has_parts`) may be a multi-rank save whose ranks have written their parts and whose
-/// commit is still to come (format-spec/global.md): it is kept until a newer step commits.
-fn interrupted<'a>(
-    entries: &'a [StepEntry],
-    skip: &'a Skip,
-    has_parts: impl Fn(&StepEntry) -> bool + 'a,
-) -> impl Iterator<Item = &'a StepEntry> + 'a {
-    let newest = entries.iter().filter(|e| e.committed).map(|e| e.step).max();
-    entries
-        .iter()
-        .filter(|e| !e.committed)
-        .filter(|e| !skip.saving.contains(&e.step) && !skip.deleted.contains(&e.location))
-        .filter(move |e| !(newest.is_none_or(|n| e.step > n) && has_parts(e)))
-}
-
 /// The steps of a training run under a local directory or an object-store prefix, with
 /// retention and async saves.
 ///
@@ -279,103 +187,6 @@ pub struct CheckpointManager {
     max_in_flight: usize,
 }
 
-/// A background save started by [`CheckpointManager::save_async`].
-#[derive(Debug)]
-pub struct SaveHandle {
-    step: u64,
-    thread: Option<JoinHandle<Result<CommitInfo>>>,
-}
-
-impl SaveHandle {
-    /// The step being saved.
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// Wait for the save: `Ok` once the checkpoint is committed and durable (and retention
-    /// applied), or the save's error.
-    ///
-    /// # Errors
-    /// Any error of the save ([`Error::Io`] and others).
-    pub fn wait(mut self) -> Result<CommitInfo> {
-        self.join()
-    }
-
-    fn join(&mut self) -> Result<CommitInfo> {
-        match self.thread.take() {
-            Some(t) => t.join().unwrap_or_else(|_| {
-                Err(Error::InvalidArgument(
-                    "the background save panicked".into(),
-                ))
-            }),
-            None => Err(Error::InvalidArgument("already waited".into())),
-        }
-    }
-}
-
-impl Drop for SaveHandle {
-    /// Dropping a handle waits for the save (a save is never abandoned half-way).
-    fn drop(&mut self) {
-        if self.thread.is_some() {
-            let _ = self.join();
-        }
-    }
-}
-
-/// Owned, gathered copies of tensors: the snapshot an async save writes.
-struct Snapshot {
-    tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)>,
-}
-
-/// Snapshot buffers of finished async saves, reused by the next one: after the first save
-/// the snapshot copy runs into memory that is already faulted in.
-type BufferPool = Arc<Mutex<Vec<Vec<u8>>>>;
-
-impl Snapshot {
-    fn take(tensors: &[TensorRef<'_>], pool: &BufferPool) -> Result<Snapshot> {
-        use rayon::prelude::*;
-        // Hand each tensor a pooled buffer (largest buffers to largest tensors).
-        let mut free = std::mem::take(&mut *pool.lock().unwrap_or_else(|p| p.into_inner()));
-        free.sort_by_key(|b| std::cmp::Reverse(b.capacity()));
-        let mut order: Vec<usize> = (0..tensors.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].nbytes_hint()));
-        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); tensors.len()];
-        let mut free = free.into_iter();
-        for i in order {
-            match free.next() {
-                Some(b) => bufs[i] = b,
-                None => break,
-            }
-        }
-        let tensors = tensors
-            .par_iter()
-            .zip(bufs)
-            .map(|(t, buf)| {
-                Ok((
-                    t.name().to_string(),
-                    t.dtype(),
-                    t.shape().to_vec(),
-                    t.gather_into(buf)?,
-                ))
-            })
-            .collect::<Result<_>>()?;
-        Ok(Snapshot { tensors })
-    }
-
-    fn recycle(self, pool: &BufferPool) {
-        let mut p = pool.lock().unwrap_or_else(|p| p.into_inner());
-        p.clear();
-        p.extend(self.tensors.into_iter().map(|t| t.3));
-    }
-
-    fn refs(&self) -> Vec<TensorRef<'_>> {
-        self.tensors
-            .iter()
-            .map(|(n, d, s, b)| TensorRef::new(n.as_str(), *d, s, b))
-            .collect()
-    }
-}
-
 pub(crate) fn step_name(step: u64) -> String {
     format!("{STEP_PREFIX}{step:08}")
 }
@@ -395,25 +206,6 @@ fn check_retention(retention: &Retention) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// Marks a step as being saved by this manager while it lives.
-struct Saving(Arc<Mutex<Vec<u64>>>, u64);
-
-impl Saving {
-    fn new(set: &Arc<Mutex<Vec<u64>>>, step: u64) -> Saving {
-        set.lock().unwrap_or_else(|p| p.into_inner()).push(step);
-        Saving(Arc::clone(set), step)
-    }
-}
-
-impl Drop for Saving {
-    fn drop(&mut self) {
-        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = v.iter().position(|&s| s == self.1) {
-            v.swap_remove(i);
-        }
-    }
 }
 
 impl CheckpointManager {
