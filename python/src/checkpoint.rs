@@ -1,6 +1,9 @@
 //! Reading: `ckptstore.Checkpoint` over an open checkpoint, numpy arrays over its
 //! read-only maps, and freshly loaded optimizer state in arrays that own their buffers.
 
+mod access;
+mod convert;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -39,6 +42,8 @@ type Decoded<'py> = (
 /// A request ready for the engine: name, offsets, shape and the destination bytes.
 type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
 use crate::errors::{invalid_arg, CkError};
+pub(crate) use convert::OwnedBuffer;
+use convert::*;
 
 /// Boxes of a tensor's global index space, as Python sees them: `(offsets, shape)`.
 type Boxes = Vec<(Vec<u64>, Vec<u64>)>;
@@ -49,104 +54,6 @@ type Boxes = Vec<(Vec<u64>, Vec<u64>)>;
 pub(crate) struct MappedCheckpoint {
     #[allow(dead_code)] // held for its lifetime only
     ck: Arc<Checkpoint>,
-}
-
-/// Owns one buffer loaded by `load_optimizer`: the `base` of the writable array over it.
-#[pyclass(module = "ckptstore._ckptstore", frozen)]
-pub(crate) struct OwnedBuffer {
-    #[allow(dead_code)] // held for its lifetime only
-    tensor: Tensor,
-}
-
-/// A numpy array that owns a freshly loaded tensor's buffer (no copy).
-#[allow(unsafe_code)] // the one call of `array_over` for owned buffers
-fn owned_array(py: Python<'_>, mut t: Tensor, raw: bool) -> PyResult<Py<PyAny>> {
-    let (d, shape) = if raw {
-        (uint8(py)?, vec![t.bytes().len() as u64])
-    } else {
-        (descr(py, t.dtype())?, t.shape().to_vec())
-    };
-    let ptr = t.bytes_mut().as_mut_ptr();
-    // The Tensor's bytes live in a heap allocation that moving the Tensor does not move.
-    let base = Py::new(py, OwnedBuffer { tensor: t })?;
-    // SAFETY: `ptr` points to the tensor's `numel * size` bytes, owned by `base` (which the
-    // array keeps alive and nothing else reads or writes: it is frozen and exposes nothing).
-    unsafe { array_over(py, d, &shape, ptr, true, base.into_any()) }
-}
-
-fn json_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
-    let text = serde_json::to_string(v).map_err(|e| invalid_arg(e.to_string()))?;
-    py.import("json")?.call_method1("loads", (text,))
-}
-
-fn kind_name(k: Kind) -> &'static str {
-    match k {
-        Kind::Native => "ckptstore",
-        Kind::Safetensors => "safetensors",
-        Kind::HfSharded => "hf-sharded",
-        _ => "unknown",
-    }
-}
-
-/// Parse one layout target name.
-fn parse_target(s: &str) -> PyResult<Target> {
-    Ok(match s.to_ascii_lowercase().as_str() {
-        "as_stored" | "stored" => Target::AsStored,
-        "f32" | "float32" => Target::F32,
-        "bf16" | "bfloat16" => Target::BF16,
-        "f16_scaled" => Target::F16Scaled(ScaleShape::Keep),
-        "f16_scaled_scalar" => Target::F16Scaled(ScaleShape::Scalar),
-        "f16_scaled_one" => Target::F16Scaled(ScaleShape::One),
-        _ => {
-            return Err(invalid_arg(format!(
-                "unknown layout target {s:?}: use \"as_stored\", \"f32\", \"bf16\", \
-                 \"f16_scaled\", \"f16_scaled_scalar\" or \"f16_scaled_one\""
-            )))
-        }
-    })
-}
-
-/// Build a `StateLayout` from the Python description (see `Checkpoint.load_optimizer`).
-fn parse_layout(layout: Option<&Bound<'_, PyAny>>, counters: Vec<String>) -> PyResult<StateLayout> {
-    let mut l = StateLayout::default();
-    match layout {
-        None => {}
-        Some(obj) if obj.is_none() => {}
-        Some(obj) => {
-            if let Ok(s) = obj.extract::<String>() {
-                l = StateLayout::with_default(parse_target(&s)?);
-            } else if let Ok(d) = obj.cast::<PyDict>() {
-                // The default first, so that the per-state entries survive it.
-                if let Some(t) = d.get_item("*")? {
-                    l = StateLayout::with_default(parse_target(&t.extract::<String>()?)?);
-                }
-                for (k, v) in d.iter() {
-                    let target = parse_target(&v.extract::<String>().map_err(|_| {
-                        invalid_arg(format!("layout value for {k} must be a string"))
-                    })?)?;
-                    if let Ok(key) = k.extract::<String>() {
-                        if key != "*" {
-                            l = l.state(key, target);
-                        }
-                    } else if let Ok((param, state)) = k.extract::<(String, String)>() {
-                        l = l.param_state(param, state, target);
-                    } else {
-                        return Err(invalid_arg(format!(
-                            "layout keys are state names, \"*\" or (param, state) tuples, not {k}"
-                        )));
-                    }
-                }
-            } else {
-                return Err(invalid_arg(
-                    "layout must be None, a target name or a dict of state name -> target name",
-                ));
-            }
-        }
-    }
-    for c in counters {
-        l = l.counter(c);
-    }
-    Ok(l)
 }
 
 /// An open checkpoint: a ckptstore directory, a plain `.safetensors` file, or a Hugging
@@ -174,118 +81,6 @@ pub(crate) struct PyCheckpoint {
 struct Inner {
     any: Arc<dyn Reader>,
     resident: Option<(Arc<Checkpoint>, Py<MappedCheckpoint>)>,
-}
-
-impl PyCheckpoint {
-    fn inner(&self) -> PyResult<&Inner> {
-        self.inner
-            .as_ref()
-            .ok_or_else(|| invalid_arg("the checkpoint is closed"))
-    }
-
-    /// The reader, over any shard source.
-    fn reader(&self) -> PyResult<&Arc<dyn Reader>> {
-        Ok(&self.inner()?.any)
-    }
-
-    /// The checkpoint with its bytes in memory, for `what`; raises for a lazily opened one.
-    fn open_parts_for(&self, what: &str) -> PyResult<(&Arc<Checkpoint>, &Py<MappedCheckpoint>)> {
-        match &self.inner()?.resident {
-            Some((a, b)) => Ok((a, b)),
-            None => Err(invalid_arg(format!(
-                "{what} needs the shard bytes in memory; this checkpoint was opened with \
-                 lazy=True (shards fetched on read): open it with lazy=False"
-            ))),
-        }
-    }
-
-    fn view_array(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        verify: bool,
-        raw: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let any = self.reader()?;
-        if any.entry(name).map_err(CkError)?.global {
-            return read_global(py, any, name, raw);
-        }
-        let Some((ck, base)) = &self.inner()?.resident else {
-            // Fetched shards: a fresh array, CRC-checked as its bytes landed.
-            let any = any.clone();
-            let n = name.to_string();
-            let t = py.detach(move || any.read_tensor(&n)).map_err(CkError)?;
-            return owned_array(py, t, raw);
-        };
-        if verify {
-            let ck = ck.clone();
-            let n = name.to_string();
-            py.detach(move || ck.tensor_verified(&n).map(|_| ()))
-                .map_err(CkError)?;
-        }
-        let v = ck.tensor(name).map_err(CkError)?;
-        self.wrap(py, base, v, raw)
-    }
-
-    #[allow(unsafe_code)] // the one call of `array_over` for mapped (or fetched) bytes
-    fn wrap(
-        &self,
-        py: Python<'_>,
-        base: &Py<MappedCheckpoint>,
-        v: ckptstore::TensorView<'_>,
-        raw: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let (d, shape) = if raw {
-            (uint8(py)?, vec![v.bytes().len() as u64])
-        } else {
-            (descr(py, v.dtype())?, v.shape().to_vec())
-        };
-        // SAFETY: the view's bytes lie in a read-only memory map (or, for a checkpoint
-        // downloaded from an object store, a buffer nothing writes) owned by the `Checkpoint`
-        // behind `base`'s Arc, which the array holds as its base; the array is read-only
-        // (`writable == false`), and the mapped files are never modified in place (the
-        // engine's contract, see `ckptstore::Map`).
-        unsafe {
-            array_over(
-                py,
-                d,
-                &shape,
-                v.bytes().as_ptr().cast_mut(),
-                false,
-                base.clone_ref(py).into_any(),
-            )
-        }
-    }
-
-    /// `read_into` (`fill` false) and `fill_into` (`fill` true): decode the requests,
-    /// then run them in parallel with the interpreter released.
-    fn region_requests(
-        &self,
-        py: Python<'_>,
-        mut requests: Vec<Request<'_>>,
-        fill: bool,
-    ) -> PyResult<()> {
-        let ck = self.reader()?;
-        let mut owned: Vec<Decoded<'_>> = requests
-            .drain(..)
-            .map(|(n, o, s, a)| (n.0, indexes(o), indexes(s), a))
-            .collect();
-        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(owned.len());
-        for (name, offsets, shape, out) in owned.iter_mut() {
-            let buf = out.as_slice_mut().map_err(|_| {
-                invalid_arg(format!(
-                    "tensor {name:?}: the destination must be C-contiguous"
-                ))
-            })?;
-            jobs.push((name.as_str(), offsets.as_slice(), shape.as_slice(), buf));
-        }
-        py.detach(|| {
-            jobs.par_iter_mut()
-                .try_for_each(|(n, o, s, buf)| self.regions.copy(ck.as_ref(), n, o, s, buf, fill))
-        })
-        .map_err(CkError)?;
-        Ok(())
-    }
 }
 
 #[pymethods]
@@ -1029,55 +824,6 @@ impl PyCheckpoint {
             ),
         }
     }
-}
-
-/// The path of shard file `f` (as `Shard::file` names it): inside the checkpoint directory,
-/// except a single `.safetensors` file's own path and an object URL, taken as they are.
-fn shard_path(ck: &dyn Reader, f: &str) -> PathBuf {
-    match ck.kind() {
-        Kind::Safetensors => PathBuf::from(f),
-        _ if !ck.resident() => PathBuf::from(f), // an object URL
-        _ => ck.root().join(f),
-    }
-}
-
-/// The whole global tensor `name` in a fresh writable array (its `raw` bytes when `raw`),
-/// every chunk CRC-checked, the interpreter released while it reads.
-fn read_global(py: Python<'_>, ck: &Arc<dyn Reader>, name: &str, raw: bool) -> PyResult<Py<PyAny>> {
-    let ck = ck.clone();
-    let t = py.detach(move || ck.read_global(name)).map_err(CkError)?;
-    owned_array(py, t, raw)
-}
-
-/// Check the CRC32 of every named tensor, in parallel; the first failure in `names` order.
-fn verify_many(ck: &Checkpoint, names: &[String]) -> Result<(), Error> {
-    let first_bad = names
-        .par_iter()
-        .enumerate()
-        .filter_map(|(i, n)| ck.tensor_verified(n).err().map(|e| (i, e)))
-        .min_by_key(|(i, _)| *i);
-    match first_bad {
-        Some((_, e)) => Err(e),
-        None => Ok(()),
-    }
-}
-
-/// The writable bytes of each destination array (named by `names`, for errors), which must
-/// be C-contiguous: `InvalidArgumentError` naming `op` and the tensor otherwise.
-fn writable_bytes<'a>(
-    op: &str,
-    names: &[String],
-    arrays: &'a mut [numpy::PyReadwriteArray1<'_, u8>],
-) -> PyResult<Vec<&'a mut [u8]>> {
-    names
-        .iter()
-        .zip(arrays.iter_mut())
-        .map(|(n, a)| {
-            a.as_slice_mut().map_err(|_| {
-                invalid_arg(format!("{op}: the destination of {n:?} is not contiguous"))
-            })
-        })
-        .collect()
 }
 
 /// `RegionReader(path)`: the old name of the region reader, now `ckptstore.Checkpoint`

@@ -1,0 +1,120 @@
+//! `ckptstore.Checkpoint`'s access to its open checkpoint: the reader over any shard
+//! source, the resident checkpoint behind zero-copy arrays, arrays over stored bytes, and
+//! region requests decoded for the engine.
+
+use super::*;
+
+impl PyCheckpoint {
+    pub(super) fn inner(&self) -> PyResult<&Inner> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| invalid_arg("the checkpoint is closed"))
+    }
+
+    /// The reader, over any shard source.
+    pub(super) fn reader(&self) -> PyResult<&Arc<dyn Reader>> {
+        Ok(&self.inner()?.any)
+    }
+
+    /// The checkpoint with its bytes in memory, for `what`; raises for a lazily opened one.
+    pub(super) fn open_parts_for(
+        &self,
+        what: &str,
+    ) -> PyResult<(&Arc<Checkpoint>, &Py<MappedCheckpoint>)> {
+        match &self.inner()?.resident {
+            Some((a, b)) => Ok((a, b)),
+            None => Err(invalid_arg(format!(
+                "{what} needs the shard bytes in memory; this checkpoint was opened with \
+                 lazy=True (shards fetched on read): open it with lazy=False"
+            ))),
+        }
+    }
+
+    pub(super) fn view_array(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        verify: bool,
+        raw: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let any = self.reader()?;
+        if any.entry(name).map_err(CkError)?.global {
+            return read_global(py, any, name, raw);
+        }
+        let Some((ck, base)) = &self.inner()?.resident else {
+            // Fetched shards: a fresh array, CRC-checked as its bytes landed.
+            let any = any.clone();
+            let n = name.to_string();
+            let t = py.detach(move || any.read_tensor(&n)).map_err(CkError)?;
+            return owned_array(py, t, raw);
+        };
+        if verify {
+            let ck = ck.clone();
+            let n = name.to_string();
+            py.detach(move || ck.tensor_verified(&n).map(|_| ()))
+                .map_err(CkError)?;
+        }
+        let v = ck.tensor(name).map_err(CkError)?;
+        self.wrap(py, base, v, raw)
+    }
+
+    #[allow(unsafe_code)] // the one call of `array_over` for mapped (or fetched) bytes
+    pub(super) fn wrap(
+        &self,
+        py: Python<'_>,
+        base: &Py<MappedCheckpoint>,
+        v: ckptstore::TensorView<'_>,
+        raw: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (d, shape) = if raw {
+            (uint8(py)?, vec![v.bytes().len() as u64])
+        } else {
+            (descr(py, v.dtype())?, v.shape().to_vec())
+        };
+        // SAFETY: the view's bytes lie in a read-only memory map (or, for a checkpoint
+        // downloaded from an object store, a buffer nothing writes) owned by the `Checkpoint`
+        // behind `base`'s Arc, which the array holds as its base; the array is read-only
+        // (`writable == false`), and the mapped files are never modified in place (the
+        // engine's contract, see `ckptstore::Map`).
+        unsafe {
+            array_over(
+                py,
+                d,
+                &shape,
+                v.bytes().as_ptr().cast_mut(),
+                false,
+                base.clone_ref(py).into_any(),
+            )
+        }
+    }
+
+    /// `read_into` (`fill` false) and `fill_into` (`fill` true): decode the requests,
+    /// then run them in parallel with the interpreter released.
+    pub(super) fn region_requests(
+        &self,
+        py: Python<'_>,
+        mut requests: Vec<Request<'_>>,
+        fill: bool,
+    ) -> PyResult<()> {
+        let ck = self.reader()?;
+        let mut owned: Vec<Decoded<'_>> = requests
+            .drain(..)
+            .map(|(n, o, s, a)| (n.0, indexes(o), indexes(s), a))
+            .collect();
+        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(owned.len());
+        for (name, offsets, shape, out) in owned.iter_mut() {
+            let buf = out.as_slice_mut().map_err(|_| {
+                invalid_arg(format!(
+                    "tensor {name:?}: the destination must be C-contiguous"
+                ))
+            })?;
+            jobs.push((name.as_str(), offsets.as_slice(), shape.as_slice(), buf));
+        }
+        py.detach(|| {
+            jobs.par_iter_mut()
+                .try_for_each(|(n, o, s, buf)| self.regions.copy(ck.as_ref(), n, o, s, buf, fill))
+        })
+        .map_err(CkError)?;
+        Ok(())
+    }
+}
