@@ -22,39 +22,11 @@ use rayon::prelude::*;
 use crate::args::{indexes, Index, Name};
 use crate::dtypes::{array_over, descr, uint8};
 
-/// One read: the stored tensor's name, the box `[offsets, offsets + shape)` of its global
-/// index space, and the destination buffer (the box's elements, row-major).
-type Request<'py> = (
-    Name,
-    Vec<Index>,
-    Vec<Index>,
-    numpy::PyReadwriteArray1<'py, u8>,
-);
-
-/// A request with its name and indexes decoded.
-type Decoded<'py> = (
-    String,
-    Vec<u64>,
-    Vec<u64>,
-    numpy::PyReadwriteArray1<'py, u8>,
-);
-
-/// A request ready for the engine: name, offsets, shape and the destination bytes.
-type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
 use crate::errors::{invalid_arg, CkError};
+use access::*;
+pub(crate) use access::{region_reader, MappedCheckpoint};
 pub(crate) use convert::OwnedBuffer;
 use convert::*;
-
-/// Boxes of a tensor's global index space, as Python sees them: `(offsets, shape)`.
-type Boxes = Vec<(Vec<u64>, Vec<u64>)>;
-
-/// Keeps an open checkpoint (its read-only memory maps) alive: the `base` of every array
-/// `Checkpoint` hands out, so a mapping lives as long as any array over it.
-#[pyclass(module = "ckptstore._ckptstore", frozen)]
-pub(crate) struct MappedCheckpoint {
-    #[allow(dead_code)] // held for its lifetime only
-    ck: Arc<Checkpoint>,
-}
 
 /// An open checkpoint: a ckptstore directory, a plain `.safetensors` file, or a Hugging
 /// Face sharded directory. Opening validates the structure and maps the shards read-only;
@@ -824,13 +796,4 @@ impl PyCheckpoint {
             ),
         }
     }
-}
-
-/// `RegionReader(path)`: the old name of the region reader, now `ckptstore.Checkpoint`
-/// opened with `lazy=True` (`ckptstore.open(path, lazy=True)`), which has every method the
-/// region reader had.
-#[pyfunction]
-#[pyo3(name = "RegionReader")]
-pub(crate) fn region_reader(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
-    PyCheckpoint::new(py, path, true)
 }

@@ -118,3 +118,43 @@ impl PyCheckpoint {
         Ok(())
     }
 }
+
+/// One read: the stored tensor's name, the box `[offsets, offsets + shape)` of its global
+/// index space, and the destination buffer (the box's elements, row-major).
+pub(super) type Request<'py> = (
+    Name,
+    Vec<Index>,
+    Vec<Index>,
+    numpy::PyReadwriteArray1<'py, u8>,
+);
+
+/// A request with its name and indexes decoded.
+pub(super) type Decoded<'py> = (
+    String,
+    Vec<u64>,
+    Vec<u64>,
+    numpy::PyReadwriteArray1<'py, u8>,
+);
+
+/// A request ready for the engine: name, offsets, shape and the destination bytes.
+pub(super) type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
+
+/// Boxes of a tensor's global index space, as Python sees them: `(offsets, shape)`.
+pub(super) type Boxes = Vec<(Vec<u64>, Vec<u64>)>;
+
+/// Keeps an open checkpoint (its read-only memory maps) alive: the `base` of every array
+/// `Checkpoint` hands out, so a mapping lives as long as any array over it.
+#[pyclass(module = "ckptstore._ckptstore", frozen)]
+pub(crate) struct MappedCheckpoint {
+    #[allow(dead_code)] // held for its lifetime only
+    pub(super) ck: Arc<Checkpoint>,
+}
+
+/// `RegionReader(path)`: the old name of the region reader, now `ckptstore.Checkpoint`
+/// opened with `lazy=True` (`ckptstore.open(path, lazy=True)`), which has every method the
+/// region reader had.
+#[pyfunction]
+#[pyo3(name = "RegionReader")]
+pub(crate) fn region_reader(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
+    PyCheckpoint::new(py, path, true)
+}
