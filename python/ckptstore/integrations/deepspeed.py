@@ -1,4 +1,5 @@
-"""DeepSpeed's checkpoint engine on ckptstore (tested with DeepSpeed 0.19.8, ZeRO stages 0-2, CPU).
+"""DeepSpeed's checkpoint engine on ckptstore (tested with DeepSpeed 0.19.8, ZeRO stages 0-2, CPU;
+ZeRO-3 is refused).
 
 ::
 
@@ -91,8 +92,16 @@ object (a custom class in ``client_state``) raises
 tag becomes visible), unless the engine is made with ``allow_pickle=True``: then it is
 pickled, and loading it needs ``allow_pickle=True`` too. Unpickling runs code chosen by
 whoever wrote the checkpoint: opt in only for checkpoints you trust as much as the code you
-run. The same flag lets :meth:`CheckpointEngine.load` read a file DeepSpeed's default engine
-wrote (``torch.load(weights_only=False)``, the same trust).
+run.
+
+**A run begun with DeepSpeed's default engine** (switched to ckptstore later): a tag of
+``torch.save`` files loads as DeepSpeed loads it, except that each file is read with
+``torch.load(weights_only=True)`` allowing only the DeepSpeed classes of the table above and
+``argparse.Namespace`` (DeepSpeed's own engine uses ``weights_only=False``); a warning in the
+log names the tag. Such files have no CRCs. A file that needs more than that raises
+:class:`PickleNotAllowedError` unless the engine is made with ``allow_pickle=True``, which
+reads it with ``weights_only=False`` (the same trust as above). The next tags saved are
+ckptstore checkpoints.
 
 **Non-blocking saves** (``install(engine, non_blocking=True)``): ``save_checkpoint``
 returns once every tensor is copied into snapshot buffers (one set per file name, reused by
@@ -107,8 +116,12 @@ its background writer), ``publish`` (every file written, before the rename) or `
 (after the rename, before ``latest`` is written). Unset, a point costs one environment
 lookup.
 
-Not covered: ZeRO-3 and NVMe offload are untested (NVMe offload copies its swap files into
-the tag directory with ``shutil.copytree``, bypassing the engine). Several processes: a
+ZeRO-3 is refused by :func:`install` (``InvalidArgumentError``): DeepSpeed reads a ZeRO-3
+tag's files itself where no checkpoint engine is asked (a load without optimizer states
+rebuilds the module with ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``, which
+reads every rank's files with ``torch.load``), so its checkpoints stay DeepSpeed's own. Not covered:
+NVMe offload is untested (it copies its swap files into the tag directory with
+``shutil.copytree``, bypassing the engine). Several processes: a
 shared file system is assumed (every rank writes its files into the one staging directory,
 barriers around rank 0's publish); tested with two (ZeRO-1). Node-local storage is not
 supported.
@@ -641,15 +654,7 @@ class CheckpointEngine(_DSCheckpointEngine):
     def _read(self, path: str, map_location: Any) -> "tuple[Any, Optional[str]]":
         """The object stored at ``path`` and the optimizer class recorded with it."""
         if os.path.isfile(path):
-            if not self.allow_pickle:
-                raise PickleNotAllowedError(
-                    f"{path!r} is a file (DeepSpeed's default engine writes torch.save pickles), "
-                    "not a ckptstore checkpoint; make the engine with allow_pickle=True to load "
-                    "it with torch.load(weights_only=False), only if you trust it as much as "
-                    "code you run")
-            import torch
-
-            return torch.load(path, map_location=map_location, weights_only=False), None
+            return _read_default_file(path, map_location, self.allow_pickle), None
         try:
             obj = load_tree(path, allow_pickle=self.allow_pickle, map_location=map_location)
         except CheckpointError as e:
@@ -691,6 +696,46 @@ class CheckpointEngine(_DSCheckpointEngine):
         """Drop what :meth:`prefetch` kept and :meth:`load` did not take."""
         self._prefetched.clear()
         self._prefetched_class.clear()
+
+
+def _read_default_file(path: str, map_location: Any, allow_pickle: bool) -> Any:
+    """A file of DeepSpeed's default engine (``torch.save``; a run begun without
+    :func:`install`): read with ``torch.load(weights_only=True)`` allowing DeepSpeed's own
+    classes of the fixed table (and ``argparse.Namespace``), as plain data; what needs more
+    is refused (:class:`PickleNotAllowedError`) unless ``allow_pickle``, which reads it as
+    DeepSpeed does (``weights_only=False``). The first file of a tag read is logged."""
+    import pickle
+
+    import torch
+
+    tag_dir = os.path.dirname(os.path.abspath(path))
+    if tag_dir not in _logged_default:
+        _logged_default.add(tag_dir)
+        _log.warning(
+            "ckptstore: %s holds files of DeepSpeed's default checkpoint engine (torch.save), "
+            "not ckptstore checkpoints: loading them with torch.load(weights_only=%s), without "
+            "CRC checks; the next tags saved are ckptstore checkpoints",
+            tag_dir, "False" if allow_pickle else "True",
+        )
+    if allow_pickle:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    allowed = [*_types().values(), argparse.Namespace]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise PickleNotAllowedError(
+            f"{path!r}: a file of DeepSpeed's default engine (torch.save) that "
+            f"torch.load(weights_only=True) refuses ({first}); make the engine with "
+            "allow_pickle=True to load it with torch.load(weights_only=False), only if you "
+            "trust it as much as code you run") from e
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise InvalidArgumentError(f"{path!r}: not a readable torch.save file: {e}") from e
+
+
+#: Tag directories whose default-engine files were logged (once each per process).
+_logged_default: "set[str]" = set()
 
 
 def _naming(e: "CheckpointError", path: str) -> "CheckpointError":
@@ -750,6 +795,17 @@ def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional
     ``allow_optimizer_change``: module docstring). Installing again replaces the
     checkpoint engine and keeps one wrapper.
     """
+    stage_of = getattr(engine, "zero_optimization_stage", None)
+    stage = stage_of() if callable(stage_of) else None
+    if stage is not None and int(stage) >= 3:
+        raise InvalidArgumentError(
+            "ckptstore.integrations.deepspeed.install: ZeRO stage 3 is not supported. DeepSpeed "
+            "reads the files of a ZeRO-3 tag itself where no checkpoint engine is asked: a "
+            "load_checkpoint without optimizer states (load_optimizer_states=False) rebuilds "
+            "the module with zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint, which "
+            "torch.loads every rank's files (and so does the zero_to_fp32.py script), and these "
+            "would be ckptstore checkpoint directories. Keep DeepSpeed's own checkpoint engine "
+            "for ZeRO-3 (do not call install), or use ZeRO stage 0, 1 or 2 with install.")
     ce = CheckpointEngine(getattr(engine, "_config", None), allow_pickle=allow_pickle,
                           max_shard_size=max_shard_size, non_blocking=non_blocking,
                           allow_optimizer_change=allow_optimizer_change)

@@ -27,7 +27,13 @@ Modes (``--mode``), each writing a ``torch.save`` report to ``--out``:
   optimizer's groups), train ``--more`` steps (``final``, the state names the base
   optimizer then holds).
 
+* ``zero3_install``: a ZeRO-3 engine; ``install`` is expected to refuse it (the error, the
+  stage, and whether the engine's checkpoint engine is unchanged).
+
 ``--optimizer`` (default ``adamw``): the optimizer of the config, ``adamw`` or ``sgd``.
+``--default-engine``: no ``install`` (DeepSpeed's own ``torch.save`` engine: a run begun
+before the switch to ckptstore). Every report holds ``log``: the messages of
+``ckptstore.integrations.deepspeed``'s logger.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def _env(port: int, rank: int, world: int) -> None:
                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
 
 
-def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw"):
+def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw", install: bool = True):
     import deepspeed
     import torch
 
@@ -79,7 +85,8 @@ def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw"):
     if optimizer == "sgd":
         cfg["zero_allow_untested_optimizer"] = True  # ZeRO's list of tested optimizers lacks SGD
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
-    ckds.install(engine, non_blocking=non_blocking)
+    if install:
+        ckds.install(engine, non_blocking=non_blocking)
     return engine, net
 
 
@@ -140,14 +147,38 @@ def main() -> int:
     ap.add_argument("--kill-at", default="")
     ap.add_argument("--non-blocking", action="store_true")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--default-engine", action="store_true",
+                    help="DeepSpeed's own checkpoint engine (no install): a run before its switch")
     args = ap.parse_args()
     _env(args.port, args.rank, args.world)
+    import logging
+
     import torch
 
     from ckptstore.integrations import deepspeed as ckds
 
-    engine, net = build(args.stage, args.non_blocking, args.optimizer)
-    report: dict = {}
+    report: dict = {"log": []}
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            report["log"].append(record.getMessage())
+
+    logging.getLogger(ckds.__name__).addHandler(Keep(level=logging.INFO))
+    if args.mode == "zero3_install":
+        # install refuses ZeRO-3 and leaves the engine as it was.
+        engine, _net = build(3, install=False)
+        before = engine.checkpoint_engine
+        try:
+            ckds.install(engine)
+            report["error"] = None
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            report["error"] = {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e)}
+        report["stage"] = int(engine.zero_optimization_stage())
+        report["engine_unchanged"] = engine.checkpoint_engine is before
+        report["engine_class"] = type(engine.checkpoint_engine).__name__
+        torch.save(report, args.out)
+        return 0
+    engine, net = build(args.stage, args.non_blocking, args.optimizer, install=not args.default_engine)
     if args.mode == "train_save":
         for _ in range(args.steps):
             step(engine)
@@ -161,7 +192,8 @@ def main() -> int:
         for _ in range(args.more):  # non-blocking: while the save may still be writing
             step(engine)
         report["final"] = snapshot(engine)
-        engine.checkpoint_engine.wait()
+        if isinstance(engine.checkpoint_engine, ckds.CheckpointEngine):
+            engine.checkpoint_engine.wait()
     elif args.mode == "resume":
         net.use_extra = True
         for _ in range(2):

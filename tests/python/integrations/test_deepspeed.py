@@ -55,7 +55,8 @@ def _free_port() -> int:
 
 
 def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = "",
-               expect_rc: int = 0, non_blocking: bool = False, optimizer: str = "adamw") -> dict:
+               expect_rc: int = 0, non_blocking: bool = False, optimizer: str = "adamw",
+               default_engine: bool = False) -> dict:
     env = dict(os.environ)
     env.pop(ckds.KILL_ENV, None)
     # DeepSpeed's JIT build of its CPU comm op needs ninja from the venv on PATH.
@@ -70,6 +71,8 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
     if non_blocking:
         cmd.append("--non-blocking")
     cmd += ["--optimizer", optimizer]
+    if default_engine:
+        cmd.append("--default-engine")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     tail = "\n".join((r.stdout + r.stderr).splitlines()[-40:])
     assert r.returncode == expect_rc, f"{' '.join(cmd)}: exit {r.returncode}\n{tail}"
@@ -263,6 +266,37 @@ KILL_POINTS = ["save", "publish", "latest"]
 #: thread of a non-blocking save.
 KILL_RUNS = [(p, False) for p in KILL_POINTS] + [("publish", True)]
 KILL_IDS = [p + ("-nonblocking" if nb else "") for p, nb in KILL_RUNS]
+
+
+def test_a_run_begun_with_deepspeeds_default_engine_resumes_after_install(work):
+    """ZeRO-1 trained and saved by DeepSpeed's own engine (torch.save files), then switched:
+    an engine with install loads the tag `latest` names (torch.load(weights_only=True) with
+    DeepSpeed's classes, no pickle opt-in), a warning says so, and the run ends bit for bit
+    where the uninterrupted one did."""
+    d = work / "default_engine"
+    train = run_worker("train_save", work / "train_default.pt", stage=1, dirs=[d], default_engine=True)
+    assert (d / "latest").read_text() == TAG
+    assert (d / TAG / MODEL_FILE).is_file() and (d / TAG / ZERO_FILE).is_file()  # torch.save files
+    resume = run_worker("resume", work / "resume_default.pt", stage=1, dirs=[d])
+    assert resume["load_path"] == str(d / TAG / MODEL_FILE)
+    assert_same_state(resume["loaded"], train["at_save"], "default engine: loaded vs saved")
+    assert_same_state(resume["final"], train["final"], "default engine: resumed vs uninterrupted")
+    said = [m for m in resume["log"] if "default checkpoint engine" in m]
+    assert len(said) == 1 and str(d / TAG) in said[0] and "weights_only=True" in said[0], resume["log"]
+
+
+def test_install_refuses_zero3_saying_why_and_what_to_use(work):
+    """ZeRO-3's load without optimizer states reads the tag's files itself
+    (zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint): install refuses a ZeRO-3 engine
+    up front, naming that and the alternatives, and leaves its checkpoint engine alone."""
+    r = run_worker("zero3_install", work / "zero3.pt", stage=3)
+    assert r["stage"] == 3
+    assert r["error"] is not None and r["error"]["type"] == "ckptstore.errors.InvalidArgumentError"
+    msg = r["error"]["message"]
+    for part in ("ZeRO stage 3 is not supported", "get_fp32_state_dict_from_zero_checkpoint",
+                 "do not call install", "ZeRO stage 0, 1 or 2"):
+        assert part in msg, msg
+    assert r["engine_unchanged"] and r["engine_class"] != "CheckpointEngine", r
 
 
 @pytest.fixture(scope="module")
@@ -479,13 +513,21 @@ def test_object_only_pickle_stores_is_refused_unless_opted_in(tmp_path):
         ckds.CheckpointEngine().load(str(tmp_path / "t" / MODEL_FILE))
 
 
-def test_default_engine_file_needs_the_pickle_opt_in(tmp_path):
+def test_default_engine_file_loads_weights_only_else_needs_the_pickle_opt_in(tmp_path):
+    """A torch.save file of DeepSpeed's default engine: DeepSpeed's own values load with
+    torch.load(weights_only=True); an object of any other class needs allow_pickle."""
     path = tmp_path / MODEL_FILE
-    torch.save({"x": torch.arange(3), "scaler": LossScaler(scale=1)}, path)
-    with pytest.raises(PickleNotAllowedError, match="torch.save"):
-        ckds.CheckpointEngine().load(str(path))
-    back = ckds.CheckpointEngine(allow_pickle=True).load(str(path))
-    assert same_tensor(back["x"], torch.arange(3))
+    saved = {"x": torch.arange(3), "scaler": LossScaler(scale=1), "stage": ZeroStageEnum(2),
+             "args": argparse.Namespace(lr=0.1)}
+    torch.save(saved, path)
+    same_obj(ckds.CheckpointEngine().load(str(path)), saved)
+    odd = tmp_path / "odd" / MODEL_FILE
+    odd.parent.mkdir()
+    torch.save({"x": torch.arange(3), "odd": fractions.Fraction(1, 3)}, odd)
+    with pytest.raises(PickleNotAllowedError, match=r"weights_only=True.*allow_pickle=True"):
+        ckds.CheckpointEngine().load(str(odd))
+    back = ckds.CheckpointEngine(allow_pickle=True).load(str(odd))
+    assert same_tensor(back["x"], torch.arange(3)) and back["odd"] == fractions.Fraction(1, 3)
 
 
 def test_commit_without_its_create_is_refused(tmp_path):
