@@ -21,15 +21,17 @@ pickled unless ``ckptstore_allow_pickle=True`` (below).
 Visibility: a checkpoint is written into a staging directory
 ``<output_dir>/.ckptstore-staging-checkpoint-N-<pid>-<hex>`` (committed there by the
 engine), with ``trainer_state.json`` (the same bytes as the committed copy), ``config.json``
-and the processing class's files beside it; only then is the staging directory renamed to
-``checkpoint-N`` and the output directory fsynced. So nothing named ``checkpoint-N`` exists
+and the processing class's files beside it; only then is the staging directory published as
+``checkpoint-N`` (:func:`ckptstore.atomic.publish_dir`: a rename, then the output directory
+fsynced). So nothing named ``checkpoint-N`` exists
 before its checkpoint is committed and durable, and the Trainer's own "latest" logic
 (``transformers.trainer_utils.get_last_checkpoint``, used by ``resume_from_checkpoint=True``
 and by the example scripts) can only pick committed checkpoints. A save killed half-way
 leaves a staging directory, which the next save into the output directory removes (if the
 process that made it is gone). Re-saving an existing ``checkpoint-N`` swaps the new one in
-with one ``renameat2(RENAME_EXCHANGE)`` where the kernel has it (else two renames: a crash
-between them leaves the older checkpoints, never a torn one).
+with one ``renameat2(RENAME_EXCHANGE)`` where the kernel has it (else two renames, and a crash
+between them is repaired by the next save's sweep: the old checkpoint is put back, never a
+torn one). Rotation removes a checkpoint whole (:func:`ckptstore.atomic.remove_dir`).
 
 Resuming: ``_load_from_checkpoint`` checks that ``trainer_state.json`` holds exactly the
 committed text (else :class:`~ckptstore.errors.CorruptCheckpointError`) and defers the model:
@@ -101,7 +103,6 @@ process id and blocks, for a test to kill it. The engine's own points
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -119,7 +120,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from .. import _ckptstore, open as _open
+from .. import _ckptstore, atomic, open as _open
 from .. import torch as _ct
 from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, InvalidArgumentError
 from ._tree import TREE_KEY, PickleNotAllowedError, _flatten, _prepare_any, load_tree
@@ -144,9 +145,8 @@ TREE_ROOT = "hf.trainer"
 _VERSION = 1
 TRAINER_STATE_NAME = "trainer_state.json"
 _STAGING = ".ckptstore-staging-"
-_TRASH = ".ckptstore-trash-"
 _CKPT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
-_LEFTOVER_RE = re.compile(r"^\.ckptstore-(?:staging|trash)-.*-(\d+)-[0-9a-f]{12}$")
+_LEFTOVER_RE = re.compile(r"^\.ckptstore-staging-.*-(\d+)-[0-9a-f]{12}$")
 
 # ---- test seam -----------------------------------------------------------------------------
 
@@ -367,35 +367,12 @@ def _set_rng_state(st: Dict[str, Any]) -> None:
 # ---- filesystem helpers ----------------------------------------------------------------------
 
 
-def _fsync_path(path: str) -> None:
+def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_durable(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux ``renameat2``); False where unavailable."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    return rc == 0
 
 
 def _alive(pid: int) -> bool:
@@ -411,7 +388,8 @@ def _alive(pid: int) -> bool:
 
 
 def _remove_leftovers(run_dir: str) -> None:
-    """Remove staging and trash directories of processes that are gone."""
+    """Remove the staging directories of processes that are gone, and what an interrupted
+    publish or removal left (:func:`ckptstore.atomic.sweep_leftovers`)."""
     try:
         names = os.listdir(run_dir)
     except FileNotFoundError:
@@ -420,38 +398,11 @@ def _remove_leftovers(run_dir: str) -> None:
         m = _LEFTOVER_RE.match(n)
         if m and not _alive(int(m.group(1))):
             shutil.rmtree(os.path.join(run_dir, n), ignore_errors=True)
+    atomic.sweep_leftovers(run_dir)
 
 
 def _side_name(name: str) -> str:
     return f"{name}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-def _remove_checkpoint(path: str) -> None:
-    """Move ``path`` out of the ``checkpoint-N`` namespace, then delete it."""
-    parent, name = os.path.split(path)
-    trash = os.path.join(parent, _TRASH + _side_name(name))
-    os.rename(path, trash)
-    _fsync_path(parent)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _publish(staging: str, final: str) -> None:
-    """Make the committed ``staging`` directory ``final`` (replacing one there)."""
-    parent = os.path.dirname(final)
-    _fsync_path(staging)
-    if os.path.lexists(final):
-        if _exchange(staging, final):
-            _fsync_path(parent)
-            shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
-            return
-        old = os.path.join(parent, _TRASH + _side_name(os.path.basename(final)))
-        os.rename(final, old)
-        os.rename(staging, final)
-        _fsync_path(parent)
-        shutil.rmtree(old, ignore_errors=True)
-        return
-    os.rename(staging, final)
-    _fsync_path(parent)
 
 
 def _committed_checkpoints(run_dir: str) -> List[tuple]:
@@ -682,7 +633,7 @@ class Trainer(transformers.Trainer):
         for _, p in _committed_checkpoints(run_dir):
             if os.path.abspath(p) != os.path.abspath(best):
                 logger.info("ckptstore: removing %s (save_total_limit=1, best is %s)", p, best)
-                _remove_checkpoint(p)
+                atomic.remove_dir(p)
 
     def _ckptstore_after_publish(self, run_dir: str, final: str, best: Optional[str]) -> None:
         _pause("hf-after-publish")
@@ -696,7 +647,7 @@ class Trainer(transformers.Trainer):
         os.mkdir(staging)
         try:
             _save_items(staging, items, self.ckptstore_max_shard_size)
-            _write_durable(os.path.join(staging, TRAINER_STATE_NAME), state_text.encode("utf-8"))
+            atomic.write_file(staging, TRAINER_STATE_NAME, state_text)
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(staging)
                 gen = getattr(model, "generation_config", None)
@@ -707,9 +658,12 @@ class Trainer(transformers.Trainer):
             for n in os.listdir(staging):
                 p = os.path.join(staging, n)
                 if os.path.isfile(p):
-                    _fsync_path(p)
+                    _fsync_file(p)
+            atomic.fsync_dir(staging)
             _pause("hf-before-publish")
-            _publish(staging, final)
+            # One rename, or one exchange with the checkpoint it replaces: checkpoint-N
+            # names the old directory or the new one, never neither.
+            atomic.publish_dir(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -733,7 +687,7 @@ class Trainer(transformers.Trainer):
             if os.path.abspath(p) in protected:
                 continue
             logger.info("ckptstore: removing %s (save_total_limit=%d)", p, limit)
-            _remove_checkpoint(p)
+            atomic.remove_dir(p)
             remaining -= 1
 
     # -- resuming

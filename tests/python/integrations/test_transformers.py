@@ -41,6 +41,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import ckptstore
 import ckptstore.integrations.transformers as hf
+from ckptstore import atomic
 from ckptstore.errors import ChecksumError, CorruptCheckpointError
 
 HERE = Path(__file__).resolve().parent
@@ -221,7 +222,7 @@ def test_republishing_a_step_replaces_it_whole(tmp_path):
         staging.mkdir()
         hf.save_checkpoint(staging, model, None, {"v": v}, kind="test")
         (staging / "trainer_state.json").write_text(str(v))
-        hf._publish(str(staging), str(final))
+        atomic.publish_dir(staging, final)  # as the Trainer publishes it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
     assert (final / "trainer_state.json").read_text() == "2.0"
     with ckptstore.open(final) as ck:
