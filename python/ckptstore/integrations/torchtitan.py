@@ -94,9 +94,8 @@ process. Saves are made one at a time: the next ``save`` first waits for the pre
 
 Object storage: ``folder="s3://bucket/prefix"`` (and ``base_folder``) writes and reads
 through the engine's S3 store (the ``AWS_*`` environment configures it, format-spec/s3.md).
-Listing the committed steps and retention on S3 use the engine's S3 manager through the
-``ckpt`` command-line tool (``$CKPT_BIN``, else ``ckpt`` on ``PATH``), which the Python
-bindings do not expose yet.
+Listing the committed steps and retention use the engine's manager
+(:class:`ckptstore.CheckpointManager`) on a directory and on an ``s3://`` prefix alike.
 
 Model-only export: the last step with ``last_save_model_only=True`` (TorchTitan's default)
 writes only the model, in ``export_dtype``; with ``last_save_in_hf=True`` its names are
@@ -124,7 +123,6 @@ import pickle
 import re
 import shutil
 import signal
-import subprocess
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, cast
@@ -151,7 +149,7 @@ from torchtitan.components.checkpointer.base import (
 )
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from .. import CheckpointManager as _EngineManager, _ckptstore
+from .. import CheckpointManager as _EngineManager, _ckptstore, atomic
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -173,8 +171,6 @@ _KILL_ENV = "CKPTSTORE_TORCHTITAN_KILL"
 #: A step directory of TorchTitan's own manager (``step-<N>``, no padding) or of ours.
 _STEP_RE = re.compile(r"^step-(\d+)$")
 #: What retention renames a stock step directory to before deleting it.
-_TRASH = ".ckptstore-trash"
-_TRASH_RE = re.compile(r"^\.step-\d+\.ckptstore-trash-\d+$")
 
 logger = logging.getLogger(__name__)
 
@@ -468,24 +464,6 @@ class _StepWriter(Writer):
 # ---- step listing and retention -------------------------------------------------------------
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _ckpt_cli() -> str:
-    found = os.environ.get("CKPT_BIN") or shutil.which("ckpt")
-    if not found:
-        raise CheckpointError(
-            "a TorchTitan checkpoint folder on object storage needs the `ckpt` tool to list "
-            "and retain steps: set CKPT_BIN or put `ckpt` on PATH"
-        )
-    return found
-
-
 class _Steps:
     """The committed steps under a folder and retention, by the engine's managers."""
 
@@ -504,17 +482,9 @@ class _Steps:
         return _join(self.folder, step_name(step))
 
     def steps(self) -> list[int]:
-        if not self.remote:
-            if not os.path.isdir(self.folder):
-                return []
-            return list(self._mgr().steps())
-        r = subprocess.run(
-            [_ckpt_cli(), "ls", self.folder, "--json"], capture_output=True, text=True
-        )
-        if r.returncode != 0:
-            raise CheckpointError(f"ckpt ls {self.folder}: {r.stderr.strip()}")
-        listing = json.loads(r.stdout)
-        return sorted(int(s["step"]) for s in listing.get("steps", []) if s.get("committed"))
+        if not self.remote and not os.path.isdir(self.folder):
+            return []
+        return list(self._mgr().steps())
 
     def latest(self) -> Optional[int]:
         s = self.steps()
@@ -526,9 +496,7 @@ class _Steps:
         out of the ``step-<N>`` names, then deleted; ckptstore steps go through the engine's
         manager (which never deletes a step a reader holds)."""
         assert self.keep is not None
-        for name in os.listdir(self.folder):
-            if _TRASH_RE.match(name):  # a removal cut short
-                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        atomic.sweep_leftovers(self.folder)  # what a removal cut short left
         stock = self.stock_steps()
         if not stock:
             self._mgr().gc()
@@ -538,11 +506,7 @@ class _Steps:
         kept = every[-self.keep:]
         for s, kind in every[: -self.keep]:
             if kind == 0:
-                path = stock[s]
-                trash = os.path.join(self.folder, f".{os.path.basename(path)}{_TRASH}-{os.getpid()}")
-                os.rename(path, trash)
-                _fsync_dir(self.folder)
-                shutil.rmtree(trash, ignore_errors=True)
+                atomic.remove_dir(stock[s])  # whole or not at all
         if ours:
             keep_ours = max(1, sum(1 for _, kind in kept if kind == 1))
             _EngineManager(self.folder, keep_last=keep_ours).gc()
@@ -566,13 +530,7 @@ class _Steps:
         if not self.remote:
             self._gc_local()
             return
-        r = subprocess.run(
-            [_ckpt_cli(), "gc", self.folder, "--keep", str(self.keep), "--json"],
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            raise CheckpointError(f"ckpt gc {self.folder}: {r.stderr.strip()}")
+        self._mgr().gc()
 
 
 # ---- the manager ----------------------------------------------------------------------------
