@@ -38,8 +38,8 @@ with no cross-rank commit.
 * ``commit(info)`` waits for every rank (a barrier), then the global rank 0 makes the staged
   tag visible in one ``rename(2)`` to ``<save_dir>/<tag>`` (an existing tag of the same name
   is swapped atomically with ``renameat2(RENAME_EXCHANGE)`` on Linux, then removed), fsyncs
-  the directory, and only then writes ``latest`` (to a temporary file, fsynced, renamed over
-  ``latest``). DeepSpeed itself rewrites ``latest`` after ``commit`` returns with a plain
+  the directory (:func:`ckptstore.atomic.publish_dir`), and only then writes ``latest`` (to
+  a temporary file, fsynced, renamed over ``latest``: :func:`ckptstore.atomic.write_file`). DeepSpeed itself rewrites ``latest`` after ``commit`` returns with a plain
   ``open(..., "w")``, which a kill can leave empty; :func:`install` makes the engine skip
   that write (it passes ``save_latest=False`` and hands the real flag to this engine).
 
@@ -135,10 +135,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import dataclasses
 import enum
-import errno
 import functools
 import logging
 import os
@@ -155,6 +153,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine as _DSCheckpointEngine,
 )
 
+from .. import atomic
 from ..errors import CheckpointError, CheckpointIOError, IncompatibleStateError, InvalidArgumentError
 from ..torch._state import _check_class, _group_hyper, _optimizer_class
 from ._tree import PickleNotAllowedError, TreeSaver, load_tree, save_tree
@@ -168,8 +167,8 @@ KILL_ENV = "CKPTSTORE_DEEPSPEED_KILL_AT"
 KILL_POINTS = ("save", "publish", "latest")
 
 _STAGING = ".ckptstore-staging"
-_OLD = ".ckptstore-old"
-_LATEST_TMP = ".latest.ckptstore-tmp."
+#: What a `latest` write killed before its rename leaves (ckptstore.atomic.write_file).
+_LATEST_TMP = ".ckpt-tmp-latest"
 _MARK = "$deepspeed"
 #: Top-level key of a tag's files: the optimizer class of the save.
 _CLASS_KEY = _MARK + ".optimizer_class"
@@ -310,54 +309,6 @@ def _base_optimizer(engine: Any) -> Any:
 # ---- file-system helpers -----------------------------------------------------------------
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False
-    where the system or file system does not offer it."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
-
-
-def _publish(staging: str, tag_dir: str) -> None:
-    """Make ``staging`` visible as ``tag_dir`` in one step, replacing an existing one."""
-    parent = os.path.dirname(tag_dir)
-    try:
-        os.rename(staging, tag_dir)  # atomic; replaces a missing or empty directory
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
-            raise
-        if _exchange(staging, tag_dir):  # staging now holds the previous tag
-            _fsync_dir(parent)
-            shutil.rmtree(staging, ignore_errors=True)
-            return
-        # No atomic swap here: the tag is missing between these two renames.
-        old = _sibling(tag_dir, _OLD)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(tag_dir, old)
-        os.rename(staging, tag_dir)
-        _fsync_dir(parent)
-        shutil.rmtree(old, ignore_errors=True)
-        return
-    _fsync_dir(parent)
-
-
 def _sibling(tag_dir: str, suffix: str) -> str:
     return os.path.join(os.path.dirname(tag_dir), f".{os.path.basename(tag_dir)}{suffix}")
 
@@ -368,24 +319,14 @@ def _remove_leftovers(parent: str) -> None:
     except FileNotFoundError:
         return
     for name in names:
-        if name.startswith(".") and (name.endswith(_STAGING) or name.endswith(_OLD)):
+        if name.startswith(".") and name.endswith(_STAGING):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        elif name.startswith(_LATEST_TMP):
+        elif name == _LATEST_TMP:
             try:
                 os.remove(os.path.join(parent, name))
             except OSError:
                 pass
-
-
-def _write_latest(save_dir: str, tag: str) -> None:
-    path = os.path.join(save_dir, "latest")
-    tmp = os.path.join(save_dir, f"{_LATEST_TMP}{os.getpid()}")
-    with open(tmp, "w") as fd:
-        fd.write(tag)
-        fd.flush()
-        os.fsync(fd.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(save_dir)
+    atomic.sweep_leftovers(parent)  # an interrupted publish put back, removals finished
 
 
 def _inside(path: str, root: str) -> Optional[str]:
@@ -572,14 +513,14 @@ class CheckpointEngine(_DSCheckpointEngine):
             if _global_rank() == 0:
                 try:
                     if os.path.isdir(p.staging):
-                        _fsync_dir(p.staging)
+                        atomic.fsync_dir(p.staging)
                         _seam("publish")
-                        _publish(p.staging, p.tag_dir)
+                        atomic.publish_dir(p.staging, p.tag_dir)
                         _seam("latest")
                     if write_latest:
-                        _write_latest(p.save_dir, p.tag)
+                        atomic.write_file(p.save_dir, "latest", p.tag)
                 except OSError as e:
-                    if isinstance(e, CheckpointError):
+                    if isinstance(e, CheckpointError) and not isinstance(e, CheckpointIOError):
                         raise
                     raise CheckpointIOError(
                         f"{p.tag_dir}: publishing tag {p.tag!r} (then `latest`) failed: {e}") from e

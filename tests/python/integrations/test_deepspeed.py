@@ -626,9 +626,9 @@ def test_publish_failure_is_a_ckptstore_error_and_latest_stays(tmp_path, monkeyp
     _save_tag(ce, tmp_path, "a", {MODEL_FILE: {"x": torch.ones(2)}})
 
     def failing_rename(src, dst):
-        raise OSError(5, "Input/output error (injected)")
+        raise CheckpointIOError("rename: Input/output error (injected)")
 
-    monkeypatch.setattr(ckds, "_publish", failing_rename)
+    monkeypatch.setattr(ckds.atomic, "publish_dir", failing_rename)
     info = _info(tmp_path, "b")
     ce.create(info)
     ce.save(state_dict={"x": torch.zeros(2)}, path=str(tmp_path / "b" / MODEL_FILE))
