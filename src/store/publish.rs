@@ -3,17 +3,17 @@
 //! checkpoint directory, goes through here and through the [`Fs`] seam, so the crash
 //! simulation (tests/publish_crash.rs) enumerates the same operations a real run makes.
 //!
-//! * [`publish_dir`]: `staging` (a directory whose files and entries are already durable)
+//! * [`publish_dir`][]: `staging` (a directory whose files and entries are already durable)
 //!   becomes `target`. A missing target is one `rename`; an existing one is swapped with one
 //!   `exchange` (`renameat2(RENAME_EXCHANGE)`), so that `target` names the old directory or
 //!   the new one at every instant and after every crash, never neither; the old one is then
 //!   removed. Where the file system cannot exchange, two renames through a hidden
 //!   `.<name>.ckpt-old-<id>` sibling are the fallback, and [`sweep_leftovers`] puts the old
 //!   directory back if a crash fell between them.
-//! * [`remove_dir`]: `target` is renamed to a hidden `.<name>.ckpt-trash-<id>` sibling, that
+//! * [`remove_dir`][]: `target` is renamed to a hidden `.<name>.ckpt-trash-<id>` sibling, that
 //!   rename is made durable, then the sibling is deleted: a crash leaves the directory
 //!   whole or gone, never half-deleted under its own name.
-//! * [`sweep_leftovers`]: what a crash left in a parent directory: trash is deleted, an old
+//! * [`sweep_leftovers`][]: what a crash left in a parent directory: trash is deleted, an old
 //!   directory whose target exists is deleted, one whose target is missing is restored.
 
 use std::io::{self, ErrorKind};
