@@ -49,7 +49,7 @@ import numpy as np
 
 from .. import _WIRE, _ckptstore, _prepare, open as _open
 from ..errors import InvalidArgumentError, PickleNotAllowedError
-from ..torch.manager import _Handle, _Snapshot
+from ..torch.internal import Handle, Snapshot, bytes_of, empty_for, to_numpy, torch_module
 
 __all__ = ["save_tree", "load_tree", "TreeSaver", "TreeSaveHandle", "PickleNotAllowedError", "TREE_KEY"]
 
@@ -60,9 +60,7 @@ _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def _torch():
-    from ..torch._dtypes import _torch as t
-
-    return t()
+    return torch_module()
 
 
 def _escape(key: str) -> str:
@@ -183,9 +181,7 @@ def _flatten(obj: Any, prepare, allow_pickle: bool) -> Tuple[List[Tuple[str, str
 def _prepare_any(name: str, v: Any) -> Tuple[str, str, np.ndarray]:
     if isinstance(v, np.ndarray):
         return _prepare(name, v)
-    from ..torch._dtypes import _to_numpy
-
-    return _to_numpy(name, v)
+    return to_numpy(name, v)
 
 
 def save_tree(
@@ -227,6 +223,17 @@ def _tree_of(ck: Any, location: Any) -> Any:
     return meta["tree"]
 
 
+def has_pickle(skeleton: Any) -> bool:
+    """Whether a stored skeleton holds a pickled value (loading it needs ``allow_pickle``)."""
+    if isinstance(skeleton, list):
+        return any(has_pickle(x) for x in skeleton)
+    if isinstance(skeleton, dict):
+        if len(skeleton) == 1 and "$pickle" in skeleton:
+            return True
+        return any(has_pickle(x) for x in skeleton.values())
+    return False
+
+
 _NP_OF = {wire: dt for dt, wire in _WIRE.items()}
 
 
@@ -265,10 +272,8 @@ class _Loader:
             return
         info = self.ck.info(name)
         if kind == "$tensor":
-            from ..torch._dtypes import _bytes_of, _empty_for
-
-            t = _empty_for(info)
-            self.fills.append((name, _bytes_of(t)))
+            t = empty_for(info)
+            self.fills.append((name, bytes_of(t)))
         else:
             t = np.empty(tuple(info["shape"]), dtype=_np_dtype(info["dtype"]))
             self.fills.append((name, t.reshape(-1).view(np.uint8)))
@@ -394,7 +399,7 @@ def load_tree(
 # ---- non-blocking saves ------------------------------------------------------------------
 
 
-class TreeSaveHandle(_Handle):
+class TreeSaveHandle(Handle):
     """A save started by :meth:`TreeSaver.save` (``done()``, ``wait(timeout)``)."""
 
     def __init__(self, location: str) -> None:
@@ -455,7 +460,7 @@ class TreeSaver:
         try:
             self._raise_unreported()
             with self._lock:
-                snap = self._free.pop() if self._free else _Snapshot()
+                snap = self._free.pop() if self._free else Snapshot()
             try:
                 snap.begin()
                 entries, metadata = _flatten(obj, snap.copy, self.allow_pickle)

@@ -354,13 +354,14 @@ def test_the_patched_loader_falls_through_for_s3_it_cannot_read(monkeypatch):
         calls.append((path, map_location, weights_only))
         return {"loaded by": "lightning"}
 
-    pl_load = ckl._routing_loader(lightning_load)
+    routing = ckl._load_from_checkpoint  # where the routing loader looks up the engine's open
+    pl_load = routing._routing_loader(lightning_load)
     for err in (CheckpointNotFoundError("no manifest"), CheckpointIOError("no credentials")):
 
-        def refuse(location, err=err):
+        def refuse(location, err=err, **kw):  # the engine's open(location, lazy=True)
             raise err
 
-        monkeypatch.setattr(ckl, "_open", refuse)
+        monkeypatch.setattr(routing, "_open", refuse)
         assert pl_load("s3://bkt/stock.ckpt", map_location="cpu", weights_only=True) == {"loaded by": "lightning"}
     assert calls == [("s3://bkt/stock.ckpt", "cpu", True)] * 2
     assert pl_load("https://example.invalid/x.ckpt") == {"loaded by": "lightning"}  # never opened
