@@ -43,6 +43,7 @@ import ckptstore
 import ckptstore.integrations.transformers as hf
 from ckptstore import atomic
 from ckptstore.errors import ChecksumError, CorruptCheckpointError
+from ckptstore.integrations._common import staging_name
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -157,7 +158,7 @@ def test_non_blocking_saves_store_the_state_of_their_step(ref, tmp_path, monkeyp
     checkpoints written while training goes on equal the blocking run's, tensor for tensor.
     The write of checkpoint-4 is held until step 5 has changed every live tensor."""
     gate = threading.Event()
-    write = hf._save_items
+    write = hf._trainer._save_items  # the name the Trainer calls
 
     def held(path, items, max_shard_size):
         assert gate.wait(EVENT_TIMEOUT), "step 5 never ended"
@@ -169,7 +170,7 @@ def test_non_blocking_saves_store_the_state_of_their_step(ref, tmp_path, monkeyp
                 assert not (out / "checkpoint-4").exists()  # still being written
                 gate.set()
 
-    monkeypatch.setattr(hf, "_save_items", held)
+    monkeypatch.setattr(hf._trainer, "_save_items", held)
     out = tmp_path / "run"
     trainer = tt.make_trainer(str(out), 8, 4, ckptstore_async=True)
     trainer.add_callback(Release())
@@ -199,10 +200,10 @@ def test_rng_states_round_trip_exactly(tmp_path):
     torch.manual_seed(5)
     random.random(), np.random.standard_normal(), torch.rand(3)  # noqa: B018 - advance them
     np.random.standard_normal()  # leaves a cached gaussian in numpy's state
-    want = hf._rng_state()
+    want = hf._checkpoint._rng_state()
     model = torch.nn.Linear(2, 2)
     hf.save_checkpoint(tmp_path / "c", model, None, {"rng": [want]}, kind="test")
-    got = hf._read_tree(tmp_path / "c", allow_pickle=False)["rng"][0]
+    got = hf._checkpoint._read_tree(tmp_path / "c", allow_pickle=False)["rng"][0]
     assert type(got["python"]) is tuple and got["python"] == want["python"]
     g, w = got["numpy"], want["numpy"]
     assert type(g) is tuple and len(g) == len(w) == 5
@@ -218,7 +219,7 @@ def test_republishing_a_step_replaces_it_whole(tmp_path):
     for v in (1.0, 2.0):
         with torch.no_grad():
             model.weight.fill_(v)
-        staging = tmp_path / hf._side_name(".ckptstore-staging-checkpoint-3")
+        staging = tmp_path / staging_name("checkpoint-3")
         staging.mkdir()
         hf.save_checkpoint(staging, model, None, {"v": v}, kind="test")
         (staging / "trainer_state.json").write_text(str(v))
@@ -236,8 +237,8 @@ def test_a_non_json_value_needs_the_pickle_opt_in(tmp_path):
     assert not (tmp_path / "c" / "ckpt-manifest.json").exists()
     hf.save_checkpoint(tmp_path / "c", model, None, {"x": {1, 2}, "s": slice(1, 2)}, kind="test", allow_pickle=True)
     with pytest.raises(hf.PickleNotAllowedError, match="allow_pickle"):
-        hf._read_tree(tmp_path / "c", allow_pickle=False)
-    assert hf._read_tree(tmp_path / "c", allow_pickle=True) == {"x": {1, 2}, "s": slice(1, 2)}
+        hf._checkpoint._read_tree(tmp_path / "c", allow_pickle=False)
+    assert hf._checkpoint._read_tree(tmp_path / "c", allow_pickle=True) == {"x": {1, 2}, "s": slice(1, 2)}
 
 
 def test_optimizer_state_the_checkpoint_does_not_name_is_gone(tmp_path):
@@ -590,7 +591,7 @@ def test_non_blocking_save_total_limit_1_ends_like_the_stock_trainer(tmp_path, m
 
     gate = threading.Event()
     events = []
-    write = hf._save_items
+    write = hf._trainer._save_items  # the name the Trainer calls
 
     def held(path, items, max_shard_size):
         if os.path.basename(path).startswith(".ckptstore-staging-checkpoint-6-"):
@@ -617,7 +618,7 @@ def test_non_blocking_save_total_limit_1_ends_like_the_stock_trainer(tmp_path, m
             events.append("train_end")
             gate.set()
 
-    monkeypatch.setattr(hf, "_save_items", held)
+    monkeypatch.setattr(hf._trainer, "_save_items", held)
     out = tmp_path / "run"
     trainer = best_not_last(out, Held, ckptstore_async=True)
     trainer.add_callback(TrainEnd())
