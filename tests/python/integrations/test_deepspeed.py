@@ -620,6 +620,7 @@ def test_malformed_stored_deepspeed_value_is_refused_naming_the_file(tmp_path, m
 
 
 def test_publish_failure_is_a_ckptstore_error_and_latest_stays(tmp_path, monkeypatch):
+    from ckptstore import atomic
     from ckptstore.errors import CheckpointIOError
 
     ce = ckds.CheckpointEngine()
@@ -628,7 +629,7 @@ def test_publish_failure_is_a_ckptstore_error_and_latest_stays(tmp_path, monkeyp
     def failing_rename(src, dst):
         raise CheckpointIOError("rename: Input/output error (injected)")
 
-    monkeypatch.setattr(ckds.atomic, "publish_dir", failing_rename)
+    monkeypatch.setattr(atomic, "publish_dir", failing_rename)  # the engine calls atomic.publish_dir
     info = _info(tmp_path, "b")
     ce.create(info)
     ce.save(state_dict={"x": torch.zeros(2)}, path=str(tmp_path / "b" / MODEL_FILE))

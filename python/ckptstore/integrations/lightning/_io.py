@@ -25,7 +25,7 @@ from ._load_from_checkpoint import patch_load_from_checkpoint
 
 class CheckpointIO(_lio.CheckpointIO):
     """A Lightning ``CheckpointIO`` that stores each checkpoint as one committed ckptstore
-    checkpoint (see the module docs).
+    checkpoint (see the package docs).
 
     ``allow_pickle``: store (and load) values only pickle can hold; off by default.
     ``async_save``: non-blocking saves with reused snapshot buffers; ``max_in_flight``
@@ -198,7 +198,7 @@ class CheckpointIO(_lio.CheckpointIO):
     # ---- removing ----------------------------------------------------------------------
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the committed ckptstore checkpoint at ``path`` (see the module docs); a
+        """Remove the committed ckptstore checkpoint at ``path`` (see the package docs); a
         missing path is a no-op. Refuses (``InvalidArgumentError``) anything that is not a
         committed ckptstore checkpoint."""
         location = _location(path)

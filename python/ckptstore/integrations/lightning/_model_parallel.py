@@ -106,7 +106,7 @@ def _only_stored(tensors: Dict[Any, Any], prefix: str, stored: set) -> Dict[Any,
 
 class ModelParallelStrategy(_ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel over DTensor) with its
-    distributed checkpoints stored by ckptstore through DCP (see the module docs).
+    distributed checkpoints stored by ckptstore through DCP (see the package docs).
 
     Takes the arguments of ``lightning.pytorch.strategies.ModelParallelStrategy`` plus
     ``allow_pickle`` and ``max_shard_size`` (per rank). ``save_distributed_checkpoint``
@@ -135,7 +135,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     The class of each optimizer is recorded at save; ``load_checkpoint`` refuses a checkpoint
     saved by another class (:class:`ckptstore.IncompatibleStateError` naming both) before it
     builds any state dict or reads anything, so the model and the optimizers are left exactly
-    as they were, unless ``allow_optimizer_change=True`` (module docs: what a change loads).
+    as they were, unless ``allow_optimizer_change=True`` (package docs: what a change loads).
     """
 
     def __init__(

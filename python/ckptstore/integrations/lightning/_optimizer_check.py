@@ -15,7 +15,7 @@ from ._model_parallel import ModelParallelStrategy
 
 class OptimizerCheck(_Callback):
     """A Lightning callback that refuses to resume a checkpoint saved by another optimizer
-    class (module docs), for :class:`CheckpointIO` under Lightning's stock strategies.
+    class (package docs), for :class:`CheckpointIO` under Lightning's stock strategies.
 
     It records ``type(optimizer).__name__`` of each of the Trainer's optimizers (seen through
     ``LightningOptimizer``) as its callback state at every save, and at a resume raises

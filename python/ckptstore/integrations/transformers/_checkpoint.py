@@ -23,7 +23,7 @@ from .._tree import TREE_KEY, _flatten, _prepare_any, load_tree
 
 logger = logging.getLogger(__package__)  # the package's logger
 
-#: Metadata key marking a checkpoint written by this module: ``{"version", "kind", ...}``.
+#: Metadata key marking a checkpoint written by this package: ``{"version", "kind", ...}``.
 MARKER_KEY = "ckptstore.transformers"
 #: Root key of the tree (scheduler, scaler, RNG, trainer state) in the checkpoint.
 TREE_ROOT = "hf.trainer"
@@ -79,7 +79,7 @@ def _save_items(path: "str | os.PathLike[str]", items: tuple, max_shard_size: Op
 
 
 def is_ckptstore_checkpoint(path: "str | os.PathLike[str]") -> bool:
-    """Whether ``path`` holds a committed checkpoint written by this module."""
+    """Whether ``path`` holds a committed checkpoint written by this package."""
     if not os.path.isdir(path):
         return False
     try:
@@ -90,7 +90,7 @@ def is_ckptstore_checkpoint(path: "str | os.PathLike[str]") -> bool:
 
 
 def _read_tree(path: "str | os.PathLike[str]", allow_pickle: bool) -> Dict[str, Any]:
-    """The tree of a checkpoint of this module: every tensor fresh and CRC-checked."""
+    """The tree of a checkpoint of this package: every tensor fresh and CRC-checked."""
     with _open(path) as ck:
         marker = ck.metadata.get(MARKER_KEY)
         if not isinstance(marker, dict) or marker.get("version") != _VERSION:
@@ -147,7 +147,7 @@ def _custom_loading(model: Any) -> bool:
 
 
 def _restore(path: str, model: Any, optimizer: Any = None, allow_optimizer_change: bool = False) -> None:
-    """Restore ``model`` (and ``optimizer``) from a checkpoint of this module, the model
+    """Restore ``model`` (and ``optimizer``) from a checkpoint of this package, the model
     through its own ``load_state_dict`` (its overrides and pre-hooks run, as in the stock
     Trainer).
 

@@ -39,7 +39,7 @@ _CKPT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 
 
 def _committed_checkpoints(run_dir: str) -> List[tuple]:
-    """``(step, path)`` of the committed checkpoints of this module in ``run_dir``."""
+    """``(step, path)`` of the committed checkpoints of this package in ``run_dir``."""
     out = []
     for n in os.listdir(run_dir):
         m = _CKPT_RE.match(n)
@@ -54,12 +54,12 @@ def _committed_checkpoints(run_dir: str) -> List[tuple]:
 
 class Trainer(transformers.Trainer):
     """:class:`transformers.Trainer` whose ``checkpoint-N`` directories are committed ckptstore
-    checkpoints (module docs). Extra keyword arguments:
+    checkpoints (package docs). Extra keyword arguments:
 
     * ``ckptstore_allow_pickle`` (default ``False``): store (and load) values that only
-      pickle can store; see the module docs for what that trusts;
+      pickle can store; see the package docs for what that trusts;
     * ``ckptstore_max_shard_size``: most tensor bytes per shard (default: the engine's);
-    * ``ckptstore_async`` (default ``False``): non-blocking saves (module docs);
+    * ``ckptstore_async`` (default ``False``): non-blocking saves (package docs);
     * ``ckptstore_allow_optimizer_change`` (default ``False``): resume a checkpoint saved by
       another optimizer class (``ckptstore.torch.load``'s ``allow_optimizer_change``); without
       it such a resume raises ``IncompatibleStateError`` naming both classes.
