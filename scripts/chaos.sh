@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long chaos-resume runs (issue 27, part 1): a small PyTorch training run SIGKILLed again and
+# Long chaos-resume runs: a small PyTorch training run SIGKILLed again and
 # again, at seeded named points (the manager's CKPTSTORE_CHAOS_KILL seam, the Rust writer's
 # pause seam, an unlink interposer for the retention sweep) and by random timers, restarted
 # from its newest committed checkpoint until done, on a local CheckpointManager, on s3://
