@@ -399,6 +399,14 @@ def load_tree(
 # ---- non-blocking saves ------------------------------------------------------------------
 
 
+def check_max_in_flight(max_in_flight: Any) -> int:
+    """``max_in_flight`` of a :class:`TreeSaver`: an integer >= 1, else
+    :class:`InvalidArgumentError` (for a caller that makes its saver later, at once)."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+    return max_in_flight
+
+
 class TreeSaveHandle(Handle):
     """A save started by :meth:`TreeSaver.save` (``done()``, ``wait(timeout)``)."""
 
@@ -417,8 +425,7 @@ class TreeSaver:
 
     def __init__(self, max_in_flight: int = 1, *, allow_pickle: bool = False,
                  max_shard_size: Optional[int] = None, cleanup: str = "inline") -> None:
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        check_max_in_flight(max_in_flight)
         self.allow_pickle = allow_pickle
         self.max_shard_size = max_shard_size
         self.cleanup = cleanup

@@ -18,7 +18,7 @@ from ... import atomic, open as _open, wait_for_cleanup as _wait_for_cleanup
 from ...errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, PickleNotAllowedError
 from .._common import MANIFEST
 from .._stock import UNREADABLE, WeightsOnlyRefusal, torch_load
-from .._tree import TreeSaver, save_tree
+from .._tree import TreeSaver, check_max_in_flight, save_tree
 from ._base import _is_remote, _key, _load_ckptstore, _local, _location
 from ._load_from_checkpoint import patch_load_from_checkpoint
 
@@ -43,8 +43,7 @@ class CheckpointIO(_lio.CheckpointIO):
         max_shard_size: Optional[int] = None,
         cleanup: str = "inline",
     ) -> None:
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        check_max_in_flight(max_in_flight)
         if max_shard_size is not None and max_shard_size <= 0:
             raise InvalidArgumentError("max_shard_size must be positive")
         if cleanup not in ("inline", "background"):
