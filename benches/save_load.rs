@@ -158,9 +158,23 @@ fn load(c: &mut Criterion, fx: &Fixture) {
     for (name, t) in targets {
         let layout = StateLayout::default().state("exp_avg", t);
         let pool = BufferPool::new(usize::MAX);
-        drop(ck.load_optimizer_with(&layout, &pool).unwrap());
+        drop(
+            ck.load_optimizer_opts(
+                &layout,
+                &ckptstore::optim::LoadOptions::default().pool(&pool),
+            )
+            .unwrap(),
+        );
         g.bench_function(format!("load_{name}_pooled"), |b| {
-            b.iter(|| black_box(ck.load_optimizer_with(&layout, &pool).unwrap()))
+            b.iter(|| {
+                black_box(
+                    ck.load_optimizer_opts(
+                        &layout,
+                        &ckptstore::optim::LoadOptions::default().pool(&pool),
+                    )
+                    .unwrap(),
+                )
+            })
         });
         drop(pool);
         g.bench_function(format!("load_{name}_fresh"), |b| {

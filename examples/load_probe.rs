@@ -24,9 +24,10 @@ fn main() -> ckptstore::Result<()> {
         let fresh = t.elapsed().as_secs_f64();
         let ck = ckptstore::Checkpoint::open(&dir)?;
         let t = std::time::Instant::now();
-        drop(std::hint::black_box(
-            ck.load_optimizer_with(&layout, &pool)?,
-        ));
+        drop(std::hint::black_box(ck.load_optimizer_opts(
+            &layout,
+            &ckptstore::optim::LoadOptions::default().pool(&pool),
+        )?));
         let pooled = t.elapsed().as_secs_f64();
         println!(
             "new map: fresh {:.3} s ({:.2} GiB/s), pooled {:.3} s ({:.2} GiB/s)",

@@ -37,12 +37,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use ckptstore::commit;
 use ckptstore::format::global::{ChunkEntry, GlobalEntry};
 use ckptstore::format::header::{self, HeaderEntry};
 use ckptstore::format::manifest::{self, Manifest, ShardEntry, TensorInfo};
-use ckptstore::write::parts::{chunk_tensor_name, commit};
+use ckptstore::write::parts::chunk_tensor_name;
+use ckptstore::write::parts::Layout;
+use ckptstore::write::parts::PartChunk;
 use ckptstore::write::{part_file_name, rank_shard_file_name};
-use ckptstore::{Checkpoint, CommitOptions, DType, Layout, Part, PartChunk};
+use ckptstore::{Checkpoint, CommitOptions, DType, Part};
 use rayon::prelude::*;
 
 const ID: &str = "5f0c2a7e9b1d4c3a8e6f0b2d4a6c8e10";

@@ -30,7 +30,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
+use ckptstore::commit;
+use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::write_part;
 use ckptstore::{Checkpoint, CommitOptions, DType, Part, PartItem, SaveOptions, TensorRef};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

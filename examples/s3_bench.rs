@@ -21,7 +21,7 @@
 
 use std::time::Instant;
 
-use ckptstore::api::s3::{self, Remote, S3Config};
+use ckptstore::store::s3::{Remote, S3Config};
 use ckptstore::store::Location;
 use ckptstore::{SaveOptions, TensorRef};
 use futures::StreamExt;
@@ -90,7 +90,8 @@ fn main() -> ckptstore::Result<()> {
                 raw_put_once();
                 raw_put = raw_put.min(t0.elapsed().as_secs_f64());
             } else {
-                s3::save_with(&url, &tensors, &SaveOptions::default(), None, &cfg)?;
+                Remote::new(&url, &cfg)
+                    .and_then(|r| ckptstore::save(&r, &tensors, &SaveOptions::default()))?;
                 save = save.min(t0.elapsed().as_secs_f64());
             }
         }
@@ -158,14 +159,18 @@ fn main() -> ckptstore::Result<()> {
                     continue;
                 }
                 1 => {
-                    let ck = s3::open_with(&url, &cfg).expect("open");
+                    let ck = Remote::new(&url, &cfg)
+                        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+                        .expect("open");
                     t[1] = t[1].min(t0.elapsed().as_secs_f64());
                     assert_eq!(ck.data_bytes(), size);
                     fused &= ck.data_verified();
                     continue;
                 }
                 _ => {
-                    let ck = s3::open_with(&url, &cfg).expect("open");
+                    let ck = Remote::new(&url, &cfg)
+                        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+                        .expect("open");
                     ck.verify().expect("verify");
                     // Stop the clock before the buffers are freed, as for the open.
                     t[2] = t[2].min(t0.elapsed().as_secs_f64());

@@ -5,40 +5,46 @@
 Dependencies run one way: each module uses only those listed before it (tests/layers.rs
 checks the `use crate::` paths of every file against this order).
 
-1. The base: [`error`], [`location`] (paths and URLs), [`dtype`], [`view`], [`tensor`]
-   (owned tensors and the buffer pool), CRCs; `sys` (private: the only `unsafe` code; public
-   face [`mmap`]) and [`convert`] (kernels).
+1. The base: errors ([`Error`]), locations (paths and URLs: [`store::Location`]), dtypes,
+   views and owned tensors ([`tensor`]: [`DType`], [`TensorView`], [`Tensor`], the buffer
+   pool), CRCs; `sys` (private: the only `unsafe` code; public face [`store::mmap`]) and
+   [`convert`] (kernels).
 2. [`format`](mod@format): bytes on disk (shard header, manifest, part descriptor, file names,
    optimizer-section and global-tensor rules, upload journals).
-3. [`store`]: where the bytes live, behind one object-shaped trait ([`store::Store`],
-   [`store::Put`]): the local directory [`store::LocalStore`] over the [`store::fs`] fault
-   seam, and S3 (`store::s3`, feature `s3`). It moves bytes and knows no reader or writer.
+3. [`store`]: where the bytes live, behind one object-safe trait ([`store::Store`],
+   [`store::Put`]; [`store::connect`] makes one from a location): the local directory
+   [`store::LocalStore`] over the [`store::fs`] fault seam, and S3 (`store::s3`, feature
+   `s3`). It moves bytes and knows no reader or writer.
 4. [`write`](mod@write) and [`checkpoint`]: whole checkpoints, written (single- and
    multi-rank) and read, over any store; neither imports the other.
 5. [`optim`]: optimizer state on top of checkpoints.
-6. [`manager`] (steps of a training run) and [`api`] (the verbs over a location: a path or
-   an `s3://` URL, re-exported here as [`open`], [`save`], [`write_part`], [`commit`], ...).
+6. [`manager`] (steps of a training run) and the verbs over any store (a path, an `s3://`
+   URL, or a store: [`store::IntoStore`]), one each: [`open`], [`save`], [`write_part`],
+   [`commit`], [`discard`].
 "]
 #![warn(missing_docs)]
 
 // Modules, lowest floor first: each one uses only those above it. (Blank-line groups keep
-// rustfmt from sorting the floors alphabetically.)
+// rustfmt from sorting the floors alphabetically.) Eight are public; the base's types are
+// re-exported at the root and in `tensor`, `store` and `checkpoint`.
 
 // The base every floor uses.
-pub mod error;
+mod error;
 
-pub mod location;
+mod location;
 
-pub mod dtype;
+mod dtype;
 
-pub mod view;
+mod view;
 
 pub mod tensor;
 
 mod crc;
 
-// The only unsafe code (memory maps, SIMD kernels, I/O hints), and the kernels over it.
+// The only unsafe code (memory maps, SIMD kernels, I/O hints), and the kernels over it. Its
+// public face, the memory map, is `store::mmap`.
 mod sys;
+pub(crate) use sys::mmap;
 
 pub mod convert;
 
@@ -54,28 +60,16 @@ pub mod write;
 pub mod checkpoint;
 
 // Optimizer state on top of checkpoints, then steps of a training run and the verbs over
-// locations.
+// stores.
 pub mod optim;
 
 pub mod manager;
 
-pub mod api;
+mod api;
 
-pub use api::{
-    commit, commit_rendezvous, discard, open, put_file, save, save_optimizer, save_with_section,
-    write_part,
-};
-pub use checkpoint::Storage;
-pub use checkpoint::{
-    Checkpoint, Fetch, Kind, Region, Shard, ShardSource, TensorInfo, VerifyReport,
-};
-pub use crc::crc32_parallel;
-pub use dtype::DType;
+pub use api::{commit, discard, open, save, write_part};
+pub use checkpoint::{Checkpoint, Region, Storage, TensorInfo, VerifyReport};
 pub use error::{Error, Result};
-pub use location::{IntoLocation, Location};
-pub use sys::mmap;
-pub use sys::mmap::Map;
-pub use tensor::{BufferPool, PoolStats, Tensor};
-pub use view::{Element, TensorView};
-pub use write::parts::{CommitOptions, Layout, Part, PartChunk, PartItem};
-pub use write::{wait_for_cleanup, Cleanup, CommitInfo, SaveOptions, TensorRef};
+pub use tensor::{BufferPool, DType, Element, Tensor, TensorView};
+pub use write::parts::{CommitOptions, Part, PartItem};
+pub use write::{Cleanup, CommitInfo, SaveOptions, TensorRef};

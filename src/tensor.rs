@@ -1,12 +1,13 @@
-//! Owned tensors in 8-byte-aligned buffers of their own, and the [`BufferPool`] that can
-//! recycle those buffers across loads.
+//! Tensors: element types ([`DType`], [`Element`]), borrowed views ([`TensorView`]),
+//! owned tensors in 8-byte-aligned buffers of their own ([`Tensor`]), and the
+//! [`BufferPool`] that can recycle those buffers across loads.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::dtype::{checked_nbytes, DType};
+pub use crate::dtype::{checked_nbytes, checked_numel, DType};
 use crate::error::{Error, Result};
-use crate::view::Element;
+pub use crate::view::{Element, TensorView};
 
 /// An owned tensor: dtype, shape and its own buffer, aligned for every element type.
 ///

@@ -5,7 +5,6 @@ mod crashfs;
 
 use std::path::Path;
 
-use ckptstore::write::save_with_fs;
 use ckptstore::{save, Checkpoint, SaveOptions, TensorRef};
 use crashfs::CrashFs;
 
@@ -128,7 +127,11 @@ fn crash_at_every_operation(with_old: bool) -> usize {
         }
         let old_c = contents(dir.path());
         let fs = CrashFs::new(k);
-        let r = save_with_fs(&fs, dir.path(), &refs(&new), &opts());
+        let r = ckptstore::save(
+            &ckptstore::store::LocalStore::new(&fs, dir.path()),
+            &refs(&new),
+            &opts(),
+        );
         let after = contents(dir.path());
         let new_c = {
             let d2 = tempfile::tempdir().unwrap();

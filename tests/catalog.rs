@@ -32,10 +32,10 @@ fn the_catalog_lists_global_tensors_by_name_and_hides_their_chunks() {
             items.push(PartItem::Whole(TensorRef::from_slice("bias", &[3], &bias)));
         }
         descriptors.push(
-            parts::write_part(dir.path(), &id, rank, &items, &SaveOptions::default()).unwrap(),
+            ckptstore::write_part(dir.path(), &id, rank, &items, &SaveOptions::default()).unwrap(),
         );
     }
-    parts::commit(dir.path(), &id, &descriptors, &CommitOptions::default()).unwrap();
+    ckptstore::commit(dir.path(), &id, &descriptors, &CommitOptions::default()).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
 
     // Stored: four chunk tensors (two of w, two replicas of step) and bias.

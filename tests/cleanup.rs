@@ -7,8 +7,9 @@
 use std::path::Path;
 use std::sync::Mutex;
 
+use ckptstore::write::wait_for_cleanup;
 use ckptstore::write::{hold_background_cleanup, waiting_for_cleanup};
-use ckptstore::{save, wait_for_cleanup, Checkpoint, Cleanup, SaveOptions, TensorRef};
+use ckptstore::{save, Checkpoint, Cleanup, SaveOptions, TensorRef};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 

@@ -44,13 +44,23 @@ fn every_read_strategy_and_releasing_load_give_identical_state() {
             let fresh = Checkpoint::open(dir.path()).unwrap();
             assert_eq!(fresh.load_optimizer(&layout).unwrap(), want, "{s:?}");
             assert_eq!(
-                fresh.load_optimizer_releasing(&layout).unwrap(),
+                fresh
+                    .load_optimizer_opts(
+                        &layout,
+                        &ckptstore::optim::LoadOptions::default().release_pages(true)
+                    )
+                    .unwrap(),
                 want,
                 "{s:?}"
             );
             // Released pages are mapped again by the next load.
             assert_eq!(
-                fresh.load_optimizer_releasing(&layout).unwrap(),
+                fresh
+                    .load_optimizer_opts(
+                        &layout,
+                        &ckptstore::optim::LoadOptions::default().release_pages(true)
+                    )
+                    .unwrap(),
                 want,
                 "{s:?}"
             );
@@ -172,7 +182,10 @@ fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
     ck.verify_tensors(&[order[0].name.as_str(), order[1].name.as_str()], true)
         .unwrap();
     assert!(matches!(
-        ck.load_optimizer_releasing(&StateLayout::default()),
+        ck.load_optimizer_opts(
+            &StateLayout::default(),
+            &ckptstore::optim::LoadOptions::default().release_pages(true)
+        ),
         Err(Error::ChecksumMismatch { .. })
     ));
 }

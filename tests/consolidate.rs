@@ -7,11 +7,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Output};
 
+use ckptstore::checkpoint::Kind;
 use ckptstore::checkpoint::HF_INDEX_FILE;
+use ckptstore::commit;
 use ckptstore::optim::{OptimizerStateRef, ParamGroup, ParamSpec, StateValueRef};
 use ckptstore::write::is_engine_file;
-use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
-use ckptstore::{Checkpoint, CommitOptions, DType, Kind, PartItem, SaveOptions, TensorRef};
+use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::write_part;
+use ckptstore::{Checkpoint, CommitOptions, DType, PartItem, SaveOptions, TensorRef};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt");
 

@@ -337,7 +337,7 @@ fn foreign_safetensors_and_hf_directories_open_read_only() {
     let bytes2 = safetensors::serialize([("v", view)], None).unwrap();
     std::fs::write(dir.path().join("model-00002-of-00002.safetensors"), &bytes2).unwrap();
     let single = Checkpoint::open(dir.path().join("model-00001-of-00002.safetensors")).unwrap();
-    assert_eq!(single.kind(), ckptstore::Kind::Safetensors);
+    assert_eq!(single.kind(), ckptstore::checkpoint::Kind::Safetensors);
     assert_eq!(
         single.tensor("w").unwrap().as_slice::<f32>().unwrap(),
         &data[..]
@@ -357,7 +357,7 @@ fn foreign_safetensors_and_hf_directories_open_read_only() {
     )
     .unwrap();
     let hf = Checkpoint::open(dir.path()).unwrap();
-    assert_eq!(hf.kind(), ckptstore::Kind::HfSharded);
+    assert_eq!(hf.kind(), ckptstore::checkpoint::Kind::HfSharded);
     assert_eq!(hf.tensors().len(), 2);
     assert_eq!(
         hf.tensor("v").unwrap().as_slice::<f32>().unwrap(),

@@ -30,9 +30,9 @@ mod two_ranks;
 use std::collections::HashSet;
 use std::path::Path;
 
-use ckptstore::write::parts::{commit_with_fs, new_checkpoint_id, write_part_with_fs};
-use ckptstore::write::save_with_fs;
-use ckptstore::{CommitInfo, CommitOptions, Layout, Part, SaveOptions};
+use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::write::parts::Layout;
+use ckptstore::{CommitInfo, CommitOptions, Part, SaveOptions};
 use simfs::*;
 use two_ranks::*;
 
@@ -53,7 +53,15 @@ fn save_opts(gen: &str) -> SaveOptions {
 }
 
 fn write_part_sim(fs: &SimFs, id: &str, rank: u32, b: &BData) -> ckptstore::Result<Part> {
-    pool().install(|| write_part_with_fs(fs, dir(), id, rank, &items(b, rank), &part_opts()))
+    pool().install(|| {
+        ckptstore::write_part(
+            &ckptstore::store::LocalStore::new(fs, dir()),
+            id,
+            rank,
+            &items(b, rank),
+            &part_opts(),
+        )
+    })
 }
 
 /// All ranks' parts of a new checkpoint id, then the commit, on `fs` without faults.
@@ -62,7 +70,13 @@ fn multi_rank_save(fs: &SimFs, b: &BData) -> (String, CommitInfo) {
     let parts: Vec<Part> = (0..2)
         .map(|r| write_part_sim(fs, &id, r, b).unwrap())
         .collect();
-    let info = commit_with_fs(fs, dir(), &id, &parts, &commit_opts()).unwrap();
+    let info = ckptstore::commit(
+        &ckptstore::store::LocalStore::new(fs, dir()),
+        &id,
+        &parts,
+        &commit_opts(),
+    )
+    .unwrap();
     (id, info)
 }
 
@@ -71,7 +85,13 @@ fn with_a() -> (SimState, String) {
     let fs = SimFs::new(dir(), SimState::default());
     let a = a_tensors();
     let info = pool()
-        .install(|| save_with_fs(&fs, dir(), &refs(&a), &save_opts("old")))
+        .install(|| {
+            ckptstore::save(
+                &ckptstore::store::LocalStore::new(&fs, dir()),
+                &refs(&a),
+                &save_opts("old"),
+            )
+        })
         .unwrap();
     assert_eq!(info.shards, 2);
     let mut st = fs.snapshot();
@@ -163,7 +183,12 @@ fn coordinator_crash_sweep(layout: Layout) {
         let mut st = base.clone();
         st.fault = fault;
         let fs = SimFs::new(dir(), st);
-        let r = commit_with_fs(&fs, dir(), &id, &parts, &commit_opts());
+        let r = ckptstore::commit(
+            &ckptstore::store::LocalStore::new(&fs, dir()),
+            &id,
+            &parts,
+            &commit_opts(),
+        );
         let st = fs.snapshot();
         st.check_invariant();
         (r, st)
@@ -232,7 +257,12 @@ fn coordinator_crash_sweep(layout: Layout) {
             }
         }
         let fs = rebooted(img);
-        match commit_with_fs(&fs, dir(), &id, &parts, &commit_opts()) {
+        match ckptstore::commit(
+            &ckptstore::store::LocalStore::new(&fs, dir()),
+            &id,
+            &parts,
+            &commit_opts(),
+        ) {
             Ok(_) => {
                 let after = current_image(&fs);
                 if let Err(e) = check_image(&mut ev, "recommit", &after, &cands, &[("new", &id)]) {
@@ -253,7 +283,13 @@ fn coordinator_crash_sweep(layout: Layout) {
         }
         let fs = rebooted(img);
         let a_in = a_tensors();
-        match pool().install(|| save_with_fs(&fs, dir(), &refs(&a_in), &save_opts("old"))) {
+        match pool().install(|| {
+            ckptstore::save(
+                &ckptstore::store::LocalStore::new(&fs, dir()),
+                &refs(&a_in),
+                &save_opts("old"),
+            )
+        }) {
             Ok(info) => {
                 let after = current_image(&fs);
                 if let Err(e) = check_image(
@@ -294,7 +330,12 @@ fn coordinator_crash_sweep(layout: Layout) {
         let retry = |fault: Fault| {
             let fs = rebooted(img);
             fs.lock().fault = fault;
-            let r = commit_with_fs(&fs, dir(), &id, &parts, &commit_opts());
+            let r = ckptstore::commit(
+                &ckptstore::store::LocalStore::new(&fs, dir()),
+                &id,
+                &parts,
+                &commit_opts(),
+            );
             let st = fs.snapshot();
             st.check_invariant();
             (r, st)
@@ -402,7 +443,8 @@ fn crash_while_a_rank_writes_its_part_leaves_the_old_checkpoint() {
 /// manifest (same id, same name) succeeds and removes it.
 #[test]
 fn retried_commit_replaces_the_crashed_attempts_temporary_manifest() {
-    use ckptstore::write::parts::{commit, write_part};
+    use ckptstore::commit;
+    use ckptstore::write_part;
     let b = b_data();
     let d = tempfile::tempdir().unwrap();
     let id = new_checkpoint_id().unwrap();

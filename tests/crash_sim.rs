@@ -38,7 +38,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
-use ckptstore::write::save_with_fs;
 use ckptstore::{CommitInfo, DType, Error, SaveOptions, TensorRef};
 use simfs::*;
 
@@ -176,7 +175,13 @@ fn over_old() -> Scenario {
     let old_inputs = old_inputs();
     let fs = SimFs::new(Path::new(DIR), SimState::default());
     let info = pool(1)
-        .install(|| save_with_fs(&fs, Path::new(DIR), &refs(&old_inputs), &opts("old")))
+        .install(|| {
+            ckptstore::save(
+                &ckptstore::store::LocalStore::new(&fs, Path::new(DIR)),
+                &refs(&old_inputs),
+                &opts("old"),
+            )
+        })
         .unwrap();
     assert_eq!(info.shards, 2);
     let mut base = fs.snapshot();
@@ -207,8 +212,13 @@ fn run(
         st.parallel = Some(Parallel::new(NEW_SHARDS));
     }
     let fs = SimFs::new(Path::new(DIR), st);
-    let r =
-        pool.install(|| save_with_fs(&fs, Path::new(DIR), &refs(&scn.new_inputs), &opts("new")));
+    let r = pool.install(|| {
+        ckptstore::save(
+            &ckptstore::store::LocalStore::new(&fs, Path::new(DIR)),
+            &refs(&scn.new_inputs),
+            &opts("new"),
+        )
+    });
     let st = fs.snapshot();
     st.check_invariant();
     if let Some(p) = &st.parallel {

@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use ckptstore::manager::{CheckpointManager, Retention};
-use ckptstore::write::save_with_fs;
 use ckptstore::{save, Checkpoint, CommitInfo, Error, SaveOptions, TensorRef};
 use simfs::*;
 
@@ -58,7 +57,13 @@ fn one_thread() -> rayon::ThreadPool {
 }
 
 fn sim_save(fs: &SimFs, data: &[Vec<u8>]) -> ckptstore::Result<CommitInfo> {
-    one_thread().install(|| save_with_fs(fs, Path::new(DIR), &refs(data), &opts(3000)))
+    one_thread().install(|| {
+        ckptstore::save(
+            &ckptstore::store::LocalStore::new(fs, Path::new(DIR)),
+            &refs(data),
+            &opts(3000),
+        )
+    })
 }
 
 /// A model directory holding a committed, settled old checkpoint and a user's file.

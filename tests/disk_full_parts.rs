@@ -49,8 +49,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::time::Instant;
 
-use ckptstore::write::parts::{commit_with_fs, new_checkpoint_id, write_part_with_fs};
-use ckptstore::write::{is_engine_file, save_with_fs, TEMP_PREFIX};
+use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::write::{is_engine_file, TEMP_PREFIX};
 use ckptstore::{CommitInfo, Error, Part, SaveOptions};
 use simfs::*;
 use two_ranks::*;
@@ -74,7 +74,13 @@ fn with_a() -> (SimState, String) {
         ..Default::default()
     };
     let info = pool()
-        .install(|| save_with_fs(&fs, dir(), &refs(&a), &opts))
+        .install(|| {
+            ckptstore::save(
+                &ckptstore::store::LocalStore::new(&fs, dir()),
+                &refs(&a),
+                &opts,
+            )
+        })
         .unwrap();
     assert_eq!(info.shards, 2);
     let mut st = fs.snapshot();
@@ -114,7 +120,15 @@ fn run_job(fs: &SimFs, id: &str, b: &BData, have: &[Part]) -> Job {
             continue;
         }
         marks.push(fs.lock().log.len());
-        match pool.install(|| write_part_with_fs(fs, dir(), id, r, &items(b, r), &part_opts())) {
+        match pool.install(|| {
+            ckptstore::write_part(
+                &ckptstore::store::LocalStore::new(fs, dir()),
+                id,
+                r,
+                &items(b, r),
+                &part_opts(),
+            )
+        }) {
             Ok(p) => parts.push(p),
             Err(e) => {
                 return Job {
@@ -128,7 +142,14 @@ fn run_job(fs: &SimFs, id: &str, b: &BData, have: &[Part]) -> Job {
     }
     parts.sort_by_key(|p| p.rank);
     marks.push(fs.lock().log.len());
-    let result = pool.install(|| commit_with_fs(fs, dir(), id, &parts, &commit_opts()));
+    let result = pool.install(|| {
+        ckptstore::commit(
+            &ckptstore::store::LocalStore::new(fs, dir()),
+            id,
+            &parts,
+            &commit_opts(),
+        )
+    });
     Job {
         parts,
         stage: Stage::Commit,
@@ -588,7 +609,8 @@ fn eio_from_every_operation_of_a_multi_rank_save() {
 /// ids are left alone, since those writers may still be running.
 #[test]
 fn a_rank_retried_with_the_same_id_replaces_its_own_leftover_temporary_files() {
-    use ckptstore::write::parts::{commit, write_part};
+    use ckptstore::commit;
+    use ckptstore::write_part;
     let b = b_data();
     let d = tempfile::tempdir().unwrap();
     let id = new_checkpoint_id().unwrap();

@@ -25,19 +25,12 @@ fn floor(m: &str) -> Option<u32> {
 /// The module a root re-export comes from (lib.rs `pub use`).
 fn reexport(name: &str) -> Option<&'static str> {
     Some(match name {
-        "open" | "save" | "save_with_section" | "save_optimizer" | "write_part" | "commit"
-        | "commit_rendezvous" | "discard" | "put_file" => "api",
-        "Checkpoint" | "Fetch" | "Kind" | "Region" | "Shard" | "ShardSource" | "TensorInfo"
-        | "VerifyReport" | "Storage" => "checkpoint",
-        "crc32_parallel" => "crc",
-        "DType" => "dtype",
+        "open" | "save" | "write_part" | "commit" | "discard" => "api",
+        "Checkpoint" | "Region" | "TensorInfo" | "VerifyReport" | "Storage" => "checkpoint",
         "Error" | "Result" => "error",
-        "IntoLocation" | "Location" => "location",
-        "Map" => "sys",
-        "BufferPool" | "PoolStats" | "Tensor" => "tensor",
-        "Element" | "TensorView" => "view",
-        "CommitOptions" | "Part" | "PartChunk" | "PartItem" | "wait_for_cleanup" | "Cleanup"
-        | "CommitInfo" | "SaveOptions" | "TensorRef" => "write",
+        "BufferPool" | "Tensor" | "DType" | "Element" | "TensorView" => "tensor",
+        "CommitOptions" | "Part" | "PartItem" | "Cleanup" | "CommitInfo" | "SaveOptions"
+        | "TensorRef" => "write",
         _ => return None,
     })
 }

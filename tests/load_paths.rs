@@ -161,9 +161,20 @@ fn fast_paths_agree_with_slow_paths_and_the_reference_bit_for_bit() {
         let slow = ck2.load_optimizer(&layout).unwrap();
         assert!(bits_equal(&fresh, &slow), "{what}: one pass != two passes");
         // Pooled: the first load fills the pool when dropped, the second reuses it.
-        drop(ck.load_optimizer_with(&layout, &pool).unwrap());
+        drop(
+            ck.load_optimizer_opts(
+                &layout,
+                &ckptstore::optim::LoadOptions::default().pool(&pool),
+            )
+            .unwrap(),
+        );
         let hits = pool.stats().hits;
-        let pooled = ck.load_optimizer_with(&layout, &pool).unwrap();
+        let pooled = ck
+            .load_optimizer_opts(
+                &layout,
+                &ckptstore::optim::LoadOptions::default().pool(&pool),
+            )
+            .unwrap();
         assert!(bits_equal(&fresh, &pooled), "{what}: pooled != fresh");
         if what != "as stored" {
             assert!(pool.stats().hits > hits, "{what}: the pool was not reused");
@@ -215,7 +226,10 @@ fn a_wrong_recorded_absmax_is_refused_by_load_and_verify() {
         let ck = Checkpoint::open(dir.path()).unwrap();
         let layout = StateLayout::default().state("exp_avg_sq", Target::F16Scaled(ScaleShape::One));
         let pool = BufferPool::new(usize::MAX);
-        match ck.load_optimizer_with(&layout, &pool) {
+        match ck.load_optimizer_opts(
+            &layout,
+            &ckptstore::optim::LoadOptions::default().pool(&pool),
+        ) {
             Err(Error::AbsmaxMismatch {
                 tensor,
                 recorded,
@@ -272,7 +286,10 @@ fn damaged_bytes_fail_every_fused_path_with_the_tensor_named() {
     for (what, layout) in layouts() {
         for r in [
             ck.load_optimizer(&layout),
-            ck.load_optimizer_with(&layout, &pool),
+            ck.load_optimizer_opts(
+                &layout,
+                &ckptstore::optim::LoadOptions::default().pool(&pool),
+            ),
         ] {
             match r {
                 Err(Error::ChecksumMismatch { what: w, .. }) => {

@@ -59,17 +59,17 @@ fn the_rust_api_never_takes_a_url_as_a_local_path() {
     // The local-only verbs refuse URL text, naming themselves.
     refused(Checkpoint::open(url), "Checkpoint::open");
     refused(
-        ckptstore::write::save(url, &t, &SaveOptions::default()),
+        ckptstore::save(url, &t, &SaveOptions::default()),
         "write::save",
     );
     let id = parts::new_checkpoint_id().unwrap();
     let item = PartItem::Whole(TensorRef::from_slice("w", &[4, 4], &w));
     refused(
-        parts::write_part(url, &id, 0, &[item], &SaveOptions::default()),
+        ckptstore::write_part(url, &id, 0, &[item], &SaveOptions::default()),
         "write_part",
     );
     refused(
-        parts::commit(url, &id, &[], &CommitOptions::default()),
+        ckptstore::commit(url, &id, &[], &CommitOptions::default()),
         "commit",
     );
     // The manager takes a location: its steps go to the object store.

@@ -7,7 +7,7 @@ use std::io;
 use std::path::Path;
 
 use ckptstore::write::fs::{Fs, StdFs};
-use ckptstore::{write, Checkpoint, SaveOptions, TensorRef};
+use ckptstore::{Checkpoint, SaveOptions, TensorRef};
 
 /// The real file system, except that renaming onto `ckpt-manifest.json` happens and then
 /// reports `EIO` (when `lie` is set), or does not happen and reports `EIO` (when unset).
@@ -62,9 +62,8 @@ fn a_manifest_publish_that_happened_is_a_commit_whatever_it_answered() {
     .unwrap();
     let new = tensors(2.0);
     let fs = RenameAnswerLost { lie: true };
-    let info = write::save_with_fs(
-        &fs,
-        dir.path(),
+    let info = ckptstore::save(
+        &ckptstore::store::LocalStore::new(&fs, dir.path()),
         &[TensorRef::from_slice("w", &[4096], &new)],
         &SaveOptions::default(),
     )
@@ -91,9 +90,8 @@ fn a_manifest_publish_that_did_not_happen_leaves_the_old_checkpoint_and_no_new_f
         .collect();
     let fs = RenameAnswerLost { lie: false };
     let new = tensors(2.0);
-    assert!(write::save_with_fs(
-        &fs,
-        dir.path(),
+    assert!(ckptstore::save(
+        &ckptstore::store::LocalStore::new(&fs, dir.path()),
         &[TensorRef::from_slice("w", &[4096], &new)],
         &SaveOptions::default(),
     )

@@ -327,7 +327,8 @@ fn write_rank(
     id: &str,
     rank: u32,
 ) -> ckptstore::write::parts::Part {
-    use ckptstore::write::parts::{write_part, PartItem};
+    use ckptstore::write::parts::PartItem;
+    use ckptstore::write_part;
     let v = w(step);
     let rows = &v[rank as usize * 500..rank as usize * 500 + 500];
     let chunk = PartItem::Chunk {
@@ -412,7 +413,7 @@ fn gc_sweeps_kept_steps_of_what_a_killed_commit_left() {
         })
         .collect();
     let old = std::time::SystemTime::now() - Duration::from_secs(60);
-    ckptstore::write::parts::commit(&dir, &id, &parts, &CommitOptions::default()).unwrap();
+    ckptstore::commit(&dir, &id, &parts, &CommitOptions::default()).unwrap();
     for (n, b) in &descriptors {
         std::fs::write(dir.join(n), b).unwrap();
         std::fs::File::options()

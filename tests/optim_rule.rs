@@ -84,8 +84,13 @@ fn permuted_order_inside_a_group_is_accepted_and_keeps_the_live_order() {
 
     // The pooled form applies the same rule.
     let mut opt = permuted();
-    opt.restore_from_with(&ck, &StateLayout::default(), &BufferPool::new(1 << 20))
-        .unwrap();
+    let pool = BufferPool::new(1 << 20);
+    opt.restore_from_opts(
+        &ck,
+        &StateLayout::default(),
+        &ckptstore::optim::LoadOptions::default().pool(&pool),
+    )
+    .unwrap();
     assert_eq!(names(&opt), [vec!["c", "a"], vec!["d", "b"]]);
     assert!(opt.state["a"]["exp_avg"].bit_eq(&saved.state["a"]["exp_avg"]));
 }

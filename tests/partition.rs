@@ -241,8 +241,10 @@ fn partition_restore_replaces_stale_state_and_refuses_bad_partitions() {
 /// M ranks restore their partitions in every layout.
 #[test]
 fn n_ranks_save_sharded_adam_state_m_ranks_restore_it() {
+    use ckptstore::commit;
     use ckptstore::format::manifest::OptimizerSection;
-    use ckptstore::write::parts::{commit, new_checkpoint_id, write_part, CommitOptions, PartItem};
+    use ckptstore::write::parts::{new_checkpoint_id, CommitOptions, PartItem};
+    use ckptstore::write_part;
     let (m_all, v_all) = (global_values(1), global_values(2));
     let section: OptimizerSection = serde_json::from_value(serde_json::json!({
         "groups": [{"params": ["w"], "hyper": {"lr": 0.001}}],
@@ -253,7 +255,10 @@ fn n_ranks_save_sharded_adam_state_m_ranks_restore_it() {
         ]}]
     }))
     .unwrap();
-    let layouts = [ckptstore::Layout::Flat, ckptstore::Layout::TwoLevel];
+    let layouts = [
+        ckptstore::write::parts::Layout::Flat,
+        ckptstore::write::parts::Layout::TwoLevel,
+    ];
     for (n, layout) in (1..=4u64).flat_map(|n| layouts.map(|l| (n, l))) {
         let dir = tempfile::tempdir().unwrap();
         let id = new_checkpoint_id().unwrap();
@@ -301,7 +306,10 @@ fn n_ranks_save_sharded_adam_state_m_ranks_restore_it() {
         };
         commit(dir.path(), &id, &parts, &opts).unwrap();
         let ck = Checkpoint::open(dir.path()).unwrap();
-        assert_eq!(ck.two_level(), layout == ckptstore::Layout::TwoLevel);
+        assert_eq!(
+            ck.two_level(),
+            layout == ckptstore::write::parts::Layout::TwoLevel
+        );
         ck.verify().unwrap();
         // A whole load assembles the chunked state (two-level: from every part).
         let whole = ck.load_optimizer(&StateLayout::default()).unwrap();

@@ -10,8 +10,10 @@ use std::process::{Child, Command};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use ckptstore::write::parts::{commit, commit_rendezvous, new_checkpoint_id, write_part};
+use ckptstore::commit;
+use ckptstore::write::parts::new_checkpoint_id;
 use ckptstore::write::{is_engine_file, part_file_name, pause};
+use ckptstore::write_part;
 use ckptstore::{
     save, Checkpoint, CommitOptions, DType, Error, Part, PartItem, SaveOptions, TensorRef,
 };
@@ -20,6 +22,16 @@ use part_layout::{box_bytes, global_bytes, globals, rank_chunks, STEP};
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt");
 /// Generous: the success paths never wait this long unless something is broken.
 const LONG: Duration = Duration::from_secs(120);
+
+/// The options of a commit that waits (at most `timeout`) for the part descriptors of ranks
+/// `0..world` in the directory (the rendezvous), from `opts`.
+fn rendezvous(world: u32, timeout: Duration, opts: &CommitOptions) -> CommitOptions {
+    CommitOptions {
+        world_size: Some(world),
+        wait_for_parts: Some(timeout),
+        ..opts.clone()
+    }
+}
 
 fn spawn_rank(dir: &Path, id: &str, rank: u32, world: u32) -> Command {
     let mut c = Command::new(BIN);
@@ -150,7 +162,13 @@ fn real_processes_write_parts_then_commit() {
         let children: Vec<Child> = (0..world)
             .map(|r| spawn_rank(&dir, &id2, r, world).spawn().unwrap())
             .collect();
-        let info = commit_rendezvous(&dir, &id2, world, LONG, &CommitOptions::default()).unwrap();
+        let info = commit(
+            &dir,
+            &id2,
+            &[],
+            &rendezvous(world, LONG, &CommitOptions::default()),
+        )
+        .unwrap();
         for c in children {
             assert!(c.wait_with_output().unwrap().status.success());
         }
@@ -572,7 +590,12 @@ fn hostile_commits_are_refused_and_nothing_is_committed() {
         matches!(Part::from_bytes(&bytes), Err(Error::InvalidPart { reason, .. }) if reason.contains("CRC32"))
     );
     std::fs::write(&pf, &bytes).unwrap();
-    match commit_rendezvous(&dir, &id3, 2, LONG, &CommitOptions::default()) {
+    match commit(
+        &dir,
+        &id3,
+        &[],
+        &rendezvous(2, LONG, &CommitOptions::default()),
+    ) {
         Err(Error::InvalidPart { part, reason }) => {
             assert_eq!(part, part_file_name(&id3, 1));
             assert!(reason.contains("CRC32"), "{reason}");
@@ -771,12 +794,11 @@ fn rendezvous_times_out_naming_the_missing_rank() {
         )
         .unwrap();
     }
-    match commit_rendezvous(
+    match commit(
         &dir,
         &id,
-        3,
-        Duration::from_millis(1),
-        &CommitOptions::default(),
+        &[],
+        &rendezvous(3, Duration::from_millis(1), &CommitOptions::default()),
     ) {
         Err(Error::MissingParts {
             missing,
@@ -791,7 +813,12 @@ fn rendezvous_times_out_naming_the_missing_rank() {
     // A directory the ranks have not created yet holds no parts: the same error, and the
     // rendezvous creates nothing.
     let later = dir.join("not-yet");
-    match commit_rendezvous(&later, &id, 2, Duration::ZERO, &CommitOptions::default()) {
+    match commit(
+        &later,
+        &id,
+        &[],
+        &rendezvous(2, Duration::ZERO, &CommitOptions::default()),
+    ) {
         Err(Error::MissingParts {
             missing, dir: d, ..
         }) => {
@@ -806,7 +833,12 @@ fn rendezvous_times_out_naming_the_missing_rank() {
         .unwrap()
         .set_len(ckptstore::format::MAX_MANIFEST_SIZE + 1)
         .unwrap();
-    match commit_rendezvous(&dir, &id, 3, Duration::ZERO, &CommitOptions::default()) {
+    match commit(
+        &dir,
+        &id,
+        &[],
+        &rendezvous(3, Duration::ZERO, &CommitOptions::default()),
+    ) {
         Err(Error::InvalidPart { part, reason }) => {
             assert_eq!(part, part_file_name(&id, 1));
             assert!(reason.contains("cap"), "{reason}");
@@ -846,7 +878,13 @@ fn rendezvous_with_a_writer_thread() {
         })
     };
     barrier.wait();
-    let info = commit_rendezvous(&dir, &id, 2, LONG, &CommitOptions::default()).unwrap();
+    let info = commit(
+        &dir,
+        &id,
+        &[],
+        &rendezvous(2, LONG, &CommitOptions::default()),
+    )
+    .unwrap();
     writer.join().unwrap();
     assert_eq!(info.checkpoint_id, id);
     let ck = Checkpoint::open(&dir).unwrap();
@@ -910,12 +948,11 @@ fn sigkilled_rank_leaves_the_previous_checkpoint() {
     );
     assert!(!dir.join(part_file_name(&id, 2)).exists());
 
-    match commit_rendezvous(
+    match commit(
         &dir,
         &id,
-        3,
-        Duration::from_millis(50),
-        &CommitOptions::default(),
+        &[],
+        &rendezvous(3, Duration::from_millis(50), &CommitOptions::default()),
     ) {
         Err(Error::MissingParts { missing, .. }) => assert_eq!(missing, vec![2]),
         other => panic!("{other:?}"),
@@ -996,7 +1033,7 @@ fn discard_removes_an_uncommitted_checkpoint_and_only_it() {
     )
     .unwrap();
     assert!(names(&dir).len() > before.len());
-    assert_eq!(ckptstore::write::parts::discard(&dir, &id).unwrap(), 5);
+    assert_eq!(ckptstore::discard(&dir, &id).unwrap(), 5);
     assert_eq!(names(&dir), before);
     unchanged(&dir, &manifest);
     assert_eq!(ckptstore::discard(&dir, &id).unwrap(), 0);
@@ -1005,12 +1042,12 @@ fn discard_removes_an_uncommitted_checkpoint_and_only_it() {
     commit(&dir, &id2, &parts2, &opts(2)).unwrap();
     let committed = names(&dir);
     assert!(matches!(
-        ckptstore::write::parts::discard(&dir, &id2),
+        ckptstore::discard(&dir, &id2),
         Err(Error::InvalidArgument(_))
     ));
     assert_eq!(names(&dir), committed);
     assert!(matches!(
-        ckptstore::write::parts::discard(&dir, "not-an-id"),
+        ckptstore::discard(&dir, "not-an-id"),
         Err(Error::InvalidArgument(_))
     ));
     drop(parts);

@@ -69,9 +69,9 @@ fn write(dir: &std::path::Path, rows: u64, cols: u64, block: u64, seed: u64) -> 
                 bytemuck::cast_slice(&h),
             )));
         }
-        descriptors.push(parts::write_part(dir, &id, rank as u32, &items, &opts).unwrap());
+        descriptors.push(ckptstore::write_part(dir, &id, rank as u32, &items, &opts).unwrap());
     }
-    parts::commit(dir, &id, &descriptors, &CommitOptions::default()).unwrap();
+    ckptstore::commit(dir, &id, &descriptors, &CommitOptions::default()).unwrap();
     w
 }
 

@@ -14,13 +14,13 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 
-use ckptstore::api::s3::{self, Remote, S3Config};
 use ckptstore::format::manifest::MANIFEST_FILE;
 use ckptstore::manager::CheckpointManager;
 use ckptstore::manager::Retention;
 use ckptstore::optim::{
     OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target, Tensor,
 };
+use ckptstore::store::s3::{self, Remote, S3Config};
 use ckptstore::store::{Location, RemoteUrl};
 use ckptstore::write::parts::new_checkpoint_id;
 use ckptstore::{Checkpoint, CommitOptions, DType, Error, Part, PartItem, SaveOptions, TensorRef};
@@ -122,10 +122,14 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
     let cfg = small_parts(&srv);
     let f = Fixture::new(7);
     let u = url("runs/one");
-    let info = s3::save_with(&u, &f.tensors(), &opts(), None, &cfg).unwrap();
+    let info = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f.tensors(), &opts()))
+        .unwrap();
     assert_eq!((info.tensors, info.shards), (4, 2));
 
-    let ck = s3::open_with(&u, &cfg).unwrap();
+    let ck = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     assert_same(&ck, &f);
     // Every CRC block was summed as it landed: verify reads nothing again.
     assert!(ck.data_verified());
@@ -140,7 +144,9 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
     }
 
     // The lazy reader fetches single tensors and streams all of them, CRC-checked.
-    let rc = s3::open_lazy(&u, &cfg).unwrap();
+    let rc = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
+        .unwrap();
     assert_eq!(
         rc.read_tensor("big").unwrap().as_slice::<f32>().unwrap(),
         &f.big[..]
@@ -161,8 +167,12 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
 
     // A second save replaces the first; the first's shard objects are deleted.
     let g = Fixture::new(8);
-    s3::save_with(&u, &g.tensors(), &opts(), None, &cfg).unwrap();
-    let ck2 = s3::open_with(&u, &cfg).unwrap();
+    Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &g.tensors(), &opts()))
+        .unwrap();
+    let ck2 = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     assert_same(&ck2, &g);
     let r = Remote::new(&u, &cfg).unwrap();
     let objects = r.list().unwrap().objects;
@@ -222,8 +232,13 @@ fn optimizer_loads_and_conversions_match_local_and_manager_retention() {
     )
     .unwrap();
     for step in [100u64, 150, 200, 250] {
-        mgr.save(step, &model, Some(&opt), &SaveOptions::default())
-            .unwrap();
+        mgr.save(
+            step,
+            &model,
+            Some(&opt.as_borrowed()),
+            &SaveOptions::default(),
+        )
+        .unwrap();
     }
     // Retention: the newest two, and multiples of 100.
     assert_eq!(mgr.steps().unwrap(), [100, 200, 250]);
@@ -277,7 +292,7 @@ fn manager_async_saves_restore_and_commit_parts_on_s3() {
     .unwrap()
     .with_max_in_flight(2);
     assert_eq!(
-        mgr.step_location(3),
+        mgr.location_of(3),
         Location::Remote(url("amgr/step-00000003"))
     );
     assert!(matches!(mgr.step_dir(3), Err(Error::UnsupportedUrl { .. })));
@@ -309,7 +324,7 @@ fn manager_async_saves_restore_and_commit_parts_on_s3() {
     assert_eq!(format!("{:?}", live.state), format!("{:?}", opt.state));
 
     // Two ranks write their parts under the step's prefix; the manager commits them.
-    let step_url = match mgr.step_location(4) {
+    let step_url = match mgr.location_of(4) {
         Location::Remote(u) => u,
         Location::Local(_) => unreachable!(),
     };
@@ -322,7 +337,7 @@ fn manager_async_saves_restore_and_commit_parts_on_s3() {
                 global_shape: vec![16],
                 offsets: vec![u64::from(rank) * 8],
             };
-            s3::write_part_remote(
+            ckptstore::write_part(
                 &Remote::new(&step_url, &cfg).unwrap(),
                 &id,
                 rank,
@@ -344,8 +359,12 @@ fn manager_async_saves_restore_and_commit_parts_on_s3() {
 fn two_checkpoints(srv: &S3Server) -> (RemoteUrl, RemoteUrl, S3Config) {
     let cfg = small_parts(srv);
     let (a, b) = (url("dmg/a"), url("dmg/b"));
-    s3::save_with(&a, &Fixture::new(1).tensors(), &opts(), None, &cfg).unwrap();
-    s3::save_with(&b, &Fixture::new(2).tensors(), &opts(), None, &cfg).unwrap();
+    Remote::new(&a, &cfg)
+        .and_then(|r| ckptstore::save(&r, &Fixture::new(1).tensors(), &opts()))
+        .unwrap();
+    Remote::new(&b, &cfg)
+        .and_then(|r| ckptstore::save(&r, &Fixture::new(2).tensors(), &opts()))
+        .unwrap();
     (a, b, cfg)
 }
 
@@ -360,7 +379,9 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let srv = S3Server::start(BUCKET);
     let (a, b, cfg) = two_checkpoints(&srv);
     let ra = Remote::new(&a, &cfg).unwrap();
-    let ck = s3::open_with(&a, &cfg).unwrap();
+    let ck = Remote::new(&a, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     let m = ck.manifest().unwrap().clone();
     // The shard holding `big` (shard 0 or 1, whichever the plan made).
     let big = ck.info("big").unwrap();
@@ -371,17 +392,20 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     // Truncated.
     ra.put_small(&shard, original[..original.len() - 100].to_vec())
         .unwrap();
-    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    let (e, s) =
+        err_text(Remote::new(&a, &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)));
     assert!(matches!(e, Error::ShardMismatch { .. }), "{s}");
     assert!(s.contains(&key), "{s}");
-    let e = s3::open_lazy(&a, &cfg)
+    let e = Remote::new(&a, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
         .and_then(|r| r.read_tensor("big"))
         .unwrap_err();
     assert!(e.to_string().contains(&key), "{e}");
     // A ranged read past the shorter object's end is a short shard, said in the shard's
     // terms (s3s-fs answers with the object's size; S3 and Garage answer 416 InvalidRange).
     ra.put_small(&shard, original[..64].to_vec()).unwrap();
-    let e = s3::open_lazy(&a, &cfg)
+    let e = Remote::new(&a, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
         .and_then(|r| r.read_tensor("big"))
         .unwrap_err();
     assert!(
@@ -393,7 +417,8 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let mut longer = original.clone();
     longer.extend_from_slice(&[0; 64]);
     ra.put_small(&shard, longer).unwrap();
-    let (_, s) = err_text(s3::open_with(&a, &cfg));
+    let (_, s) =
+        err_text(Remote::new(&a, &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)));
     assert!(s.contains(&key) && s.contains("manifest records"), "{s}");
 
     // Replaced, same size: one data byte flipped. Open is cheap; verify and the ranged read
@@ -402,7 +427,9 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let at = big.offsets[0] as usize + 12345;
     flipped[at] ^= 0x40;
     ra.put_small(&shard, flipped).unwrap();
-    let bad = s3::open_with(&a, &cfg).unwrap();
+    let bad = Remote::new(&a, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     // The sums taken during the download failed, so nothing is taken as verified.
     assert!(!bad.data_verified());
     let e = bad.verify().unwrap_err();
@@ -412,7 +439,8 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
             && e.to_string().contains(&key),
         "{e}"
     );
-    let e = s3::open_lazy(&a, &cfg)
+    let e = Remote::new(&a, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
         .unwrap()
         .read_tensor("big")
         .unwrap_err();
@@ -423,11 +451,14 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
 
     // Header replaced (another checkpoint's shard under this name): header CRC refused.
     let rb = Remote::new(&b, &cfg).unwrap();
-    let ckb = s3::open_with(&b, &cfg).unwrap();
+    let ckb = Remote::new(&b, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     let other = &ckb.manifest().unwrap().shards[ckb.info("big").unwrap().shard].file;
     ra.put_small(&shard, rb.get_small(other, 1 << 30).unwrap().unwrap())
         .unwrap();
-    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    let (e, s) =
+        err_text(Remote::new(&a, &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)));
     assert!(
         matches!(e, Error::ChecksumMismatch { .. }) && s.contains(&key),
         "{s}"
@@ -435,18 +466,25 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
 
     // Missing.
     ra.delete(&shard).unwrap();
-    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    let (e, s) =
+        err_text(Remote::new(&a, &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)));
     assert!(
         matches!(e, Error::ShardMismatch { .. }) && s.contains(&key) && s.contains("missing"),
         "{s}"
     );
     ra.put_small(&shard, original).unwrap();
-    assert_same(&s3::open_with(&a, &cfg).unwrap(), &Fixture::new(1));
+    assert_same(
+        &Remote::new(&a, &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &Fixture::new(1),
+    );
 
     // A manifest from another checkpoint: it names its own shards, which are not here.
     let mb = rb.get_small(MANIFEST_FILE, 1 << 30).unwrap().unwrap();
     ra.put_small(MANIFEST_FILE, mb).unwrap();
-    let (e, s) = err_text(s3::open_with(&a, &cfg));
+    let (e, s) =
+        err_text(Remote::new(&a, &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)));
     assert!(
         matches!(e, Error::ShardMismatch { .. }) && s.contains("s3://ckpt/dmg/a/shard-"),
         "{s}"
@@ -456,11 +494,14 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let mut mbad = ra.get_small(MANIFEST_FILE, 1 << 30).unwrap().unwrap();
     mbad[20] ^= 1;
     ra.put_small(MANIFEST_FILE, mbad).unwrap();
-    let (_, s) = err_text(s3::open_with(&a, &cfg));
+    let (_, s) =
+        err_text(Remote::new(&a, &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)));
     assert!(s.contains("dmg/a/ckpt-manifest.json"), "{s}");
 
     // Nothing committed under a prefix.
-    let (e, _) = err_text(s3::open_with(&url("dmg/none"), &cfg));
+    let (e, _) = err_text(
+        Remote::new(&url("dmg/none"), &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)),
+    );
     assert!(matches!(e, Error::NotFound { .. }));
 }
 
@@ -473,12 +514,16 @@ fn wrong_credentials_and_missing_bucket_are_one_clear_error() {
         secret_access_key: Some("not-the-secret".into()),
         ..cfg.clone()
     };
-    let e = s3::open_with(&a, &wrong).unwrap_err();
+    let e = Remote::new(&a, &wrong)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap_err();
     assert!(
         matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"),
         "{e}"
     );
-    let e = s3::save_with(&url("x"), &f.tensors(), &opts(), None, &wrong).unwrap_err();
+    let e = Remote::new(&url("x"), &wrong)
+        .and_then(|r| ckptstore::save(&r, &f.tensors(), &opts()))
+        .unwrap_err();
     assert!(
         matches!(e, Error::Remote { .. }) && e.to_string().contains("access denied"),
         "{e}"
@@ -488,12 +533,16 @@ fn wrong_credentials_and_missing_bucket_are_one_clear_error() {
         bucket: "no-such-bucket".into(),
         ..url("p")
     };
-    let e = s3::open_with(&nob, &cfg).unwrap_err();
+    let e = Remote::new(&nob, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap_err();
     assert!(
         matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"),
         "{e}"
     );
-    let e = s3::save_with(&nob, &f.tensors(), &opts(), None, &cfg).unwrap_err();
+    let e = Remote::new(&nob, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f.tensors(), &opts()))
+        .unwrap_err();
     assert!(
         matches!(e, Error::Remote { .. }) && e.to_string().contains("does not exist"),
         "{e}"
@@ -506,7 +555,9 @@ fn server_killed_mid_upload_then_restarted() {
     let cfg = small_parts(&srv.lock().unwrap());
     let u = url("crash");
     let f1 = Fixture::new(11);
-    s3::save_with(&u, &f1.tensors(), &opts(), None, &cfg).unwrap();
+    Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f1.tensors(), &opts()))
+        .unwrap();
 
     // Kill the server once 8 MiB of the next save have gone into its uploads: the writer
     // is then inside the multipart upload of the big shard (a deterministic point).
@@ -528,13 +579,20 @@ fn server_killed_mid_upload_then_restarted() {
         progress: Some(killer),
         ..opts()
     };
-    let e = s3::save_with(&u, &f2.tensors(), &o, None, &cfg).unwrap_err();
+    let e = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f2.tensors(), &o))
+        .unwrap_err();
     assert!(matches!(e, Error::Remote { .. }), "{e}");
     assert!(*written.lock().unwrap() >= 8 << 20);
 
     srv.lock().unwrap().restart();
     // The previous checkpoint is intact.
-    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+    assert_same(
+        &Remote::new(&u, &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &f1,
+    );
     // The killed save left its multipart upload on the server (s3s-fs keeps an upload as
     // `.upload-<id>.json` plus `.upload_id-<id>.part-<n>` files in its data directory)
     // and the upload's journal object under the prefix.
@@ -554,11 +612,20 @@ fn server_killed_mid_upload_then_restarted() {
     let deleted = s3::gc_prefix(&r).unwrap();
     assert!(deleted.contains(&journals[0]), "{deleted:?}");
     assert_eq!(uploads_on_server(&data), Vec::<String>::new());
-    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+    assert_same(
+        &Remote::new(&u, &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &f1,
+    );
 
     // The next save succeeds and replaces it.
-    s3::save_with(&u, &f2.tensors(), &opts(), None, &cfg).unwrap();
-    let ck = s3::open_with(&u, &cfg).unwrap();
+    Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f2.tensors(), &opts()))
+        .unwrap();
+    let ck = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     assert_same(&ck, &f2);
     ck.verify().unwrap();
     // Only the committed checkpoint's objects remain; completed uploads left no journal.
@@ -583,24 +650,30 @@ fn server_killed_mid_upload_then_restarted() {
             ..opts()
         }
     };
-    s3::save_with(&u, &f1.tensors(), &kill_at_8mib(), None, &cfg).unwrap_err();
+    Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f1.tensors(), &kill_at_8mib()))
+        .unwrap_err();
     srv.lock().unwrap().restart();
     assert!(!uploads_on_server(&data).is_empty());
-    s3::save_with(&u, &f1.tensors(), &opts(), None, &cfg).unwrap();
+    Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f1.tensors(), &opts()))
+        .unwrap();
     assert_eq!(uploads_on_server(&data), Vec::<String>::new());
-    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f1);
+    assert_same(
+        &Remote::new(&u, &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &f1,
+    );
 
     let root = url("crashroot");
-    s3::save_with(
-        &root.child("step-00000001"),
-        &f1.tensors(),
-        &opts(),
-        None,
-        &cfg,
-    )
-    .unwrap();
+    Remote::new(&root.child("step-00000001"), &cfg)
+        .and_then(|r| ckptstore::save(&r, &f1.tensors(), &opts()))
+        .unwrap();
     let step2 = root.child("step-00000002");
-    s3::save_with(&step2, &f2.tensors(), &kill_at_8mib(), None, &cfg).unwrap_err();
+    Remote::new(&step2, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f2.tensors(), &kill_at_8mib()))
+        .unwrap_err();
     srv.lock().unwrap().restart();
     assert!(!uploads_on_server(&data).is_empty());
     let env = srv.lock().unwrap().env();
@@ -618,7 +691,9 @@ fn server_killed_mid_upload_then_restarted() {
         .objects
         .is_empty());
     assert_same(
-        &s3::open_with(&root.child("step-00000001"), &cfg).unwrap(),
+        &Remote::new(&root.child("step-00000001"), &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
         &f1,
     );
 }
@@ -779,7 +854,12 @@ fn cli_on_s3_urls() {
         .get_small("model.safetensors.index.json", 1 << 20)
         .unwrap()
         .is_some());
-    assert_same(&s3::open_with(&url("cli/cons"), &srv.config()).unwrap(), &f);
+    assert_same(
+        &Remote::new(&url("cli/cons"), &srv.config())
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &f,
+    );
     // And from s3:// to a local directory and back (the source read lazily, streamed).
     ok(&ckpt(
         cwd.path(),
@@ -808,12 +888,16 @@ fn cli_on_s3_urls() {
         ],
     ));
     assert_same(
-        &s3::open_with(&url("cli/cons-back"), &srv.config()).unwrap(),
+        &Remote::new(&url("cli/cons-back"), &srv.config())
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
         &f,
     );
 
     // A damaged object: verify exits 1 naming the key.
-    let ck = s3::open_with(&url("cli/a"), &srv.config()).unwrap();
+    let ck = Remote::new(&url("cli/a"), &srv.config())
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     let shard = ck.manifest().unwrap().shards[ck.info("layer.w").unwrap().shard]
         .file
         .clone();
@@ -929,7 +1013,9 @@ fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
     let (w, v, step) = (global_w(), global_v(), [42i64]);
     // An earlier single-rank checkpoint under the prefix: replaced by the commit.
     let f = Fixture::new(3);
-    s3::save_with(&u, &f.tensors(), &opts(), None, &cfg).unwrap();
+    Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f.tensors(), &opts()))
+        .unwrap();
 
     let id = new_checkpoint_id().unwrap();
     let remote = Remote::new(&u, &cfg).unwrap();
@@ -940,7 +1026,7 @@ fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
                 s.spawn(move || {
                     // Each rank has its own connection.
                     let r = Remote::new(u, cfg).unwrap();
-                    s3::write_part_remote(&r, id, rank, &rank_items(rank, w, v, step), &part_opts())
+                    ckptstore::write_part(&r, id, rank, &rank_items(rank, w, v, step), &part_opts())
                 })
             })
             .collect();
@@ -948,14 +1034,19 @@ fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
     });
     assert_eq!(parts.len(), 2);
     // A rank's part is written once.
-    let e = s3::write_part_remote(&remote, &id, 1, &rank_items(1, &w, &v, &step), &part_opts())
+    let e = ckptstore::write_part(&remote, &id, 1, &rank_items(1, &w, &v, &step), &part_opts())
         .unwrap_err();
     assert!(
         matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("already"),
         "{e}"
     );
     // Before the commit the old checkpoint is still the committed one.
-    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f);
+    assert_same(
+        &Remote::new(&u, &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &f,
+    );
 
     // The coordinator finds the part objects by listing, GETs and checks them, PUTs the
     // manifest last.
@@ -963,13 +1054,19 @@ fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
         metadata: serde_json::json!({"ranks": 2}),
         ..Default::default()
     };
-    let info =
-        s3::commit_rendezvous_remote(&remote, &id, 2, std::time::Duration::from_secs(5), &copts)
-            .unwrap();
+    let info = ckptstore::commit(
+        &remote,
+        &id,
+        &[],
+        &rendezvous(2, std::time::Duration::from_secs(5), &copts),
+    )
+    .unwrap();
     assert_eq!(info.checkpoint_id, id);
     assert_eq!(info.tensors, 5);
 
-    let ck = s3::open_with(&u, &cfg).unwrap();
+    let ck = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     ck.verify().unwrap();
     assert_eq!(ck.metadata()["ranks"], 2);
     assert_eq!(
@@ -1031,7 +1128,7 @@ fn a_two_level_checkpoint_on_s3_reads_only_the_parts_it_needs() {
     let id = new_checkpoint_id().unwrap();
     let remote = Remote::new(&u, &cfg).unwrap();
     for rank in 0..2u32 {
-        s3::write_part_remote(
+        ckptstore::write_part(
             &remote,
             &id,
             rank,
@@ -1041,16 +1138,25 @@ fn a_two_level_checkpoint_on_s3_reads_only_the_parts_it_needs() {
         .unwrap();
     }
     let copts = CommitOptions {
-        layout: ckptstore::Layout::TwoLevel,
+        layout: ckptstore::write::parts::Layout::TwoLevel,
         ..Default::default()
     };
-    s3::commit_rendezvous_remote(&remote, &id, 2, std::time::Duration::from_secs(5), &copts)
-        .unwrap();
+    ckptstore::commit(
+        &remote,
+        &id,
+        &[],
+        &rendezvous(2, std::time::Duration::from_secs(5), &copts),
+    )
+    .unwrap();
     // The part objects are the checkpoint's now: gc keeps them.
     let swept = s3::gc_prefix(&remote).unwrap();
     assert!(swept.is_empty(), "{swept:?}");
-    let eager = s3::open_with(&u, &cfg).unwrap();
-    let lazy = s3::open_lazy(&u, &cfg).unwrap();
+    let eager = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
+    let lazy = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
+        .unwrap();
     assert!(eager.two_level() && lazy.two_level());
     // Rank 1's rows: its own part only.
     let (r0, nr) = (ROWS / 2, ROWS / 2);
@@ -1092,7 +1198,9 @@ fn a_two_level_checkpoint_on_s3_reads_only_the_parts_it_needs() {
     let mut bytes = remote.get_small(&pname, 1 << 30).unwrap().unwrap();
     bytes[10] ^= 1;
     remote.put_small(&pname, bytes).unwrap();
-    let ck = s3::open_with(&u, &cfg).unwrap();
+    let ck = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     let e = ck.read_region("w", &[0, 0], &[1, COLS]).unwrap_err();
     match &e {
         Error::InvalidPart { part, .. } => {
@@ -1117,24 +1225,28 @@ fn a_missing_rank_commits_nothing_and_gc_collects_the_leftovers() {
     let remote = Remote::new(&u, &cfg).unwrap();
     let (w, v, step) = (global_w(), global_v(), [1i64]);
     let id = new_checkpoint_id().unwrap();
-    let p0 = s3::write_part_remote(&remote, &id, 0, &rank_items(0, &w, &v, &step), &part_opts())
+    let p0 = ckptstore::write_part(&remote, &id, 0, &rank_items(0, &w, &v, &step), &part_opts())
         .unwrap();
 
     // The rendezvous waits a bounded time, then names the missing rank and the prefix.
     let copts = CommitOptions::default();
-    let e = s3::commit_rendezvous_remote(&remote, &id, 2, std::time::Duration::ZERO, &copts)
-        .unwrap_err();
+    let e = ckptstore::commit(
+        &remote,
+        &id,
+        &[],
+        &rendezvous(2, std::time::Duration::ZERO, &copts),
+    )
+    .unwrap_err();
     match &e {
         Error::MissingParts { missing, .. } => assert_eq!(missing, &[1]),
         other => panic!("{other}"),
     }
     assert!(e.to_string().contains(&u.to_string()), "{e}");
-    let e = s3::commit_rendezvous_remote(
+    let e = ckptstore::commit(
         &remote,
         &id,
-        2,
-        std::time::Duration::from_millis(200),
-        &copts,
+        &[],
+        &rendezvous(2, std::time::Duration::from_millis(200), &copts),
     )
     .unwrap_err();
     assert!(
@@ -1146,7 +1258,7 @@ fn a_missing_rank_commits_nothing_and_gc_collects_the_leftovers() {
         world_size: Some(2),
         ..Default::default()
     };
-    let e = s3::commit_remote(&remote, &id, std::slice::from_ref(&p0), &ws).unwrap_err();
+    let e = ckptstore::commit(&remote, &id, std::slice::from_ref(&p0), &ws).unwrap_err();
     assert!(
         matches!(&e, Error::MissingParts { missing, .. } if missing == &[1]),
         "{e}"
@@ -1154,7 +1266,7 @@ fn a_missing_rank_commits_nothing_and_gc_collects_the_leftovers() {
     // No manifest was written.
     assert_eq!(remote.get_small(MANIFEST_FILE, 1 << 20).unwrap(), None);
     assert!(matches!(
-        s3::open_with(&u, &cfg),
+        Remote::new(&u, &cfg).and_then(|r| ckptstore::checkpoint::remote::open(&r)),
         Err(Error::NotFound { .. })
     ));
 
@@ -1163,7 +1275,7 @@ fn a_missing_rank_commits_nothing_and_gc_collects_the_leftovers() {
     let saved = remote.get_small(&shard0, 1 << 30).unwrap().unwrap();
     remote.delete(&shard0).unwrap();
     let one = CommitOptions::default();
-    let e = s3::commit_remote(&remote, &id, std::slice::from_ref(&p0), &one).unwrap_err();
+    let e = ckptstore::commit(&remote, &id, std::slice::from_ref(&p0), &one).unwrap_err();
     assert!(
         matches!(e, Error::ShardMismatch { .. })
             && e.to_string().contains(&u.child(&shard0).to_string()),
@@ -1200,12 +1312,15 @@ fn location_functions_dispatch_multi_rank_saves() {
         )
         .unwrap();
     }
-    ckptstore::commit_rendezvous(
+    ckptstore::commit(
         loc,
         &id,
-        2,
-        std::time::Duration::from_secs(5),
-        &CommitOptions::default(),
+        &[],
+        &rendezvous(
+            2,
+            std::time::Duration::from_secs(5),
+            &CommitOptions::default(),
+        ),
     )
     .unwrap();
     let ck = ckptstore::open(loc).unwrap();
@@ -1231,7 +1346,7 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
     let (w, v, step) = (global_w(), global_v(), [9i64]);
     let id = new_checkpoint_id().unwrap();
     for rank in 0..2 {
-        s3::write_part_remote(
+        ckptstore::write_part(
             &remote,
             &id,
             rank,
@@ -1240,17 +1355,20 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
         )
         .unwrap();
     }
-    s3::commit_rendezvous_remote(
+    ckptstore::commit(
         &remote,
         &id,
-        2,
-        std::time::Duration::ZERO,
-        &Default::default(),
+        &[],
+        &rendezvous(2, std::time::Duration::ZERO, &Default::default()),
     )
     .unwrap();
     // The downloaded checkpoint is the reference: the same region read from all the bytes.
-    let full = s3::open_with(&u, &cfg).unwrap();
-    let rc = s3::open_lazy(&u, &cfg).unwrap();
+    let full = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
+    let rc = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
+        .unwrap();
     assert_eq!(rc.bytes_fetched(), 0);
 
     // Rows of "w" are 4 KiB, 64 to a 256 KiB block: rows [1000, 1100) x columns [10, 20)
@@ -1346,21 +1464,28 @@ fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
         .collect();
     // The coordinator polls the prefix while the ranks upload.
     let remote = Remote::new(&u, &cfg).unwrap();
-    let info = s3::commit_rendezvous_remote(
+    let info = ckptstore::commit(
         &remote,
         &id,
-        world,
-        std::time::Duration::from_secs(120),
-        &CommitOptions::default(),
+        &[],
+        &rendezvous(
+            world,
+            std::time::Duration::from_secs(120),
+            &CommitOptions::default(),
+        ),
     )
     .unwrap();
     for c in children {
         assert!(c.wait_with_output().unwrap().status.success());
     }
     assert_eq!(info.checkpoint_id, id);
-    let ck = s3::open_with(&u, &cfg).unwrap();
+    let ck = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     ck.verify().unwrap();
-    let rc = s3::open_lazy(&u, &cfg).unwrap();
+    let rc = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
+        .unwrap();
     for g in globals(world) {
         let whole = global_bytes(&g);
         assert_eq!(
@@ -1398,9 +1523,13 @@ fn gc_takes_a_journal_of_a_completed_upload_as_done() {
     let cfg = small_parts(&srv);
     let u = url("journal");
     let f = Fixture::new(21);
-    s3::save_with(&u, &f.tensors(), &opts(), None, &cfg).unwrap();
+    Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::save(&r, &f.tensors(), &opts()))
+        .unwrap();
     let r = Remote::new(&u, &cfg).unwrap();
-    let ck = s3::open_with(&u, &cfg).unwrap();
+    let ck = Remote::new(&u, &cfg)
+        .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+        .unwrap();
     // (Shards of a downloaded checkpoint are named by URL.)
     let file = ck.shards()[0].file.rsplit('/').next().unwrap().to_string();
     let shard_key = u.key(&file);
@@ -1409,7 +1538,12 @@ fn gc_takes_a_journal_of_a_completed_upload_as_done() {
     r.put_small(journal, body.into_bytes()).unwrap();
     let removed = s3::gc_prefix(&r).unwrap();
     assert_eq!(removed, vec![journal.to_string()]);
-    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f);
+    assert_same(
+        &Remote::new(&u, &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &f,
+    );
 
     // A journal whose upload cannot be aborted and whose object does not exist stays, and
     // gc fails naming the key and the upload.
@@ -1433,5 +1567,20 @@ fn gc_takes_a_journal_of_a_completed_upload_as_done() {
     r.put_small(journal, body.into_bytes()).unwrap();
     assert_eq!(s3::gc_prefix(&r).unwrap(), vec![journal.to_string()]);
     assert!(r.get_small(journal, 1 << 16).unwrap().is_none());
-    assert_same(&s3::open_with(&u, &cfg).unwrap(), &f);
+    assert_same(
+        &Remote::new(&u, &cfg)
+            .and_then(|r| ckptstore::checkpoint::remote::open(&r))
+            .unwrap(),
+        &f,
+    );
+}
+
+/// The options of a commit that waits (at most `timeout`) for the part descriptors of ranks
+/// `0..world` under the prefix (the rendezvous), from `opts`.
+fn rendezvous(world: u32, timeout: std::time::Duration, opts: &CommitOptions) -> CommitOptions {
+    CommitOptions {
+        world_size: Some(world),
+        wait_for_parts: Some(timeout),
+        ..opts.clone()
+    }
 }

@@ -10,9 +10,12 @@ mod part_layout;
 use std::path::Path;
 use std::process::{Child, Command};
 
+use ckptstore::commit;
 use ckptstore::write::part_file_name;
-use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
-use ckptstore::{Checkpoint, CommitOptions, Error, Layout, Part, PartItem, SaveOptions, TensorRef};
+use ckptstore::write::parts::new_checkpoint_id;
+use ckptstore::write::parts::Layout;
+use ckptstore::write_part;
+use ckptstore::{Checkpoint, CommitOptions, Error, Part, PartItem, SaveOptions, TensorRef};
 use part_layout::{box_bytes, global_bytes, globals, STEP};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ckpt");

@@ -599,7 +599,7 @@ fn run(ops: &[Op]) {
             } => {
                 let ts = build_tensors(tensors);
                 let fs = CrashFs::new(usize::from(*fail_at % 48));
-                let r = save_with_fs(&fs, dir, &refs(&ts), &opts(*max_shard_size));
+                let r = ckptstore::save(&ckptstore::store::LocalStore::new(&fs, dir), &refs(&ts), &opts(*max_shard_size));
                 let new: BTreeMap<String, Expected> = ts.iter().cloned().collect();
                 match r {
                     Ok(info) => {

@@ -200,7 +200,7 @@ impl Fetched {
     }
 }
 
-impl ckptstore::ShardSource for Fetched {
+impl ckptstore::checkpoint::ShardSource for Fetched {
     fn len(&self) -> u64 {
         self.all.len() as u64
     }
@@ -214,8 +214,8 @@ impl ckptstore::ShardSource for Fetched {
         1 << 16
     }
     fn fetch(
-        shards: &[ckptstore::Shard<Self>],
-        jobs: &mut [ckptstore::Fetch<'_>],
+        shards: &[ckptstore::checkpoint::Shard<Self>],
+        jobs: &mut [ckptstore::checkpoint::Fetch<'_>],
     ) -> ckptstore::Result<()> {
         for j in jobs {
             let s = &shards

@@ -7,8 +7,9 @@ mod convert;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use ckptstore::checkpoint::Kind;
 use ckptstore::optim::{ScaleShape, StateLayout, StateValue, Target, Tensor};
-use ckptstore::{Error, Kind};
+use ckptstore::Error;
 
 /// A checkpoint whose shard bytes are in memory: open from a path (memory-mapped) or an
 /// `s3://` URL (downloaded).
@@ -282,7 +283,7 @@ impl PyCheckpoint {
         let d = PyDict::new(py);
         d.set_item("dtype", e.dtype.name())?;
         d.set_item("shape", PyTuple::new(py, e.shape)?)?;
-        let nbytes = ckptstore::dtype::checked_nbytes(e.dtype, e.shape)
+        let nbytes = ckptstore::tensor::checked_nbytes(e.dtype, e.shape)
             .ok_or_else(|| invalid_arg(format!("{name}: size overflows")))?;
         d.set_item("nbytes", nbytes)?;
         d.set_item("global", e.global)?;
@@ -401,7 +402,10 @@ impl PyCheckpoint {
         let st = py
             .detach(move || {
                 if release {
-                    ck.load_optimizer_releasing(&layout)
+                    ck.load_optimizer_opts(
+                        &layout,
+                        &ckptstore::optim::LoadOptions::default().release_pages(true),
+                    )
                 } else {
                     ck.load_optimizer(&layout)
                 }

@@ -3,11 +3,10 @@
 //! every Python module (the manager and each framework integration) puts checkpoint
 //! directories in place through the same crash-tested operations (tests/publish_crash.rs).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use ckptstore::store::fs::{Fs, StdFs};
 use ckptstore::store::publish;
-use ckptstore::Location;
 use pyo3::prelude::*;
 
 use crate::errors::CkError;
@@ -60,8 +59,7 @@ pub(crate) fn write_file(
     name: &str,
     data: &[u8],
 ) -> PyResult<()> {
-    let loc = Location::from_path(Path::new(&location)).map_err(CkError)?;
     Ok(py
-        .detach(|| ckptstore::api::put_file(&loc, name, data))
+        .detach(|| ckptstore::store::connect(&location)?.put_file(name, data))
         .map_err(CkError)?)
 }

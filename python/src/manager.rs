@@ -67,7 +67,7 @@ impl PyCheckpointManager {
 
     /// Where `step` lives (whether or not it exists): its directory, or its URL text.
     fn step_dir<'py>(&self, py: Python<'py>, step: u64) -> PyResult<Bound<'py, PyAny>> {
-        location_py(py, &self.inner.step_location(step))
+        location_py(py, &self.inner.location_of(step))
     }
 
     /// The committed steps, ascending.
@@ -141,7 +141,7 @@ impl PyCheckpointManager {
             Some((groups, states)) => Some(optimizer_ref(groups, states)?),
         };
         let info = py
-            .detach(|| self.inner.save_with(step, &refs, opt.as_ref(), &opts))
+            .detach(|| self.inner.save(step, &refs, opt.as_ref(), &opts))
             .map_err(CkError)?;
         commit_info(py, info)
     }

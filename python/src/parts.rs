@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ckptstore::write::parts::Layout;
 use ckptstore::write::parts::{self, CommitOptions, Part, PartItem};
-use ckptstore::{api, Location};
-use ckptstore::{Layout, SaveOptions};
+use ckptstore::SaveOptions;
 use numpy::PyUntypedArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -59,15 +59,7 @@ pub(crate) fn write_part<'py>(
         });
     }
     let part = py
-        .detach(|| {
-            api::write_part(
-                &Location::from_path(&path)?,
-                checkpoint_id,
-                rank,
-                &list,
-                &opts,
-            )
-        })
+        .detach(|| ckptstore::write_part(&path, checkpoint_id, rank, &list, &opts))
         .map_err(CkError)?;
     Ok(PyBytes::new(py, &part.to_bytes()))
 }
@@ -123,7 +115,7 @@ pub(crate) fn commit<'py>(
                 .map(|b| Part::from_bytes(b))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(CkError)?;
-            py.detach(|| api::commit(&Location::from_path(&path)?, checkpoint_id, &decoded, &opts))
+            py.detach(|| ckptstore::commit(&path, checkpoint_id, &decoded, &opts))
         }
         None => {
             let ws = world_size.ok_or_else(|| {
@@ -132,9 +124,12 @@ pub(crate) fn commit<'py>(
             let t = timeout.unwrap_or(300.0);
             let t = Duration::try_from_secs_f64(t)
                 .map_err(|_| invalid_arg(format!("timeout {t} is not a duration in seconds")))?;
-            py.detach(|| {
-                api::commit_rendezvous(&Location::from_path(&path)?, checkpoint_id, ws, t, &opts)
-            })
+            let opts = CommitOptions {
+                world_size: Some(ws),
+                wait_for_parts: Some(t),
+                ..opts
+            };
+            py.detach(|| ckptstore::commit(&path, checkpoint_id, &[], &opts))
         }
     }
     .map_err(CkError)?;

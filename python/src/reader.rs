@@ -9,9 +9,11 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use ckptstore::checkpoint::Entry;
+use ckptstore::checkpoint::Kind;
+use ckptstore::checkpoint::ShardSource;
 use ckptstore::format::global::GlobalEntry;
 use ckptstore::format::manifest::Manifest;
-use ckptstore::{Checkpoint, DType, Error, Kind, Region, ShardSource, Tensor, TensorInfo};
+use ckptstore::{Checkpoint, DType, Error, Region, Tensor, TensorInfo};
 use rayon::prelude::*;
 
 /// What `ckptstore.Checkpoint` needs of a checkpoint, over any shard source (the methods

@@ -6,8 +6,8 @@
 use std::path::Path;
 
 use ckptstore::optim::OptimizerStateRef;
-use ckptstore::{api, Location, Storage};
-use ckptstore::{Checkpoint, CommitInfo, Result, SaveOptions, TensorRef};
+use ckptstore::store::Location;
+use ckptstore::{Checkpoint, CommitInfo, Result, SaveOptions, Storage, TensorRef};
 
 /// A checkpoint opened by [`open_any`].
 pub(crate) enum Opened {
@@ -23,15 +23,18 @@ pub(crate) enum Opened {
 pub(crate) fn open_any(path: &Path, lazy: bool) -> Result<Opened> {
     match Location::from_path(path)? {
         Location::Remote(u) if lazy => Ok(Opened::Fetched(std::sync::Arc::new(
-            api::s3::open_lazy(&u, &api::s3::S3Config::try_from_env()?)?,
+            ckptstore::checkpoint::remote::open_lazy(&ckptstore::store::s3::Remote::new(
+                &u,
+                &ckptstore::store::s3::S3Config::try_from_env()?,
+            )?)?,
         ))),
-        loc => Ok(Opened::Resident(Box::new(api::open(&loc)?))),
+        loc => Ok(Opened::Resident(Box::new(ckptstore::open(&loc)?))),
     }
 }
 
 /// Save plain tensors at a path or URL.
 pub(crate) fn save(path: &Path, refs: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
-    api::save_with_section(&Location::from_path(path)?, refs, opts, None)
+    ckptstore::save(path, refs, opts)
 }
 
 /// Save an optimizer state with model tensors at a path or URL.
@@ -41,5 +44,5 @@ pub(crate) fn save_optimizer(
     refs: &[TensorRef<'_>],
     opts: &SaveOptions,
 ) -> Result<CommitInfo> {
-    api::save_optimizer(&Location::from_path(path)?, opt, refs, opts)
+    opt.save(path, refs, opts)
 }

@@ -148,7 +148,7 @@ pub(crate) fn save<'py>(
 /// returns the number of files removed.
 #[pyfunction]
 pub(crate) fn wait_for_cleanup(py: Python<'_>) -> usize {
-    py.detach(ckptstore::wait_for_cleanup)
+    py.detach(ckptstore::write::wait_for_cleanup)
 }
 
 /// The optimizer state of a save over the arrays' memory (no copy): `groups` as JSON (see

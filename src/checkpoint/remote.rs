@@ -1,5 +1,5 @@
 //! The reader over an object store (format-spec/s3.md §Open): a checkpoint downloaded whole
-//! into fresh buffers with CRCs summed as the bytes land ([`open_remote`]), or read lazily
+//! into fresh buffers with CRCs summed as the bytes land ([`open`]), or read lazily
 //! over [`RemoteShard`]s ([`open_lazy`]). The bytes move through the store's ranged GETs
 //! ([`Remote::read_ranges`]); what they are checked against is decided here. Errors about
 //! shards name the object URL.
@@ -9,14 +9,7 @@ use super::{source, Checkpoint, Fetch, Shard, ShardSource, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::manifest::{ShardEntry, MANIFEST_FILE};
 use crate::location::RemoteUrl;
-use crate::store::s3::{Remote, RemoteShard, S3Config};
-
-/// The old name of the lazy object-store reader, which is now the one reader over
-/// fetched shards ([`open_lazy`]).
-#[deprecated(
-    note = "the lazy reader is Checkpoint<RemoteShard>, opened with checkpoint::remote::open_lazy"
-)]
-pub type RemoteCheckpoint = Checkpoint<RemoteShard>;
+use crate::store::s3::{Remote, RemoteShard};
 
 /// Put the object URL in place of a bare shard file name in errors about shards.
 fn name_keys(e: Error, url: &RemoteUrl) -> Error {
@@ -51,17 +44,10 @@ fn name_keys(e: Error, url: &RemoteUrl) -> Error {
     }
 }
 
-/// Open the checkpoint under `url`, configured from the environment ([`open_with`]).
-///
-/// # Errors
-/// As [`open_with`].
-pub fn open(url: &RemoteUrl) -> Result<Checkpoint<Vec<u8>>> {
-    open_with(url, &S3Config::try_from_env()?)
-}
-
-/// Open the checkpoint under `url`: one GET of the manifest, then every shard downloaded
-/// with parallel ranged GETs into fresh buffers, then every check [`Checkpoint::open`]
-/// makes (object sizes, header lengths and CRCs).
+/// Open the checkpoint under the prefix of `r`: one GET of the manifest, then every shard
+/// downloaded with parallel ranged GETs into fresh buffers, then every check
+/// [`Checkpoint::open`] makes (object sizes, header lengths and CRCs). [`crate::open`] of an
+/// `s3://` location runs it.
 ///
 /// The tensor CRCs are computed during the download: each range GET sums the CRC blocks
 /// it carries (and absmax bits) as their bytes land, overlapping the CRC pass with the
@@ -71,21 +57,12 @@ pub fn open(url: &RemoteUrl) -> Result<Checkpoint<Vec<u8>>> {
 /// `verify` and loads report it, naming the tensor, the block and the object URL.
 ///
 /// # Errors
-/// [`Error::NotFound`] if no manifest is committed under `url`; [`Error::ShardMismatch`]
-/// naming the object URL for a missing, truncated or replaced shard object;
-/// [`Error::ChecksumMismatch`] for a header from another checkpoint or damaged bytes;
-/// [`Error::Remote`] naming the URL for a failed request (wrong credentials, missing
-/// bucket, server down after the retries).
-pub fn open_with(url: &RemoteUrl, cfg: &S3Config) -> Result<Checkpoint<Vec<u8>>> {
-    let r = Remote::new(url, cfg)?;
-    open_remote(&r)
-}
-
-/// [`open_with`] on a connected [`Remote`].
-///
-/// # Errors
-/// As [`open_with`].
-pub fn open_remote(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
+/// [`Error::NotFound`] if no manifest is committed under the prefix;
+/// [`Error::ShardMismatch`] naming the object URL for a missing, truncated or replaced
+/// shard object; [`Error::ChecksumMismatch`] for a header from another checkpoint or
+/// damaged bytes; [`Error::Remote`] naming the URL for a failed request (wrong
+/// credentials, missing bucket, server down after the retries).
+pub fn open(r: &Remote) -> Result<Checkpoint<Vec<u8>>> {
     let (bytes, m) = r.manifest()?;
     let mut bufs: Vec<Vec<u8>> = m
         .shards
@@ -156,7 +133,7 @@ impl ShardSource for RemoteShard {
     }
 }
 
-/// Open the checkpoint under `url` lazily: GET the manifest, then the header of every
+/// Open the checkpoint under the prefix of `remote` lazily: GET the manifest, then the header of every
 /// shard (a ranged GET each), checked as [`Checkpoint::open`] checks them. Tensors are
 /// fetched by ranged GETs when asked for ([`Checkpoint::read_tensor`],
 /// [`Checkpoint::read_region`], [`Checkpoint::stream_tensors`], [`Checkpoint::verify`]),
@@ -164,9 +141,9 @@ impl ShardSource for RemoteShard {
 /// few tensors; [`open`] downloads everything.
 ///
 /// # Errors
-/// As [`open_with`].
-pub fn open_lazy(url: &RemoteUrl, cfg: &S3Config) -> Result<Checkpoint<RemoteShard>> {
-    let remote = Remote::new(url, cfg)?;
+/// As [`open`].
+pub fn open_lazy(remote: &Remote) -> Result<Checkpoint<RemoteShard>> {
+    let url = remote.url();
     let (bytes, manifest) = remote.manifest()?;
     let mut heads: Vec<Vec<u8>> = manifest
         .shards
@@ -195,7 +172,7 @@ pub fn open_lazy(url: &RemoteUrl, cfg: &S3Config) -> Result<Checkpoint<RemoteSha
     let parts = (!manifest.parts.is_empty())
         .then(|| PartSet::new(Box::new(RemoteParts(remote.clone())), &manifest));
     let shards = RemoteShard::for_objects(
-        remote,
+        remote.clone(),
         manifest
             .shards
             .iter()
@@ -209,7 +186,7 @@ pub fn open_lazy(url: &RemoteUrl, cfg: &S3Config) -> Result<Checkpoint<RemoteSha
 }
 
 /// The part indexes and part shards of a two-level checkpoint under a prefix: indexes
-/// fetched whole with one GET, shards downloaded whole (`Vec<u8>`, for [`open_remote`]) or
+/// fetched whole with one GET, shards downloaded whole (`Vec<u8>`, for [`open`]) or
 /// opened lazily by their headers ([`RemoteShard`], for [`open_lazy`]). Shards are named by
 /// URL.
 struct RemoteParts(Remote);

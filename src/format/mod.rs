@@ -2,6 +2,8 @@
 //!
 //! Byte layouts and rules live in `format-spec/`; the constants here cite its sections.
 
+pub use crate::crc::crc32_parallel;
+
 pub mod global;
 pub mod grid;
 pub mod header;

@@ -9,11 +9,12 @@ use super::{interrupted, parse_step, step_name, Skip, StepEntry, StepLease, Step
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::Storage;
 use crate::error::{Error, Result};
-use crate::format::manifest::{OptimizerSection, MANIFEST_FILE};
+use crate::format::manifest::MANIFEST_FILE;
 use crate::location::Location;
 use crate::store::fs::StdFs;
 use crate::store::local::{self, Lock};
 use crate::store::publish::publish_dir;
+use crate::store::LocalStore;
 use crate::write::parts::{CommitOptions, Part};
 use crate::write::{self, CommitInfo, SaveOptions, TensorRef, LOCK_FILE};
 
@@ -68,7 +69,7 @@ impl StepStore for LocalSteps {
         Location::Local(self.root.clone())
     }
 
-    fn step_location(&self, step: u64) -> Location {
+    fn location_of(&self, step: u64) -> Location {
         Location::Local(self.step_dir(step))
     }
 
@@ -135,13 +136,7 @@ impl StepStore for LocalSteps {
         Ok(Checkpoint::open(dir)?.map_storage(Storage::Mapped))
     }
 
-    fn save(
-        &self,
-        step: u64,
-        tensors: &[TensorRef<'_>],
-        section: Option<OptimizerSection>,
-        opts: &SaveOptions,
-    ) -> Result<CommitInfo> {
+    fn save(&self, step: u64, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
         let final_dir = self.step_dir(step);
         // Free the space of interrupted saves before writing this one (a save that failed
         // for lack of space must not make the next one fail too).
@@ -152,7 +147,7 @@ impl StepStore for LocalSteps {
         if final_dir.join(MANIFEST_FILE).is_file() {
             // Re-saving a committed step: the directory's own atomic replace.
             drop(root_lock);
-            return write::save_locked(&final_dir, tensors, opts, section);
+            return write::save(&LocalStore::std(&final_dir), tensors, opts);
         }
         let tmp = self.root.join(format!(
             "{TMP_STEP_PREFIX}{step}-{}",
@@ -166,10 +161,11 @@ impl StepStore for LocalSteps {
         // The writer lock is held until the rename: gc never removes a directory whose
         // lock is held, so it cannot take this one for an interrupted save (nor before it is
         // held: the root lock covers the creation).
-        let lock = write::lock_dir(&tmp)?;
+        let lock = local::lock_dir(&tmp, local::Lock::TryExclusive)?;
         drop(root_lock);
-        let store = crate::store::LocalStore::std(&tmp);
-        let info = match write::save_impl(&store, tensors, opts, section) {
+        // Under our own lock: the store takes none and cleans up inline.
+        let store = LocalStore::new(&StdFs, &tmp);
+        let info = match write::save(&store, tensors, opts) {
             Ok(info) => info,
             Err(e) => {
                 // Nothing was committed: the directory is ours (we hold its lock) and holds
@@ -192,7 +188,12 @@ impl StepStore for LocalSteps {
         parts: &[Part],
         opts: &CommitOptions,
     ) -> Result<CommitInfo> {
-        crate::write::parts::commit(self.step_dir(step), checkpoint_id, parts, opts)
+        write::parts::commit(
+            &LocalStore::std(self.step_dir(step)),
+            checkpoint_id,
+            parts,
+            opts,
+        )
     }
 
     fn delete(&self, entry: &StepEntry) -> Result<bool> {
@@ -370,8 +371,8 @@ mod tests {
         )
         .unwrap();
         let tmp = root.path().join(format!("{TMP_STEP_PREFIX}2-00ff"));
-        crate::write::save(
-            &tmp,
+        write::save(
+            &LocalStore::std(&tmp),
             &[TensorRef::from_slice("w", &[8], &w)],
             &SaveOptions::default(),
         )

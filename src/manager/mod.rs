@@ -37,7 +37,6 @@ use std::thread::JoinHandle;
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::Storage;
 use crate::error::{Error, Result};
-use crate::format::manifest::OptimizerSection;
 use crate::location::{IntoLocation, Location};
 use crate::optim::{OptimizerState, OptimizerStateRef, StateLayout};
 use crate::write::parts::{CommitOptions, Part};
@@ -280,19 +279,19 @@ impl CheckpointManager {
     }
 
     /// Where `step` lives once committed: its directory or prefix URL.
-    pub fn step_location(&self, step: u64) -> Location {
-        self.steps.step_location(step)
+    pub fn location_of(&self, step: u64) -> Location {
+        self.steps.location_of(step)
     }
 
     /// The directory of `step` in a local manager (for ranks writing their parts,
-    /// [`crate::write::parts::write_part`]).
+    /// [`crate::write_part`]).
     ///
     /// # Errors
     /// [`Error::UnsupportedUrl`] for a manager on an object store (use
-    /// [`CheckpointManager::step_location`]).
+    /// [`CheckpointManager::location_of`]).
     pub fn step_dir(&self, step: u64) -> Result<PathBuf> {
         Ok(self
-            .step_location(step)
+            .location_of(step)
             .local("CheckpointManager::step_dir")?
             .to_path_buf())
     }
@@ -380,7 +379,8 @@ impl CheckpointManager {
         Ok(Some(ck.step()))
     }
 
-    /// Save `tensors` (and optionally an optimizer state) as `step`, blocking until it is
+    /// Save `tensors` (and optionally an optimizer state, over borrowed tensors:
+    /// [`OptimizerState::as_borrowed`] of an owned one) as `step`, blocking until it is
     /// committed and durable, then apply retention.
     ///
     /// # Errors
@@ -391,50 +391,37 @@ impl CheckpointManager {
         &self,
         step: u64,
         tensors: &[TensorRef<'_>],
-        optimizer: Option<&OptimizerState>,
-        opts: &SaveOptions,
-    ) -> Result<CommitInfo> {
-        let optimizer = optimizer.map(OptimizerState::as_borrowed);
-        self.save_with(step, tensors, optimizer.as_ref(), opts)
-    }
-
-    /// [`CheckpointManager::save`] with the optimizer state over borrowed tensors (see
-    /// [`OptimizerStateRef`]): what bindings that keep their tensors elsewhere (NumPy,
-    /// PyTorch) call, without copying them first.
-    ///
-    /// # Errors
-    /// As [`CheckpointManager::save`].
-    pub fn save_with(
-        &self,
-        step: u64,
-        tensors: &[TensorRef<'_>],
         optimizer: Option<&OptimizerStateRef<'_>>,
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
-        let (tensors, section) = match optimizer {
+        let (tensors, opts) = match optimizer {
             Some(o) => {
                 let (t, s) = o.to_parts(tensors)?;
-                (t, Some(s))
+                let opts = SaveOptions {
+                    optimizer: Some(s),
+                    ..opts.clone()
+                };
+                (t, opts)
             }
-            None => (tensors.to_vec(), None),
+            None => (tensors.to_vec(), opts.clone()),
         };
         let info = {
             let _saving = Saving::new(&self.saving, step);
-            self.steps.save(step, &tensors, section, opts)?
+            self.steps.save(step, &tensors, &opts)?
         };
         let _ = self.gc();
         Ok(info)
     }
 
     /// Commit step `step` of a multi-rank save (format-spec/global.md): every rank has
-    /// written its part into [`CheckpointManager::step_location`] with
-    /// [`crate::write::parts::write_part`] (or its object-store twin); this commits them
+    /// written its part into [`CheckpointManager::location_of`] with
+    /// [`crate::write_part`] (or its object-store twin); this commits them
     /// (manifest last), then applies retention as [`CheckpointManager::save`] does. The
     /// step is committed only when its manifest is: until then `steps`, `latest` and
     /// `ckpt ls` do not count it.
     ///
     /// # Errors
-    /// The errors of [`crate::write::parts::commit`] (nothing is committed).
+    /// The errors of [`crate::commit`] (nothing is committed).
     pub fn commit_parts(
         &self,
         step: u64,
@@ -485,7 +472,9 @@ impl CheckpointManager {
             .spawn(move || {
                 let _release = release;
                 let refs = snapshot.refs();
-                let r = mgr.save(step, &refs, optimizer.as_ref(), &opts);
+                let borrowed = optimizer.as_ref().map(OptimizerState::as_borrowed);
+                let r = mgr.save(step, &refs, borrowed.as_ref(), &opts);
+                drop(borrowed);
                 drop(saving);
                 drop(refs);
                 snapshot.recycle(&mgr.pool);

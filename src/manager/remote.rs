@@ -11,7 +11,7 @@ use super::{interrupted, parse_step, step_name, Skip, StepEntry, StepLease, Step
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::Storage;
 use crate::error::{Error, Result};
-use crate::format::manifest::{OptimizerSection, MANIFEST_FILE};
+use crate::format::manifest::MANIFEST_FILE;
 use crate::location::Location;
 use crate::store::s3::{self, Remote};
 use crate::write::parts::{CommitOptions, Part};
@@ -42,7 +42,7 @@ impl StepStore for RemoteSteps {
         Location::Remote(self.root.url().clone())
     }
 
-    fn step_location(&self, step: u64) -> Location {
+    fn location_of(&self, step: u64) -> Location {
         Location::Remote(self.step(step).url().clone())
     }
 
@@ -82,20 +82,11 @@ impl StepStore for RemoteSteps {
     }
 
     fn open(&self, lease: &StepLease) -> Result<Checkpoint<Storage>> {
-        Ok(
-            crate::checkpoint::remote::open_remote(&self.step(lease.step))?
-                .map_storage(Storage::Owned),
-        )
+        Ok(crate::checkpoint::remote::open(&self.step(lease.step))?.map_storage(Storage::Owned))
     }
 
-    fn save(
-        &self,
-        step: u64,
-        tensors: &[TensorRef<'_>],
-        section: Option<OptimizerSection>,
-        opts: &SaveOptions,
-    ) -> Result<CommitInfo> {
-        crate::write::remote::save_remote(&self.step(step), tensors, opts, section)
+    fn save(&self, step: u64, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo> {
+        crate::write::save(&self.step(step), tensors, opts)
     }
 
     fn commit_parts(
@@ -105,7 +96,7 @@ impl StepStore for RemoteSteps {
         parts: &[Part],
         opts: &CommitOptions,
     ) -> Result<CommitInfo> {
-        crate::write::remote::commit_remote(&self.step(step), checkpoint_id, parts, opts)
+        crate::write::parts::commit(&self.step(step), checkpoint_id, parts, opts)
     }
 
     /// The manifest first, so the step stops counting as committed, then its engine

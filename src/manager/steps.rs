@@ -35,7 +35,7 @@ pub(super) trait StepStore: Send + Sync + std::fmt::Debug {
     fn root(&self) -> Location;
 
     /// Where step `step` lives once committed.
-    fn step_location(&self, step: u64) -> Location;
+    fn location_of(&self, step: u64) -> Location;
 
     /// Every step, committed or not, and leftovers of interrupted saves, by step.
     fn list(&self) -> Result<Vec<StepEntry>>;
@@ -48,15 +48,9 @@ pub(super) trait StepStore: Send + Sync + std::fmt::Debug {
 
     /// Save one step, committed and durable when this returns `Ok`; an existing committed
     /// `step` is replaced atomically or kept.
-    fn save(
-        &self,
-        step: u64,
-        tensors: &[TensorRef<'_>],
-        section: Option<OptimizerSection>,
-        opts: &SaveOptions,
-    ) -> Result<CommitInfo>;
+    fn save(&self, step: u64, tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<CommitInfo>;
 
-    /// Commit the ranks' parts written under `step_location(step)`.
+    /// Commit the ranks' parts written under `location_of(step)`.
     fn commit_parts(
         &self,
         step: u64,

@@ -151,6 +151,32 @@ struct Job<'a> {
     target: Target,
 }
 
+/// How [`Checkpoint::load_optimizer_opts`] and [`super::OptimizerState::restore_from_opts`]
+/// load: where destination buffers come from and what happens to the source's pages.
+/// The default is [`Checkpoint::load_optimizer`]'s: fresh buffers, pages kept mapped.
+#[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct LoadOptions<'p> {
+    /// Take destination buffers from this pool where it holds some of the right sizes.
+    pub pool: Option<&'p BufferPool>,
+    /// Release each source tensor's mapped pages once it is converted.
+    pub release_pages: bool,
+}
+
+impl<'p> LoadOptions<'p> {
+    /// Buffers from `pool`.
+    pub fn pool(mut self, pool: &'p BufferPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// Release the source's pages as tensors are converted.
+    pub fn release_pages(mut self, yes: bool) -> Self {
+        self.release_pages = yes;
+        self
+    }
+}
+
 impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// Load the checkpoint's optimizer state in `layout`, into freshly allocated buffers.
     ///
@@ -167,31 +193,27 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
         self.load_optimizer_impl(layout, None, None)
     }
 
-    /// [`Checkpoint::load_optimizer`], taking destination buffers from `pool` where it
-    /// holds some of the right sizes (see [`BufferPool`]: buffers of dropped tensors,
-    /// already faulted in). The loaded tensors give their buffers back to `pool` when they
-    /// are dropped. Results are bit-identical to `load_optimizer`.
+    /// [`Checkpoint::load_optimizer`] with options ([`LoadOptions`]): destination buffers
+    /// from a [`BufferPool`] (buffers of dropped tensors, already faulted in; the loaded
+    /// tensors give theirs back to the pool when dropped), and each source tensor's mapped
+    /// pages released from this process once it is converted (the resident memory of a
+    /// restore stays about the size of the loaded state, not that plus the mapped
+    /// checkpoint; a later load from the same `Checkpoint` maps the pages again, from the
+    /// page cache). Results are bit-identical to `load_optimizer`.
     ///
     /// # Errors
-    /// As [`Checkpoint::load_optimizer`]; on error every buffer taken goes back to `pool`.
-    pub fn load_optimizer_with(
+    /// As [`Checkpoint::load_optimizer`]; on error every buffer taken goes back to the pool.
+    pub fn load_optimizer_opts(
         &self,
         layout: &StateLayout,
-        pool: &BufferPool,
+        opts: &LoadOptions<'_>,
     ) -> Result<OptimizerState> {
-        self.load_optimizer_impl(layout, Some(pool), None)
-    }
-
-    /// [`Checkpoint::load_optimizer`], releasing each source tensor's mapped pages from
-    /// this process once it is converted: the resident memory of a restore stays about the
-    /// size of the loaded state, not that plus the mapped checkpoint. Results are
-    /// bit-identical to `load_optimizer`; a later load from the same `Checkpoint` maps the
-    /// pages again (from the page cache).
-    ///
-    /// # Errors
-    /// As [`Checkpoint::load_optimizer`].
-    pub fn load_optimizer_releasing(&self, layout: &StateLayout) -> Result<OptimizerState> {
-        self.load_optimizer_impl(layout, None, Some(&|t| self.release_tensor(t)))
+        let release: Option<&(dyn Fn(&TensorInfo) + Sync)> = if opts.release_pages {
+            Some(&|t| self.release_tensor(t))
+        } else {
+            None
+        };
+        self.load_optimizer_impl(layout, opts.pool, release)
     }
 
     /// `release(t)` is called once tensor `t` of the checkpoint has been read.

@@ -16,17 +16,16 @@ mod load;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
 
 pub use crate::tensor::{BufferPool, PoolStats, Tensor};
 pub use compat::{check_compatible, OptimizerSignature};
-pub use load::{ScaleShape, StateLayout, Target};
+pub use load::{LoadOptions, ScaleShape, StateLayout, Target};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::manifest::{Encoding, GroupEntry, OptimizerSection, ParamEntry, StateEntry};
 use crate::format::optimizer::check_section;
-use crate::write::{save_locked, CommitInfo, SaveOptions, TensorRef};
+use crate::write::{CommitInfo, SaveOptions, TensorRef};
 
 /// One named state of a parameter.
 #[derive(Debug, Clone, PartialEq)]
@@ -236,19 +235,20 @@ impl OptimizerState {
         self.as_borrowed().validate()
     }
 
-    /// Save this state, with `model` tensors beside it, as a committed checkpoint in `dir`
-    /// (atomically replacing one there). The state is saved exactly: FP16-scaled states as
-    /// their codes plus scale, so a load into the same layout is lossless.
+    /// Save this state, with `model` tensors beside it, as a committed checkpoint in a
+    /// store (a path, an `s3://` URL, a store: [`crate::save`]), atomically replacing one
+    /// there. The state is saved exactly: FP16-scaled states as their codes plus scale, so a
+    /// load into the same layout is lossless.
     ///
     /// # Errors
     /// As [`OptimizerStateRef::save`].
-    pub fn save(
+    pub fn save<'s>(
         &self,
-        dir: impl AsRef<Path>,
+        to: impl crate::store::IntoStore<'s>,
         model: &[TensorRef<'_>],
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
-        self.as_borrowed().save(dir, model, opts)
+        self.as_borrowed().save(to, model, opts)
     }
 
     /// Replace this state with the checkpoint's, loaded in `layout`, after checking that it
@@ -272,20 +272,20 @@ impl OptimizerState {
         self.adopt(new)
     }
 
-    /// [`OptimizerState::restore_from`], with destination buffers from `pool` (see
-    /// [`BufferPool`]). The replaced state's tensors give their buffers to `pool` if they
-    /// came from it, so a loop that restores repeatedly through one pool stops paying for
-    /// fresh pages after the first restore.
+    /// [`OptimizerState::restore_from`] with options ([`LoadOptions`]): with a pool, the
+    /// replaced state's tensors give their buffers to it if they came from it, so a loop
+    /// that restores repeatedly through one pool stops paying for fresh pages after the
+    /// first restore.
     ///
     /// # Errors
     /// As [`OptimizerState::restore_from`]; on error `self` is unchanged, bit for bit.
-    pub fn restore_from_with<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages>(
+    pub fn restore_from_opts<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages>(
         &mut self,
         ckpt: &crate::Checkpoint<B>,
         layout: &StateLayout,
-        pool: &BufferPool,
+        opts: &LoadOptions<'_>,
     ) -> Result<()> {
-        let new = ckpt.load_optimizer_with(layout, pool)?;
+        let new = ckpt.load_optimizer_opts(layout, opts)?;
         self.adopt(new)
     }
 }
@@ -363,23 +363,29 @@ impl<'a> OptimizerStateRef<'a> {
         check_section(&section, |n| by_name.get(n).map(|t| (t.dtype(), t.shape())))
     }
 
-    /// Save this state, with `model` tensors beside it, as a committed checkpoint in `dir`
-    /// (atomically replacing one there), exactly as stored: FP16-scaled states as their
-    /// codes plus scale.
+    /// Save this state, with `model` tensors beside it, as a committed checkpoint in a
+    /// store (a path, an `s3://` URL, a store: [`crate::save`]), atomically replacing one
+    /// there, exactly as stored: FP16-scaled states as their codes plus scale. (The
+    /// section it writes is [`crate::SaveOptions::optimizer`]; `opts.optimizer` is
+    /// replaced.)
     ///
     /// # Errors
     /// [`Error::InvalidOptimizerState`] for a state that breaks a rule of
     /// format-spec/optimizer.md, [`Error::InvalidTensor`] for a model tensor whose name
     /// collides with a state tensor, and the errors of [`crate::save`]. Nothing is
     /// written when the state is invalid.
-    pub fn save(
+    pub fn save<'s>(
         &self,
-        dir: impl AsRef<Path>,
+        to: impl crate::store::IntoStore<'s>,
         model: &[TensorRef<'a>],
         opts: &SaveOptions,
     ) -> Result<CommitInfo> {
         let (tensors, section) = self.to_parts(model)?;
-        save_locked(dir.as_ref(), &tensors, opts, Some(section))
+        let opts = SaveOptions {
+            optimizer: Some(section),
+            ..opts.clone()
+        };
+        crate::write::save(&*to.into_store()?, &tensors, &opts)
     }
 
     /// The tensors (model ones first, then state tensors in group order and state-name

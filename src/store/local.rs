@@ -9,7 +9,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use super::fs::{Fs, StdFs};
-use super::object::{Put, Store};
+use super::object::{Access, Held, Put, Store};
 use crate::error::{Error, Result};
 use crate::format::names::LOCK_FILE;
 
@@ -19,22 +19,32 @@ use crate::format::names::LOCK_FILE;
 pub struct LocalStore<'f, F: Fs = StdFs> {
     fs: &'f F,
     dir: PathBuf,
+    /// Made by [`LocalStore::std`]: [`Store::begin`] creates the directory and takes its
+    /// writer lock. A store over a substitute file system does neither (the seam).
+    real: bool,
 }
 
 impl LocalStore<'static, StdFs> {
     /// The directory `dir` on the real file system (writes need it to exist: the local
     /// entry points, [`crate::save`] among them, create it first).
     pub fn std(dir: impl Into<PathBuf>) -> Self {
-        LocalStore::new(&StdFs, dir)
+        LocalStore {
+            fs: &StdFs,
+            dir: dir.into(),
+            real: true,
+        }
     }
 }
 
 impl<'f, F: Fs> LocalStore<'f, F> {
-    /// The directory `dir` through `fs`.
+    /// The directory `dir` through `fs`: the seam for fault-injection tests. Writers
+    /// through it expect `dir` to exist and take no writer lock (the test guarantees that
+    /// no other writer runs there); everything else is the protocol of [`LocalStore::std`].
     pub fn new(fs: &'f F, dir: impl Into<PathBuf>) -> Self {
         LocalStore {
             fs,
             dir: dir.into(),
+            real: false,
         }
     }
 
@@ -45,11 +55,6 @@ impl<'f, F: Fs> LocalStore<'f, F> {
 }
 
 impl<F: Fs> Store for LocalStore<'_, F> {
-    type Put<'a>
-        = LocalPut<'a, F>
-    where
-        Self: 'a;
-
     /// A missing directory holds no objects, as a prefix without objects does.
     fn list(&self) -> Result<Vec<String>> {
         match self.fs.list(&self.dir) {
@@ -75,20 +80,20 @@ impl<F: Fs> Store for LocalStore<'_, F> {
             .map_err(|e| Error::io("read", &path, e))
     }
 
-    fn put_streamed(&self, name: &str, staging: &str) -> Result<LocalPut<'_, F>> {
+    fn put_streamed(&self, name: &str, staging: &str) -> Result<Box<dyn Put + '_>> {
         let tmp = self.dir.join(staging);
         let file = self
             .fs
             .create(&tmp)
             .map_err(|e| Error::io("create", &tmp, e))?;
-        Ok(LocalPut {
+        Ok(Box::new(LocalPut {
             fs: self.fs,
             file: Some(file),
             tmp,
             target: self.dir.join(name),
             synced: false,
             published: false,
-        })
+        }))
     }
 
     fn barrier(&self, context: &'static str) -> Result<()> {
@@ -110,6 +115,23 @@ impl<F: Fs> Store for LocalStore<'_, F> {
 
     fn describe(&self, name: &str) -> String {
         name.to_string()
+    }
+
+    fn begin(&self, access: Access) -> Result<Held> {
+        if !self.real {
+            return Ok(Held::default());
+        }
+        prepare_dir(&self.dir)?;
+        let how = match access {
+            Access::Save => Lock::TryExclusive,
+            Access::Part => Lock::Shared,
+            Access::Commit => Lock::Exclusive,
+        };
+        Ok(Held(Some(lock_dir(&self.dir, how)?)))
+    }
+
+    fn local_dir(&self) -> Option<&Path> {
+        Some(&self.dir)
     }
 }
 
@@ -168,7 +190,7 @@ impl<F: Fs> Put for LocalPut<'_, F> {
         Ok(())
     }
 
-    fn finish(mut self) -> Result<()> {
+    fn finish(mut self: Box<Self>) -> Result<()> {
         self.sync()?;
         drop(self.file.take());
         self.fs

@@ -11,7 +11,7 @@
 //! [`Location::parse`]: a string of the form `scheme://...` is never taken as a local path;
 //! `file:///abs/path` is a local path; any other scheme, or `s3://` in a build without the
 //! feature, is `Error::UnsupportedUrl`. The verbs over locations (open, save, write_part,
-//! commit) are at the crate root ([`crate::api`]). The object layout is in
+//! commit) are at the crate root ([`crate::save`], ...) and take any store ([`IntoStore`]). The object layout is in
 //! format-spec/s3.md.
 
 #[cfg(not(feature = "s3"))]
@@ -19,7 +19,9 @@ use crate::error::Error;
 
 pub use crate::location::{IntoLocation, Location, RemoteUrl};
 
+mod connect;
 pub mod fs;
+pub use crate::sys::mmap;
 pub(crate) mod local;
 mod object;
 pub mod publish;
@@ -27,8 +29,9 @@ pub mod ranged;
 #[cfg(feature = "s3")]
 pub mod s3;
 
+pub use connect::{connect, IntoStore, StoreRef};
 pub use local::{LocalPut, LocalStore};
-pub use object::{Put, Store};
+pub use object::{Access, Held, Put, Store};
 
 /// The error of an `s3://` location in a build without the feature `s3`.
 #[cfg(not(feature = "s3"))]

@@ -10,18 +10,36 @@
 //! a part of one.
 
 use std::io::{self, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
+/// What a writer is about to do in a store, for [`Store::begin`]: how it holds the
+/// store's writer lock (format-spec/durability.md §Writers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Access {
+    /// A whole save: one at a time per directory (a second one fails at once).
+    Save,
+    /// A rank writing its part, beside the other ranks (shared).
+    Part,
+    /// A multi-rank commit: after the ranks still writing (exclusive, waiting).
+    Commit,
+}
+
+/// What [`Store::begin`] holds while a writer runs: a local directory's writer lock
+/// (released on drop), or nothing.
+#[derive(Debug, Default)]
+pub struct Held(pub(crate) Option<std::fs::File>);
+
 /// A place that holds the objects of one checkpoint: a local directory or an object-store
 /// prefix.
+///
+/// The trait is object safe: the verbs ([`crate::save`], [`crate::write_part`],
+/// [`crate::commit`], ...) take any store as `&dyn Store` ([`crate::store::IntoStore`]), and
+/// [`crate::store::connect`] makes one from a location. The fault-injection tests hand the
+/// verbs a [`super::LocalStore`] over a substitute [`super::fs::Fs`].
 pub trait Store: Sync {
-    /// An object being written ([`Store::put_streamed`]).
-    type Put<'a>: Put
-    where
-        Self: 'a;
-
     /// The names of the objects directly under the directory or prefix.
     ///
     /// # Errors
@@ -50,7 +68,7 @@ pub trait Store: Sync {
     ///
     /// # Errors
     /// [`Error::Io`] (`create`, naming the temporary file) or [`Error::Remote`].
-    fn put_streamed(&self, name: &str, staging: &str) -> Result<Self::Put<'_>>;
+    fn put_streamed(&self, name: &str, staging: &str) -> Result<Box<dyn Put + '_>>;
 
     /// Publish the small object `name` holding `bytes` atomically ([`Store::put_streamed`],
     /// all of `bytes`, [`Put::finish`]; an object store does it in one request).
@@ -61,6 +79,18 @@ pub trait Store: Sync {
         let mut p = self.put_streamed(name, staging)?;
         p.append(bytes)?;
         p.finish()
+    }
+
+    /// Publish one small file `name` (an index beside a checkpoint, say) durably: a local
+    /// temporary file, fsync, rename, directory fsync; on an object store, one PUT
+    /// ([`Store::put`], then [`Store::barrier`]).
+    ///
+    /// # Errors
+    /// As [`Store::put`] and [`Store::barrier`].
+    fn put_file(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        let staging = format!("{}{name}", crate::format::names::TEMP_PREFIX);
+        self.put(name, &staging, bytes)?;
+        self.barrier("fsync directory")
     }
 
     /// Make the names published so far durable: a local directory fsyncs itself; an object
@@ -81,6 +111,34 @@ pub trait Store: Sync {
 
     /// The directory, or the prefix URL, for messages.
     fn location(&self) -> PathBuf;
+
+    /// Get ready for a writer that is about to `access` the store, and hold what it must
+    /// hold until the returned [`Held`] is dropped: a local directory on the real file
+    /// system is created if missing (its new entries made durable) and its writer lock
+    /// taken; an object store is listed once, so that a missing bucket or bad credentials
+    /// fail before anything is written; a directory over a substitute file system (the
+    /// fault-injection seam) must exist and takes no lock. The default does nothing.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the directory or lock file (`WouldBlock` for a second
+    /// [`Access::Save`] into one directory); [`Error::Remote`] naming the bucket.
+    fn begin(&self, access: Access) -> Result<Held> {
+        let _ = access;
+        Ok(Held::default())
+    }
+
+    /// The local directory of a store on a file system, `None` for an object store: the
+    /// reader maps its files, and a save's background cleanup runs there.
+    fn local_dir(&self) -> Option<&Path> {
+        None
+    }
+
+    /// The object store connection behind an `s3://` store, `None` for a directory: the
+    /// reader fetches its shards with ranged GETs.
+    #[cfg(feature = "s3")]
+    fn remote(&self) -> Option<&super::s3::Remote> {
+        None
+    }
 
     /// How errors about the contents of object `name` name it: a local store by the bare
     /// file name (as a manifest names its shards), an object store by the object's URL.
@@ -127,7 +185,5 @@ pub trait Put: Write + Send {
     /// # Errors
     /// [`Error::Io`] (`fsync`, `rename`, naming the temporary file) or [`Error::Remote`]
     /// naming the object.
-    fn finish(self) -> Result<()>
-    where
-        Self: Sized;
+    fn finish(self: Box<Self>) -> Result<()>;
 }

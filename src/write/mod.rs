@@ -6,15 +6,12 @@ pub mod fs;
 pub mod parts;
 #[doc(hidden)]
 pub mod pause;
-#[cfg(feature = "s3")]
-pub mod remote;
 mod shard;
 mod tensor_ref;
 mod two_level;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -30,9 +27,7 @@ use crate::format::{
     check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK, MAX_SHARDS, MAX_TENSORS,
     MAX_TENSORS_PER_SHARD, META_CHECKPOINT_ID,
 };
-use crate::store::fs::Fs;
-use crate::store::local::{self, Lock};
-use crate::store::{LocalStore, Put, Store};
+use crate::store::{Access, Store};
 use crate::view::Element;
 
 pub(crate) use crate::format::names::{engine_file_id, is_id};
@@ -49,7 +44,7 @@ const CHUNK: usize = 8 << 20;
 /// Bytes written between two write-back hints ([`Put::start_writeback`]).
 const WRITEBACK_BYTES: u64 = 8 << 20;
 
-/// Options for [`save`].
+/// Options for [`crate::save`] and [`crate::write_part`].
 #[derive(Clone)]
 pub struct SaveOptions {
     /// Most bytes of tensor data per shard; a larger tensor gets a shard of its own.
@@ -67,6 +62,13 @@ pub struct SaveOptions {
     /// shards) are removed: before `save` returns (default) or on a background thread
     /// ([`Cleanup`]).
     pub cleanup: Cleanup,
+    /// The optimizer section (format-spec/optimizer.md) of a save that holds an optimizer
+    /// state, checked against the tensors by every rule of format-spec/optimizer.md
+    /// §Rules before anything is written. [`crate::optim::OptimizerStateRef::save`] builds
+    /// it; tools that copy checkpoints (`ckpt pack`) pass the one they read. Refused by
+    /// [`crate::write_part`] (a multi-rank checkpoint's section comes with the commit:
+    /// [`parts::CommitOptions::optimizer`]).
+    pub optimizer: Option<OptimizerSection>,
 }
 
 /// When a save removes the files its new checkpoint does not reference: step 5 of
@@ -105,6 +107,7 @@ impl Default for SaveOptions {
             progress: None,
             block_size: crate::crc::DEFAULT_BLOCK_SIZE,
             cleanup: Cleanup::Inline,
+            optimizer: None,
         }
     }
 }
@@ -116,6 +119,7 @@ impl std::fmt::Debug for SaveOptions {
             .field("metadata", &self.metadata)
             .field("block_size", &self.block_size)
             .field("cleanup", &self.cleanup)
+            .field("optimizer", &self.optimizer.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -132,95 +136,40 @@ pub struct CommitInfo {
     /// Bytes of tensor data.
     pub data_bytes: u64,
     /// Files removed: temporary files of interrupted saves (before the shards were written,
-    /// by [`save`] and [`save_with_section`]; before the shard checks, by
-    /// [`parts::commit`]) and, after the commit, files of earlier checkpoints and
+    /// by [`crate::save`]; before the shard checks, by [`crate::commit`]) and, after the
+    /// commit, files of earlier checkpoints and
     /// interrupted saves.
     pub removed: usize,
 }
 
-/// Save `tensors` as a checkpoint in `dir`, atomically replacing any checkpoint there.
-///
-/// Follows the commit protocol of format-spec/durability.md: shards are written to
-/// temporary files in `dir` (rayon-parallel), fsynced and renamed to names unique to the new
-/// checkpoint id; the directory is fsynced; the manifest is written to a temporary file,
-/// fsynced and renamed over `ckpt-manifest.json`; the directory is fsynced again; only
-/// then does the save count as committed, and files of the previous checkpoint are removed.
-/// A crash at any point leaves either the old or the new checkpoint. A reader that has the
-/// old checkpoint open keeps reading its old bytes. Before writing, temporary files left by
-/// earlier failed or killed saves are removed; after an error, so are the files this save
-/// created (format-spec/durability.md §Cleanup).
-///
-/// # Errors
-/// [`Error::InvalidTensor`] or [`Error::InvalidArgument`] for duplicate names, sizes that
-/// do not fit, or a checkpoint over the format's limits (found before any checkpoint file
-/// is written, except an over-large manifest, found after the shards: the old checkpoint
-/// stays committed);
-/// [`Error::Io`] naming the file for I/O failures. After an error the directory holds
-/// the previous checkpoint, or, if only the final directory fsync failed, possibly the new
-/// one: never a mix. Only `Ok` guarantees the new checkpoint is durable.
-///
-/// # Example
-/// ```
-/// # fn main() -> ckptstore::Result<()> {
-/// use ckptstore::{save, SaveOptions, TensorRef};
-/// let dir = tempfile::tempdir().unwrap();
-/// let w = vec![0.5f32; 1024];
-/// let step = [1000i64];
-/// let info = save(
-///     dir.path(),
-///     &[TensorRef::from_slice("w", &[32, 32], &w), TensorRef::from_slice("step", &[], &step)],
-///     &SaveOptions { metadata: serde_json::json!({"run": "demo"}), ..Default::default() },
-/// )?;
-/// assert_eq!(info.tensors, 2);
-/// # Ok(()) }
-/// ```
-pub fn save(
-    dir: impl AsRef<Path>,
+/// Save `tensors` as one committed checkpoint in `store`, atomically replacing any
+/// checkpoint there (the verb is [`crate::save`], which documents it): validation (the
+/// optimizer section too), [`Store::begin`] (a local directory: created, writer lock
+/// taken, this process's background cleanup of it waited for; an object store: probed),
+/// the leftovers of ended saves removed (under the lock only), the protocol, then the
+/// cleanup, inline or (a locked local directory and [`Cleanup::Background`]) on a thread
+/// that keeps the lock.
+pub(crate) fn save(
+    store: &dyn Store,
     tensors: &[TensorRef<'_>],
     opts: &SaveOptions,
 ) -> Result<CommitInfo> {
-    let dir = crate::location::local_path(dir.as_ref(), "ckptstore::write::save")?;
-    save_locked(&dir, tensors, opts, None)
-}
-
-/// [`save`] with an optimizer section (format-spec/optimizer.md), for tools that copy
-/// checkpoints (`ckpt pack`) and callers that build the section themselves; prefer
-/// [`crate::optim::OptimizerStateRef::save`], which builds it. The section is checked
-/// against `tensors` by every rule of format-spec/optimizer.md §Rules before anything is
-/// written.
-///
-/// # Errors
-/// As [`save`]; [`Error::InvalidOptimizerState`] naming the parameter and state if the
-/// section breaks a rule (for example names a tensor that is not saved).
-pub fn save_with_section(
-    dir: impl AsRef<Path>,
-    tensors: &[TensorRef<'_>],
-    opts: &SaveOptions,
-    optimizer: Option<OptimizerSection>,
-) -> Result<CommitInfo> {
-    let dir = crate::location::local_path(dir.as_ref(), "ckptstore::write::save_with_section")?;
-    save_locked(&dir, tensors, opts, optimizer)
-}
-
-/// Create `dir` if needed, take the writer lock, and save through the real file system.
-pub(crate) fn save_locked(
-    dir: &Path,
-    tensors: &[TensorRef<'_>],
-    opts: &SaveOptions,
-    optimizer: Option<OptimizerSection>,
-) -> Result<CommitInfo> {
-    let sizes = validate_inputs(tensors, opts, optimizer.as_ref())?;
-    local::prepare_dir(dir)?;
-    let lock = lock_dir(dir)?;
-    let store = LocalStore::std(dir);
+    let sizes = validate_inputs(tensors, opts, opts.optimizer.as_ref())?;
+    if let Some(dir) = store.local_dir() {
+        cleanup::wait_in(dir);
+    }
+    let held = store.begin(Access::Save)?;
     // Under the lock every temporary file belongs to a save that has ended: free its space
     // before writing ours (format-spec/durability.md §Cleanup).
-    let leftovers = remove_leftover_temps(&store);
-    let (mut info, sweep) = commit(&store, tensors, &sizes, opts, optimizer)?;
+    let leftovers = match held.0 {
+        Some(_) => remove_leftover_temps(store),
+        None => 0,
+    };
+    let (mut info, sweep) = commit(store, tensors, &sizes, opts, opts.optimizer.clone())?;
     info.removed += leftovers;
-    match opts.cleanup {
-        Cleanup::Background => cleanup::spawn(dir, lock, sweep),
-        _ => info.removed += sweep.run(&store),
+    match (opts.cleanup, held.0, store.local_dir()) {
+        (Cleanup::Background, Some(lock), Some(dir)) => cleanup::spawn(dir, lock, sweep),
+        _ => info.removed += sweep.run(store),
     }
     Ok(info)
 }
@@ -230,7 +179,7 @@ pub(crate) fn save_locked(
 /// its writer lock; an object store: one writer per prefix), so that every temporary object
 /// belongs to one that ended. Failures are ignored: they leave garbage, never damage (no
 /// manifest names a temporary object).
-pub(crate) fn remove_leftover_temps<S: Store>(store: &S) -> usize {
+pub(crate) fn remove_leftover_temps<S: Store + ?Sized>(store: &S) -> usize {
     let Ok(entries) = store.list() else {
         return 0;
     };
@@ -246,13 +195,13 @@ pub(crate) fn remove_leftover_temps<S: Store>(store: &S) -> usize {
 /// save leaves no object of its own behind (format-spec/durability.md §Cleanup). An object
 /// still being written is its [`Put`]'s, which aborts it when dropped unfinished. Only
 /// names this save published are recorded, so an object it did not write is never deleted.
-struct Created<'s, S: Store> {
+struct Created<'s, S: Store + ?Sized> {
     store: &'s S,
     names: Mutex<Vec<String>>,
     committed: bool,
 }
 
-impl<'s, S: Store> Created<'s, S> {
+impl<'s, S: Store + ?Sized> Created<'s, S> {
     fn new(store: &'s S) -> Self {
         Created {
             store,
@@ -275,7 +224,7 @@ impl<'s, S: Store> Created<'s, S> {
     }
 }
 
-impl<S: Store> Drop for Created<'_, S> {
+impl<S: Store + ?Sized> Drop for Created<'_, S> {
     fn drop(&mut self) {
         if self.committed {
             return;
@@ -285,14 +234,6 @@ impl<S: Store> Drop for Created<'_, S> {
             let _ = self.store.delete(&n);
         }
     }
-}
-
-/// Take the exclusive writer lock of `dir` for a save (format-spec/durability.md §Writers):
-/// one save at a time per directory, across processes; this process's background cleanup of
-/// `dir` is waited for first. Released when the returned file is dropped.
-pub(crate) fn lock_dir(dir: &Path) -> Result<std::fs::File> {
-    cleanup::wait_in(dir);
-    local::lock_dir(dir, Lock::TryExclusive)
 }
 
 pub(crate) use crate::format::names::random_id;
@@ -354,35 +295,10 @@ fn validate_inputs(
     Ok(sizes)
 }
 
-/// [`save`] through a substitute file system, into an existing directory, without the
-/// writer lock: the seam for fault-injection tests (format-spec/durability.md §Operations).
-#[doc(hidden)]
-pub fn save_with_fs<F: Fs>(
-    fs: &F,
-    dir: &Path,
-    tensors: &[TensorRef<'_>],
-    opts: &SaveOptions,
-) -> Result<CommitInfo> {
-    save_impl(&LocalStore::new(fs, dir), tensors, opts, None)
-}
-
-/// Validation, then the commit protocol, over `store`, cleanup inline.
-pub(crate) fn save_impl<S: Store>(
-    store: &S,
-    tensors: &[TensorRef<'_>],
-    opts: &SaveOptions,
-    optimizer: Option<OptimizerSection>,
-) -> Result<CommitInfo> {
-    let sizes = validate_inputs(tensors, opts, optimizer.as_ref())?;
-    let (mut info, sweep) = commit(store, tensors, &sizes, opts, optimizer)?;
-    info.removed += sweep.run(store);
-    Ok(info)
-}
-
 /// The protocol (format-spec/durability.md) on validated input: draw the id, plan the
 /// shards and check the plan against the format's limits (step 0), then steps 1-4.
 /// Returns what was committed (`removed` 0) and step 5's work, for the caller to run.
-fn commit<S: Store>(
+fn commit<S: Store + ?Sized>(
     store: &S,
     tensors: &[TensorRef<'_>],
     sizes: &[u64],
@@ -441,13 +357,13 @@ fn encode_checked(m: &Manifest) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Steps 3-4 of the protocol, shared by [`save`] and [`parts::commit`]: write `bytes` (the
+/// Steps 3-4 of the protocol, shared by [`save`] and [`crate::commit`]: write `bytes` (the
 /// encoding of `m`) as the manifest (locally: temporary file, fsync), publish it (the
 /// rename: the commit point), then the store's barrier (the directory fsync). Until the
 /// manifest is published, an error drops `created` and so deletes every object it records.
 /// Returns step 5, the cleanup, for the caller to run (inline or on a background thread,
 /// [`Cleanup`]).
-fn commit_manifest<S: Store>(
+fn commit_manifest<S: Store + ?Sized>(
     store: &S,
     created: Created<'_, S>,
     bytes: &[u8],
@@ -516,7 +432,7 @@ impl Sweep {
     }
 
     /// Delete the objects; returns how many were deleted.
-    pub(crate) fn run<S: Store>(&self, store: &S) -> usize {
+    pub(crate) fn run<S: Store + ?Sized>(&self, store: &S) -> usize {
         let Ok(entries) = store.list() else {
             return 0;
         };

@@ -1,6 +1,7 @@
 //! Multi-rank saves (format-spec/global.md §Parts, §The commit): each rank writes its own
-//! shards and a part descriptor ([`write_part`]); one coordinator merges the parts into the
-//! manifest and commits it last ([`commit`], [`commit_rendezvous`]).
+//! shards and a part descriptor ([`crate::write_part`]); one coordinator merges the parts
+//! into the manifest and commits it last ([`crate::commit`], which can wait for the parts:
+//! [`CommitOptions::wait_for_parts`]).
 
 mod merge;
 mod rendezvous;
@@ -24,15 +25,12 @@ use crate::format::optimizer::check_section;
 pub use crate::format::part::{chunk_tensor_name, Part, PartChunk, PART_FORMAT, PART_VERSION};
 pub(crate) use crate::format::part::{decode_part, decode_reason};
 use crate::format::{check_tensor_name, MAX_HEADER_SIZE, MAX_MANIFEST_SIZE, MAX_RANK};
-use crate::store::fs::Fs;
-use crate::store::local::{self, Lock};
-use crate::store::{LocalStore, Store};
+use crate::store::{Access, Store};
 
-/// How often [`commit_rendezvous`] looks for the part files.
 use merge::*;
-pub use rendezvous::commit_rendezvous;
 pub(crate) use rendezvous::{commit_rendezvous_impl, Rendezvous};
 
+/// How often a commit that waits for the parts looks for them.
 pub(crate) const POLL: Duration = Duration::from_millis(20);
 
 /// One tensor a rank contributes to a multi-rank checkpoint.
@@ -64,60 +62,33 @@ pub fn new_checkpoint_id() -> Result<String> {
     random_id()
 }
 
-/// Write rank `rank`'s part of checkpoint `checkpoint_id` into `dir` (format-spec/global.md
-/// §Parts): its shards `shard-<id>-r<rank>-<k>.safetensors` (temporary file, fsync, rename;
-/// directory fsync), then its part descriptor `part-<id>-r<rank>.json` the same way. Ranks
-/// run concurrently: each holds a shared lock on the directory's writer lock file while it
-/// writes (waiting for it while a save or commit holds it exclusively), so no save or
-/// commit runs meanwhile. `opts.metadata` is not used (the commit's metadata is).
-///
-/// Everything is validated before the disk is touched; after an error the files this call
-/// created are removed. Temporary files that an earlier attempt of this rank and id left
-/// (killed, or its removals failed) are removed first, so the rank can be retried.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] for a malformed id or a part already written for this rank;
-/// [`Error::InvalidTensor`] naming the
-/// tensor for a bad name, size, chunk box outside its global shape, ranks that disagree,
-/// a chunk given twice, or a whole tensor named like a global one; [`Error::Io`] naming the
-/// file.
-pub fn write_part(
-    dir: impl AsRef<Path>,
+/// Write rank `rank`'s part of checkpoint `checkpoint_id` into `store` (the verb is
+/// [`crate::write_part`], which documents it). After validation, [`Store::begin`] with
+/// [`Access::Part`] (a local directory: created, shared writer lock), the temporary files
+/// an earlier attempt of this rank and id left removed (a local directory), then a part
+/// already written refused.
+pub(crate) fn write_part(
+    store: &dyn Store,
     checkpoint_id: &str,
     rank: u32,
     items: &[PartItem<'_>],
     opts: &SaveOptions,
 ) -> Result<Part> {
-    let dir = crate::location::local_path(dir.as_ref(), "write::parts::write_part")?;
-    let store = LocalStore::std(&dir);
+    if opts.optimizer.is_some() {
+        return Err(Error::InvalidArgument(
+            "a rank's part takes no optimizer section: give it to the commit \
+             (CommitOptions::optimizer)"
+                .into(),
+        ));
+    }
     let lock = || {
-        local::prepare_dir(&dir)?;
-        let held = local::lock_dir(&dir, Lock::Shared)?;
-        remove_own_leftover_temps(&store, checkpoint_id, rank);
+        let held = store.begin(Access::Part)?;
+        if store.local_dir().is_some() {
+            remove_own_leftover_temps(store, checkpoint_id, rank);
+        }
         Ok(held)
     };
-    write_part_impl(&store, checkpoint_id, rank, items, opts, true, lock)
-}
-
-/// [`write_part`] through a substitute file system, into an existing directory, without the
-/// writer lock and without the check for a part already written: the seam for
-/// crash-simulation tests (format-spec/durability.md §Operations), like
-/// [`super::save_with_fs`].
-#[doc(hidden)]
-pub fn write_part_with_fs<F: Fs>(
-    fs: &F,
-    dir: &Path,
-    checkpoint_id: &str,
-    rank: u32,
-    items: &[PartItem<'_>],
-    opts: &SaveOptions,
-) -> Result<Part> {
-    let store = LocalStore::new(fs, dir);
-    let lock = || {
-        remove_own_leftover_temps(&store, checkpoint_id, rank);
-        Ok(())
-    };
-    write_part_impl(&store, checkpoint_id, rank, items, opts, false, lock)
+    write_part_impl(store, checkpoint_id, rank, items, opts, lock)
 }
 
 /// Remove the temporary files that an earlier `write_part` of this rank and id left in a
@@ -130,7 +101,7 @@ pub fn write_part_with_fs<F: Fs>(
 /// these names are unique to (id, rank), and only this rank of this id writes them. An
 /// object store has no temporary objects (its puts ignore the staging name). Failures are
 /// ignored: the retry's `create` then reports the file in its way.
-fn remove_own_leftover_temps<S: Store>(store: &S, checkpoint_id: &str, rank: u32) {
+fn remove_own_leftover_temps<S: Store + ?Sized>(store: &S, checkpoint_id: &str, rank: u32) {
     let shard_prefix = format!("{TEMP_PREFIX}shard-{checkpoint_id}-r{rank}-");
     let part_tmp = format!("{TEMP_PREFIX}{}", part_file_name(checkpoint_id, rank));
     let Ok(entries) = store.list() else {
@@ -147,22 +118,15 @@ fn remove_own_leftover_temps<S: Store>(store: &S, checkpoint_id: &str, rank: u32
     }
 }
 
-/// Delete what the uncommitted multi-rank checkpoint `checkpoint_id` left in `dir`: its
-/// ranks' shards and part descriptors, and its temporary files (a job that abandons a save,
-/// a consolidation that failed half-way). Under the writer lock, taken exclusively, so it
-/// waits for ranks still writing their parts. Returns how many files were removed.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] for a malformed id, or if `checkpoint_id` is the committed
-/// checkpoint (nothing is removed); [`Error::Io`] naming the directory or a file.
-pub fn discard(dir: impl AsRef<Path>, checkpoint_id: &str) -> Result<usize> {
-    let dir = crate::location::local_path(dir.as_ref(), "write::parts::discard")?;
-    let _lock = local::lock_dir(&dir, Lock::Exclusive)?;
-    discard_impl(&LocalStore::std(&dir), checkpoint_id)
+/// Delete what the uncommitted multi-rank checkpoint `checkpoint_id` left in `store` (the
+/// verb is [`crate::discard`]), under the writer lock taken exclusively ([`Access::Commit`]).
+pub(crate) fn discard(store: &dyn Store, checkpoint_id: &str) -> Result<usize> {
+    let _held = store.begin(Access::Commit)?;
+    discard_impl(store, checkpoint_id)
 }
 
 /// [`discard`] over `store` (the caller holds whatever lock the store has).
-pub(crate) fn discard_impl<S: Store>(store: &S, checkpoint_id: &str) -> Result<usize> {
+pub(crate) fn discard_impl<S: Store + ?Sized>(store: &S, checkpoint_id: &str) -> Result<usize> {
     if !is_id(checkpoint_id) {
         return Err(Error::InvalidArgument(format!(
             "{checkpoint_id:?} is not a checkpoint id (32 lowercase hex digits)"
@@ -192,15 +156,14 @@ pub(crate) fn discard_impl<S: Store>(store: &S, checkpoint_id: &str) -> Result<u
 }
 
 /// [`write_part`] over `store`. After validation, `lock` is called and held until the end
-/// (a local directory: create it, take the shared writer lock); `refuse_existing`: refuse a
-/// part already written.
-pub(crate) fn write_part_impl<S: Store, G>(
+/// (a local directory: create it, take the shared writer lock); then a part already
+/// written is refused.
+pub(crate) fn write_part_impl<S: Store + ?Sized, G>(
     store: &S,
     checkpoint_id: &str,
     rank: u32,
     items: &[PartItem<'_>],
     opts: &SaveOptions,
-    refuse_existing: bool,
     lock: impl FnOnce() -> Result<G>,
 ) -> Result<Part> {
     if !is_id(checkpoint_id) {
@@ -222,7 +185,7 @@ pub(crate) fn write_part_impl<S: Store, G>(
     let planned_sizes: Vec<u64> = order.iter().map(|&i| sizes[i]).collect();
     let part_name = part_file_name(checkpoint_id, rank);
     let _lock = lock()?;
-    if refuse_existing && store.exists(&part_name)? {
+    if store.exists(&part_name)? {
         return Err(Error::InvalidArgument(format!(
             "rank {rank} already wrote its part of checkpoint {checkpoint_id} ({})",
             store.location().join(&part_name).display()
@@ -348,7 +311,7 @@ fn part_tensors<'a>(
     Ok((stored, chunks))
 }
 
-/// Options for [`commit`] and [`commit_rendezvous`].
+/// Options for [`crate::commit`].
 #[derive(Debug, Clone)]
 pub struct CommitOptions {
     /// The number of ranks: when given, the parts' ranks must be exactly `0..world_size`.
@@ -362,6 +325,12 @@ pub struct CommitOptions {
     /// The manifest's shape: one flat manifest of every chunk, or a two-level root that
     /// names the part descriptors (format-spec/global.md §The two-level manifest).
     pub layout: Layout,
+    /// Wait at most this long for the part descriptors of ranks `0..world_size` to appear
+    /// in the store (the rendezvous: format-spec/global.md §Rendezvous), then commit
+    /// those: the coordinator needs no parts from the ranks (pass none) but needs
+    /// [`CommitOptions::world_size`]. A zero duration looks once. `None` (the default):
+    /// commit the parts given.
+    pub wait_for_parts: Option<Duration>,
 }
 
 /// The shape of the manifest a multi-rank commit writes ([`CommitOptions::layout`]).
@@ -389,91 +358,54 @@ impl Default for CommitOptions {
             metadata: serde_json::Value::Object(Default::default()),
             optimizer: None,
             layout: Layout::Auto,
+            wait_for_parts: None,
         }
     }
 }
 
-/// Commit the parts of checkpoint `checkpoint_id` in `dir` (format-spec/global.md §The
-/// commit, rules C1-C6): under the writer lock (waiting for ranks still holding it shared,
-/// and for a save in progress), remove the temporary files of writers that have ended (a
-/// crashed commit's temporary manifest among them), check every part and every shard file it
-/// lists, merge them into one manifest (replicated chunks become replicas) or, with
-/// [`CommitOptions::layout`] two-level, into a root naming the part descriptors
-/// (format-spec/global.md §The two-level manifest, C1'-C6'), validate it with the reader's
-/// own rules, and write it last exactly as [`super::save`] does. Then remove the engine
-/// files of other ids, and (flat) the part descriptors of this id; a two-level root keeps
-/// them, since it names them.
-///
-/// # Errors
-/// Nothing is committed after any error (the previous checkpoint stays):
-/// [`Error::InvalidPart`] for a part of another id, two parts of one rank, or ranks outside
-/// `0..world_size`; [`Error::MissingParts`] for ranks of `0..world_size` without a part;
-/// [`Error::ShardMismatch`] / [`Error::ChecksumMismatch`] for a shard file that is missing,
-/// misnamed, of the wrong size or whose header CRC differs; [`Error::PartConflict`] naming
-/// both ranks for a whole tensor offered twice, a global declared with different dtypes or
-/// shapes, replicas whose bytes differ, or chunks that overlap; [`Error::InvalidManifest`]
-/// for a merged manifest the reader would refuse otherwise (chunks that leave a gap, ...);
-/// [`Error::InvalidArgument`] for a merged manifest over the size cap; [`Error::Io`].
-///
-/// # Example
-/// ```
-/// # fn main() -> ckptstore::Result<()> {
-/// use ckptstore::write::parts::{commit, new_checkpoint_id, write_part};
-/// use ckptstore::{Checkpoint, CommitOptions, PartItem, SaveOptions, TensorRef};
-/// let dir = tempfile::tempdir().unwrap();
-/// let id = new_checkpoint_id()?;
-/// let w: Vec<f32> = (0..8).map(|i| i as f32).collect();
-/// // Two ranks, each holding half of the rows of the global tensor "w" [4, 2].
-/// let parts = (0..2u32)
-///     .map(|r| {
-///         let rows = &w[r as usize * 4..][..4];
-///         let chunk = PartItem::Chunk {
-///             tensor: TensorRef::from_slice("w", &[2, 2], rows),
-///             global_shape: vec![4, 2],
-///             offsets: vec![2 * u64::from(r), 0],
-///         };
-///         write_part(dir.path(), &id, r, &[chunk], &SaveOptions::default())
-///     })
-///     .collect::<ckptstore::Result<Vec<_>>>()?;
-/// let opts = CommitOptions { world_size: Some(2), ..Default::default() };
-/// commit(dir.path(), &id, &parts, &opts)?;
-/// let ck = Checkpoint::open(dir.path())?;
-/// ck.verify()?;
-/// assert_eq!(ck.manifest().unwrap().globals[0].chunks.len(), 2);
-/// assert_eq!(ck.tensor("w@2,0~r1")?.as_slice::<f32>()?, &w[4..]);
-/// # Ok(()) }
-/// ```
-pub fn commit(
-    dir: impl AsRef<Path>,
+/// Commit the parts of checkpoint `checkpoint_id` in `store` (the verb is
+/// [`crate::commit`], which documents it): with [`CommitOptions::wait_for_parts`], the
+/// rendezvous first; the exclusive writer lock ([`Access::Commit`]) after check C1.
+pub(crate) fn commit(
+    store: &dyn Store,
     checkpoint_id: &str,
     parts: &[Part],
     opts: &CommitOptions,
 ) -> Result<CommitInfo> {
-    let dir = crate::location::local_path(dir.as_ref(), "write::parts::commit")?;
-    commit_impl(&LocalStore::std(&dir), checkpoint_id, parts, opts, || {
-        local::lock_dir(&dir, Lock::Exclusive)
-    })
-}
-
-/// [`commit`] through a substitute file system, without the writer lock (the caller
-/// guarantees that no rank, save or other commit runs meanwhile): the seam for
-/// crash-simulation tests (format-spec/durability.md §Operations), like
-/// [`super::save_with_fs`].
-#[doc(hidden)]
-pub fn commit_with_fs<F: Fs>(
-    fs: &F,
-    dir: &Path,
-    checkpoint_id: &str,
-    parts: &[Part],
-    opts: &CommitOptions,
-) -> Result<CommitInfo> {
-    let store = LocalStore::new(fs, dir);
-    commit_impl(&store, checkpoint_id, parts, opts, || Ok(()))
+    let lock = || store.begin(Access::Commit);
+    match opts.wait_for_parts {
+        None => commit_impl(store, checkpoint_id, parts, opts, lock),
+        Some(timeout) => {
+            if !parts.is_empty() {
+                return Err(Error::InvalidArgument(
+                    "a commit that waits for the parts (CommitOptions::wait_for_parts) reads \
+                     them from the store: pass no parts"
+                        .into(),
+                ));
+            }
+            let Some(world_size) = opts.world_size else {
+                return Err(Error::InvalidArgument(
+                    "a commit that waits for the parts needs CommitOptions::world_size".into(),
+                ));
+            };
+            // An object store is listed less often than a directory.
+            let poll = match store.local_dir() {
+                Some(_) => POLL,
+                None => POLL.max(Duration::from_millis(50)),
+            };
+            let wait = Rendezvous {
+                world_size,
+                timeout,
+                poll,
+            };
+            commit_rendezvous_impl(store, checkpoint_id, &wait, opts, lock)
+        }
+    }
 }
 
 /// [`commit`] over `store`; `lock` is called after C1 and held until the end (a local
 /// directory: the exclusive writer lock).
-pub(crate) fn commit_impl<S: Store, G>(
+pub(crate) fn commit_impl<S: Store + ?Sized, G>(
     store: &S,
     checkpoint_id: &str,
     parts: &[Part],

@@ -106,7 +106,7 @@ pub(super) fn plan_shards<'t, 'a>(
 /// (locally: fsync the directory). Returns the shard entries and the tensors' manifest
 /// entries in the caller's order (`shard` indexes into the returned shards). Every shard
 /// published is recorded in `created`.
-pub(super) fn write_shards<S: Store>(
+pub(super) fn write_shards<S: Store + ?Sized>(
     store: &S,
     created: &Created<'_, S>,
     tensors: &[TensorRef<'_>],
@@ -173,7 +173,7 @@ pub(super) fn shard_header(id: &str, index: usize, s: &PlannedShard<'_, '_>) -> 
 
 /// Step 1 for one planned shard: write it (header, then each tensor's bytes, summing CRCs
 /// on the way) and publish it as `name`.
-pub(super) fn write_shard<S: Store>(
+pub(super) fn write_shard<S: Store + ?Sized>(
     store: &S,
     created: &Created<'_, S>,
     name: String,

@@ -17,7 +17,7 @@ pub struct TensorRef<'a> {
 }
 
 impl<'a> TensorRef<'a> {
-    /// A C-contiguous tensor over raw little-endian bytes. Sizes are checked by [`save`].
+    /// A C-contiguous tensor over raw little-endian bytes. Sizes are checked by [`crate::save`].
     pub fn new(name: impl Into<Cow<'a, str>>, dtype: DType, shape: &[u64], data: &'a [u8]) -> Self {
         TensorRef {
             name: name.into(),

@@ -150,7 +150,7 @@ fn distinct_boxes<'p>(g: &mut Gathered<'p>, sorted: &[&Part]) -> Result<Vec<Dist
 /// The parts are resolved in parallel, gathered per global in one sequential pass (no hash
 /// of a chunk box), and each global's replicas and grid are checked in parallel; an error
 /// found is the first in global order.
-pub(crate) fn root<S: Store>(
+pub(crate) fn root<S: Store + ?Sized>(
     store: &S,
     id: &str,
     sorted: &[&Part],

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ckptstore::api::s3::S3Config;
+use ckptstore::store::s3::S3Config;
 
 pub const ACCESS_KEY: &str = "ckpttestkey";
 pub const SECRET_KEY: &str = "ckpttestsecret0123456789";

@@ -121,8 +121,16 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let pool = BufferPool::new(usize::MAX);
     let load_pooled = |t: Target| {
         let layout = StateLayout::default().state("exp_avg", t);
-        drop(ck.load_optimizer_with(&layout, &pool)?);
-        best(a.reps, || ck.load_optimizer_with(&layout, &pool))
+        drop(ck.load_optimizer_opts(
+            &layout,
+            &ckptstore::optim::LoadOptions::default().pool(&pool),
+        )?);
+        best(a.reps, || {
+            ck.load_optimizer_opts(
+                &layout,
+                &ckptstore::optim::LoadOptions::default().pool(&pool),
+            )
+        })
     };
     let f16p_s = load_pooled(Target::F16Scaled(ScaleShape::One))?;
     let bf16p_s = load_pooled(Target::BF16)?;

@@ -47,7 +47,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
         #[cfg(feature = "s3")]
         Location::Remote(u) => consolidate(
             &a,
-            &ckptstore::api::s3::open_lazy(&u, &ckptstore::api::s3::S3Config::try_from_env()?)?,
+            &ckptstore::checkpoint::remote::open_lazy(&ckptstore::store::s3::Remote::new(
+                &u,
+                &ckptstore::store::s3::S3Config::try_from_env()?,
+            )?)?,
             &out,
         ),
         #[cfg(not(feature = "s3"))]
@@ -179,7 +182,10 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
         Location::Local(p) => weight_map(&Checkpoint::open(p)?, out, &referenced)?,
         #[cfg(feature = "s3")]
         Location::Remote(u) => weight_map(
-            &ckptstore::api::s3::open_lazy(u, &ckptstore::api::s3::S3Config::try_from_env()?)?,
+            &ckptstore::checkpoint::remote::open_lazy(&ckptstore::store::s3::Remote::new(
+                u,
+                &ckptstore::store::s3::S3Config::try_from_env()?,
+            )?)?,
             out,
             &referenced,
         )?,
@@ -198,7 +204,7 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
     let mut bytes = serde_json::to_vec_pretty(&index)
         .map_err(|e| Error::InvalidArgument(format!("cannot encode {HF_INDEX_FILE}: {e}")))?;
     bytes.push(b'\n');
-    ckptstore::put_file(out, HF_INDEX_FILE, &bytes)?;
+    ckptstore::store::connect(out)?.put_file(HF_INDEX_FILE, &bytes)?;
     outln!(
         "consolidated {} global tensor(s) and {} whole tensor(s) into {} tensors ({}) in {} shard(s) at {} (checkpoint {}); {} lists {} model tensor(s){}",
         ck.globals().len(),

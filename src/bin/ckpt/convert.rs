@@ -187,8 +187,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
         ..Default::default()
     };
     let info = match &state {
-        Some(s) => ckptstore::save_optimizer(&out, &s.as_borrowed(), &model, &opts)?,
-        None => ckptstore::save_with_section(&out, &model, &opts, None)?,
+        Some(s) => s.save(&out, &model, &opts)?,
+        None => ckptstore::save(&out, &model, &opts)?,
     };
     if info.tensors == 0 && !ck.tensors().is_empty() {
         return Err(Error::InvalidArgument("nothing was written".into()));

@@ -62,7 +62,11 @@ fn file_hashes(dir: &std::path::Path) -> Vec<(String, u32, u64)> {
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
             let bytes = std::fs::read(e.path()).ok()?;
-            Some((name, ckptstore::crc32_parallel(&bytes), bytes.len() as u64))
+            Some((
+                name,
+                ckptstore::format::crc32_parallel(&bytes),
+                bytes.len() as u64,
+            ))
         })
         .collect();
     v.sort();

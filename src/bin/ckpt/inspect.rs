@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ckptstore::{Kind, Result};
+use ckptstore::checkpoint::Kind;
+use ckptstore::Result;
 use serde_json::json;
 
 use crate::util::human;
@@ -179,7 +180,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
 
 /// The chunks of global `name`, each with the names of its replicas (copies of the same
 /// box), in stored order.
-fn grouped_chunks<'a, S: ckptstore::ShardSource>(
+fn grouped_chunks<'a, S: ckptstore::checkpoint::ShardSource>(
     ck: &'a ckptstore::Checkpoint<S>,
     name: &str,
 ) -> ckptstore::Result<Vec<(ckptstore::checkpoint::StoredChunk<'a>, Vec<String>)>> {

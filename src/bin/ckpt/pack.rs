@@ -80,9 +80,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
         max_shard_size: a.max_shard_size,
         metadata: meta.into(),
         progress: Some(callback(&pb)),
+        optimizer: optimizer.map(|(s, _)| s),
         ..Default::default()
     };
-    let info = ckptstore::save_with_section(&out, &tensors, &opts, optimizer.map(|(s, _)| s))?;
+    let info = ckptstore::save(&out, &tensors, &opts)?;
     pb.finish_and_clear();
     outln!(
         "packed {} tensors ({}) into {} shard(s) at {} (checkpoint {})",

@@ -5,8 +5,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use ckptstore::store::Location;
 use ckptstore::write::parts::PartItem;
-use ckptstore::{write_part, Location};
+use ckptstore::write_part;
 use ckptstore::{Result, SaveOptions, TensorRef};
 
 use crate::part_layout::{box_bytes, global_bytes, globals, rank_chunks, STEP};

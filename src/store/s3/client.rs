@@ -14,9 +14,7 @@ use crate::format::manifest::decode_checked as decode_manifest;
 use crate::format::manifest::{Manifest, MANIFEST_FILE};
 use crate::format::MAX_MANIFEST_SIZE;
 use crate::location::RemoteUrl;
-#[cfg(doc)]
-use crate::store::Put;
-use crate::store::Store;
+use crate::store::{Access, Held, Put, Store};
 
 /// What a store's error text means, for people.
 pub(super) fn explain(text: String, bucket: &str) -> String {
@@ -281,8 +279,6 @@ pub struct Listing {
 ///   the manifest is the commit.
 /// * [`Store::barrier`] does nothing: a completed PUT is durable on the server.
 impl Store for Remote {
-    type Put<'a> = ObjectPut<'a>;
-
     fn list(&self) -> Result<Vec<String>> {
         Ok(Remote::list(self)?
             .objects
@@ -327,8 +323,20 @@ impl Store for Remote {
         })
     }
 
-    fn put_streamed(&self, name: &str, _staging: &str) -> Result<ObjectPut<'_>> {
-        Ok(ObjectPut::new(self, name))
+    fn put_streamed(&self, name: &str, _staging: &str) -> Result<Box<dyn Put + '_>> {
+        Ok(Box::new(ObjectPut::new(self, name)))
+    }
+
+    /// One listing: a missing bucket or bad credentials fail here, in those words, before
+    /// anything is uploaded (some servers create buckets on PUT). Nothing locks a prefix
+    /// (one writer per prefix: format-spec/s3.md §Writers).
+    fn begin(&self, _access: Access) -> Result<Held> {
+        self.probe()?;
+        Ok(Held::default())
+    }
+
+    fn remote(&self) -> Option<&Remote> {
+        Some(self)
     }
 
     fn put(&self, name: &str, _staging: &str, bytes: &[u8]) -> Result<()> {

@@ -306,7 +306,7 @@ impl Put for ObjectPut<'_> {
         Ok(())
     }
 
-    fn finish(mut self) -> Result<()> {
+    fn finish(mut self: Box<Self>) -> Result<()> {
         match std::mem::replace(&mut self.state, PutState::Done) {
             PutState::Buffer(b) => {
                 let r = self.r;

@@ -59,7 +59,7 @@ pub(super) fn check_parts(
 
 /// C2: every shard file the parts list is this id's and rank's, present, of the recorded
 /// size, with the recorded header length and header CRC (only the header is read).
-pub(super) fn check_shards<S: Store>(store: &S, sorted: &[&Part]) -> Result<()> {
+pub(super) fn check_shards<S: Store + ?Sized>(store: &S, sorted: &[&Part]) -> Result<()> {
     let mut index = 0usize;
     for p in sorted {
         for (k, s) in p.shards.iter().enumerate() {

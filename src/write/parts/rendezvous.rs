@@ -4,36 +4,10 @@
 
 use super::*;
 
-/// Wait until the part files of ranks `0..world_size` of `checkpoint_id` are all in `dir`
-/// (polling), then [`commit`] them with `world_size`. The timeout bounds the wait for the
-/// part files.
-///
-/// # Errors
-/// [`Error::MissingParts`] naming the ranks whose part is still missing at the timeout
-/// (nothing is committed); [`Error::InvalidPart`] naming the file of a descriptor that does
-/// not decode; otherwise as [`commit`].
-pub fn commit_rendezvous(
-    dir: impl AsRef<Path>,
-    checkpoint_id: &str,
-    world_size: u32,
-    timeout: Duration,
-    opts: &CommitOptions,
-) -> Result<CommitInfo> {
-    let dir = crate::location::local_path(dir.as_ref(), "write::parts::commit_rendezvous")?;
-    let store = LocalStore::std(&dir);
-    let lock = || local::lock_dir(&dir, Lock::Exclusive);
-    let wait = Rendezvous {
-        world_size,
-        timeout,
-        poll: POLL,
-    };
-    commit_rendezvous_impl(&store, checkpoint_id, &wait, opts, lock)
-}
-
 /// The bytes of part descriptor `name`, refused unread beyond its first MiB when it is over
 /// [`MAX_MANIFEST_SIZE`] (a descriptor names less than the manifest merged from it); one
 /// read for a descriptor of up to 1 MiB.
-pub(super) fn read_descriptor<S: Store>(store: &S, name: &str) -> Result<Vec<u8>> {
+pub(super) fn read_descriptor<S: Store + ?Sized>(store: &S, name: &str) -> Result<Vec<u8>> {
     const FIRST: u64 = 1 << 20;
     let (size, bytes) = store.read_prefix(name, FIRST)?;
     if size > MAX_MANIFEST_SIZE {
@@ -71,7 +45,7 @@ pub(crate) struct Rendezvous {
 /// missing at the timeout (nothing is committed); [`Error::InvalidPart`] naming a
 /// descriptor that does not decode or is over [`MAX_MANIFEST_SIZE`]; otherwise as
 /// [`commit_impl`].
-pub(crate) fn commit_rendezvous_impl<S: Store, G>(
+pub(crate) fn commit_rendezvous_impl<S: Store + ?Sized, G>(
     store: &S,
     checkpoint_id: &str,
     wait: &Rendezvous,
@@ -118,6 +92,7 @@ pub(crate) fn commit_rendezvous_impl<S: Store, G>(
         .collect::<Result<Vec<Part>>>()?;
     let opts = CommitOptions {
         world_size: Some(world_size),
+        wait_for_parts: None,
         ..opts.clone()
     };
     commit_impl(store, checkpoint_id, &parts, &opts, lock)

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use ckptstore::checkpoint::{cached_pages, drop_page_cache, set_read_strategy, ReadStrategy};
-use ckptstore::optim::{ScaleShape, StateLayout, Target};
+use ckptstore::optim::{LoadOptions, ScaleShape, StateLayout, Target};
 use ckptstore::{BufferPool, Checkpoint, Error, Result};
 
 /// Block size of the raw reads and writes.
@@ -172,7 +172,8 @@ pub fn run(ckdir: &Path, bytes: u64, reps: usize, strategies: bool) -> Result<Co
     {
         let ck = Checkpoint::open(ckdir)?;
         for &(_, t) in &targets {
-            drop(ck.load_optimizer_with(&StateLayout::default().state("exp_avg", t), &pool)?);
+            let layout = StateLayout::default().state("exp_avg", t);
+            drop(ck.load_optimizer_opts(&layout, &LoadOptions::default().pool(&pool))?);
         }
     }
     let mut pooled: Vec<(&'static str, f64)> =
@@ -203,7 +204,10 @@ pub fn run(ckdir: &Path, bytes: u64, reps: usize, strategies: bool) -> Result<Co
             let layout = StateLayout::default().state("exp_avg", t);
             let s = best_cold(ckdir, &paths, 1, || {
                 let ck = Checkpoint::open(ckdir)?;
-                std::hint::black_box(ck.load_optimizer_with(&layout, &pool)?);
+                std::hint::black_box(ck.load_optimizer_opts(
+                    &layout,
+                    &ckptstore::optim::LoadOptions::default().pool(&pool),
+                )?);
                 Ok(())
             })?;
             p.1 = p.1.min(s);
