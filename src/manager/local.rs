@@ -11,7 +11,7 @@ use crate::checkpoint::Storage;
 use crate::error::{Error, Result};
 use crate::format::manifest::MANIFEST_FILE;
 use crate::location::Location;
-use crate::store::fs::StdFs;
+use crate::store::fs::{Fs, StdFs};
 use crate::store::local::{self, Lock};
 use crate::store::publish::publish_dir;
 use crate::store::LocalStore;
@@ -24,18 +24,30 @@ const TMP_STEP_PREFIX: &str = ".tmp-step-";
 /// never taken for an interrupted one before its writer has locked it.
 const ROOT_LOCK: &str = ".ckpt-manager-lock";
 
-/// Steps under a local directory.
+/// Steps under a local directory, written and published through the file system `F`
+/// ([`StdFs`], or a fault-injecting one: tests/manager_crash.rs).
 #[derive(Debug)]
-pub(super) struct LocalSteps {
+pub(super) struct LocalSteps<F: Fs = StdFs> {
     root: PathBuf,
+    fs: F,
+    /// `fs` is a substitute (the seam): a step re-saved in place goes through it too,
+    /// without the directory's writer lock.
+    seam: bool,
 }
 
-impl LocalSteps {
+impl LocalSteps<StdFs> {
     /// Steps under `root` (created if missing).
     pub(super) fn new(root: &Path) -> Result<Self> {
+        Self::on_fs(root, StdFs, false)
+    }
+}
+
+impl<F: Fs> LocalSteps<F> {
+    /// Steps under `root` (created if missing) through `fs`.
+    pub(super) fn on_fs(root: &Path, fs: F, seam: bool) -> Result<Self> {
         let root = crate::location::local_path(root, "CheckpointManager::new")?;
         local::prepare_dir(&root)?;
-        Ok(LocalSteps { root })
+        Ok(LocalSteps { root, fs, seam })
     }
 
     fn step_dir(&self, step: u64) -> PathBuf {
@@ -64,7 +76,7 @@ impl LocalSteps {
     }
 }
 
-impl StepStore for LocalSteps {
+impl<F: Fs + Send + std::fmt::Debug + 'static> StepStore for LocalSteps<F> {
     fn root(&self) -> Location {
         Location::Local(self.root.clone())
     }
@@ -147,7 +159,10 @@ impl StepStore for LocalSteps {
         if final_dir.join(MANIFEST_FILE).is_file() {
             // Re-saving a committed step: the directory's own atomic replace.
             drop(root_lock);
-            return write::save(&LocalStore::std(&final_dir), tensors, opts);
+            return match self.seam {
+                false => write::save(&LocalStore::std(&final_dir), tensors, opts),
+                true => write::save(&LocalStore::new(&self.fs, &final_dir), tensors, opts),
+            };
         }
         let tmp = self.root.join(format!(
             "{TMP_STEP_PREFIX}{step}-{}",
@@ -164,7 +179,7 @@ impl StepStore for LocalSteps {
         let lock = local::lock_dir(&tmp, local::Lock::TryExclusive)?;
         drop(root_lock);
         // Under our own lock: the store takes none and cleans up inline.
-        let store = LocalStore::new(&StdFs, &tmp);
+        let store = LocalStore::new(&self.fs, &tmp);
         let info = match write::save(&store, tensors, opts) {
             Ok(info) => info,
             Err(e) => {
@@ -176,7 +191,7 @@ impl StepStore for LocalSteps {
         };
         // The step appears whole under its name (the rename through the `Fs` seam that
         // tests/publish_crash.rs enumerates), then the root's entry is made durable.
-        publish_dir(&StdFs, &tmp, &final_dir)?;
+        publish_dir(&self.fs, &tmp, &final_dir)?;
         drop(lock);
         Ok(info)
     }
@@ -268,8 +283,9 @@ fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
 /// under the step's writer lock (skipped, 0, while anyone holds it: a reader's lease, a
 /// save). These are left by a commit killed after its commit point and before its own
 /// cleanup (format-spec/durability.md §Cleanup): the committed checkpoint's part
-/// descriptors, and shards, parts and temporary files of earlier attempts. Only files not
-/// newer than the manifest go: a later writer's files are its own. Returns how many were
+/// descriptors, and shards, parts and temporary files of earlier attempts. Only temporary
+/// files, and finished files not newer than the manifest, go: a later writer's part is its
+/// own. Returns how many were
 /// removed; failures leave garbage, never damage (no manifest names what is removed).
 fn sweep_kept_step(dir: &Path) -> usize {
     let Ok(lock) = OpenOptions::new()
@@ -307,10 +323,14 @@ fn sweep_kept_step(dir: &Path) -> usize {
         if !write::is_engine_file(&name) || keep(&name) {
             continue;
         }
-        let old = e
-            .metadata()
-            .and_then(|md| md.modified())
-            .is_ok_and(|t| t <= committed_at);
+        // A temporary file under the lock belongs to a writer that has ended (a writer
+        // renames its temporary files before it lets the lock go): whatever its age, as a
+        // save's step 0.3b removes them. A finished file newer than the manifest may be a
+        // rank's part of a later commit: its own.
+        let old = name.starts_with(write::TEMP_PREFIX)
+            || e.metadata()
+                .and_then(|md| md.modified())
+                .is_ok_and(|t| t <= committed_at);
         if old && std::fs::remove_file(e.path()).is_ok() {
             removed += 1;
         }

@@ -232,6 +232,26 @@ impl CheckpointManager {
         Ok(Self::over(steps, retention))
     }
 
+    /// A manager over the local directory `root` (created if missing) whose step
+    /// directories are written and published through `fs` instead of the real file system:
+    /// the seam the crash enumeration of a whole step save runs through
+    /// (tests/manager_crash.rs), as [`crate::store::LocalStore::new`] is for one checkpoint.
+    /// Steps re-saved in place take no writer lock; everything else (leases, retention,
+    /// gc) runs on the real file system.
+    ///
+    /// # Errors
+    /// As [`CheckpointManager::new`].
+    #[doc(hidden)]
+    pub fn on_fs<F: crate::store::fs::Fs + Send + std::fmt::Debug + 'static>(
+        root: &Path,
+        fs: F,
+        retention: Retention,
+    ) -> Result<Self> {
+        check_retention(&retention)?;
+        let steps = local::LocalSteps::on_fs(root, fs, true)?;
+        Ok(Self::over(Arc::new(steps), retention))
+    }
+
     /// A manager over the prefix of a connected object store (its own configuration).
     ///
     /// # Errors
