@@ -121,7 +121,11 @@ impl<F: Fs> Store for LocalStore<'_, F> {
         if !self.real {
             return Ok(Held::default());
         }
-        prepare_dir(&self.dir)?;
+        // Writers create the directory; a commit or discard needs one that exists (it
+        // finds the ranks' files there), and must not leave an empty one behind.
+        if access != Access::Commit {
+            prepare_dir(&self.dir)?;
+        }
         let how = match access {
             Access::Save => Lock::TryExclusive,
             Access::Part => Lock::Shared,

@@ -114,8 +114,8 @@ pub trait Store: Sync {
 
     /// Get ready for a writer that is about to `access` the store, and hold what it must
     /// hold until the returned [`Held`] is dropped: a local directory on the real file
-    /// system is created if missing (its new entries made durable) and its writer lock
-    /// taken; an object store is listed once, so that a missing bucket or bad credentials
+    /// system is created if missing (its new entries made durable; not for
+    /// [`Access::Commit`], which needs the ranks' directory) and its writer lock taken; an object store is listed once, so that a missing bucket or bad credentials
     /// fail before anything is written; a directory over a substitute file system (the
     /// fault-injection seam) must exist and takes no lock. The default does nothing.
     ///
