@@ -790,3 +790,153 @@ def _install_exit_handlers() -> None:
         for s in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(s) == signal.SIG_DFL:
                 signal.signal(s, _on_signal)
+
+
+# ---- jobs that the tests and scripts/netns-cluster.py run in the hosts ----------------------
+# `python netns_cluster.py job NAME DIR` as a rank of Cluster.start (torch imported here only).
+#   fsdp-save DIR   FSDP2 (CPU, gloo) model + Adam, 2 steps, ckptstore.torch.distributed.save
+#                   to DIR/ckpt; rank 0 also writes the gathered state to DIR/expect.pt.
+#   fsdp-load DIR   a model of another seed, its own state, then load DIR/ckpt on this world
+#                   size; prints {"differ": [names not bit-identical to expect.pt], ...}.
+#   lose-wait DIR   an all_reduce, then DIR/ready.<rank>; rank 0 waits for DIR/lost (the
+#                   harness writes it after lose_host), sets the group timeout to
+#                   $LOSE_TIMEOUT_S and runs an all_reduce: prints what it raised.
+# Each prints one line `RESULT <json>`; see job_result().
+
+
+def _fsdp_model(world: int, seed: int):
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 10), nn.Tanh(), nn.Linear(10, 5))  # rows 10, 5: uneven on 3
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m[2], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _fsdp_train(m, o, start: int, steps: int, rank: int):
+    import torch
+
+    for s in range(start, start + steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * s + rank))
+        (m(x) ** 2).mean().backward()
+        o.step()
+        o.zero_grad()
+
+
+def _fsdp_gather(m, o) -> dict:
+    """Full parameters and optimizer states (collective)."""
+    out = {}
+    names = {id(p): n for n, p in m.named_parameters()}
+    for n, p in m.named_parameters():
+        out[n] = p.detach().full_tensor().clone()
+    for p, st in o.state.items():
+        for k, v in st.items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[f"optim/{names[id(p)]}/{k}"] = v.detach().clone()
+    return out
+
+
+def _bits(t):
+    import torch
+
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+
+def _result(obj) -> None:
+    print("RESULT " + json.dumps(obj), flush=True)
+
+
+def job_result(text: str):
+    """The object a job printed with its RESULT line (None if it printed none)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return None
+
+
+def _wait_file(path: Path, limit_s: float) -> bool:
+    end = time.monotonic() + limit_s
+    while not path.exists():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _job_main(name: str, d: str) -> int:
+    import warnings
+    from datetime import timedelta
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    d = Path(d)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    where = {"rank": rank, "world": world, "host": int(os.environ["CLUSTER_HOST"]), "addr": os.environ["CLUSTER_ADDR"]}
+    if name == "fsdp-save":
+        import ckptstore.torch.distributed as ctd
+
+        m, o = _fsdp_model(world, seed=0)
+        _fsdp_train(m, o, 0, 2, rank)
+        ctd.save(d / "ckpt", m, o, extra={"step": 2})
+        full = _fsdp_gather(m, o)
+        if rank == 0:
+            torch.save(full, d / "expect.pt.tmp")
+            os.replace(d / "expect.pt.tmp", d / "expect.pt")
+        _result({**where, "saved": sorted(full)})
+    elif name == "fsdp-load":
+        import ckptstore.torch.distributed as ctd
+
+        m, o = _fsdp_model(world, seed=1)
+        _fsdp_train(m, o, 7, 1, rank)  # a state of its own, to be replaced whole
+        extra = ctd.load(d / "ckpt", m, o)
+        got, want = _fsdp_gather(m, o), torch.load(d / "expect.pt")
+        differ = sorted(set(got) ^ set(want))
+        differ += sorted(
+            k for k in set(got) & set(want)
+            if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
+            or not torch.equal(_bits(got[k]), _bits(want[k]))
+        )
+        _result({**where, "compared": len(want), "differ": differ, "extra": {k: str(v) for k, v in extra.items()}})
+    elif name == "lose-wait":
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert t.tolist() == [float(world)] * 4, t
+        (d / f"ready.{rank}.tmp").write_text("ready")
+        os.replace(d / f"ready.{rank}.tmp", d / f"ready.{rank}")
+        if rank != 0:
+            threading.Event().wait()  # until the harness kills this host
+        if not _wait_file(d / "lost", 300):
+            _result({**where, "raised": None, "error": "the harness never wrote lost"})
+            os._exit(3)
+        dist.set_timeout(timedelta(seconds=float(os.environ.get("LOSE_TIMEOUT_S", "3"))))
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(t)
+        except Exception as e:  # noqa: BLE001 - what it raised is the result
+            _result({**where, "raised": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
+                     "msg": str(e)[:2000], "after_s": round(time.monotonic() - t0, 2)})
+            os._exit(0)  # the group is broken: no destroy_process_group
+        _result({**where, "raised": None})
+        os._exit(1)
+    else:
+        raise SystemExit(f"unknown job {name}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "job":
+        sys.exit(_job_main(sys.argv[2], sys.argv[3]))
+    print(__doc__)
+    sys.exit(2)
