@@ -256,7 +256,7 @@ class Decoder:
 
     def _tag(self, o: dict, path: str) -> str:
         """The tag of tagged object ``o``, its keys checked."""
-        tags = [k for k in o if k.startswith("$")]
+        tags = [k for k in o if isinstance(k, str) and k.startswith("$")]
         unknown = [k for k in tags if k not in _TAGS]
         if unknown:
             raise UnsupportedFormatError(
@@ -288,7 +288,7 @@ class Decoder:
             return
         if not is_tagged(v):
             for k, x in v.items():
-                yield from self.scan(x, f"{path}/{_escape(k)}")
+                yield from self.scan(x, f"{path}/{_escape(str(k))}")
             return
         tag = self._tag(v, path)
         x = v[tag]
@@ -312,13 +312,11 @@ class Decoder:
         if isinstance(v, list):
             return self._items(v, path)
         if not isinstance(v, dict):
-            if isinstance(v, (bool, int, float, str)) or v is None:
-                return v
-            raise self._bad(path, f"not a JSON value: {type(v).__name__}")
+            return v  # JSON's own leaves (and a value decoded already, e.g. a live group's tuple)
         if not is_tagged(v):
             out = {}
             for k, x in v.items():
-                y = self.decode(x, f"{path}/{_escape(k)}")
+                y = self.decode(x, f"{path}/{_escape(str(k))}")
                 if y is not DROP:
                     out[k] = y
             return out

@@ -134,6 +134,15 @@ def test_stored_tensors_go_through_the_callbacks():
         Encoder(tensor=store).encode(a)
 
 
+def test_a_value_decoded_already_passes_through():
+    """What a caller hands back decoded (a live optimizer group: tuples, int keys) decodes to
+    itself, as with the older decoders."""
+    live = {"betas": (0.9, 0.99), 3: {"lr": 0.1}, "t": torch.ones(2), "n": None}
+    got = Decoder().decode(live)
+    assert got["t"] is live["t"] and list(got) == list(live)
+    assert {k: v for k, v in got.items() if k != "t"} == {k: v for k, v in live.items() if k != "t"}
+
+
 def test_dropped_tensors_leave_their_entries():
     value = {"l": [1, {"$tensor": "x"}], "t": {"$tuple": [{"$tensor": "x"}, 2]}, "s": {"$set": [{"$t": "x"}]},
              "d": {"$dict": [[1, {"$tensor": "x"}], [2, "kept"]]}, "o": {"k": {"$tensor": "x"}}}

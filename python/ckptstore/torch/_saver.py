@@ -21,16 +21,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import _prepare
 from ..errors import InvalidArgumentError, InvalidTensorError
+from ._dtypes import _to_numpy, _torch, _wire_of
 
 __all__ = ["AsyncSaver", "Handle", "Snapshot", "check_max_in_flight"]
-
-
-def _pkg():
-    """``ckptstore.torch``, imported at call time (it imports this module)."""
-    import ckptstore.torch as ct
-
-    return ct
 
 
 def check_max_in_flight(max_in_flight: Any) -> int:
@@ -62,12 +57,9 @@ class Snapshot:
             raise InvalidTensorError(f"tensor {name!r} is stored twice")
         self._used.add(name)
         if not isinstance(src, np.ndarray):
-            ct = _pkg()
-            torch = ct._torch()
+            torch = _torch()
             if isinstance(src, torch.Tensor):
-                return self._copy_tensor(ct, torch, name, src.detach())
-        from .. import _prepare
-
+                return self._copy_tensor(torch, name, src.detach())
         a = np.asarray(src)
         buf = self.bufs.get(name)
         if not isinstance(buf, np.ndarray) or buf.shape != a.shape or buf.dtype != a.dtype:
@@ -77,10 +69,10 @@ class Snapshot:
         np.copyto(buf, a)
         return _prepare(name, buf)
 
-    def _copy_tensor(self, ct: Any, torch: Any, name: str, src: Any) -> Tuple[str, str, np.ndarray]:
+    def _copy_tensor(self, torch: Any, name: str, src: Any) -> Tuple[str, str, np.ndarray]:
         if src.layout != torch.strided:
             raise InvalidTensorError(f"tensor {name!r}: only dense (strided) tensors can be stored")
-        if src.dtype not in ct._wire_of:
+        if src.dtype not in _wire_of:
             raise InvalidTensorError(f"tensor {name!r}: dtype {src.dtype} cannot be stored")
         buf = self.bufs.get(name)
         if not isinstance(buf, torch.Tensor) or buf.shape != src.shape or buf.dtype != src.dtype:
@@ -92,12 +84,12 @@ class Snapshot:
             buf.copy_(src, non_blocking=True)
         else:
             buf.copy_(src)
-        return ct._to_numpy(name, buf)
+        return _to_numpy(name, buf)
 
     def end(self) -> None:
         """Wait for device copies; drop buffers of names this save did not store."""
         if self._devices:
-            torch = _pkg()._torch()
+            torch = _torch()
             for d in self._devices:
                 torch.cuda.synchronize(d)
         for k in [k for k in self.bufs if k not in self._used]:
