@@ -249,7 +249,7 @@ class Decoder:
 
     def _refuse_pickle(self, path: str) -> PickleNotAllowedError:
         return PickleNotAllowedError(
-            f"{self.where}: the value at {path or '/'!r} is pickled; loading it runs code "
+            f"{self.where} holds a pickled value at {path or '/'!r}; loading it runs code "
             "chosen by whoever wrote the checkpoint: pass allow_pickle=True only if you trust "
             "the checkpoint as much as code you run"
         )
