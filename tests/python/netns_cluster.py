@@ -232,7 +232,7 @@ def _probe() -> str | None:
     for tool in ("ip", "tc", "unshare", "mount", "sh"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not on PATH"
-    ns = f"ck{os.getpid()}-probe"
+    ns = f"ck{os.getpid()}-0p"  # matches NAME_RE: sweep_stale removes it after a SIGKILL
     tmp = tempfile.mkdtemp(prefix="ckptstore-netns-probe-")
     steps = [
         ("ip netns add", ["ip", "netns", "add", ns]),
@@ -366,25 +366,27 @@ class Cluster:
         self.tag = None
         self.bridge = self.pbridge = None
         self._bridge_made = self._pbridge_made = False
-        self.base = Path(tempfile.mkdtemp(prefix="ckptstore-netns-", dir=base_dir))
-        self.shared = self.base / "shared"
-        self.logs = self.base / "logs"
-        for d in (self.shared, self.logs, self.base / "hosts"):
-            d.mkdir()
-        if local_path is None:
-            self.local_path = str(self.base / "local")
-            os.mkdir(self.local_path)
-        else:
-            self.local_path = os.path.abspath(local_path)
-            if not os.path.isdir(self.local_path):
-                os.makedirs(self.local_path)
-                self._made_local_path = self.local_path
+        self.base = None
         with _LIVE_LOCK:
             _LIVE.add(self)
         _install_exit_handlers()
         try:
             with _machine_lock():
                 self.tag = self._free_tag(hosts)
+                # The tag in the name lets sweep_stale find it after a SIGKILLed run.
+                self.base = Path(tempfile.mkdtemp(prefix=f"ckptstore-netns-{self.tag}-", dir=base_dir))
+                self.shared = self.base / "shared"
+                self.logs = self.base / "logs"
+                for d in (self.shared, self.logs, self.base / "hosts"):
+                    d.mkdir()
+                if local_path is None:
+                    self.local_path = str(self.base / "local")
+                    os.mkdir(self.local_path)
+                else:
+                    self.local_path = os.path.abspath(local_path)
+                    if not os.path.isdir(self.local_path):
+                        os.makedirs(self.local_path)
+                        self._made_local_path = self.local_path
                 self.bridge = f"{self.tag}b"
                 self.pbridge = f"{self.tag}p"
                 self.net = self._free_subnet()
@@ -709,7 +711,8 @@ class Cluster:
                     if made and br in links:
                         attempt(_cmd, "ip", "link", "del", br)
                 _restore_run_netns()
-            attempt(shutil.rmtree, self.base)
+            if self.base is not None:
+                attempt(shutil.rmtree, self.base)
             if self._made_local_path:
                 with contextlib.suppress(OSError):
                     os.rmdir(self._made_local_path)
@@ -730,8 +733,9 @@ class Cluster:
 
 
 def sweep_stale(all_pids: bool = False) -> list[str]:
-    """Remove namespaces, links and bridges that clusters of dead processes left (a
-    SIGKILLed harness runs no cleanup); with ``all_pids``, those of live processes too.
+    """Remove namespaces, links, bridges and temp dirs (those in the default temp dir) that
+    clusters of dead processes left (a SIGKILLed harness runs no cleanup); with
+    ``all_pids``, those of live processes too.
     Never those of this process's open clusters. Returns what it removed."""
     removed = []
     with _LIVE_LOCK:
@@ -745,12 +749,10 @@ def sweep_stale(all_pids: bool = False) -> list[str]:
         if all_pids or pid == os.getpid():
             return True
         try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie is gone
+        except (OSError, IndexError):
             return True
-        except PermissionError:
-            return False
 
     with _machine_lock():
         for ns in _netns_names():
@@ -763,6 +765,12 @@ def sweep_stale(all_pids: bool = False) -> list[str]:
                 _cmd("ip", "link", "del", link, check=False)
                 removed.append(f"link {link}")
         _restore_run_netns()
+        tmp = Path(tempfile.gettempdir())
+        for d in tmp.glob("ckptstore-netns-ck*-*-*"):
+            tag = d.name[len("ckptstore-netns-"):].rsplit("-", 1)[0]
+            if d.is_dir() and stale(f"{tag}b"):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(f"dir {d}")
     return removed
 
 
@@ -930,9 +938,32 @@ def _job_main(name: str, d: str) -> int:
         os._exit(1)
     else:
         raise SystemExit(f"unknown job {name}")
+    _exit_together(rank, world)
+
+
+def _exit_together(rank: int, world: int) -> None:
+    """End every rank of a finished job without a teardown race: a rank that exits closes
+    its gloo sockets, which a peer still in the tail of the last collective may see, and
+    interpreter finalization with gloo threads alive can abort (one such SIGABRT, `terminate
+    called without an active exception`, was seen here). So: a barrier; each rank says it is
+    out of it through the TCPStore; rank 0 (the store's server) releases the others once all
+    are out and exits last, after they have acknowledged; nobody runs finalizers (os._exit)."""
+    import torch.distributed as dist
+
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"exit/out/{rank}", "1")
+    if rank == 0:
+        store.wait([f"exit/out/{r}" for r in range(world)])
+        store.set("exit/release", "1")
+        if world > 1:
+            store.wait([f"exit/done/{r}" for r in range(1, world)])
+    else:
+        store.wait(["exit/release"])
+        store.set(f"exit/done/{rank}", "1")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

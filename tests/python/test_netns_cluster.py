@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -229,16 +230,17 @@ def test_close_removes_everything_also_when_the_body_raised(make_cluster, tmp_pa
         c.start(["true"])
 
 
-def test_sweep_stale_removes_what_a_killed_harness_left(make_cluster, tmp_path):
+def test_sweep_stale_removes_what_a_killed_harness_left(make_cluster):
     make_cluster(1)  # for the skip
     code = (
         f"import os, signal, sys; sys.path.insert(0, {str(LIB.parent)!r}); import netns_cluster as nc\n"
-        f"c = nc.Cluster(2, base_dir={str(tmp_path)!r}); print(c.tag, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+        "c = nc.Cluster(2); print(c.tag, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     tag = r.stdout.strip()
     assert r.returncode == -9 and tag.startswith("ck"), r
     assert f"{tag}h0" in system_state()  # left behind: no cleanup ran
+    (left,) = Path(tempfile.gettempdir()).glob(f"ckptstore-netns-{tag}-*")
     removed = nc.sweep_stale()
-    assert f"netns {tag}h0" in removed and f"link {tag}b" in removed, removed
-    assert tag not in system_state()
+    assert {f"netns {tag}h0", f"netns {tag}h1", f"link {tag}b", f"dir {left}"} <= set(removed), removed
+    assert tag not in system_state() and not left.exists()
