@@ -26,7 +26,8 @@ route or address of the root namespace overlaps (chosen under a lock file, so tw
 machine never take the same); the bridge has .1 (``gateway``: a server in the root namespace
 is reachable from the hosts there), host i has .(10+i).
 
-Local directories. Host i's directory is ``<base>/hosts/h<i>.<generation>``; every process
+Directories. ``<base>`` is a new ``ckptstore-netns-<tag>-XXXX`` in ``base_dir`` (default: the
+temp dir), removed by close. Host i's local directory is ``<base>/hosts/h<i>.<generation>``; every process
 started through this module in host i sees it at ``local_path`` (``<base>/local`` unless
 given), by a bind mount in a private mount namespace of its own (``unshare --mount
 --propagation private``, under ``ip netns exec``), so nothing is mounted in the root
@@ -54,7 +55,10 @@ Verbs (see each method):
   empty local directory (a new machine put in the lost one's place).
 - ``close()``: kill every process of every host, delete the links, bridges, namespaces and
   the temp dir. Idempotent; also run at exit and on SIGTERM/SIGHUP (turned into SystemExit
-  when no other handler was set). ``sweep_stale()`` removes what a SIGKILLed run left.
+  when no other handler was set). ``sweep_stale()`` removes what a SIGKILLed run left
+  (``scripts/netns-cluster.py down``). The only thing kept on the machine is the empty lock
+  file /run/lock/ckptstore-netns-cluster.lock; /run/netns, which `ip netns add` makes a
+  mount, is unmounted again by the last cluster to close if a cluster made it.
 """
 
 from __future__ import annotations
@@ -186,6 +190,11 @@ def _restore_run_netns() -> None:
         os.unlink(RUN_NETNS_MARKER)
     except OSError:
         pass
+
+
+def _mac(addr: str) -> str:
+    """A locally administered MAC made of an IPv4 address: 02:00:a:b:c:d."""
+    return "02:00:" + ":".join(f"{b:02x}" for b in ipaddress.ip_address(addr).packed)
 
 
 def parse_rate(rate) -> int:
@@ -356,7 +365,7 @@ class Cluster:
     def __init__(self, hosts: int, *, base_dir=None, local_path=None):
         if not 1 <= hosts <= 99:
             raise ValueError(f"1..99 hosts, not {hosts}")
-        self._closed = False
+        self._closed = self._closing = False
         self._close_lock = threading.RLock()
         self._procs: list = []
         self._jobs = 0
@@ -393,6 +402,9 @@ class Cluster:
                 self.gateway = str(self.net.network_address + 1)
                 _cmd("ip", "link", "add", self.bridge, "type", "bridge")
                 self._bridge_made = True
+                # A fixed MAC: a bridge takes its ports' lowest otherwise, which partition
+                # and replace_host would change under the hosts' ARP caches.
+                _cmd("ip", "link", "set", self.bridge, "address", _mac(self.gateway))
                 _cmd("ip", "addr", "add", f"{self.gateway}/{self.net.prefixlen}", "dev", self.bridge)
                 _cmd("ip", "link", "set", self.bridge, "up")
                 _mark_run_netns()
@@ -468,8 +480,7 @@ class Cluster:
         _cmd("ip", "netns", "add", ns)
         # The MAC follows from the address, so a replacement answers to the MAC its peers
         # have cached for that address (a new one would be unreachable until ARP expires).
-        mac = "02:00:" + ":".join(f"{b:02x}" for b in ipaddress.ip_address(addr).packed)
-        _cmd("ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "address", mac, "netns", ns)
+        _cmd("ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "address", _mac(addr), "netns", ns)
         _cmd("ip", "link", "set", link, "master", self.bridge)
         _cmd("ip", "link", "set", link, "up")
         _cmd("ip", "-n", ns, "addr", "add", f"{addr}/{self.net.prefixlen}", "dev", "eth0")
@@ -679,7 +690,7 @@ class Cluster:
         self._procs = keep
 
     def _check_open(self):
-        if self._closed:
+        if self._closed or self._closing:
             raise ClusterError("this cluster is closed")
 
     def close(self) -> None:
@@ -689,7 +700,9 @@ class Cluster:
         with self._close_lock:
             if self._closed:
                 return
-            self._closed = True
+            # Refuse new work from here on, but count as closed only at the end: a close
+            # cut short (a SIGTERM's SystemExit inside it) is done again by the atexit hook.
+            self._closing = True
             errors = []
 
             def attempt(fn, *a):
@@ -711,11 +724,12 @@ class Cluster:
                     if made and br in links:
                         attempt(_cmd, "ip", "link", "del", br)
                 _restore_run_netns()
-            if self.base is not None:
+            if self.base is not None and self.base.exists():
                 attempt(shutil.rmtree, self.base)
             if self._made_local_path:
                 with contextlib.suppress(OSError):
                     os.rmdir(self._made_local_path)
+            self._closed = True
             with _LIVE_LOCK:
                 _LIVE.discard(self)
             if errors:
@@ -868,7 +882,8 @@ def job_result(text: str):
     return None
 
 
-def _wait_file(path: Path, limit_s: float) -> bool:
+def wait_file(path: Path, limit_s: float) -> bool:
+    """Wait for ``path`` to exist (a handshake); False after ``limit_s`` (a failure bound)."""
     end = time.monotonic() + limit_s
     while not path.exists():
         if time.monotonic() > end:
@@ -923,7 +938,7 @@ def _job_main(name: str, d: str) -> int:
         os.replace(d / f"ready.{rank}.tmp", d / f"ready.{rank}")
         if rank != 0:
             threading.Event().wait()  # until the harness kills this host
-        if not _wait_file(d / "lost", 300):
+        if not wait_file(d / "lost", 300):
             _result({**where, "raised": None, "error": "the harness never wrote lost"})
             os._exit(3)
         dist.set_timeout(timedelta(seconds=float(os.environ.get("LOSE_TIMEOUT_S", "3"))))

@@ -8,7 +8,8 @@ namespaces, each with its own address and local directory.
 - A lost host (link down, then killed): the survivor's collective raises a timeout error
   instead of hanging. Ordered by file handshakes: the survivor starts its collective only
   after the harness has lost the host.
-- partition/heal cut and restore TCP between groups; cap puts tbf with that rate on the link.
+- partition/heal cut TCP between groups only and restore it (a connection held across the
+  partition carries on); cap puts tbf with that rate on the link.
 - close() leaves no namespace, link, bridge, mount or temp dir, also when the body raised;
   sweep_stale() removes what a SIGKILLed harness left.
 
@@ -33,16 +34,36 @@ LIB = Path(nc.__file__).resolve()
 JOB_S = 240  # upper bound for one torch job on a loaded 2-core machine
 
 SERVE = textwrap.dedent("""
-    import socket
+    import socket, threading
+    def serve(c):  # "ok", then echo until the client closes
+        c.sendall(b"ok")
+        while data := c.recv(4096):
+            c.sendall(data)
+        c.close()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("0.0.0.0", 7000))
     s.listen()
     print("listening", flush=True)
     while True:
-        c, _ = s.accept()
-        c.sendall(b"ok")
-        c.close()
+        threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+""")
+# Connects, then on each line from stdin sends "ping" and prints what comes back.
+CLIENT = textwrap.dedent("""
+    import socket, sys
+    try:
+        c = socket.create_connection((sys.argv[1], 7000), timeout=120)
+        assert c.recv(2) == b"ok"
+        print("connected", flush=True)
+        sys.stdin.readline()
+        c.sendall(b"ping")
+        print("sent", flush=True)
+        data = b""
+        while len(data) < 4:
+            data += c.recv(4 - len(data))
+        print(data.decode(), flush=True)
+    except OSError as e:
+        print("failed:", e, flush=True)
 """)
 CONNECT = textwrap.dedent("""
     import socket, sys
@@ -155,7 +176,7 @@ def test_lost_host_survivor_collective_raises_timeout(make_cluster):
     j = job(c, "lose-wait", hosts=[0, 1], env={"LOSE_TIMEOUT_S": 3})
     for r in range(2):
         # Both ranks are past their first all_reduce: the group is up before the loss.
-        if not nc._wait_file(c.shared / f"ready.{r}", JOB_S):
+        if not nc.wait_file(c.shared / f"ready.{r}", JOB_S):
             j.kill()
             pytest.fail(f"rank {r} never got ready\n{j.tails()}")
     c.lose_host(1)
@@ -174,11 +195,17 @@ def test_partition_cuts_between_groups_only_and_heal_restores(make_cluster):
     c = make_cluster(3)
     srv1, srv2 = serve(c, 1), serve(c, 2)
     assert connect(c, 0, 2, 60) == "ok"
+    held = c.popen(0, [sys.executable, "-c", CLIENT, c.addr(2)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert held.stdout.readline() == "connected\n"
     c.partition([0, 1], [2])
     assert connect(c, 0, 1, 60) == "ok"  # inside group a
     assert connect(c, 0, 2, 1).startswith("failed")  # across: dropped, so the limit ends it
     assert connect(c, 2, 1, 1).startswith("failed")
+    held.stdin.write("go\n")
+    held.stdin.flush()
+    assert held.stdout.readline() == "sent\n"  # sent into the partition
     c.heal()
+    assert held.stdout.readline() == "ping\n"  # the held connection carries on (retransmitted)
     assert connect(c, 0, 2, 60) == "ok"
     assert connect(c, 2, 1, 60) == "ok"
     with pytest.raises(ValueError):
