@@ -10,6 +10,8 @@ with Adam, gloo.
   bit-identical; flipped in every copy: it returns 2, with a warning naming what was missing.
 - Two hosts lost (more than replicas=1 covers): step 2 from the persistent tier, with a
   warning, bit-identical.
+- A host lost (link down, then killed) before a save: the survivors' save raises gloo's
+  RuntimeError within the process group's timeout, and no index records the step.
 
 One job saves (the module's fixture); the restore tests start from that cluster or from a
 fresh cluster holding a copy of its hosts' directories. Each job runs this file as a script (``python test_tiers.py job NAME SHARED``); events are
@@ -23,6 +25,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -168,6 +171,24 @@ def test_more_hosts_lost_than_replicas_cover_restores_the_persisted_step(saved, 
         assert "restored step 2 from the persistent tier" in w and "rank(s) [1]" in w, w
 
 
+def test_host_lost_before_a_save_makes_the_survivors_raise_and_records_nothing(saved, make_cluster):
+    c = copy_of_saved(make_cluster, saved[1])
+    j = job(c, "save-lose")
+    for r in range(3):
+        assert nc.wait_file(c.shared / f"ready.{r}", JOB_S), j.tails()
+    c.lose_host(2)  # link down, then killed: the survivors get no FIN
+    (c.shared / "lost.tmp").write_text("1")
+    os.replace(c.shared / "lost.tmp", c.shared / "lost")
+    codes = j.wait(timeout=JOB_S, ranks=[0, 1])
+    assert codes == [0, 0], j.tails()
+    for r in (0, 1):
+        o = nc.job_result(j.output(r))
+        assert o["runtime_error"], o  # gloo's error, after its 3 s timeout (60 s: a failure bound)
+        assert o["after_s"] < 60, o
+        idx = json.loads((c.local_dir(r) / "index.json").read_text())
+        assert sorted(idx["steps"]) == ["2", "3"], idx  # step 4 never recorded
+
+
 # ---- the jobs (run in the hosts) -----------------------------------------------------------
 
 
@@ -238,6 +259,29 @@ def _job_main(name: str, shared: str) -> None:
             raise SystemExit("the test never wrote flipped")
         nc._fsdp_train(m, o, 8, 1, rank)
         nc._result(_restore(m, o))
+    elif name == "save-lose":
+        import threading
+
+        m, o = nc._fsdp_model(world, seed=0)
+        nc._fsdp_train(m, o, 4, 1, rank)
+        mgr = _manager()
+        (d / f"ready.{rank}.tmp").write_text("ready")
+        os.replace(d / f"ready.{rank}.tmp", d / f"ready.{rank}")
+        if rank == 2:
+            threading.Event().wait()  # until the harness loses this host
+        if not nc.wait_file(d / "lost", JOB_S):
+            raise SystemExit("the test never wrote lost")
+        dist.set_timeout(timedelta(seconds=3))
+        t0 = time.monotonic()
+        try:
+            mgr.save(4, m, o, extra={"step": 4})
+            mgr.wait()
+        except Exception as e:  # noqa: BLE001 - what it raised is the result
+            nc._result({"raised": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
+                        "msg": str(e)[:500], "after_s": round(time.monotonic() - t0, 2)})
+            os._exit(0)  # the group is broken: no teardown
+        nc._result({"raised": None, "runtime_error": False})
+        os._exit(1)
     else:
         raise SystemExit(f"unknown job {name}")
     nc._exit_together(rank, world)

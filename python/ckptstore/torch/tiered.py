@@ -430,6 +430,7 @@ class CheckpointManager:
         ``step`` is a multiple of ``persist_every``. Blocks until the step is saved; raises
         on every rank when it is not (nothing is then recorded for it)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         from . import distributed as _d
 
@@ -456,7 +457,14 @@ class CheckpointManager:
         own = os.path.join(sdir, f"src-{self.host}")
         sd, meta = _state_and_meta(model, optimizer, extra)
         w = _part_writer(own, meta)
-        dcp.save(sd, storage_writer=w)
+        try:
+            dcp.save(sd, storage_writer=w)
+        except CheckpointException as e:  # a BaseException in DCP: report as ckptstore's own
+            failures = getattr(e, "failures", None) or {}
+            first = next(iter(failures.values()), e)
+            raise CheckpointError(
+                f"writing step {step} into {own!r} failed on rank(s) {sorted(failures)}: {first}"
+            ) from e
         cid = w.checkpoint_id
         files: dict[str, list[int]] = {}
         err = None
