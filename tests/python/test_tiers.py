@@ -6,6 +6,7 @@ with Adam, gloo.
   restore_latest returns 3, model and optimizer bit-identical to what was saved.
 - A host lost after step 3 (its local disk wiped) and replaced by a fresh one: the restarted
   job restores 3 from the peer replica, bit-identical.
+- The same, restarted on the 2 hosts left: 2 ranks restore 3, resharded, bit-identical.
 - A byte flipped in one host's local copy of step 3: the restore uses the replica,
   bit-identical; flipped in every copy: it returns 2, with a warning naming what was missing.
 - Two hosts lost (more than replicas=1 covers): step 2 from the persistent tier, with a
@@ -138,6 +139,15 @@ def test_lost_host_restores_from_the_peer_replica(saved, make_cluster):
     assert all(o["warnings"] == [] for o in out), out
 
 
+def test_lost_host_restart_on_fewer_hosts_reshards_from_the_fast_tier(saved, make_cluster):
+    c = copy_of_saved(make_cluster, saved[1])
+    c.lose_host(1, wipe_local=True)
+    out = results(job(c, "restore", hosts=[0, 2]))  # 2 ranks: FSDP2 resharded from 3
+    assert [o["world"] for o in out] == [2, 2]
+    assert_restored(out, 3)
+    assert all(o["warnings"] == [] for o in out), out
+
+
 def test_damaged_copy_passed_over_then_older_step_with_warning(saved, make_cluster):
     c = copy_of_saved(make_cluster, saved[1])
     flip(rank0_shard(c, 0))  # host 0's own copy of its part of step 3
@@ -220,7 +230,8 @@ def _restore(m, o):
         or not torch.equal(nc._bits(got[k]), nc._bits(want[k]))
     )
     msgs = [str(w.message) for w in caught if "ckptstore" in str(w.message)]
-    return {"step": step, "differ": differ, "compared": len(want), "extra": extra, "tier": tier, "warnings": msgs}
+    return {"step": step, "differ": differ, "compared": len(want), "extra": extra, "tier": tier, "warnings": msgs,
+            "world": torch.distributed.get_world_size()}
 
 
 def _job_main(name: str, shared: str) -> None:

@@ -83,6 +83,7 @@ import os
 import re
 import shutil
 import struct
+import time
 import uuid
 import warnings
 import zlib
@@ -500,6 +501,7 @@ class CheckpointManager:
                 "step": step,
                 "checkpoint_id": cid,
                 "world_size": self.world,
+                "saved_at": time.time(),
                 "hosts": self.hosts,
                 "replicas": self.replicas,
                 "files": {str(r): f for r, f in all_files.items()},
@@ -673,20 +675,21 @@ class CheckpointManager:
                 candidates.append((step, "fast", f))
         for step in persisted:
             candidates.append((step, "persistent", None))
-        # Newest first; for one step the fast tier first, then the persistent one.
-        candidates.sort(key=lambda c: (-c[0], c[1] != "fast"))
+        # Newest first; for one step the fast tier first (of two saves of one step number,
+        # say by a host back with stale files, the later one), then the persistent one.
+        candidates.sort(
+            key=lambda c: (-c[0], c[1] != "fast", -float((c[2] or {}).get("record", {}).get("saved_at") or 0))
+        )
         newest = max([s for s, _ in fast] + list(notes) + list(persisted), default=None)
         if newest is None:
             return None
-        tried: list[str] = []
         for step, kind, f in candidates:
             try:
                 if kind == "fast":
                     extra = self._restore_fast(step, f, model, optimizer)
                 else:
                     extra = _d.load(os.path.join(self.persistent, f"step-{step}"), model, optimizer)
-            except CheckpointError as e:
-                tried.append(f"step {step} from the {kind} tier: {e}")
+            except CheckpointError as e:  # every rank raised it (the loads agree): next one
                 notes.setdefault(step, []).append(f"{kind} tier: {e}")
                 continue
             if step != newest:
@@ -704,7 +707,6 @@ class CheckpointManager:
         raise CheckpointError(
             "ckptstore tiers: no step can be restored from any tier: "
             + "; ".join(f"step {s}: " + ", ".join(n) for s, n in sorted(notes.items(), reverse=True))
-            + (("; " + "; ".join(tried)) if tried else "")
         )
 
     def _restore_fast(self, step: int, f: dict, model: Any, optimizer: Any) -> dict:
