@@ -182,7 +182,7 @@ def test_snapshot_buffers_are_reused(tmp_path):
     train(model, opt, data[:1])
     mgr = ct.CheckpointManager(tmp_path / "run", max_in_flight=1)
     mgr.save(1, model, opt).wait()
-    (snap,) = mgr._free
+    (snap,) = mgr._saver._free
     bufs = {k: (id(b), b.data_ptr()) for k, b in snap.bufs.items()}
     allocations = snap.allocations
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
@@ -192,7 +192,7 @@ def test_snapshot_buffers_are_reused(tmp_path):
 
     train(model, opt, data[1:2])
     mgr.save(2, model, opt).wait()
-    assert mgr._free == [snap] and mgr._sets == 1
+    assert mgr._saver._free == [snap] and mgr._saver.buffer_sets == 1
     assert snap.allocations == allocations  # the second save allocated nothing
     assert {k: (id(b), b.data_ptr()) for k, b in snap.bufs.items()} == bufs
     new, new_opt = fresh()
@@ -224,7 +224,7 @@ def test_max_in_flight_bounds_the_buffer_sets(tmp_path):
         train(model, opt, data[1:2])
         h2 = mgr.save(2, model, opt)  # a second set of buffers: both in flight
         saved[2] = capture(model, opt)
-        assert [h.step for h in mgr.in_flight()] == [1, 2] and mgr._sets == 2
+        assert [h.step for h in mgr.in_flight()] == [1, 2] and mgr._saver.buffer_sets == 2
     finally:
         release.set()
     h1.wait()
@@ -232,7 +232,7 @@ def test_max_in_flight_bounds_the_buffer_sets(tmp_path):
     train(model, opt, data[2:])
     mgr.save(3, model, opt).wait()
     saved[3] = capture(model, opt)
-    assert mgr._sets == 2  # the third save reused a set
+    assert mgr._saver.buffer_sets == 2  # the third save reused a set
     for step in (1, 2, 3):
         new, new_opt = fresh()
         mgr.restore(step, new, new_opt)
@@ -430,7 +430,7 @@ def test_blocking_save_and_restore_latest_on_an_empty_root(tmp_path):
     train(model, opt, batches(1))
     h = mgr.save(7, model, opt, extra={"epoch": 2, "rng": torch.get_rng_state()}, blocking=True)
     assert h.done() and h.step == 7 and mgr.steps() == [7]
-    assert mgr._sets == 0  # a blocking save writes from the live tensors
+    assert mgr._saver.buffer_sets == 0  # a blocking save writes from the live tensors
     step, extra = mgr.restore_latest(new, new_opt, return_extra=True)
     assert step == 7 and extra["epoch"] == 2 and torch.equal(extra["rng"], torch.get_rng_state())
     assert_state(new, new_opt, capture(model, opt))

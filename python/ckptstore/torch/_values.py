@@ -1,51 +1,28 @@
-"""JSON encoding of the values stored beside the tensors (optimizer hyperparameters,
-non-tensor state, ``extra`` values): tuples, non-finite floats and small tensors kept."""
+"""The values :mod:`ckptstore.torch` stores beside the tensors (optimizer hyperparameters,
+non-tensor optimizer state, ``extra`` values, DCP planner data), in the package's one value
+codec (:mod:`ckptstore._codec`, format-spec/values.md): never pickled; a tensor among them
+inline (at most ``INLINE_MAX`` elements)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import numpy as np
+from .._codec import INLINE_MAX, Decoder, Encoder
 
-from ..errors import InvalidArgumentError
-from ._dtypes import _torch
+_HINT = (
+    "ckptstore.torch never pickles: store JSON values, tuples, sets, bytes, numpy scalars, "
+    f"torch dtypes, devices and sizes, and tensors of at most {INLINE_MAX} elements here "
+    "(tensors in extra= at its top level are stored as tensors)"
+)
 
 
 def _encode(v: Any, where: str) -> Any:
-    torch = _torch()
-    if v is None or isinstance(v, (bool, str)):
-        return v
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else {"$float": repr(v)}
-    if isinstance(v, tuple):
-        return {"$tuple": [_encode(x, where) for x in v]}
-    if isinstance(v, list):
-        return [_encode(x, where) for x in v]
-    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
-        return {k: _encode(x, where) for k, x in v.items()}
-    if isinstance(v, torch.Tensor) and v.numel() <= 64:
-        return {"$tensor": v.detach().cpu().tolist(), "dtype": str(v.dtype).replace("torch.", "")}
-    if isinstance(v, (np.generic,)):
-        return _encode(v.item(), where)
-    raise InvalidArgumentError(
-        f"{where}: cannot store a value of type {type(v).__name__} (JSON types, tuples and "
-        "small tensors only)"
-    )
+    """``v`` as JSON (``where`` names it in errors). Raises
+    :class:`~ckptstore.errors.PickleNotAllowedError` (an ``InvalidArgumentError``) for a
+    value the codec stores only pickled."""
+    return Encoder(hint=_HINT).encode(v, where)
 
 
 def _decode(v: Any) -> Any:
-    if isinstance(v, list):
-        return [_decode(x) for x in v]
-    if isinstance(v, dict):
-        if len(v) == 1 and "$tuple" in v:
-            return tuple(_decode(x) for x in v["$tuple"])
-        if len(v) == 1 and "$float" in v:
-            return float(v["$float"])
-        if len(v) == 2 and "$tensor" in v and "dtype" in v:
-            torch = _torch()
-            return torch.tensor(v["$tensor"], dtype=getattr(torch, v["dtype"]))
-        return {k: _decode(x) for k, x in v.items()}
-    return v
+    """The value :func:`_encode` stored (and the older inline-tensor form)."""
+    return Decoder().decode(v)

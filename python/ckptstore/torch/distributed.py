@@ -383,3 +383,4 @@ def _apply_layout(tgt_o: dict, names: list[str], optimizer: Any, layout: Any, pg
                     local.zero_()
             else:
                 raise InvalidArgumentError(f"unknown layout target {target!r}")
+from .tiered import CheckpointManager  # noqa: E402,F401 - tiered checkpoints (issue 39)

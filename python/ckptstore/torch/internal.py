@@ -16,8 +16,7 @@ from ._items import _build_items as build_items
 from ._state import _check_class as check_class
 from ._state import _group_hyper as group_hyper
 from ._state import _optimizer_class as optimizer_class
-from .manager import _Handle as Handle
-from .manager import _Snapshot as Snapshot
+from ._saver import AsyncSaver, Handle, Snapshot, check_max_in_flight
 
 __all__ = [
     "bytes_of",
@@ -28,8 +27,10 @@ __all__ = [
     "check_class",
     "group_hyper",
     "optimizer_class",
+    "AsyncSaver",
     "Handle",
     "Snapshot",
+    "check_max_in_flight",
 ]
 
 # What each is (the docstrings are the private originals'):
@@ -47,4 +48,7 @@ __all__ = [
 # * ``group_hyper(live_group, saved_group, keep_live)``: a group's hyperparameters for
 #   ``load_state_dict`` (with ``keep_live``, the live group's for the settings missing);
 # * ``Snapshot``: one set of reused snapshot buffers (``begin``, ``copy``, ``end``);
-# * ``Handle``: a background save's outcome (``done``, ``wait``), set once by its writer.
+# * ``Handle``: a background save's outcome (``done``, ``wait``), set once by its writer;
+# * ``AsyncSaver``: THE background saver (snapshot, ordered writer thread, max in flight,
+#   ``wait``/``close`` raising the first unseen error); ``check_max_in_flight`` its argument
+#   check, for a caller that makes its saver later.

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .. import CheckpointManager as _StepStore
-from ..errors import CheckpointNotFoundError, InvalidArgumentError, InvalidTensorError
+from ..errors import CheckpointNotFoundError, InvalidArgumentError
+from ._saver import AsyncSaver, Handle, check_max_in_flight
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -93,119 +92,7 @@ def _build(
     return _pkg()._build_items(model, optimizer, extra, prepare)
 
 
-class _Snapshot:
-    """One set of snapshot buffers, keyed by stored tensor name and reused from save to
-    save: a buffer is allocated only for a name it does not hold yet, or whose shape or
-    dtype changed. CUDA tensors are copied into pinned CPU buffers."""
-
-    def __init__(self) -> None:
-        self.bufs: Dict[str, Any] = {}
-        self.allocations = 0  # buffers allocated over this set's life
-        self._used: set = set()
-        self._devices: set = set()
-
-    def begin(self) -> None:
-        self._used = set()
-        self._devices = set()
-
-    def copy(self, name: str, src: Any) -> Tuple[str, str, np.ndarray]:
-        """``(name, wire dtype, array)`` over this set's copy of ``src``."""
-        ct = _pkg()
-        torch = ct._torch()
-        if name in self._used:
-            raise InvalidTensorError(f"tensor {name!r} is stored twice")
-        self._used.add(name)
-        if isinstance(src, torch.Tensor):
-            src = src.detach()
-            if src.layout != torch.strided:
-                raise InvalidTensorError(
-                    f"tensor {name!r}: only dense (strided) tensors can be stored"
-                )
-            if src.dtype not in ct._wire_of:
-                raise InvalidTensorError(f"tensor {name!r}: dtype {src.dtype} cannot be stored")
-            buf = self.bufs.get(name)
-            if (
-                not isinstance(buf, torch.Tensor)
-                or buf.shape != src.shape
-                or buf.dtype != src.dtype
-            ):
-                buf = torch.empty(
-                    src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda
-                )
-                self.bufs[name] = buf
-                self.allocations += 1
-            if src.is_cuda:
-                self._devices.add(src.device)
-                buf.copy_(src, non_blocking=True)
-            else:
-                buf.copy_(src)
-            if _chaos is not None:  # test seam
-                _chaos_hit("snapshot")
-            return ct._to_numpy(name, buf)
-        from .. import _prepare
-
-        a = np.asarray(src)
-        buf = self.bufs.get(name)
-        if not isinstance(buf, np.ndarray) or buf.shape != a.shape or buf.dtype != a.dtype:
-            buf = np.empty(a.shape, a.dtype)
-            self.bufs[name] = buf
-            self.allocations += 1
-        np.copyto(buf, a)
-        if _chaos is not None:  # test seam
-            _chaos_hit("snapshot")
-        return _prepare(name, buf)
-
-    def end(self) -> None:
-        """Wait for device copies; drop buffers of names this save did not store."""
-        if self._devices:
-            torch = _pkg()._torch()
-            for d in self._devices:
-                torch.cuda.synchronize(d)
-        for k in [k for k in self.bufs if k not in self._used]:
-            del self.bufs[k]
-
-    @property
-    def nbytes(self) -> int:
-        total = 0
-        for b in self.bufs.values():
-            total += b.nbytes if isinstance(b, np.ndarray) else b.numel() * b.element_size()
-        return total
-
-
-class _Handle:
-    """A background save's outcome: set once by the writer thread, read by the caller.
-    ``what`` names the save in the timeout message."""
-
-    def __init__(self, what: str) -> None:
-        self._what = what
-        self._event = threading.Event()
-        self._info: Optional[dict] = None
-        self._error: Optional[BaseException] = None
-        self._reported = False
-
-    def done(self) -> bool:
-        """True once the save has finished, committed or failed (never blocks)."""
-        return self._event.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> dict:
-        """Wait until the save is committed and durable; return the commit info. Raises
-        the save's error (a :class:`ckptstore.CheckpointError`), or ``TimeoutError`` if
-        ``timeout`` seconds pass first."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"the save of {self._what} is still in flight")
-        self._reported = True
-        if self._error is not None:
-            raise self._error
-        assert self._info is not None
-        return self._info
-
-    def _finish(self, info: Optional[dict], error: Optional[BaseException]) -> None:
-        self._info = info
-        self._error = error
-        self._event.set()
-
-
-class SaveHandle(_Handle):
+class SaveHandle(Handle):
     """A save started by :meth:`CheckpointManager.save`."""
 
     def __init__(self, step: int) -> None:
@@ -252,21 +139,14 @@ class CheckpointManager:
         *,
         max_shard_size: Optional[int] = None,
     ) -> None:
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        check_max_in_flight(max_in_flight)
         if max_shard_size is not None and max_shard_size <= 0:
             raise InvalidArgumentError("max_shard_size must be positive")
         self._store = _StepStore(root, keep_last=keep_last, keep_every=keep_every)
-        self._max_in_flight = max_in_flight
         self._max_shard_size = max_shard_size
-        self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._lock = threading.Lock()
-        self._free: List[_Snapshot] = []  # buffer sets no save is using
-        self._sets = 0  # buffer sets in existence (<= max_in_flight)
-        self._queue: Deque[Tuple[SaveHandle, _Snapshot, tuple]] = deque()
-        self._worker: Optional[threading.Thread] = None
-        self._handles: List[SaveHandle] = []  # not yet known to be committed and reported
-        self._closed = False
+        self._saver = AsyncSaver(
+            max_in_flight, name="ckptstore-manager-save", what="the checkpoint manager"
+        )
         #: Test seam: called with the step in the background thread, after the snapshot
         #: and before the write (tests hold a save there while they change the model).
         self._before_write: Optional[Callable[[int], None]] = None
@@ -282,7 +162,7 @@ class CheckpointManager:
     @property
     def max_in_flight(self) -> int:
         """The most background saves in flight (and buffer sets held)."""
-        return self._max_in_flight
+        return self._saver.max_in_flight
 
     def steps(self) -> List[int]:
         """The committed steps, ascending (saves in flight are not among them)."""
@@ -340,8 +220,7 @@ class CheckpointManager:
         Saving a step that is already committed replaces it atomically.
         """
         step = _check_step(step)
-        if self._closed:
-            raise InvalidArgumentError("the checkpoint manager is closed")
+        self._saver.check_open()
         if blocking:
             self.wait()
             ct = _pkg()
@@ -350,99 +229,41 @@ class CheckpointManager:
             h = SaveHandle(step)
             h._finish(info, None)
             return h
-        self._slots.acquire()
-        try:
-            self._raise_unreported()
-            with self._lock:
-                if self._free:
-                    snap = self._free.pop()
-                else:
-                    snap = _Snapshot()
-                    self._sets += 1
-            try:
-                snap.begin()
-                items = _build(model, optimizer, extra, snap.copy)
-                snap.end()
-            except BaseException:
-                with self._lock:
-                    self._free.append(snap)
-                raise
-        except BaseException:
-            self._slots.release()
-            raise
-        h = SaveHandle(step)
-        with self._lock:
-            self._handles.append(h)
-            self._queue.append((h, snap, items))
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._run, name="ckptstore-manager-save", daemon=False
-                )
-                self._worker.start()
-        return h
 
-    def _run(self) -> None:
-        """The background writer: runs queued saves in order, and ends when none is left
-        (so that a finished manager holds no thread, and interpreter exit waits for the
-        saves in flight)."""
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._worker = None
-                    return
-                h, snap, (entries, metadata, optim) = self._queue.popleft()
-            info, error = None, None
-            try:
-                hook = self._before_write
-                if hook is not None:
-                    hook(h.step)
-                if _chaos is not None:  # test seam
-                    _chaos_hit("write")
-                info = self._store._native.save(
-                    h.step, entries, metadata, self._max_shard_size, optim
-                )
-            except BaseException as e:  # surfaced through the handle
-                error = e
-            del entries, optim
-            # The buffers are back before the handle says done, and the outcome is known
-            # before the slot is given back (a save that waited for it sees this error).
-            with self._lock:
-                self._free.append(snap)
-            h._finish(info, error)
-            self._slots.release()
+        def build(copy: Callable[[str, Any], Tuple[str, str, np.ndarray]]) -> tuple:
+            if _chaos is not None:  # test seam
+                def copy_then_hit(name: str, src: Any, copy=copy) -> Tuple[str, str, np.ndarray]:
+                    out = copy(name, src)
+                    _chaos_hit("snapshot")
+                    return out
 
-    def _raise_unreported(self) -> None:
-        with self._lock:
-            failed = [h for h in self._handles if h.done() and h._error is not None and not h._reported]
-            self._handles = [h for h in self._handles if not h.done()]
-        for h in failed:
-            h._reported = True
-        if failed:
-            raise failed[0]._error  # type: ignore[misc]
+                return _build(model, optimizer, extra, copy_then_hit)
+            return _build(model, optimizer, extra, copy)
+
+        def write(items: tuple) -> dict:
+            entries, metadata, optim = items
+            hook = self._before_write
+            if hook is not None:
+                hook(step)
+            if _chaos is not None:  # test seam
+                _chaos_hit("write")
+            return self._store._native.save(step, entries, metadata, self._max_shard_size, optim)
+
+        return self._saver.save(SaveHandle(step), build, write)  # type: ignore[return-value]
 
     def in_flight(self) -> List[SaveHandle]:
         """The handles of the background saves not finished yet, oldest first."""
-        with self._lock:
-            return [h for h in self._handles if not h.done()]
+        return self._saver.in_flight()  # type: ignore[return-value]
 
     def wait(self) -> None:
         """Wait for every save in flight; raise the first error no one has seen yet."""
-        with self._lock:
-            pending = list(self._handles)
-        for h in pending:
-            h._event.wait()
-        self._raise_unreported()
+        self._saver.wait()
 
     def close(self) -> None:
         """Wait for every save in flight, free the snapshot buffers, and raise the first
         background error no one has seen yet. Saving is refused afterwards; the reading
         methods keep working."""
-        self._closed = True
-        try:
-            self.wait()
-        finally:
-            with self._lock:
-                self._free.clear()
+        self._saver.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -463,8 +284,7 @@ class CheckpointManager:
     @property
     def snapshot_nbytes(self) -> int:
         """Bytes held by snapshot buffers that no save is using now (kept for reuse)."""
-        with self._lock:
-            return sum(s.nbytes for s in self._free)
+        return self._saver.snapshot_bytes
 
     # ---- restoring ---------------------------------------------------------------------
 
@@ -539,7 +359,7 @@ class CheckpointManager:
         )
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self.root)!r}, max_in_flight={self._max_in_flight})"
+        return f"CheckpointManager({str(self.root)!r}, max_in_flight={self.max_in_flight})"
 
 
 def _check_step(step: Any) -> int:

@@ -177,7 +177,7 @@ def test_non_blocking_saves_store_the_state_of_their_step(ref, tmp_path, monkeyp
     trainer.train()  # waits for the last save
     assert gate.is_set()
     assert_same(ref["dump"], tt.dump(trainer))
-    snap = trainer._ckptstore_snapshot
+    (snap,) = trainer._ckptstore_saver._free  # the one buffer set, reused by every save
     for step in (4, 8):
         with ckptstore.open(out / f"checkpoint-{step}") as a, ckptstore.open(
             ref["out"] / f"checkpoint-{step}"
@@ -604,11 +604,11 @@ def test_non_blocking_save_total_limit_1_ends_like_the_stock_trainer(tmp_path, m
         def _ckptstore_write(self, run_dir, name, final, *a):
             super()._ckptstore_write(run_dir, name, final, *a)
             if name == "checkpoint-6":
-                self.last_save = self._ckptstore_thread
-                assert self.last_save is not None and self.last_save.is_alive()
+                (self.last_save,) = self._ckptstore_saver.in_flight()
+                assert not self.last_save.done()
 
         def ckptstore_wait(self):
-            if self._ckptstore_thread is not None and self._ckptstore_thread is self.last_save:
+            if self.last_save is not None and not self.last_save.done():
                 events.append("waited")
                 gate.set()
             super().ckptstore_wait()

@@ -82,7 +82,7 @@ this, or by an engine not installed with :func:`install`) is loaded unchecked.
 
 **Non-tensor values.** JSON values are stored as JSON; tuples, ``OrderedDict``,
 ``torch.Size``, ``torch.dtype``, non-string keys, non-finite floats and bytes in the tagged
-forms of ``_tree``. DeepSpeed's own values in its state dicts are stored structurally, without
+forms of the value codec (format-spec/values.md). DeepSpeed's own values in its state dicts are stored structurally, without
 pickle, and rebuilt as the same types: ``ZeroStageEnum``, the ZeRO optimizer's
 ``LossScaler`` / ``DynamicLossScaler`` (their attributes) and ``fragment_address``, and an
 ``argparse.Namespace`` (its attributes) in the client state; only these classes are rebuilt,

@@ -524,7 +524,7 @@ class CheckpointManager(BaseCheckpointManager):
         placeholders: dict[str, Any] = {name: _Ref(name) for name in want}
         try:
             decoded = _decode(
-                {k: skeleton[k] for k in keys if k in skeleton}, "", placeholders, self.allow_pickle, path
+                {k: skeleton[k] for k in keys if k in skeleton}, placeholders, self.allow_pickle, path
             )
         except CheckpointError:
             raise

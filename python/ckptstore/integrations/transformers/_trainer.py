@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import shutil
-import threading
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -18,7 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from ... import atomic, open as _open
 from ...errors import CorruptCheckpointError
-from ...torch.internal import Snapshot, to_numpy
+from ...torch.internal import AsyncSaver, Handle, to_numpy
 from .._common import fsync_file, pause_point, remove_leftovers, staging_name
 from .._tree import _prepare_any
 from ._checkpoint import (
@@ -79,9 +78,9 @@ class Trainer(transformers.Trainer):
         self.ckptstore_allow_pickle = bool(ckptstore_allow_pickle)
         self.ckptstore_max_shard_size = ckptstore_max_shard_size
         self.ckptstore_async = bool(ckptstore_async)
-        self._ckptstore_snapshot: Any = None
-        self._ckptstore_thread: Optional[threading.Thread] = None
-        self._ckptstore_error: Optional[BaseException] = None
+        #: The background saver of ``ckptstore_async`` (one save in flight), made at the
+        #: first non-blocking save.
+        self._ckptstore_saver: Optional[AsyncSaver] = None
         self._ckptstore_trees: Dict[str, Dict[str, Any]] = {}
         self._ckptstore_pending_model: Optional[tuple] = None
         self._ckptstore_warned = False
@@ -197,34 +196,24 @@ class Trainer(transformers.Trainer):
             self._ckptstore_after_publish(run_dir, final, best)
             return
         # Non-blocking: copy every tensor into the reused snapshot buffers, then write,
-        # publish and rotate on a thread while training goes on.
+        # publish and rotate on the saver's thread while training goes on.
         self.ckptstore_wait()
-        if self._ckptstore_snapshot is None:
-            self._ckptstore_snapshot = Snapshot()
-        snap = self._ckptstore_snapshot
-        snap.begin()
-        items = _items(model, optimizer, tree, kind, pickle_ok, snap.copy, snap.copy)
-        snap.end()
+        if self._ckptstore_saver is None:
+            self._ckptstore_saver = AsyncSaver(1, name="ckptstore-hf-save", what="the Trainer's saver")
 
-        def work() -> None:
-            try:
-                self._ckptstore_publish(run_dir, name, final, state_text, model, items)
-                self._ckptstore_after_publish(run_dir, final, best)
-            except BaseException as e:  # noqa: BLE001 - raised by ckptstore_wait
-                self._ckptstore_error = e
+        def build(copy: Any) -> Any:
+            return _items(model, optimizer, tree, kind, pickle_ok, copy, copy)
 
-        self._ckptstore_thread = threading.Thread(target=work, name="ckptstore-hf-save")
-        self._ckptstore_thread.start()
+        def write(items: Any) -> None:
+            self._ckptstore_publish(run_dir, name, final, state_text, model, items)
+            self._ckptstore_after_publish(run_dir, final, best)
+
+        self._ckptstore_saver.save(Handle(name), build, write)
 
     def ckptstore_wait(self) -> None:
         """Wait for the non-blocking save in flight (if any); raise its error."""
-        t = self._ckptstore_thread
-        if t is not None:
-            t.join()
-            self._ckptstore_thread = None
-        err, self._ckptstore_error = self._ckptstore_error, None
-        if err is not None:
-            raise err
+        if self._ckptstore_saver is not None:
+            self._ckptstore_saver.wait()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -1,0 +1,306 @@
+"""Tiered checkpoints across hosts (ckptstore.torch.distributed.CheckpointManager, issue 39),
+on hosts made of network namespaces (netns_cluster.py): 3 hosts, 1 rank each, FSDP2 on CPU
+with Adam, gloo.
+
+- Steps 1..3 saved (persist_every=2, replicas=1), the job restarted on the same hosts:
+  restore_latest returns 3, model and optimizer bit-identical to what was saved.
+- A host lost after step 3 (its local disk wiped) and replaced by a fresh one: the restarted
+  job restores 3 from the peer replica, bit-identical.
+- The same, restarted on the 2 hosts left: 2 ranks restore 3, resharded, bit-identical.
+- A byte flipped in one host's local copy of step 3: the restore uses the replica,
+  bit-identical; flipped in every copy: it returns 2, with a warning naming what was missing.
+- Two hosts lost (more than replicas=1 covers): step 2 from the persistent tier, with a
+  warning, bit-identical.
+- A host lost (link down, then killed) before a save: the survivors' save raises gloo's
+  RuntimeError within the process group's timeout, and no index records the step.
+
+One job saves (the module's fixture); the restore tests start from that cluster or from a
+fresh cluster holding a copy of its hosts' directories. Each job runs this file as a script (``python test_tiers.py job NAME SHARED``); events are
+ordered by files in the shared directory, never by sleeps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import netns_cluster as nc
+from netns_fixtures import make_cluster  # noqa: F401 - the fixture
+
+HERE = Path(__file__).resolve()
+JOB_S = 240  # upper bound for one torch job on a loaded 2-core machine (a failure bound only)
+
+
+def needs_torch():
+    for mod in ("torch", "ckptstore"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed")
+
+
+def job(c, name, hosts=None):
+    return c.start([sys.executable, str(HERE), "job", name, str(c.shared)], hosts=hosts)
+
+
+def results(j):
+    j.check(timeout=JOB_S)
+    out = [nc.job_result(j.output(r)) for r in range(j.world)]
+    assert all(o is not None for o in out), j.tails()
+    return out
+
+
+def save_three_steps(c):
+    results(job(c, "save"))
+    for s in (1, 2, 3):
+        assert (c.shared / f"expect-{s}.pt").is_file()
+    # Every host: steps 2 and 3 (keep=2) with its own part and its ring predecessor's.
+    for i in range(3):
+        d = c.local_dir(i)
+        assert sorted(p.name for p in d.iterdir()) == ["index.json", "step-2", "step-3"], i
+        assert sorted(p.name for p in (d / "step-3").iterdir()) == sorted(
+            ["commit.json", f"src-{i}", f"src-{(i - 1) % 3}"]
+        ), i
+    assert sorted(p.name for p in (c.shared / "persistent").iterdir()) == ["step-2"]
+
+
+def flip(path: Path) -> None:
+    b = bytearray(path.read_bytes())
+    b[-1] ^= 0x40
+    path.write_bytes(bytes(b))
+
+
+def rank0_shard(c, host: int) -> Path:
+    """The shard file of rank 0 (host 0) of step 3 in host ``host``'s local tier."""
+    (f,) = [p for p in (c.local_dir(host) / "step-3" / "src-0").iterdir() if p.name.startswith("shard-")]
+    return f
+
+
+def assert_restored(out, step, tier="fast"):
+    for o in out:
+        assert o["step"] == step, out
+        assert o["differ"] == [] and o["compared"] > 0, out
+        assert o["extra"] == {"step": step}, out
+        assert o["tier"] == tier, out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One cluster on which a job saved steps 1..3 (kept open for the module), and a copy of
+    its hosts' local directories and shared directory as they were right after the save."""
+    why = nc.skip_reason()
+    if why:
+        pytest.skip(f"cannot make hosts from network namespaces here: {why}")
+    needs_torch()
+    base = tmp_path_factory.mktemp("tiers")
+    with nc.Cluster(3, base_dir=base) as c:
+        save_three_steps(c)
+        snap = base / "snapshot"
+        for i in range(3):
+            shutil.copytree(c.local_dir(i), snap / f"h{i}", symlinks=True)
+        shutil.copytree(c.shared, snap / "shared", symlinks=True)
+        yield c, snap
+
+
+def copy_of_saved(make_cluster, snap):
+    """A fresh cluster whose hosts and shared directory hold what the save left."""
+    c = make_cluster(3)
+    for i in range(3):
+        shutil.copytree(snap / f"h{i}", c.local_dir(i), symlinks=True, dirs_exist_ok=True)
+    shutil.copytree(snap / "shared", c.shared, symlinks=True, dirs_exist_ok=True)
+    return c
+
+
+def test_restart_on_same_hosts_restores_newest_step_bit_identical(saved, ckpt):
+    c, _ = saved
+    ckpt("verify", str(c.shared / "persistent" / "step-2"), expect=0)  # an ordinary checkpoint
+    half = c.local_dir(0) / "step-4" / "src-0"  # a save that never reached the index
+    half.mkdir(parents=True)
+    (half / "part-x-r0.json").write_text("{}")
+    out = results(job(c, "restore"))
+    assert_restored(out, 3)
+    assert all(o["warnings"] == [] for o in out), out
+    for i in range(3):  # step-4 gc'd at start, the restore's staging gone; the tier as saved
+        assert sorted(p.name for p in c.local_dir(i).iterdir()) == ["index.json", "step-2", "step-3"]
+
+
+def test_lost_host_restores_from_the_peer_replica(saved, make_cluster):
+    c = copy_of_saved(make_cluster, saved[1])
+    c.lose_host(1, wipe_local=True)
+    c.replace_host(1)
+    assert list(c.local_dir(1).iterdir()) == []
+    out = results(job(c, "restore"))
+    assert_restored(out, 3)  # rank 1's part only on host 2 (the ring's replica)
+    assert all(o["warnings"] == [] for o in out), out
+
+
+def test_lost_host_restart_on_fewer_hosts_reshards_from_the_fast_tier(saved, make_cluster):
+    c = copy_of_saved(make_cluster, saved[1])
+    c.lose_host(1, wipe_local=True)
+    out = results(job(c, "restore", hosts=[0, 2]))  # 2 ranks: FSDP2 resharded from 3
+    assert [o["world"] for o in out] == [2, 2]
+    assert_restored(out, 3)
+    assert all(o["warnings"] == [] for o in out), out
+
+
+def test_damaged_copy_passed_over_then_older_step_with_warning(saved, make_cluster):
+    c = copy_of_saved(make_cluster, saved[1])
+    flip(rank0_shard(c, 0))  # host 0's own copy of its part of step 3
+    j = job(c, "restore-twice")
+    for r in range(3):
+        assert nc.wait_file(c.shared / f"phase1.{r}", JOB_S), j.tails()
+    first = [json.loads((c.shared / f"phase1.{r}").read_text()) for r in range(3)]
+    assert_restored(first, 3)  # from host 1's replica
+    assert all(o["warnings"] == [] for o in first), first
+    flip(rank0_shard(c, 1))  # the replica too: no good copy of rank 0's part of step 3
+    (c.shared / "flipped.tmp").write_text("1")
+    os.replace(c.shared / "flipped.tmp", c.shared / "flipped")
+    out = results(j)
+    assert_restored(out, 2)
+    for o in out:
+        assert len(o["warnings"]) == 1, o
+        w = o["warnings"][0]
+        assert "restored step 2" in w and "step 3" in w and "rank(s) [0]" in w and "damaged" in w, w
+
+
+def test_more_hosts_lost_than_replicas_cover_restores_the_persisted_step(saved, make_cluster):
+    c = copy_of_saved(make_cluster, saved[1])
+    for i in (1, 2):  # rank 1's part of steps 2 and 3 was on hosts 1 and 2 only
+        c.lose_host(i, wipe_local=True)
+        c.replace_host(i)
+    out = results(job(c, "restore"))
+    assert_restored(out, 2, tier="persistent")
+    for o in out:
+        assert len(o["warnings"]) == 1, o
+        w = o["warnings"][0]
+        assert "restored step 2 from the persistent tier" in w and "rank(s) [1]" in w, w
+
+
+def test_host_lost_before_a_save_makes_the_survivors_raise_and_records_nothing(saved, make_cluster):
+    c = copy_of_saved(make_cluster, saved[1])
+    j = job(c, "save-lose")
+    for r in range(3):
+        assert nc.wait_file(c.shared / f"ready.{r}", JOB_S), j.tails()
+    c.lose_host(2)  # link down, then killed: the survivors get no FIN
+    (c.shared / "lost.tmp").write_text("1")
+    os.replace(c.shared / "lost.tmp", c.shared / "lost")
+    codes = j.wait(timeout=JOB_S, ranks=[0, 1])
+    assert codes == [0, 0], j.tails()
+    for r in (0, 1):
+        o = nc.job_result(j.output(r))
+        assert o["runtime_error"], o  # gloo's error, after its 3 s timeout (60 s: a failure bound)
+        assert o["after_s"] < 60, o
+        idx = json.loads((c.local_dir(r) / "index.json").read_text())
+        assert sorted(idx["steps"]) == ["2", "3"], idx  # step 4 never recorded
+
+
+# ---- the jobs (run in the hosts) -----------------------------------------------------------
+
+
+def _manager():
+    from ckptstore.torch.distributed import CheckpointManager
+
+    shared = Path(sys.argv[3])
+    return CheckpointManager(
+        os.environ["CLUSTER_LOCAL"], shared / "persistent", persist_every=2, replicas=1, keep=2
+    )
+
+
+def _restore(m, o):
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _manager() as mgr:
+            step = mgr.restore_latest(m, o)
+            extra, tier = mgr.last_extra, mgr.last_tier
+    got = nc._fsdp_gather(m, o)
+    want = torch.load(Path(sys.argv[3]) / f"expect-{step}.pt")
+    differ = sorted(set(got) ^ set(want))
+    differ += sorted(
+        k for k in set(got) & set(want)
+        if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
+        or not torch.equal(nc._bits(got[k]), nc._bits(want[k]))
+    )
+    msgs = [str(w.message) for w in caught if "ckptstore" in str(w.message)]
+    return {"step": step, "differ": differ, "compared": len(want), "extra": extra, "tier": tier, "warnings": msgs,
+            "world": torch.distributed.get_world_size()}
+
+
+def _job_main(name: str, shared: str) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    d = Path(shared)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    if name == "save":
+        m, o = nc._fsdp_model(world, seed=0)
+        with _manager() as mgr:
+            for s in (1, 2, 3):
+                nc._fsdp_train(m, o, s, 1, rank)
+                mgr.save(s, m, o, extra={"step": s})
+                mgr.wait()
+                full = nc._fsdp_gather(m, o)
+                if rank == 0:
+                    torch.save(full, d / f"expect-{s}.pt.tmp")
+                    os.replace(d / f"expect-{s}.pt.tmp", d / f"expect-{s}.pt")
+        nc._result({"rank": rank, "saved": [1, 2, 3]})
+    elif name == "restore":
+        m, o = nc._fsdp_model(world, seed=1)
+        nc._fsdp_train(m, o, 7, 1, rank)  # a state of its own, to be replaced whole
+        nc._result(_restore(m, o))
+    elif name == "restore-twice":
+        m, o = nc._fsdp_model(world, seed=1)
+        nc._fsdp_train(m, o, 7, 1, rank)
+        first = _restore(m, o)
+        (d / f"phase1.{rank}.tmp").write_text(json.dumps(first))
+        os.replace(d / f"phase1.{rank}.tmp", d / f"phase1.{rank}")
+        if not nc.wait_file(d / "flipped", JOB_S):
+            raise SystemExit("the test never wrote flipped")
+        nc._fsdp_train(m, o, 8, 1, rank)
+        nc._result(_restore(m, o))
+    elif name == "save-lose":
+        import threading
+
+        m, o = nc._fsdp_model(world, seed=0)
+        nc._fsdp_train(m, o, 4, 1, rank)
+        mgr = _manager()
+        (d / f"ready.{rank}.tmp").write_text("ready")
+        os.replace(d / f"ready.{rank}.tmp", d / f"ready.{rank}")
+        if rank == 2:
+            threading.Event().wait()  # until the harness loses this host
+        if not nc.wait_file(d / "lost", JOB_S):
+            raise SystemExit("the test never wrote lost")
+        dist.set_timeout(timedelta(seconds=3))
+        t0 = time.monotonic()
+        try:
+            mgr.save(4, m, o, extra={"step": 4})
+            mgr.wait()
+        except Exception as e:  # noqa: BLE001 - what it raised is the result
+            nc._result({"raised": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
+                        "msg": str(e)[:500], "after_s": round(time.monotonic() - t0, 2)})
+            os._exit(0)  # the group is broken: no teardown
+        nc._result({"raised": None, "runtime_error": False})
+        os._exit(1)
+    else:
+        raise SystemExit(f"unknown job {name}")
+    nc._exit_together(rank, world)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "job":
+        _job_main(sys.argv[2], sys.argv[3])
+    else:
+        print(__doc__)
+        sys.exit(2)
