@@ -79,8 +79,19 @@ def save(
     lists, dicts, tuples), returned by :func:`load`. Returns the commit info on the
     coordinator, ``None`` on the other ranks.
     """
-    torch = _torch()
     import torch.distributed.checkpoint as dcp
+
+    sd, meta = state_and_meta(model, optimizer, extra)
+    w = Writer(path, max_shard_size=max_shard_size, metadata={META_KEY: meta})
+    dcp.save(sd, storage_writer=w, process_group=process_group)
+    return w.commit_info
+
+
+def state_and_meta(model: Any, optimizer: Any, extra: Optional[Mapping[str, Any]]) -> tuple[dict, dict]:
+    """The DCP state dict of ``model``, ``optimizer`` and ``extra`` and the manifest metadata
+    that :func:`load` reads back: what :func:`save` writes, and what the tiered manager
+    (``ckptstore.torch.tiered``) writes into a host's tier."""
+    torch = _torch()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     msd = get_model_state_dict(model)
@@ -126,9 +137,7 @@ def save(
             meta["extra"][k] = _encode(v, f"extra {k!r}")
     if xt:
         sd["extra"] = xt
-    w = Writer(path, max_shard_size=max_shard_size, metadata={META_KEY: meta})
-    dcp.save(sd, storage_writer=w, process_group=process_group)
-    return w.commit_info
+    return sd, meta
 
 
 def _broadcast_meta(path: Any, process_group: Any) -> tuple[dict, str]:

@@ -187,57 +187,6 @@ def _exchange(payload: Any, dst: int, src: int, tag: int) -> Any:
     return buf
 
 
-def _state_and_meta(model: Any, optimizer: Any, extra: Optional[Mapping[str, Any]]) -> tuple[dict, dict]:
-    """The DCP state dict and the manifest metadata of :func:`ckptstore.torch.distributed.save`
-    (the same construction, so that its ``load`` restores what this saved)."""
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from . import distributed as _d
-    from ._state import _encode_groups, _optimizer_class, _param_names
-    from ._values import _encode
-
-    msd = get_model_state_dict(model)
-    meta: dict[str, Any] = {"version": _d._META_VERSION, "model": list(msd), "extra": {}, "extra_tensors": []}
-    sd: dict[str, Any] = {"model": dict(msd)}
-    if optimizer is not None:
-        names = _param_names(model, optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        osd = optimizer.state_dict()
-        groups = _encode_groups(osd["param_groups"], names)
-        state: dict[str, dict[str, Any]] = {}
-        keys: dict[str, list[str]] = {}
-        values: dict[str, dict[str, Any]] = {}
-        for i, st in osd["state"].items():
-            n = names[i]
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    state.setdefault(n, {})[k] = v
-                    keys.setdefault(n, []).append(k)
-                elif v is not None:
-                    values.setdefault(n, {})[k] = _encode(v, f"parameter {n!r}, state {k!r}")
-        sd["optim"] = state
-        meta["optimizer"] = {
-            "class": _optimizer_class(optimizer),
-            "groups": groups,
-            "param_shapes": {n: list(p.shape) for n, p in zip(names, params)},
-            "state_keys": keys,
-            "values": values,
-        }
-    xt = {}
-    for k, v in (extra or {}).items():
-        if not isinstance(k, str):
-            raise InvalidArgumentError(f"extra keys must be strings, got {k!r}")
-        if isinstance(v, torch.Tensor):
-            xt[k] = v
-            meta["extra_tensors"].append(k)
-        else:
-            meta["extra"][k] = _encode(v, f"extra {k!r}")
-    if xt:
-        sd["extra"] = xt
-    return sd, {_d.META_KEY: meta}
-
-
 def _part_writer(path: str, metadata: dict) -> Any:
     """A DCP Writer whose coordinator keeps the manifest metadata instead of committing."""
     from .dcp import META_KEY as DCP_KEY, Writer, _metadata_to_json
@@ -456,8 +405,8 @@ class CheckpointManager:
 
         # 1. Every rank's part into its host's local tier.
         own = os.path.join(sdir, f"src-{self.host}")
-        sd, meta = _state_and_meta(model, optimizer, extra)
-        w = _part_writer(own, meta)
+        sd, meta = _d.state_and_meta(model, optimizer, extra)
+        w = _part_writer(own, {_d.META_KEY: meta})
         try:
             dcp.save(sd, storage_writer=w)
         except CheckpointException as e:  # a BaseException in DCP: report as ckptstore's own
