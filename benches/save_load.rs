@@ -254,9 +254,15 @@ fn region(c: &mut Criterion, fx: &Fixture) {
     configure(&mut g, (TENSORS * rows * cols * 4) as u64, 5);
     type Op = fn(&Checkpoint, &str, &[u64], &[u64], &mut [u8]) -> ckptstore::Result<()>;
     let ops: [(&str, Op); 3] = [
-        ("read_region_into", Checkpoint::read_region_into),
-        ("fill_region_into", Checkpoint::fill_region_into),
-        ("copy_region_unchecked", Checkpoint::copy_region_unchecked),
+        ("read_region_into", |ck, n, o, s, d| {
+            ck.read(n).region(o, s).into(d)
+        }),
+        ("fill_region_into", |ck, n, o, s, d| {
+            ck.read(n).region(o, s).fused(true).into(d)
+        }),
+        ("copy_region_unchecked", |ck, n, o, s, d| {
+            ck.read(n).region(o, s).into_unchecked(d)
+        }),
     ];
     for (id, op) in ops {
         g.bench_function(id, |b| {
@@ -274,7 +280,7 @@ fn region(c: &mut Criterion, fx: &Fixture) {
         b.iter(|| {
             names
                 .par_iter()
-                .for_each(|n| ck.verify_region(n, &[0, 0], &shape).unwrap())
+                .for_each(|n| ck.read(n).region(&[0, 0], &shape).verify().unwrap())
         })
     });
     black_box(&dsts);

@@ -84,7 +84,7 @@ fn main() -> ckptstore::Result<()> {
                         .zip(bufs.iter_mut().map(Vec::as_mut_slice))
                         .collect();
                     let t = Instant::now();
-                    ck.fill_and_verify(fills, &[], true)?;
+                    ck.read_batch().fill(fills).release_pages(true).run()?;
                     t.elapsed()
                 }
             };

@@ -528,8 +528,11 @@ fn rank_open(dir: &Path, ranks: u64, tensors: u64, r: u64, reads: u64, all: bool
     for i in 0..tensors {
         let (name, _, offsets, shape) = chunk(i, r, ranks);
         planned += ck
-            .region_bytes_read(&name, &offsets, &shape)
-            .expect("plan the rank's region");
+            .read(&name)
+            .region(&offsets, &shape)
+            .plan()
+            .expect("plan the rank's region")
+            .bytes_read();
         own += nbytes(&shape);
         if i == 0 {
             // The first plan loads the rank's part.
@@ -539,8 +542,8 @@ fn rank_open(dir: &Path, ranks: u64, tensors: u64, r: u64, reads: u64, all: bool
     let locate_s = t.elapsed().as_secs_f64();
     let cpu = cpu_s();
     assert_eq!(planned, own, "a rank's own region reads exactly its chunks");
-    let (parts, index_bytes) = ck.parts_read();
-    if ck.two_level() {
+    let (parts, index_bytes) = ck.catalog().parts_read();
+    if ck.catalog().two_level() {
         assert_eq!(parts, 1, "a rank's own regions load its own part only");
     }
     let root = std::fs::metadata(dir.join(manifest::MANIFEST_FILE))
@@ -557,7 +560,9 @@ fn rank_open(dir: &Path, ranks: u64, tensors: u64, r: u64, reads: u64, all: bool
     for i in 0..reads.min(tensors) {
         let (name, _, offsets, shape) = chunk(i, r, ranks);
         let x = ck
-            .read_region(&name, &offsets, &shape)
+            .read(&name)
+            .region(&offsets, &shape)
+            .to_tensor()
             .expect("read the rank's region");
         assert!(x.bytes().iter().all(|&b| b == 0), "sparse data is zeros");
         read_bytes += x.bytes().len() as u64;
@@ -574,10 +579,13 @@ fn rank_open(dir: &Path, ranks: u64, tensors: u64, r: u64, reads: u64, all: bool
         for i in 0..tensors {
             let (name, shape) = spec(i);
             total += ck
-                .region_bytes_read(&name, &vec![0; shape.len()], &shape)
-                .expect("plan a whole tensor");
+                .read(&name)
+                .region(&vec![0; shape.len()], &shape)
+                .plan()
+                .expect("plan a whole tensor")
+                .bytes_read();
         }
-        let (parts, index_bytes) = ck.parts_read();
+        let (parts, index_bytes) = ck.catalog().parts_read();
         line += &format!(
             " all_plan_s={:.4} all_parts_loaded={parts} all_meta_bytes={} all_planned_bytes={total} peak_after_all_mib={:.0}",
             t.elapsed().as_secs_f64(),

@@ -20,7 +20,7 @@
 //!   medians of `--reps`.
 //! * reshard: the same tensors chunked by rows over 4 ranks (`write_part` in process, then
 //!   `commit`), read back by M = 1..4 readers as row splits, column splits and 2-D blocks:
-//!   bytes read / bytes needed (`region_bytes_read` / `region_nbytes`, summed over every
+//!   bytes read / bytes needed (`ReadPlan::bytes_read` / `ReadPlan::nbytes`, summed over every
 //!   reader's regions) and read throughput (GiB/s of region bytes, all readers one after the
 //!   other, hot page cache, best of `--reps`) against memcpy of the same region sizes into
 //!   pre-faulted memory.
@@ -317,7 +317,10 @@ fn bench_save(
     let [single, multi_w, one_w] = [single, multi_w, one_w].map(median);
     // The last commit must read back as the same tensors.
     let ck = Checkpoint::open(&dir)?;
-    let g = ck.read_region("t001", &[rows / 2, 0], &[1, cols])?;
+    let g = ck
+        .read("t001")
+        .region(&[rows / 2, 0], &[1, cols])
+        .to_tensor()?;
     assert_eq!(
         g.as_slice::<f32>()?,
         &data[1][(rows / 2 * cols) as usize..][..cols as usize]
@@ -440,8 +443,9 @@ fn bench_reshard(
         for ((r0, r1), (c0, c1)) in &boxes {
             for n in &names {
                 let sh = [r1 - r0, c1 - c0];
-                needed += ck.region_nbytes(n, &sh)?;
-                read += ck.region_bytes_read(n, &[*r0, *c0], &sh)?;
+                let plan = ck.read(n).region(&[*r0, *c0], &sh).plan()?;
+                needed += plan.nbytes;
+                read += plan.bytes_read();
             }
         }
         let (mut rd, mut mc, mut mf) = (f64::MAX, f64::MAX, f64::MAX);
@@ -449,7 +453,10 @@ fn bench_reshard(
             let t = Instant::now();
             for ((r0, r1), (c0, c1)) in &boxes {
                 for n in &names {
-                    let r = ck.read_region(n, &[*r0, *c0], &[r1 - r0, c1 - c0])?;
+                    let r = ck
+                        .read(n)
+                        .region(&[*r0, *c0], &[r1 - r0, c1 - c0])
+                        .to_tensor()?;
                     std::hint::black_box(&r);
                 }
             }

@@ -36,7 +36,7 @@ use crate::write::{CommitInfo, SaveOptions, TensorRef};
 /// let w = [1.0f32, 2.0];
 /// let t = [ckptstore::TensorRef::from_slice("w", &[2], &w)];
 /// ckptstore::save(dir.path(), &t, &Default::default())?;
-/// assert_eq!(ckptstore::open(dir.path())?.tensor("w")?.as_slice::<f32>()?, &w[..]);
+/// assert_eq!(ckptstore::open(dir.path())?.read("w").view()?.as_slice::<f32>()?, &w[..]);
 /// // A URL is never taken as a local path.
 /// assert!(ckptstore::open("gs://bucket/run").is_err());
 /// # Ok(()) }
@@ -182,7 +182,7 @@ pub fn write_part<'a>(
 /// commit(dir.path(), &id, &parts, &opts)?;
 /// let ck = open(dir.path())?;
 /// ck.verify()?;
-/// assert_eq!(ck.read_global("w")?.as_slice::<f32>()?, &w[..]);
+/// assert_eq!(ck.read("w").to_tensor()?.as_slice::<f32>()?, &w[..]);
 /// # Ok(()) }
 /// ```
 pub fn commit<'a>(

@@ -12,6 +12,7 @@ mod fill;
 mod open;
 mod parts;
 mod pread;
+mod read;
 mod readahead;
 pub(crate) mod region;
 #[cfg(feature = "s3")]
@@ -20,9 +21,10 @@ pub mod source;
 mod storage;
 mod verify;
 use build::chunk_owners;
-pub use catalog::Entry;
+pub use catalog::{Catalog, Entry};
 pub(crate) use open::{open_native_retrying, read_capped};
 pub use pread::{FileShard, ReadAt};
+pub use read::{Batch, Read, ReadPlan};
 pub use readahead::{
     cached_pages, drop_page_cache, read_strategy, set_read_strategy, ReadStrategy,
 };
@@ -30,6 +32,7 @@ pub(crate) use readahead::{in_order, with_readahead, Gate};
 pub use region::{Region, StoredChunk};
 pub use source::{Fetch, ShardSource};
 pub use storage::Storage;
+pub use verify::VerifyOptions;
 pub(crate) use verify::{check_units, unit_sum};
 
 use crate::crc::crc32_parallel;
@@ -84,10 +87,10 @@ pub struct VerifyReport {
 /// Generic over where the shard bytes come from ([`ShardSource`]): [`Checkpoint::open`]
 /// maps local shard files read-only ([`Map`]); tests and fuzzers run on `Vec<u8>`; an
 /// object store's checkpoint is downloaded into buffers or read lazily by ranged requests
-/// (`store::s3::RemoteShard`, [`remote::open_lazy`]). The catalog, checks and fresh-buffer reads
-/// ([`Checkpoint::read_tensor`], [`Checkpoint::read_region`],
+/// (`store::s3::RemoteShard`, `remote::open_lazy`). The catalog ([`Checkpoint::catalog`]),
+/// the checks and the reads ([`Checkpoint::read`], [`Checkpoint::read_batch`],
 /// [`Checkpoint::stream_tensors`], [`Checkpoint::verify`]) work over any source;
-/// zero-copy views ([`Checkpoint::tensor`]) need resident bytes (`S: AsRef<[u8]>`).
+/// zero-copy views ([`Read::view`]) need resident bytes ([`Checkpoint::resident`]).
 #[derive(Debug)]
 pub struct Checkpoint<S = Map> {
     root: PathBuf,
@@ -103,7 +106,7 @@ pub struct Checkpoint<S = Map> {
     globals: HashMap<String, usize>,
     /// For each tensor of `tensors()`: the index of the global tensor it stores a chunk (or
     /// a replica of a chunk) of, or [`NOT_A_CHUNK`]; empty when there are no globals. Built
-    /// by the first catalog call ([`Checkpoint::entries`]), so that `open` stays as cheap.
+    /// by the first catalog call ([`Catalog::entries`]), so that `open` stays as cheap.
     chunk_of: std::sync::OnceLock<Vec<u32>>,
     /// Every tensor's CRC32 (and absmax) was checked against the manifest while the
     /// bytes were fetched into buffers this checkpoint owns and nobody can change (an
@@ -156,7 +159,7 @@ impl<S> Checkpoint<S> {
 
     /// Rename the shards as errors and [`Checkpoint::shards`] show them (a checkpoint
     /// downloaded from an object store names them by URL). The bytes are unchanged.
-    pub fn with_shard_names(mut self, mut f: impl FnMut(&str) -> String) -> Self {
+    pub(crate) fn with_shard_names(mut self, mut f: impl FnMut(&str) -> String) -> Self {
         for s in &mut self.shards {
             s.file = f(&s.file);
         }
@@ -166,7 +169,7 @@ impl<S> Checkpoint<S> {
     /// Whether every tensor's CRC32 (and recorded absmax) was already checked, in buffers
     /// this checkpoint owns, while they were filled: a download from an object store sums
     /// each piece as it lands (`checkpoint::remote::open_with`). Then
-    /// [`Checkpoint::verify`] reads no tensor data and checked reads skip the CRC. `false`
+    /// [`Checkpoint::verify`] reads no tensor data and checked reads rely on those sums. `false`
     /// for memory-mapped checkpoints (a file can change under a map, so every check reads
     /// it) and for a download whose check failed (`verify` reports the damage).
     pub fn data_verified(&self) -> bool {
@@ -237,7 +240,7 @@ impl<S> Checkpoint<S> {
     /// Total bytes of tensor data.
     ///
     /// Of a two-level checkpoint, the root's own tensors only: its chunk tensors are listed
-    /// in its parts ([`Checkpoint::stored_chunks`]).
+    /// in its parts ([`Catalog::stored_chunks`]).
     pub fn data_bytes(&self) -> u64 {
         self.tensors().iter().map(TensorInfo::nbytes).sum()
     }
@@ -277,20 +280,6 @@ impl<S: ShardSource> Checkpoint<S> {
         Ok(())
     }
 
-    /// Whether this is a two-level checkpoint (feature `parts`, format-spec/global.md §The
-    /// two-level manifest), whose chunk entries live in part indexes read on first use.
-    pub fn two_level(&self) -> bool {
-        self.parts.is_some()
-    }
-
-    /// Of a two-level checkpoint: how many part indexes have been read so far, and their
-    /// bytes (the metadata decoded besides the root manifest). `(0, 0)` otherwise.
-    pub fn parts_read(&self) -> (usize, u64) {
-        self.parts
-            .as_ref()
-            .map_or((0, 0), |p| (p.loaded_count(), p.index_bytes()))
-    }
-
     /// Whether every shard's bytes are resident ([`ShardSource::bytes`]): then reads are
     /// zero-copy views and fresh-buffer reads are copies; otherwise they are fetches.
     pub fn resident(&self) -> bool {
@@ -311,20 +300,7 @@ impl<S: ShardSource> Checkpoint<S> {
         order
     }
 
-    /// Tensor `name` (a whole stored tensor) in a freshly allocated buffer, its CRC32 (and
-    /// absmax, block CRCs) checked as the bytes were copied or fetched: one pass over the
-    /// bytes, rayon-parallel for resident shards, concurrent ranged requests for fetched
-    /// ones. For a global tensor use [`Checkpoint::read_global`].
-    ///
-    /// # Errors
-    /// [`Error::TensorNotFound`]; [`Error::ChecksumMismatch`] / [`Error::AbsmaxMismatch`]
-    /// naming the tensor, block and shard for damaged bytes (nothing is returned); the
-    /// source's errors for a fetch that fails.
-    pub fn read_tensor(&self, name: &str) -> Result<crate::tensor::Tensor> {
-        self.read_info(self.info(name)?)
-    }
-
-    /// [`Checkpoint::read_tensor`] of a tensor of this checkpoint.
+    /// A whole stored tensor of this checkpoint in a fresh buffer, checked ([`Read::to_tensor`]).
     pub(crate) fn read_info(&self, t: &TensorInfo) -> Result<crate::tensor::Tensor> {
         let shard = self
             .shards
@@ -409,16 +385,6 @@ impl<S: ShardSource> Checkpoint<S> {
 }
 
 impl<B: AsRef<[u8]> + Send + Sync> Checkpoint<B> {
-    /// A zero-copy view of a tensor. Does not check its CRC; see [`Checkpoint::verify`] and
-    /// [`Checkpoint::tensor_verified`].
-    ///
-    /// # Errors
-    /// [`Error::TensorNotFound`].
-    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
-        let t = self.info(name)?;
-        Ok(self.view(t))
-    }
-
     pub(crate) fn view<'a>(&'a self, t: &'a TensorInfo) -> TensorView<'a> {
         // Offsets were validated against the shard's length when the checkpoint was built.
         let bytes = self.shards[t.shard]
@@ -427,19 +393,6 @@ impl<B: AsRef<[u8]> + Send + Sync> Checkpoint<B> {
             .get(t.offsets[0] as usize..t.offsets[1] as usize)
             .unwrap_or(&[]);
         TensorView::new(&t.name, t.dtype, &t.shape, bytes)
-    }
-
-    /// A zero-copy view of a tensor whose CRC32 was checked just now.
-    ///
-    /// # Errors
-    /// [`Error::TensorNotFound`]; [`Error::ChecksumMismatch`] if the bytes are damaged.
-    pub fn tensor_verified(&self, name: &str) -> Result<TensorView<'_>> {
-        let t = self.info(name)?;
-        let v = self.view(t);
-        if !self.data_verified {
-            self.check_crc(t, crc32_parallel(v.bytes()))?;
-        }
-        Ok(v)
     }
 }
 
@@ -464,25 +417,42 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
             .bytes
             .release_pages(t.offsets[0] as usize, t.nbytes() as usize);
     }
+}
 
+impl<S: ShardSource> Checkpoint<S> {
     /// Check the CRC32 of every tensor named (rayon-parallel across tensors and within large
     /// ones, with read-ahead of cold bytes), releasing each tensor's mapped pages from this
-    /// process afterwards when `release` is set.
+    /// process afterwards when `release` is set, calling `progress` with each tensor's byte
+    /// count. From shards that are not resident, each tensor is fetched and checked in turn.
     ///
     /// # Errors
     /// [`Error::TensorNotFound`] for an unknown name (before anything is read);
     /// [`Error::ChecksumMismatch`] for damaged bytes (the first in `names` order).
-    pub fn verify_tensors(&self, names: &[&str], release: bool) -> Result<()> {
+    pub(crate) fn verify_tensors(
+        &self,
+        names: &[&str],
+        release: bool,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<()> {
         let infos: Vec<&TensorInfo> = names.iter().map(|n| self.info(n)).collect::<Result<_>>()?;
+        if !self.resident() {
+            for t in infos {
+                self.read_info(t)?;
+                progress(t.nbytes());
+            }
+            return Ok(());
+        }
         let ranges = self.ranges_in_file_order(&infos);
         let first_bad = with_readahead(&ranges, false, |_| {
             infos
                 .par_iter()
                 .enumerate()
                 .filter_map(|(i, t)| {
-                    let r = self.check_crc(t, crc32_parallel(self.view(t).bytes()));
+                    let bytes = self.stored_bytes(t).unwrap_or(&[]);
+                    let r = self.check_crc(t, crc32_parallel(bytes));
+                    progress(t.nbytes());
                     if release {
-                        self.release_tensor(t);
+                        self.shards[t.shard].bytes.release(t.offsets[0], t.nbytes());
                     }
                     r.err().map(|e| (i, e))
                 })
@@ -494,42 +464,31 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
         }
     }
 
-    /// Copy the stored bytes of tensor `name` into `dst` (exactly its byte length),
+    /// Copy the stored bytes of tensor `t` (resident) into `dst` (exactly its byte length),
     /// rayon-parallel, releasing its mapped pages afterwards when `release` is set. The
-    /// CRC is not checked here: check it first ([`Checkpoint::verify_tensors`]).
+    /// CRC is not checked here.
     ///
     /// # Errors
-    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if `dst` is not exactly the
-    /// tensor's byte length.
-    pub fn copy_tensor_into_unchecked(
+    /// [`Error::InvalidArgument`] if `dst` is not exactly the tensor's byte length.
+    pub(crate) fn copy_tensor_into_unchecked(
         &self,
-        name: &str,
+        t: &TensorInfo,
         dst: &mut [u8],
         release: bool,
     ) -> Result<()> {
-        let t = self.info(name)?;
-        let src = self.view(t).bytes();
+        let src = self.stored_bytes(t).unwrap_or(&[]);
         if src.len() != dst.len() {
             return Err(Error::InvalidArgument(format!(
-                "tensor {name:?} is {} bytes, the destination {} bytes",
+                "tensor {:?} is {} bytes, the destination {} bytes",
+                t.name,
                 src.len(),
                 dst.len()
             )));
         }
         crate::convert::copy_bytes(src, dst);
         if release {
-            self.release_tensor(t);
+            self.shards[t.shard].bytes.release(t.offsets[0], t.nbytes());
         }
         Ok(())
-    }
-
-    /// [`Checkpoint::copy_tensor_into_unchecked`] (the old name, which did not say that the
-    /// CRC is not checked).
-    ///
-    /// # Errors
-    /// As [`Checkpoint::copy_tensor_into_unchecked`].
-    #[deprecated(note = "renamed copy_tensor_into_unchecked: it does not check the CRC")]
-    pub fn copy_tensor_into(&self, name: &str, dst: &mut [u8], release: bool) -> Result<()> {
-        self.copy_tensor_into_unchecked(name, dst, release)
     }
 }

@@ -226,13 +226,14 @@ impl Tensor {
 ///
 /// # Example
 /// ```no_run
-/// use ckptstore::optim::{BufferPool, StateLayout};
+/// use ckptstore::optim::{BufferPool, LoadOptions, StateLayout};
 /// # fn main() -> ckptstore::Result<()> {
 /// let pool = BufferPool::new(8 << 30);
 /// let ck = ckptstore::Checkpoint::open("ckpt")?;
-/// let mut state = ck.load_optimizer_with(&StateLayout::default(), &pool)?;
+/// let opts = LoadOptions::default().pool(&pool);
+/// let mut state = ck.load_optimizer_opts(&StateLayout::default(), &opts)?;
 /// // ... later: the replaced state's buffers go back to the pool for the next load.
-/// state = ck.load_optimizer_with(&StateLayout::default(), &pool)?;
+/// state = ck.load_optimizer_opts(&StateLayout::default(), &opts)?;
 /// # drop(state);
 /// # Ok(())
 /// # }

@@ -47,7 +47,8 @@ fn reader_keeps_old_bytes_across_replacing_saves() {
     }
     for (k, v) in old.iter().enumerate() {
         assert_eq!(
-            ck.tensor(&format!("t{k}"))
+            ck.read(&format!("t{k}"))
+                .view_unchecked()
                 .unwrap()
                 .as_slice::<f32>()
                 .unwrap(),
@@ -57,7 +58,14 @@ fn reader_keeps_old_bytes_across_replacing_saves() {
     ck.verify().unwrap();
     let now = Checkpoint::open(dir.path()).unwrap();
     assert_ne!(now.manifest().unwrap().checkpoint_id, old_id);
-    assert_eq!(now.tensor("t0").unwrap().as_slice::<f32>().unwrap()[0], 3.0);
+    assert_eq!(
+        now.read("t0")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap()[0],
+        3.0
+    );
     // Only the manifest, the new shards and the lock file remain.
     let mut names: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
@@ -111,7 +119,12 @@ fn contents(dir: &Path) -> Option<Vec<(String, Vec<u8>)>> {
     Some(
         ck.tensors()
             .iter()
-            .map(|t| (t.name.clone(), ck.tensor(&t.name).unwrap().bytes().to_vec()))
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    ck.read(&t.name).view_unchecked().unwrap().bytes().to_vec(),
+                )
+            })
             .collect(),
     )
 }

@@ -41,6 +41,7 @@ fn the_catalog_lists_global_tensors_by_name_and_hides_their_chunks() {
     // Stored: four chunk tensors (two of w, two replicas of step) and bias.
     assert_eq!(ck.tensors().len(), 5);
     let mut names: Vec<(&str, bool, usize, Vec<u64>)> = ck
+        .catalog()
         .entries()
         .iter()
         .map(|e| (e.name, e.global, e.chunks, e.shape.to_vec()))
@@ -54,23 +55,23 @@ fn the_catalog_lists_global_tensors_by_name_and_hides_their_chunks() {
             ("w", true, 2, vec![4, 2]),
         ]
     );
-    assert_eq!(ck.entry_count(), 3);
-    assert!(ck.entry("w").unwrap().global);
-    assert!(!ck.entry("bias").unwrap().global);
+    assert_eq!(ck.catalog().entry_count(), 3);
+    assert!(ck.catalog().entry("w").unwrap().global);
+    assert!(!ck.catalog().entry("bias").unwrap().global);
     // A chunk's stored name is not a catalog name.
     let chunk = chunk_tensor_name("w", &[0, 0], 0);
     assert!(ck.info(&chunk).is_ok(), "the chunk is stored under {chunk}");
     assert!(matches!(
-        ck.entry(&chunk),
+        ck.catalog().entry(&chunk),
         Err(Error::TensorNotFound { .. })
     ));
     assert!(matches!(
-        ck.entry("nope"),
+        ck.catalog().entry("nope"),
         Err(Error::TensorNotFound { .. })
     ));
     // Read by its global name: the whole tensor, CRC-checked.
     assert_eq!(
-        ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("w").to_tensor().unwrap().as_slice::<f32>().unwrap(),
         &w[..]
     );
 
@@ -86,8 +87,8 @@ fn the_catalog_lists_global_tensors_by_name_and_hides_their_chunks() {
     )
     .unwrap();
     let ck = Checkpoint::open(plain.path()).unwrap();
-    let got: Vec<&str> = ck.entries().iter().map(|e| e.name).collect();
+    let got: Vec<&str> = ck.catalog().entries().iter().map(|e| e.name).collect();
     let stored: Vec<&str> = ck.tensors().iter().map(|t| t.name.as_str()).collect();
     assert_eq!(got, stored);
-    assert_eq!(ck.entry_count(), 2);
+    assert_eq!(ck.catalog().entry_count(), 2);
 }

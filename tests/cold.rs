@@ -128,22 +128,37 @@ fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
     let ck = Checkpoint::open(dir.path()).unwrap();
     let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    ck.verify_tensors(&refs, true).unwrap();
-    ck.verify_tensors(&refs, false).unwrap();
+    ck.verify_opts(
+        &ckptstore::checkpoint::VerifyOptions::default()
+            .tensors(&refs)
+            .release_pages(true),
+    )
+    .map(drop)
+    .unwrap();
+    ck.verify_opts(&ckptstore::checkpoint::VerifyOptions::default().tensors(&refs))
+        .map(drop)
+        .unwrap();
     assert!(matches!(
-        ck.verify_tensors(&["nope"], true),
+        ck.verify_opts(
+            &ckptstore::checkpoint::VerifyOptions::default()
+                .tensors(&["nope"])
+                .release_pages(true)
+        )
+        .map(drop),
         Err(Error::TensorNotFound { .. })
     ));
     // Copies are exact, also after the pages were released.
     for t in ck.tensors() {
-        let want = ck.tensor(&t.name).unwrap().bytes().to_vec();
+        let want = ck.read(&t.name).view_unchecked().unwrap().bytes().to_vec();
         let mut got = vec![0xAAu8; want.len()];
-        ck.copy_tensor_into_unchecked(&t.name, &mut got, true)
+        ck.read(&t.name)
+            .release_pages(true)
+            .into_unchecked(&mut got)
             .unwrap();
         assert_eq!(got, want, "{}", t.name);
         let mut short = vec![0u8; want.len() - 1];
         assert!(matches!(
-            ck.copy_tensor_into_unchecked(&t.name, &mut short, false),
+            ck.read(&t.name).into_unchecked(&mut short),
             Err(Error::InvalidArgument(_))
         ));
         assert!(
@@ -171,7 +186,14 @@ fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
             &order[2],
         ),
     ] {
-        match ck.verify_tensors(&names, true) {
+        match ck
+            .verify_opts(
+                &ckptstore::checkpoint::VerifyOptions::default()
+                    .tensors(&names)
+                    .release_pages(true),
+            )
+            .map(drop)
+        {
             Err(Error::ChecksumMismatch { what, shard, .. }) => {
                 assert_eq!(what, format!("tensor {:?}", want.name));
                 assert_eq!(shard, want.shard);
@@ -179,8 +201,13 @@ fn verify_tensors_and_copy_into_check_names_lengths_and_crcs() {
             other => panic!("{other:?}"),
         }
     }
-    ck.verify_tensors(&[order[0].name.as_str(), order[1].name.as_str()], true)
-        .unwrap();
+    ck.verify_opts(
+        &ckptstore::checkpoint::VerifyOptions::default()
+            .tensors(&[order[0].name.as_str(), order[1].name.as_str()])
+            .release_pages(true),
+    )
+    .map(drop)
+    .unwrap();
     assert!(matches!(
         ck.load_optimizer_opts(
             &StateLayout::default(),
@@ -210,7 +237,11 @@ fn cold_fills_into_fresh_and_written_memory_are_exact_and_damage_is_named() {
             .map(String::as_str)
             .zip(bufs.iter_mut().map(Vec::as_mut_slice))
             .collect();
-        ck.fill_and_verify(fills, &[], true).map(|()| bufs)
+        ck.read_batch()
+            .fill(fills)
+            .release_pages(true)
+            .run()
+            .map(|()| bufs)
     };
     for fill_byte in [0u8, 0xAA] {
         assert_eq!(fill(fill_byte).unwrap(), want, "memory {fill_byte:#x}");

@@ -112,7 +112,7 @@ fn two_rank_source(dir: &Path, g: &Globals) {
     };
     commit(dir, &id, &parts, &copts).unwrap();
     let ck = Checkpoint::open(dir).unwrap();
-    assert_eq!(ck.globals().len(), 3);
+    assert_eq!(ck.catalog().globals().len(), 3);
 }
 
 fn le_bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
@@ -154,7 +154,7 @@ fn consolidates_globals_whole_with_an_index_safetensors_reads() {
         "no `global` feature: {:?}",
         m.features
     );
-    assert!(ck.globals().is_empty());
+    assert!(ck.catalog().globals().is_empty());
     assert_eq!(
         m.metadata,
         serde_json::json!({"run": "consolidate-test", "step": 1234})
@@ -173,7 +173,7 @@ fn consolidates_globals_whole_with_an_index_safetensors_reads() {
         "no chunk tensor is copied"
     );
     for (name, (dtype, shape, bytes)) in &want {
-        let v = ck.tensor_verified(name).unwrap();
+        let v = ck.read(name).view().unwrap();
         assert_eq!(v.dtype(), *dtype, "{name}");
         assert_eq!(v.shape(), &shape[..], "{name}");
         assert_eq!(
@@ -270,7 +270,14 @@ fn consolidating_again_replaces_the_checkpoint_and_its_index() {
     }
     let ck = Checkpoint::open(&dst).unwrap();
     assert_eq!(ck.kind(), Kind::Native);
-    assert_eq!(ck.tensor("x").unwrap().as_slice::<f32>().unwrap(), &x);
+    assert_eq!(
+        ck.read("x")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &x
+    );
 }
 
 #[test]
@@ -423,9 +430,9 @@ fn consolidation_streams_one_group_at_a_time_in_bounded_memory() {
     assert!(peak < 112.0, "peak {peak} MiB: {out}");
     let ck = Checkpoint::open(&dst).unwrap();
     ck.verify().unwrap();
-    assert!(ck.globals().is_empty());
+    assert!(ck.catalog().globals().is_empty());
     for (g, v) in want.iter().enumerate() {
-        let t = ck.tensor(&format!("g{g}")).unwrap();
+        let t = ck.read(&format!("g{g}")).view_unchecked().unwrap();
         assert_eq!(t.shape(), &[4096, 1024]);
         assert_eq!(t.as_slice::<f32>().unwrap(), &v[..], "g{g}");
     }
@@ -451,7 +458,14 @@ fn a_damaged_chunk_half_way_leaves_the_old_destination_and_no_parts() {
     let before = Checkpoint::open(&dst).unwrap();
     let old_id = before.manifest().unwrap().checkpoint_id.clone();
     let old: Vec<Vec<u8>> = (0..4)
-        .map(|g| before.tensor(&format!("g{g}")).unwrap().bytes().to_vec())
+        .map(|g| {
+            before
+                .read(&format!("g{g}"))
+                .view_unchecked()
+                .unwrap()
+                .bytes()
+                .to_vec()
+        })
         .collect();
     drop(before);
     let names_before: BTreeSet<String> = std::fs::read_dir(&dst)
@@ -460,7 +474,7 @@ fn a_damaged_chunk_half_way_leaves_the_old_destination_and_no_parts() {
         .collect();
     // Flip one byte of g3's chunk of rank 1 (the last group: g0..g2 are written first).
     let ck = Checkpoint::open(&src).unwrap();
-    let chunk_name = ck.global("g3").unwrap().chunks[1].tensor.clone();
+    let chunk_name = ck.catalog().global("g3").unwrap().chunks[1].tensor.clone();
     let info = ck.info(&chunk_name).unwrap().clone();
     let file = src.join(&ck.manifest().unwrap().shards[info.shard].file);
     drop(ck);
@@ -476,7 +490,14 @@ fn a_damaged_chunk_half_way_leaves_the_old_destination_and_no_parts() {
     after.verify().unwrap();
     assert_eq!(after.manifest().unwrap().checkpoint_id, old_id);
     for (g, b) in old.iter().enumerate() {
-        assert_eq!(after.tensor(&format!("g{g}")).unwrap().bytes(), &b[..]);
+        assert_eq!(
+            after
+                .read(&format!("g{g}"))
+                .view_unchecked()
+                .unwrap()
+                .bytes(),
+            &b[..]
+        );
     }
     let names_after: BTreeSet<String> = std::fs::read_dir(&dst)
         .unwrap()

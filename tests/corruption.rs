@@ -114,7 +114,7 @@ fn every_bit_flip_in_tensor_data_fails_verify_naming_the_tensor() {
                 other => panic!("expected a checksum mismatch for {}, got {other:?}", t.name),
             }
             // Reading that tensor with verification fails too; the others stay readable.
-            assert!(ck.tensor_verified(&t.name).is_err());
+            assert!(ck.read(&t.name).view().is_err());
         }
         std::fs::write(&path, &orig).unwrap();
     }
@@ -339,7 +339,12 @@ fn foreign_safetensors_and_hf_directories_open_read_only() {
     let single = Checkpoint::open(dir.path().join("model-00001-of-00002.safetensors")).unwrap();
     assert_eq!(single.kind(), ckptstore::checkpoint::Kind::Safetensors);
     assert_eq!(
-        single.tensor("w").unwrap().as_slice::<f32>().unwrap(),
+        single
+            .read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &data[..]
     );
     let rep = single.verify().unwrap();
@@ -360,7 +365,11 @@ fn foreign_safetensors_and_hf_directories_open_read_only() {
     assert_eq!(hf.kind(), ckptstore::checkpoint::Kind::HfSharded);
     assert_eq!(hf.tensors().len(), 2);
     assert_eq!(
-        hf.tensor("v").unwrap().as_slice::<f32>().unwrap(),
+        hf.read("v")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &data[..]
     );
     // An index that lies is refused: two names in one file that holds only one, a path

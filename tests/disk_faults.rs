@@ -50,15 +50,26 @@ fn pread_reads_what_the_map_reads() {
     for (k, t) in ts.iter().enumerate() {
         let name = format!("t{k}");
         assert_eq!(
-            pread.read_tensor(&name).unwrap().as_slice::<f32>().unwrap(),
+            pread
+                .read(&name)
+                .to_tensor()
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap(),
             &t[..]
         );
         assert_eq!(
             pread
-                .read_region(&name, &[10, 20], &[5, 7])
+                .read(&name)
+                .region(&[10, 20], &[5, 7])
+                .to_tensor()
                 .unwrap()
                 .bytes(),
-            map.read_region(&name, &[10, 20], &[5, 7]).unwrap().bytes()
+            map.read(&name)
+                .region(&[10, 20], &[5, 7])
+                .to_tensor()
+                .unwrap()
+                .bytes()
         );
     }
     assert_eq!(pread.verify().unwrap(), map.verify().unwrap());
@@ -95,10 +106,15 @@ fn eio_fails_only_the_reads_that_touch_the_bad_bytes() {
 
     // Tensors before the bad bytes read; t2 fails naming the file, as an I/O error.
     assert_eq!(
-        faulty.read_tensor("t0").unwrap().as_slice::<f32>().unwrap(),
+        faulty
+            .read("t0")
+            .to_tensor()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &ts[0][..]
     );
-    match faulty.read_tensor("t2") {
+    match faulty.read("t2").to_tensor() {
         Err(Error::Io { op, path: p, .. }) => {
             assert_eq!(op, "read");
             assert_eq!(p, path);
@@ -107,10 +123,16 @@ fn eio_fails_only_the_reads_that_touch_the_bad_bytes() {
     }
     // A region before the bad bytes of t2 reads; one across them fails and leaves the
     // caller's destination as it was.
-    assert!(faulty.read_region("t2", &[0, 0], &[4, 1024]).is_ok());
+    assert!(faulty
+        .read("t2")
+        .region(&[0, 0], &[4, 1024])
+        .to_tensor()
+        .is_ok());
     let mut out = vec![0xABu8; 4 * 1024 * 4];
     assert!(faulty
-        .read_region_into("t2", &[600, 0], &[4, 1024], &mut out)
+        .read("t2")
+        .region(&[600, 0], &[4, 1024])
+        .into(&mut out)
         .is_err());
     assert!(
         out.iter().all(|&b| b == 0xAB),
@@ -143,11 +165,15 @@ fn a_shard_truncated_while_open_is_an_error_not_sigbus() {
         .set_len(cut)
         .unwrap();
     assert_eq!(
-        ck.read_tensor("t0").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("t0")
+            .to_tensor()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &ts[0][..]
     );
     for name in ["t1", "t2"] {
-        match ck.read_tensor(name) {
+        match ck.read(name).to_tensor() {
             Err(Error::ShardMismatch {
                 file: f, reason, ..
             }) => {

@@ -24,7 +24,12 @@ fn fills_are_exact_and_names_and_lengths_are_checked_before_any_write() {
         .zip(bufs.iter_mut().map(Vec::as_mut_slice))
         .collect();
     let verify: Vec<&str> = names[half..].iter().map(String::as_str).collect();
-    ck.fill_and_verify(fills, &verify, true).unwrap();
+    ck.read_batch()
+        .fill(fills)
+        .check(&verify)
+        .release_pages(true)
+        .run()
+        .unwrap();
     for i in 0..half {
         assert_eq!(bufs[i], want[i], "{}", names[i]);
     }
@@ -39,16 +44,22 @@ fn fills_are_exact_and_names_and_lengths_are_checked_before_any_write() {
     // A short destination or an unknown name anywhere: nothing is written.
     let mut a = vec![0u8; want[0].len()];
     let mut short = vec![0u8; want[1].len() - 1];
-    match ck.fill_and_verify(
-        vec![(names[0].as_str(), &mut a), (names[1].as_str(), &mut short)],
-        &[],
-        false,
-    ) {
+    match ck
+        .read_batch()
+        .fill(vec![
+            (names[0].as_str(), &mut a),
+            (names[1].as_str(), &mut short),
+        ])
+        .run()
+    {
         Err(Error::InvalidArgument(m)) => assert!(m.contains(&names[1]), "{m}"),
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        ck.fill_and_verify(vec![(names[0].as_str(), &mut a)], &["nope"], false),
+        ck.read_batch()
+            .fill(vec![(names[0].as_str(), &mut a)])
+            .check(&["nope"])
+            .run(),
         Err(Error::TensorNotFound { .. })
     ));
     assert!(a.iter().all(|&x| x == 0));
@@ -63,31 +74,33 @@ fn the_first_damaged_tensor_in_fills_then_verify_order_is_named() {
     let mut b0 = vec![0u8; order[0].nbytes() as usize];
     let mut b3 = vec![0u8; order[3].nbytes() as usize];
     // A damaged fill comes before a damaged verify, whatever the file order.
-    match ck.fill_and_verify(
-        vec![
+    match ck
+        .read_batch()
+        .fill(vec![
             (order[0].name.as_str(), &mut b0),
             (order[3].name.as_str(), &mut b3),
-        ],
-        &[order[1].name.as_str()],
-        true,
-    ) {
+        ])
+        .check(&[order[1].name.as_str()])
+        .release_pages(true)
+        .run()
+    {
         Err(Error::ChecksumMismatch { what, .. }) => assert!(what.contains(&order[3].name)),
         other => panic!("{other:?}"),
     }
-    match ck.fill_and_verify(
-        vec![(order[0].name.as_str(), &mut b0)],
-        &[order[2].name.as_str(), order[1].name.as_str()],
-        false,
-    ) {
+    match ck
+        .read_batch()
+        .fill(vec![(order[0].name.as_str(), &mut b0)])
+        .check(&[order[2].name.as_str(), order[1].name.as_str()])
+        .run()
+    {
         Err(Error::ChecksumMismatch { what, .. }) => assert!(what.contains(&order[1].name)),
         other => panic!("{other:?}"),
     }
-    ck.fill_and_verify(
-        vec![(order[0].name.as_str(), &mut b0)],
-        &[order[2].name.as_str()],
-        false,
-    )
-    .unwrap();
+    ck.read_batch()
+        .fill(vec![(order[0].name.as_str(), &mut b0)])
+        .check(&[order[2].name.as_str()])
+        .run()
+        .unwrap();
 }
 
 /// Optimizer state of 2.5M FP32 elements (10 MB) per tensor, saved in `dir` and opened:
@@ -111,11 +124,15 @@ fn tensors_of_many_blocks_fill_copy_and_verify_exactly() {
     assert!(big.len() >= 2, "{names:?}");
     let want: Vec<Vec<u8>> = big
         .iter()
-        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .map(|n| ck.read(n).view_unchecked().unwrap().bytes().to_vec())
         .collect();
     for release in [false, true] {
         let mut a = vec![0u8; want[0].len()];
-        ck.fill_and_verify(vec![(big[0], &mut a)], &big[1..], release)
+        ck.read_batch()
+            .fill(vec![(big[0], &mut a)])
+            .check(&big[1..])
+            .release_pages(release)
+            .run()
             .unwrap();
         assert!(a == want[0]);
         let mut b: Vec<Vec<u8>> = want.iter().map(|w| vec![0u8; w.len()]).collect();
@@ -124,7 +141,11 @@ fn tensors_of_many_blocks_fill_copy_and_verify_exactly() {
             .copied()
             .zip(b.iter_mut().map(Vec::as_mut_slice))
             .collect();
-        ck.copy_into_unchecked(pairs, release).unwrap();
+        ck.read_batch()
+            .fill(pairs)
+            .release_pages(release)
+            .run_unchecked()
+            .unwrap();
         assert!(b == want);
     }
 }
@@ -140,7 +161,7 @@ fn ranges_of_large_tensors_copy_exactly_and_are_checked_before_any_write() {
         .find(|t| t.nbytes() > 8 << 20)
         .unwrap()
         .clone();
-    let want = ck.tensor(&t.name).unwrap().bytes().to_vec();
+    let want = ck.read(&t.name).view_unchecked().unwrap().bytes().to_vec();
     let piece = (3 << 20) + 5;
     let mut got = vec![0u8; want.len()];
     let items: Vec<(&str, u64, &mut [u8])> = got
@@ -148,26 +169,32 @@ fn ranges_of_large_tensors_copy_exactly_and_are_checked_before_any_write() {
         .enumerate()
         .map(|(i, d)| (t.name.as_str(), (i * piece) as u64, d))
         .collect();
-    ck.copy_ranges_into_unchecked(items).unwrap();
+    ck.read_batch().fill_ranges(items).run_unchecked().unwrap();
     assert!(got == want);
 
     // One range past the end: refused, and the valid one beside it is not written.
     let mut a = [0u8; 16];
     let mut b = [0u8; 16];
     let e = ck
-        .copy_ranges_into_unchecked(vec![
+        .read_batch()
+        .fill_ranges(vec![
             (t.name.as_str(), 0, &mut a[..]),
             (t.name.as_str(), want.len() as u64 - 8, &mut b[..]),
         ])
+        .run_unchecked()
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(a.iter().all(|&x| x == 0));
     let e = ck
-        .copy_ranges_into_unchecked(vec![("no such tensor", 0, &mut a[..])])
+        .read_batch()
+        .fill_ranges(vec![("no such tensor", 0, &mut a[..])])
+        .run_unchecked()
         .unwrap_err();
     assert!(matches!(e, Error::TensorNotFound { .. }), "{e}");
     let e = ck
-        .copy_ranges_into_unchecked(vec![(t.name.as_str(), u64::MAX, &mut a[..])])
+        .read_batch()
+        .fill_ranges(vec![(t.name.as_str(), u64::MAX, &mut a[..])])
+        .run_unchecked()
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }

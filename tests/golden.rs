@@ -84,15 +84,29 @@ fn version_1_checkpoint_still_decodes() {
     assert!(ck.shards().len() >= 2);
     assert_eq!(ck.metadata()["golden"], "v1");
     assert_eq!(
-        ck.tensor("w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &weights()[..]
     );
     assert_eq!(
-        ck.tensor("ids").unwrap().as_slice::<i64>().unwrap(),
+        ck.read("ids")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &[-1, 0, 1 << 40]
     );
-    assert_eq!(ck.tensor("mask").unwrap().bytes(), &[1, 0, 1]);
-    assert_eq!(ck.tensor("t").unwrap().shape(), &[] as &[u64]);
+    assert_eq!(
+        ck.read("mask").view_unchecked().unwrap().bytes(),
+        &[1, 0, 1]
+    );
+    assert_eq!(
+        ck.read("t").view_unchecked().unwrap().shape(),
+        &[] as &[u64]
+    );
     // The optimizer state loads back exactly as it was saved.
     let loaded = ck.load_optimizer(&StateLayout::default()).unwrap();
     assert_eq!(loaded, state());

@@ -91,9 +91,9 @@ fn replay_open(data: &[u8]) {
     };
     let verified = ck.verify().is_ok();
     for t in ck.tensors() {
-        let v = ck.tensor(&t.name).expect("listed tensor");
+        let v = ck.read(&t.name).view_unchecked().expect("listed tensor");
         assert_eq!(v.bytes().len() as u64, t.nbytes());
-        let tv = ck.tensor_verified(&t.name);
+        let tv = ck.read(&t.name).view();
         assert!(
             !verified || tv.is_ok(),
             "verify passed but {:?} fails",

@@ -46,10 +46,24 @@ fn the_rust_api_never_takes_a_url_as_a_local_path() {
     assert_eq!(info.tensors, 1);
     let ck = ckptstore::open(url).unwrap();
     ck.verify().unwrap();
-    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap(), &w[..]);
+    assert_eq!(
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &w[..]
+    );
     // A path whose text is a URL is that URL, too.
     let ck = ckptstore::open(Path::new(url)).unwrap();
-    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap(), &w[..]);
+    assert_eq!(
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &w[..]
+    );
     // Other schemes are refused, never written locally.
     assert!(matches!(
         ckptstore::save("gs://b/p", &t, &SaveOptions::default()),
@@ -77,7 +91,14 @@ fn the_rust_api_never_takes_a_url_as_a_local_path() {
     mgr.save(5, &t, None, &SaveOptions::default()).unwrap();
     assert_eq!(mgr.steps().unwrap(), [5]);
     let ck = ckptstore::open("s3://bkt/run/mgr/step-00000005").unwrap();
-    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap(), &w[..]);
+    assert_eq!(
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &w[..]
+    );
     refused(mgr.step_dir(5), "CheckpointManager::step_dir");
 
     // Nothing was created in the working directory (before: `s3:/bkt/run/one`).
@@ -95,6 +116,13 @@ fn the_rust_api_never_takes_a_url_as_a_local_path() {
     let file_url = format!("file://{}", local.display());
     ckptstore::save(file_url.as_str(), &t, &SaveOptions::default()).unwrap();
     let ck = Checkpoint::open(&file_url).unwrap();
-    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap(), &w[..]);
+    assert_eq!(
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &w[..]
+    );
     std::env::set_current_dir("/").unwrap();
 }

@@ -70,7 +70,14 @@ fn a_manifest_publish_that_happened_is_a_commit_whatever_it_answered() {
     .expect("the manifest is ours: the save committed");
     let ck = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(ck.manifest().unwrap().checkpoint_id, info.checkpoint_id);
-    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap(), &new[..]);
+    assert_eq!(
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &new[..]
+    );
     ck.verify().unwrap();
 }
 
@@ -98,7 +105,14 @@ fn a_manifest_publish_that_did_not_happen_leaves_the_old_checkpoint_and_no_new_f
     .is_err());
     let ck = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(ck.manifest().unwrap().checkpoint_id, first.checkpoint_id);
-    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap(), &old[..]);
+    assert_eq!(
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
+        &old[..]
+    );
     let after: std::collections::BTreeSet<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name())

@@ -41,7 +41,11 @@ fn steps_latest_and_retention_with_every() {
     assert_eq!(mgr.latest().unwrap(), Some(700));
     let ck = mgr.open(700).unwrap();
     assert_eq!(
-        ck.tensor("w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &w(700)[..]
     );
     ck.verify().unwrap();
@@ -63,7 +67,12 @@ fn gc_never_deletes_a_step_a_reader_holds() {
     let report = mgr.gc().unwrap();
     assert_eq!(report.in_use, vec![1]);
     assert_eq!(
-        reader.tensor("w").unwrap().as_slice::<f32>().unwrap(),
+        reader
+            .read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &w(1)[..]
     );
     reader.verify().unwrap();
@@ -124,7 +133,8 @@ fn async_save_snapshots_the_callers_buffers() {
     eprintln!("stall inside save_async for 4 MiB: {stall:?}");
     let ck = mgr.open(10).unwrap();
     assert!(ck
-        .tensor("w")
+        .read("w")
+        .view_unchecked()
         .unwrap()
         .as_slice::<f32>()
         .unwrap()
@@ -364,7 +374,7 @@ fn multi_rank_steps_commit_once_and_retention_spares_a_save_in_progress() {
         assert_eq!(mgr.latest().unwrap(), Some(step));
         let ck = mgr.open(step).unwrap();
         assert_eq!(
-            ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+            ck.read("w").to_tensor().unwrap().as_slice::<f32>().unwrap(),
             &w(step)[..]
         );
     }
@@ -458,7 +468,7 @@ fn gc_sweeps_kept_steps_of_what_a_killed_commit_left() {
     let ck = mgr.open(10).unwrap();
     ck.verify().unwrap();
     assert_eq!(
-        ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("w").to_tensor().unwrap().as_slice::<f32>().unwrap(),
         &w(10)[..]
     );
     // A second gc has nothing left to sweep.

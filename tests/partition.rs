@@ -307,7 +307,7 @@ fn n_ranks_save_sharded_adam_state_m_ranks_restore_it() {
         commit(dir.path(), &id, &parts, &opts).unwrap();
         let ck = Checkpoint::open(dir.path()).unwrap();
         assert_eq!(
-            ck.two_level(),
+            ck.catalog().two_level(),
             layout == ckptstore::write::parts::Layout::TwoLevel
         );
         ck.verify().unwrap();

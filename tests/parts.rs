@@ -114,7 +114,7 @@ fn check_layout(dir: &Path, id: &str, world: u32) {
             assert_eq!(c.replicas, reps);
             let expect = box_bytes(&full, spec.dtype.size(), &spec.shape, o, s);
             for t in std::iter::once(&c.tensor).chain(&c.replicas) {
-                let v = ck.tensor(t).unwrap();
+                let v = ck.read(t).view_unchecked().unwrap();
                 assert_eq!(v.dtype(), spec.dtype);
                 assert_eq!(v.shape(), s.as_slice());
                 assert_eq!(v.bytes(), expect.as_slice(), "{t}: bytes");
@@ -122,7 +122,11 @@ fn check_layout(dir: &Path, id: &str, world: u32) {
         }
     }
     assert_eq!(
-        ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        ck.read("step")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &[STEP]
     );
     // Nothing but this checkpoint's files: no part descriptor, no other id.
@@ -220,7 +224,11 @@ fn unchanged(dir: &Path, manifest: &[u8]) {
     let ck = Checkpoint::open(dir).unwrap();
     ck.verify().unwrap();
     assert_eq!(
-        ck.tensor("old").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("old")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &[1.5, 2.5]
     );
 }
@@ -273,10 +281,17 @@ fn replicated_chunk_from_two_ranks_becomes_replicas() {
         ("r@0,0~r1", &all[..4]),
         ("r@2,0~r1", &all[4..]),
     ] {
-        assert_eq!(ck.tensor(t).unwrap().as_slice::<f32>().unwrap(), want);
+        assert_eq!(
+            ck.read(t)
+                .view_unchecked()
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap(),
+            want
+        );
     }
     assert!(
-        ck.tensor("old").is_err(),
+        ck.read("old").view_unchecked().is_err(),
         "the new checkpoint replaced the old one"
     );
 }
@@ -337,19 +352,37 @@ fn zero_dim_and_one_element_globals_all_dtypes() {
     let ck = Checkpoint::open(&dir).unwrap();
     ck.verify().unwrap();
     assert_eq!(
-        ck.tensor("s@~r0").unwrap().as_slice::<f64>().unwrap(),
+        ck.read("s@~r0")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f64>()
+            .unwrap(),
         &[2.0]
     );
-    assert_eq!(ck.tensor("one@0~r0").unwrap().dtype(), DType::BF16);
     assert_eq!(
-        ck.tensor("n@0~r0").unwrap().as_slice::<i64>().unwrap(),
+        ck.read("one@0~r0").view_unchecked().unwrap().dtype(),
+        DType::BF16
+    );
+    assert_eq!(
+        ck.read("n@0~r0")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &[-9]
     );
     assert_eq!(
-        ck.tensor("n@1~r1").unwrap().as_slice::<i64>().unwrap(),
+        ck.read("n@1~r1")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &[8]
     );
-    assert_eq!(ck.tensor("hh@0,0~r1").unwrap().bytes(), bytemuck_bytes(&hf));
+    assert_eq!(
+        ck.read("hh@0,0~r1").view_unchecked().unwrap().bytes(),
+        bytemuck_bytes(&hf)
+    );
     let s = ck
         .manifest()
         .unwrap()

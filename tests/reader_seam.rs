@@ -145,27 +145,27 @@ proptest! {
         let (res, lazy, fetched) = both(dir.path(), chunk, hit);
 
         for t in res.tensors() {
-            same(res.read_tensor(&t.name), lazy.read_tensor(&t.name), &t.name);
+            same(res.read(&t.name).to_tensor(), lazy.read(&t.name).to_tensor(), &t.name);
         }
         let (r0, r1) = (region.0.index(rows as usize) as u64, region.1.index(rows as usize) as u64);
         let (c0, c1) = (region.2.index(cols as usize) as u64, region.3.index(cols as usize) as u64);
         let (off, shape) = ([r0.min(r1), c0.min(c1)], [r0.abs_diff(r1) + 1, c0.abs_diff(c1) + 1]);
         let before = fetched.load(Ordering::Relaxed);
-        let got = lazy.read_region("w", &off, &shape);
+        let got = lazy.read("w").region(&off, &shape).to_tensor();
         // A region read fetches exactly the byte ranges the plan names.
-        let want: u64 = lazy.region_bytes_read("w", &off, &shape).unwrap();
+        let want: u64 = lazy.read("w").region(&off, &shape).plan().unwrap().bytes_read();
         prop_assert_eq!(fetched.load(Ordering::Relaxed) - before, want);
-        same(res.read_region("w", &off, &shape), got, "region of w");
+        same(res.read("w").region(&off, &shape).to_tensor(), got, "region of w");
         if hit.is_none() {
-            let r = res.read_region("w", &off, &shape).unwrap();
+            let r = res.read("w").region(&off, &shape).to_tensor().unwrap();
             let x = r.as_slice::<f32>().unwrap();
             for (i, row) in (off[0]..off[0] + shape[0]).enumerate() {
                 let a = (row * cols + off[1]) as usize;
                 prop_assert_eq!(&x[i * shape[1] as usize..(i + 1) * shape[1] as usize], &w[a..a + shape[1] as usize]);
             }
         }
-        same(res.read_global("w"), lazy.read_global("w"), "global w");
-        same(res.read_global("step"), lazy.read_global("step"), "global step");
+        same(res.read("w").to_tensor(), lazy.read("w").to_tensor(), "global w");
+        same(res.read("step").to_tensor(), lazy.read("step").to_tensor(), "global step");
 
         // Streams hand over the same tensors in the same order, or stop at the same one.
         let mut a = Vec::new();

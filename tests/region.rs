@@ -152,7 +152,7 @@ fn grid(gshape: &[u64], cuts: &[Vec<u64>]) -> Vec<(Vec<u64>, Vec<u64>)> {
 
 fn check_regions(ck: &Checkpoint, gshape: &[u64], es: usize, regions: &[(Vec<u64>, Vec<u64>)]) {
     for (o, s) in regions {
-        let t = ck.read_region("g", o, s).unwrap();
+        let t = ck.read("g").region(o, s).to_tensor().unwrap();
         assert_eq!(t.shape(), &s[..]);
         assert_eq!(
             t.bytes(),
@@ -186,7 +186,11 @@ fn row_column_block_and_uneven_chunkings_read_back_exactly() {
             save_chunked(dir.path(), dtype, &gshape, &chunks);
             let ck = Checkpoint::open(dir.path()).unwrap();
             ck.verify().unwrap();
-            assert_eq!(ck.chunks("g").unwrap().len(), chunks.len(), "{what}");
+            assert_eq!(
+                ck.catalog().chunks("g").unwrap().len(),
+                chunks.len(),
+                "{what}"
+            );
             let es = dtype.size();
             // Whole, each row, each column, a block across every chunk edge, one element.
             let mut regions = vec![
@@ -198,11 +202,15 @@ fn row_column_block_and_uneven_chunkings_read_back_exactly() {
             regions.extend((0..10).map(|c| (vec![0, c], vec![7, 1])));
             check_regions(&ck, &gshape, es, &regions);
             assert_eq!(
-                ck.read_global("g").unwrap().bytes(),
+                ck.read("g").to_tensor().unwrap().bytes(),
                 &expected(&gshape, &[0, 0], &gshape, es)[..]
             );
             // A whole tensor reads by region too.
-            let p = ck.read_region("plain", &[1, 1], &[2, 2]).unwrap();
+            let p = ck
+                .read("plain")
+                .region(&[1, 1], &[2, 2])
+                .to_tensor()
+                .unwrap();
             assert_eq!(p.bytes(), &[7u8; 4]);
         }
     }
@@ -215,7 +223,7 @@ fn zero_dim_and_one_element_globals() {
         let chunk = (vec![0; gshape.len()], gshape.clone());
         save_chunked(dir.path(), DType::F32, &gshape, &[chunk]);
         let ck = Checkpoint::open(dir.path()).unwrap();
-        let t = ck.read_global("g").unwrap();
+        let t = ck.read("g").to_tensor().unwrap();
         assert_eq!(t.shape(), &gshape[..]);
         assert_eq!(t.bytes(), &element(0, 4)[..]);
     }
@@ -237,14 +245,14 @@ fn bad_regions_and_damaged_chunks_are_errors() {
         (vec![5, 0], vec![2, 4], "out of bounds"),
         (vec![u64::MAX, 0], vec![2, 4], "out of bounds"),
     ] {
-        let e = ck.read_region("g", &o, &s).unwrap_err();
+        let e = ck.read("g").region(&o, &s).to_tensor().unwrap_err();
         assert!(
             matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(want),
             "{e}"
         );
     }
     assert!(matches!(
-        ck.read_region("nope", &[], &[]),
+        ck.read("nope").region(&[], &[]).to_tensor(),
         Err(Error::TensorNotFound { .. })
     ));
     // Flip one byte of the second chunk: a region touching only the first still reads, one
@@ -256,15 +264,23 @@ fn bad_regions_and_damaged_chunks_are_errors() {
     bytes[t.offsets[0] as usize + 5] ^= 0x40;
     std::fs::write(&path, &bytes).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
-    ck.read_region("g", &[0, 0], &[3, 4]).unwrap();
-    let e = ck.read_region("g", &[2, 0], &[2, 4]).unwrap_err();
+    ck.read("g").region(&[0, 0], &[3, 4]).to_tensor().unwrap();
+    let e = ck
+        .read("g")
+        .region(&[2, 0], &[2, 4])
+        .to_tensor()
+        .unwrap_err();
     assert!(
         matches!(e, Error::ChecksumMismatch { .. }) && e.to_string().contains("g@3,0"),
         "{e}"
     );
     // The bytes read for a region are whole chunks: reported, not hidden.
     assert_eq!(
-        ck.region_bytes_read("g", &[2, 0], &[2, 4]).unwrap(),
+        ck.read("g")
+            .region(&[2, 0], &[2, 4])
+            .plan()
+            .unwrap()
+            .bytes_read(),
         2 * 3 * 4 * 4
     );
 }
@@ -385,11 +401,11 @@ proptest! {
         save_chunked(dir.path(), es, &gshape, &chunks);
         let ck = Checkpoint::open(dir.path()).unwrap();
         let (o, s) = pick_box(&gshape, &picks);
-        let t = ck.read_region("g", &o, &s).unwrap();
+        let t = ck.read("g").region(&o, &s).to_tensor().unwrap();
         prop_assert_eq!(t.bytes(), &expected(&gshape, &o, &s, es.size())[..]);
         prop_assert_eq!(numel(&s) * es.size() as u64, t.bytes().len() as u64);
         let mut filled = vec![0x5au8; t.bytes().len()];
-        ck.fill_region_into("g", &o, &s, &mut filled).unwrap();
+        ck.read("g").region(&o, &s).fused(true).into(&mut filled).unwrap();
         prop_assert_eq!(&filled[..], t.bytes());
     }
 
@@ -410,10 +426,10 @@ proptest! {
         let (o, s) = pick_box(&gshape, &picks);
         let want = expected(&gshape, &o, &s, es.size());
         let mut filled = vec![0xa5u8; want.len()];
-        ck.fill_region_into("g", &o, &s, &mut filled).unwrap();
+        ck.read("g").region(&o, &s).fused(true).into(&mut filled).unwrap();
         prop_assert_eq!(&filled, &want);
         let mut whole = vec![0u8; (numel(&gshape) * es.size() as u64) as usize];
-        ck.fill_region_into("g", &vec![0; gshape.len()], &gshape, &mut whole).unwrap();
+        ck.read("g").region(&vec![0; gshape.len()], &gshape).fused(true).into(&mut whole).unwrap();
         prop_assert_eq!(whole, expected(&gshape, &vec![0; gshape.len()], &gshape, es.size()));
     }
 }
@@ -500,7 +516,7 @@ fn block_crcs_check_only_the_blocks_a_region_touches() {
     check_regions(&ck, &gshape, 4, &regions);
     // Aligned rows read exactly their bytes; unaligned ones at most a block per edge;
     // half rows touch every block of the rows they span.
-    let read = |o: [u64; 2], s: [u64; 2]| ck.region_bytes_read("g", &o, &s).unwrap();
+    let read = |o: [u64; 2], s: [u64; 2]| ck.read("g").region(&o, &s).plan().unwrap().bytes_read();
     assert_eq!(read([4, 0], [16, 256]), 16 * 1024);
     assert_eq!(read([5, 0], [16, 256]), 20 * 1024);
     assert_eq!(read([20, 0], [8, 256]), 8 * 1024);
@@ -525,7 +541,12 @@ fn block_crcs_check_only_the_blocks_a_region_touches() {
     // run per chunk (split at blocks), a column is many short runs (checked first).
     for (o, s) in [([8u64, 0u64], [8u64, 256u64]), ([0, 5], [64, 1])] {
         let mut out = vec![0u8; (s[0] * s[1] * 4) as usize];
-        let e = ck.fill_region_into("g", &o, &s, &mut out).unwrap_err();
+        let e = ck
+            .read("g")
+            .region(&o, &s)
+            .fused(true)
+            .into(&mut out)
+            .unwrap_err();
         assert!(
             matches!(e, Error::ChecksumMismatch { .. })
                 && e.to_string().contains("g@0,0")
@@ -539,36 +560,55 @@ fn block_crcs_check_only_the_blocks_a_region_touches() {
         ([16, 9], [40, 1]),
     ] {
         let mut out = vec![0u8; (s[0] * s[1] * 4) as usize];
-        ck.fill_region_into("g", &o, &s, &mut out).unwrap();
+        ck.read("g")
+            .region(&o, &s)
+            .fused(true)
+            .into(&mut out)
+            .unwrap();
         assert_eq!(out, expected(&gshape, &o, &s, 4), "{o:?} {s:?}");
     }
     // Into a caller's buffer: nothing is written when a block is bad; the unchecked copy
     // (for callers that verified first) copies what is there; a wrong size is refused.
     let mut out = vec![0xaau8; 4 * 9 * 4];
     assert!(ck
-        .read_region_into("g", &[10, 7], &[4, 9], &mut out)
+        .read("g")
+        .region(&[10, 7], &[4, 9])
+        .into(&mut out)
         .is_err());
     assert!(out.iter().all(|&b| b == 0xaa));
-    ck.copy_region_unchecked("g", &[10, 7], &[4, 9], &mut out)
+    ck.read("g")
+        .region(&[10, 7], &[4, 9])
+        .into_unchecked(&mut out)
         .unwrap();
-    assert!(ck.verify_region("g", &[10, 7], &[4, 9]).is_err());
-    ck.verify_region("g", &[0, 0], &[12, 256]).unwrap();
+    assert!(ck.read("g").region(&[10, 7], &[4, 9]).verify().is_err());
+    ck.read("g").region(&[0, 0], &[12, 256]).verify().unwrap();
     let e = ck
-        .read_region_into("g", &[0, 0], &[2, 2], &mut out)
+        .read("g")
+        .region(&[0, 0], &[2, 2])
+        .into(&mut out)
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     let mut good = vec![0u8; 12 * 256 * 4];
-    ck.read_region_into("g", &[0, 0], &[12, 256], &mut good)
+    ck.read("g")
+        .region(&[0, 0], &[12, 256])
+        .into(&mut good)
         .unwrap();
     assert_eq!(good, expected(&gshape, &[0, 0], &[12, 256], 4));
     // The byte ranges a read uses: the touched blocks, merged, absolute in the shard.
     let base = t.offsets[0];
     assert_eq!(
-        ck.region_byte_ranges("g", &[5, 0], &[16, 256]).unwrap(),
+        ck.read("g")
+            .region(&[5, 0], &[16, 256])
+            .plan()
+            .unwrap()
+            .shard_ranges,
         vec![(t.shard, base + 4096, base + 24 * 1024)]
     );
     for e in [
-        ck.read_region("g", &[10, 7], &[4, 9]).unwrap_err(),
+        ck.read("g")
+            .region(&[10, 7], &[4, 9])
+            .to_tensor()
+            .unwrap_err(),
         ck.verify().unwrap_err(),
     ] {
         assert!(
@@ -598,9 +638,15 @@ fn block_crcs_check_only_the_blocks_a_region_touches() {
         t["blocks"]["crc32"][1] = (c ^ 1).into();
     });
     let ck = Checkpoint::open(lie.path()).unwrap();
-    ck.read_region("g", &[8, 0], &[16, 256]).unwrap();
+    ck.read("g")
+        .region(&[8, 0], &[16, 256])
+        .to_tensor()
+        .unwrap();
     for e in [
-        ck.read_region("g", &[4, 0], &[1, 1]).unwrap_err(),
+        ck.read("g")
+            .region(&[4, 0], &[1, 1])
+            .to_tensor()
+            .unwrap_err(),
         ck.verify().unwrap_err(),
     ] {
         assert!(

@@ -163,12 +163,20 @@ fn committed_steps_are_whole(root: &Path, when: &str) -> Vec<u64> {
             .unwrap_or_else(|e| panic!("{when}: committed step {s} does not verify: {e}"));
         let d = data(s);
         assert_eq!(
-            ck.tensor("a").unwrap().as_slice::<f32>().unwrap(),
+            ck.read("a")
+                .view_unchecked()
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap(),
             &d[..10_000],
             "{when}"
         );
         assert_eq!(
-            ck.tensor("b").unwrap().as_slice::<f32>().unwrap(),
+            ck.read("b")
+                .view_unchecked()
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap(),
             &d[10_000..],
             "{when}"
         );

@@ -123,7 +123,7 @@ proptest! {
         let order: Vec<&str> = ck.tensors().iter().map(|t| t.name.as_str()).collect();
         prop_assert_eq!(order, names.iter().map(String::as_str).collect::<Vec<_>>());
         for (c, n) in cases.iter().zip(&names) {
-            let v = ck.tensor(n).unwrap();
+            let v = ck.read(n).view_unchecked().unwrap();
             prop_assert_eq!(v.dtype(), c.dtype);
             prop_assert_eq!(v.shape(), &c.shape[..]);
             prop_assert_eq!(v.bytes(), &c.bytes[..]);
@@ -142,7 +142,7 @@ proptest! {
         for s in ck.shards() {
             let st = safetensors::SafeTensors::deserialize(s.bytes.as_ref()).unwrap();
             for (name, view) in st.tensors() {
-                prop_assert_eq!(view.data(), ck.tensor(&name).unwrap().bytes());
+                prop_assert_eq!(view.data(), ck.read(&name).view_unchecked().unwrap().bytes());
             }
         }
     }
@@ -161,18 +161,30 @@ fn zero_dim_and_empty_keep_exact_shapes() {
     ];
     save(dir.path(), &tensors, &SaveOptions::default()).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
-    assert_eq!(ck.tensor("scalar").unwrap().shape(), &[] as &[u64]);
     assert_eq!(
-        ck.tensor("scalar").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("scalar").view_unchecked().unwrap().shape(),
+        &[] as &[u64]
+    );
+    assert_eq!(
+        ck.read("scalar")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &[3.5]
     );
-    assert_eq!(ck.tensor("one").unwrap().shape(), &[1]);
-    assert_eq!(ck.tensor("empty").unwrap().shape(), &[0, 7]);
+    assert_eq!(ck.read("one").view_unchecked().unwrap().shape(), &[1]);
+    assert_eq!(ck.read("empty").view_unchecked().unwrap().shape(), &[0, 7]);
     assert_eq!(
-        ck.tensor("empty").unwrap().as_slice::<f32>().unwrap().len(),
+        ck.read("empty")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap()
+            .len(),
         0
     );
-    assert_eq!(ck.tensor("empty1").unwrap().shape(), &[0]);
+    assert_eq!(ck.read("empty1").view_unchecked().unwrap().shape(), &[0]);
     ck.verify().unwrap();
 }
 
@@ -188,11 +200,19 @@ fn strided_with_offset_and_broadcast_gathers() {
     save(dir.path(), &[col, bc], &SaveOptions::default()).unwrap();
     let ck = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(
-        ck.tensor("col").unwrap().as_slice::<i32>().unwrap(),
+        ck.read("col")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i32>()
+            .unwrap(),
         &[1, 6, 11, 16]
     );
     assert_eq!(
-        ck.tensor("bc").unwrap().as_slice::<i32>().unwrap(),
+        ck.read("bc")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i32>()
+            .unwrap(),
         &[7, 8, 7, 8, 7, 8]
     );
 }
@@ -267,6 +287,13 @@ fn in_memory_checkpoint_from_parts() {
         .map(|s| std::fs::read(dir.path().join(&s.file)).unwrap())
         .collect();
     let mem = Checkpoint::from_parts(&manifest, shards).unwrap();
-    assert_eq!(mem.tensor("v").unwrap().as_slice::<f64>().unwrap(), &v[..]);
+    assert_eq!(
+        mem.read("v")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f64>()
+            .unwrap(),
+        &v[..]
+    );
     mem.verify().unwrap();
 }

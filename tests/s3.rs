@@ -97,21 +97,33 @@ fn opts() -> SaveOptions {
     }
 }
 
-fn assert_same<B: AsRef<[u8]> + Send + Sync>(ck: &Checkpoint<B>, f: &Fixture) {
+fn assert_same<B: ckptstore::checkpoint::ShardSource>(ck: &Checkpoint<B>, f: &Fixture) {
     assert_eq!(
-        ck.tensor("big").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("big")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &f.big[..]
     );
     assert_eq!(
-        ck.tensor("layer.w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("layer.w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &f.w[..]
     );
     assert_eq!(
-        ck.tensor("layer.b").unwrap().bytes(),
+        ck.read("layer.b").view_unchecked().unwrap().bytes(),
         bytemuck::cast_slice::<_, u8>(&f.b)
     );
     assert_eq!(
-        ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        ck.read("step")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &f.step[..]
     );
 }
@@ -148,12 +160,19 @@ fn round_trip_bit_for_bit_and_ranged_reads() {
         .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
         .unwrap();
     assert_eq!(
-        rc.read_tensor("big").unwrap().as_slice::<f32>().unwrap(),
+        rc.read("big")
+            .to_tensor()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &f.big[..]
     );
     let mut seen = Vec::new();
     rc.stream_tensors(16 << 20, |t, x| {
-        assert_eq!(x.bytes(), ck.tensor(&t.name).unwrap().bytes());
+        assert_eq!(
+            x.bytes(),
+            ck.read(&t.name).view_unchecked().unwrap().bytes()
+        );
         seen.push(t.name.clone());
         Ok(())
     })
@@ -312,7 +331,14 @@ fn manager_async_saves_restore_and_commit_parts_on_s3() {
     mgr.gc().unwrap();
     assert_eq!(mgr.steps().unwrap(), [2, 3]);
     let ck = mgr.open(3).unwrap();
-    assert_eq!(ck.tensor("w").unwrap().as_slice::<f32>().unwrap()[0], 3.0);
+    assert_eq!(
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap()[0],
+        3.0
+    );
     assert!(matches!(mgr.lease(1), Err(Error::NotFound { .. })));
     let mut live = adam_state().0;
     live.state.clear();
@@ -350,7 +376,7 @@ fn manager_async_saves_restore_and_commit_parts_on_s3() {
     mgr.commit_parts(4, &id, &parts, &CommitOptions::default())
         .unwrap();
     assert_eq!(mgr.steps().unwrap(), [3, 4]);
-    let g = mgr.open(4).unwrap().read_global("g").unwrap();
+    let g = mgr.open(4).unwrap().read("g").to_tensor().unwrap();
     let want: Vec<f32> = halves.concat();
     assert_eq!(g.as_slice::<f32>().unwrap(), &want[..]);
 }
@@ -398,7 +424,7 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     assert!(s.contains(&key), "{s}");
     let e = Remote::new(&a, &cfg)
         .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
-        .and_then(|r| r.read_tensor("big"))
+        .and_then(|r| r.read("big").to_tensor())
         .unwrap_err();
     assert!(e.to_string().contains(&key), "{e}");
     // A ranged read past the shorter object's end is a short shard, said in the shard's
@@ -406,7 +432,7 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     ra.put_small(&shard, original[..64].to_vec()).unwrap();
     let e = Remote::new(&a, &cfg)
         .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
-        .and_then(|r| r.read_tensor("big"))
+        .and_then(|r| r.read("big").to_tensor())
         .unwrap_err();
     assert!(
         matches!(e, Error::ShardMismatch { .. }) && e.to_string().contains("manifest records"),
@@ -442,7 +468,8 @@ fn damaged_missing_and_foreign_objects_are_refused_with_the_key_named() {
     let e = Remote::new(&a, &cfg)
         .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
         .unwrap()
-        .read_tensor("big")
+        .read("big")
+        .to_tensor()
         .unwrap_err();
     assert!(
         e.to_string().contains(&key) && e.to_string().contains("big"),
@@ -1070,18 +1097,27 @@ fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
     ck.verify().unwrap();
     assert_eq!(ck.metadata()["ranks"], 2);
     assert_eq!(
-        ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("w").to_tensor().unwrap().as_slice::<f32>().unwrap(),
         &w[..]
     );
     assert_eq!(
-        ck.read_global("v").unwrap().as_slice::<i64>().unwrap(),
+        ck.read("v").to_tensor().unwrap().as_slice::<i64>().unwrap(),
         &v[..]
     );
-    assert_eq!(ck.tensor("step").unwrap().as_slice::<i64>().unwrap(), &[42]);
+    assert_eq!(
+        ck.read("step")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
+        &[42]
+    );
     // A region across both ranks' chunks, bit for bit.
     let (r0, nr, c0, nc) = (ROWS / 2 - 3, 7, 100, 50);
     assert_eq!(
-        ck.read_region("w", &[r0, c0], &[nr, nc])
+        ck.read("w")
+            .region(&[r0, c0], &[nr, nc])
+            .to_tensor()
             .unwrap()
             .as_slice::<f32>()
             .unwrap(),
@@ -1090,7 +1126,11 @@ fn two_ranks_write_parts_and_the_coordinator_commits_on_s3() {
     // Resharded: three readers each take a column slab of every row.
     let slabs = [(0, 341), (341, 341), (682, 342)];
     for (c0, nc) in slabs {
-        let got = ck.read_region("w", &[0, c0], &[ROWS, nc]).unwrap();
+        let got = ck
+            .read("w")
+            .region(&[0, c0], &[ROWS, nc])
+            .to_tensor()
+            .unwrap();
         assert_eq!(
             got.as_slice::<f32>().unwrap(),
             &w_box(&w, 0, ROWS, c0, nc)[..]
@@ -1157,39 +1197,69 @@ fn a_two_level_checkpoint_on_s3_reads_only_the_parts_it_needs() {
     let lazy = Remote::new(&u, &cfg)
         .and_then(|r| ckptstore::checkpoint::remote::open_lazy(&r))
         .unwrap();
-    assert!(eager.two_level() && lazy.two_level());
+    assert!(eager.catalog().two_level() && lazy.catalog().two_level());
     // Rank 1's rows: its own part only.
     let (r0, nr) = (ROWS / 2, ROWS / 2);
     for got in [
-        eager.read_region("w", &[r0, 0], &[nr, COLS]).unwrap(),
-        lazy.read_region("w", &[r0, 0], &[nr, COLS]).unwrap(),
+        eager
+            .read("w")
+            .region(&[r0, 0], &[nr, COLS])
+            .to_tensor()
+            .unwrap(),
+        lazy.read("w")
+            .region(&[r0, 0], &[nr, COLS])
+            .to_tensor()
+            .unwrap(),
     ] {
         assert_eq!(
             got.as_slice::<f32>().unwrap(),
             &w_box(&w, r0, nr, 0, COLS)[..]
         );
     }
-    assert_eq!(eager.parts_read().0, 1);
-    assert_eq!(lazy.parts_read().0, 1);
+    assert_eq!(eager.catalog().parts_read().0, 1);
+    assert_eq!(lazy.catalog().parts_read().0, 1);
     assert_eq!(
-        eager.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        eager
+            .read("w")
+            .to_tensor()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &w[..]
     );
     assert_eq!(
-        eager.read_global("v").unwrap().as_slice::<i64>().unwrap(),
+        eager
+            .read("v")
+            .to_tensor()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &v[..]
     );
     assert_eq!(
-        eager.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        eager
+            .read("step")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &[42]
     );
     eager.verify().unwrap();
     assert_eq!(
-        lazy.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        lazy.read("w")
+            .to_tensor()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &w[..]
     );
     assert_eq!(
-        lazy.read_global("v").unwrap().as_slice::<i64>().unwrap(),
+        lazy.read("v")
+            .to_tensor()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &v[..]
     );
     lazy.verify().unwrap();
@@ -1201,7 +1271,11 @@ fn a_two_level_checkpoint_on_s3_reads_only_the_parts_it_needs() {
     let ck = Remote::new(&u, &cfg)
         .and_then(|r| ckptstore::checkpoint::remote::open(&r))
         .unwrap();
-    let e = ck.read_region("w", &[0, 0], &[1, COLS]).unwrap_err();
+    let e = ck
+        .read("w")
+        .region(&[0, 0], &[1, COLS])
+        .to_tensor()
+        .unwrap_err();
     match &e {
         Error::InvalidPart { part, .. } => {
             assert!(part.contains("s3://") && part.ends_with(&pname), "{e}")
@@ -1209,7 +1283,9 @@ fn a_two_level_checkpoint_on_s3_reads_only_the_parts_it_needs() {
         other => panic!("expected InvalidPart, got {other:?}"),
     }
     assert_eq!(
-        ck.read_region("w", &[r0, 0], &[1, COLS])
+        ck.read("w")
+            .region(&[r0, 0], &[1, COLS])
+            .to_tensor()
             .unwrap()
             .as_slice::<f32>()
             .unwrap(),
@@ -1325,7 +1401,9 @@ fn location_functions_dispatch_multi_rank_saves() {
     .unwrap();
     let ck = ckptstore::open(loc).unwrap();
     assert_eq!(
-        ck.read_region("v", &[2], &[2])
+        ck.read("v")
+            .region(&[2], &[2])
+            .to_tensor()
             .unwrap()
             .as_slice::<i64>()
             .unwrap(),
@@ -1383,27 +1461,34 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
     ];
     for (name, off, shape) in &regions {
         let before = rc.bytes_fetched();
-        let got = rc.read_region(name, off, shape).unwrap();
-        let want = full.read_region(name, off, shape).unwrap();
+        let got = rc.read(name).region(off, shape).to_tensor().unwrap();
+        let want = full.read(name).region(off, shape).to_tensor().unwrap();
         assert_eq!(got.bytes(), want.bytes(), "{name} {off:?} {shape:?}");
         assert_eq!(got.shape(), &shape[..]);
         assert_eq!(
             rc.bytes_fetched() - before,
-            full.region_bytes_read(name, off, shape).unwrap(),
+            full.read(name)
+                .region(off, shape)
+                .plan()
+                .unwrap()
+                .bytes_read(),
             "{name} {off:?} {shape:?}"
         );
     }
     assert_eq!(
-        full.region_bytes_read("w", &[1000, 10], &[100, 10])
-            .unwrap(),
+        full.read("w")
+            .region(&[1000, 10], &[100, 10])
+            .plan()
+            .unwrap()
+            .bytes_read(),
         3 << 18
     );
     assert!(matches!(
-        rc.read_region("w", &[ROWS, 0], &[1, 1]),
+        rc.read("w").region(&[ROWS, 0], &[1, 1]).to_tensor(),
         Err(Error::InvalidArgument(_))
     ));
     assert!(matches!(
-        rc.read_region("nope", &[0], &[1]),
+        rc.read("nope").region(&[0], &[1]).to_tensor(),
         Err(Error::TensorNotFound { .. })
     ));
 
@@ -1421,13 +1506,21 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
     bad[(t.offsets[0] + 12 * (256 << 10) + 123) as usize] ^= 0x40;
     remote.put_small(&shard, bad).unwrap();
     // Outside the region: the read succeeds, bit for bit.
-    let got = rc.read_region("w", &[1000, 10], &[100, 10]).unwrap();
+    let got = rc
+        .read("w")
+        .region(&[1000, 10], &[100, 10])
+        .to_tensor()
+        .unwrap();
     assert_eq!(
         got.as_slice::<f32>().unwrap(),
         &w_box(&w, 1000, 100, 10, 10)[..]
     );
     // Inside it: refused, naming the tensor, the block and the object.
-    let e = rc.read_region("w", &[780, 0], &[2, COLS]).unwrap_err();
+    let e = rc
+        .read("w")
+        .region(&[780, 0], &[2, COLS])
+        .to_tensor()
+        .unwrap_err();
     let s = e.to_string();
     assert!(matches!(e, Error::ChecksumMismatch { .. }), "{s}");
     assert!(
@@ -1437,7 +1530,11 @@ fn remote_region_reads_fetch_only_the_touched_blocks() {
         "{s}"
     );
     remote.put_small(&shard, original).unwrap();
-    assert!(rc.read_region("w", &[780, 0], &[2, COLS]).is_ok());
+    assert!(rc
+        .read("w")
+        .region(&[780, 0], &[2, COLS])
+        .to_tensor()
+        .is_ok());
 }
 
 #[test]
@@ -1489,7 +1586,7 @@ fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
     for g in globals(world) {
         let whole = global_bytes(&g);
         assert_eq!(
-            ck.read_global(g.name).unwrap().bytes(),
+            ck.read(g.name).to_tensor().unwrap().bytes(),
             &whole[..],
             "{}",
             g.name
@@ -1499,16 +1596,28 @@ fn rank_processes_write_parts_on_s3_and_the_coordinator_commits() {
         let shape: Vec<u64> = g.shape.iter().map(|&n| n - n / 2).collect();
         let want = box_bytes(&whole, g.dtype.size(), &g.shape, &offsets, &shape);
         assert_eq!(
-            ck.read_region(g.name, &offsets, &shape).unwrap().bytes(),
+            ck.read(g.name)
+                .region(&offsets, &shape)
+                .to_tensor()
+                .unwrap()
+                .bytes(),
             &want[..]
         );
         assert_eq!(
-            rc.read_region(g.name, &offsets, &shape).unwrap().bytes(),
+            rc.read(g.name)
+                .region(&offsets, &shape)
+                .to_tensor()
+                .unwrap()
+                .bytes(),
             &want[..]
         );
     }
     assert_eq!(
-        ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+        ck.read("step")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<i64>()
+            .unwrap(),
         &[STEP]
     );
 }

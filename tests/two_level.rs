@@ -89,17 +89,25 @@ fn real_processes_commit_a_root_that_reads_back_on_any_split() {
 
         for readers in 1..=4u64 {
             let ck = Checkpoint::open(dir).unwrap();
-            assert!(ck.two_level());
-            assert_eq!(ck.parts_read(), (0, 0), "open reads the root only");
+            assert!(ck.catalog().two_level());
             assert_eq!(
-                ck.tensor("step").unwrap().as_slice::<i64>().unwrap(),
+                ck.catalog().parts_read(),
+                (0, 0),
+                "open reads the root only"
+            );
+            assert_eq!(
+                ck.read("step")
+                    .view_unchecked()
+                    .unwrap()
+                    .as_slice::<i64>()
+                    .unwrap(),
                 &[STEP]
             );
             for spec in globals(world) {
                 let full = global_bytes(&spec);
                 let es = spec.dtype.size();
                 if spec.shape.is_empty() {
-                    let t = ck.read_region(spec.name, &[], &[]).unwrap();
+                    let t = ck.read(spec.name).region(&[], &[]).to_tensor().unwrap();
                     assert_eq!(t.bytes(), full.as_slice());
                     continue;
                 }
@@ -112,7 +120,7 @@ fn real_processes_commit_a_root_that_reads_back_on_any_split() {
                     o[0] = a;
                     let mut s = spec.shape.clone();
                     s[0] = b - a;
-                    let t = ck.read_region(spec.name, &o, &s).unwrap();
+                    let t = ck.read(spec.name).region(&o, &s).to_tensor().unwrap();
                     let want = box_bytes(&full, es, &spec.shape, &o, &s);
                     assert_eq!(
                         t.bytes(),
@@ -122,12 +130,20 @@ fn real_processes_commit_a_root_that_reads_back_on_any_split() {
                     );
                     // The one-pass read (each block checked as copied), through the parts.
                     let mut filled = vec![0u8; want.len()];
-                    ck.fill_region_into(spec.name, &o, &s, &mut filled).unwrap();
+                    ck.read(spec.name)
+                        .region(&o, &s)
+                        .fused(true)
+                        .into(&mut filled)
+                        .unwrap();
                     assert_eq!(filled, want, "{} fill, world {world}", spec.name);
                 }
             }
             ck.verify().unwrap();
-            assert_eq!(ck.parts_read().0, world as usize, "verify reads every part");
+            assert_eq!(
+                ck.catalog().parts_read().0,
+                world as usize,
+                "verify reads every part"
+            );
         }
 
         // A rank reading back its own rows of `w` (row-split [8, 6]) reads its own part only.
@@ -135,13 +151,16 @@ fn real_processes_commit_a_root_that_reads_back_on_any_split() {
         let r = world - 1;
         let (a, b) = split(8, u64::from(world), u64::from(r));
         if b > a {
-            ck.read_region("w", &[a, 0], &[b - a, 6]).unwrap();
-            assert_eq!(ck.parts_read().0, 1);
+            ck.read("w")
+                .region(&[a, 0], &[b - a, 6])
+                .to_tensor()
+                .unwrap();
+            assert_eq!(ck.catalog().parts_read().0, 1);
         }
-        let e = ck.entry("w").unwrap();
+        let e = ck.catalog().entry("w").unwrap();
         assert!(e.global);
-        assert_eq!(ck.entries().len(), globals(world).len() + 1);
-        let chunks = ck.chunks("w").unwrap();
+        assert_eq!(ck.catalog().entries().len(), globals(world).len() + 1);
+        let chunks = ck.catalog().chunks("w").unwrap();
         let rows: u64 = chunks.iter().map(|c| c.shape[0]).sum();
         assert_eq!(rows, 8);
     }
@@ -202,18 +221,24 @@ fn damaged_and_missing_indexes_fail_only_what_they_hold() {
     std::fs::write(&p1, &bad).unwrap();
     let ck = Checkpoint::open(dir).unwrap();
     assert_eq!(
-        f32s(ck.read_region("w", &[0, 0], &[2, 4]).unwrap()),
+        f32s(ck.read("w").region(&[0, 0], &[2, 4]).to_tensor().unwrap()),
         all[..8]
     );
     assert_eq!(
-        f32s(ck.read_region("w", &[4, 0], &[2, 4]).unwrap()),
+        f32s(ck.read("w").region(&[4, 0], &[2, 4]).to_tensor().unwrap()),
         all[16..]
     );
-    assert_eq!(f32s(ck.read_global("bias").unwrap()), [1.0, 2.0, 3.0, 4.0]);
-    assert_eq!(f32s(ck.read_tensor("lr").unwrap()), [0.001]);
+    assert_eq!(
+        f32s(ck.read("bias").to_tensor().unwrap()),
+        [1.0, 2.0, 3.0, 4.0]
+    );
+    assert_eq!(f32s(ck.read("lr").to_tensor().unwrap()), [0.001]);
     for e in [
-        ck.read_region("w", &[2, 0], &[1, 4]).unwrap_err(),
-        ck.read_global("w").unwrap_err(),
+        ck.read("w")
+            .region(&[2, 0], &[1, 4])
+            .to_tensor()
+            .unwrap_err(),
+        ck.read("w").to_tensor().unwrap_err(),
         ck.verify().unwrap_err(),
     ] {
         match &e {
@@ -228,16 +253,23 @@ fn damaged_and_missing_indexes_fail_only_what_they_hold() {
     std::fs::remove_file(&p1).unwrap();
     let ck = Checkpoint::open(dir).unwrap();
     assert_eq!(
-        f32s(ck.read_region("w", &[4, 0], &[2, 4]).unwrap()),
+        f32s(ck.read("w").region(&[4, 0], &[2, 4]).to_tensor().unwrap()),
         all[16..]
     );
-    let e = ck.read_region("w", &[3, 0], &[1, 4]).unwrap_err();
+    let e = ck
+        .read("w")
+        .region(&[3, 0], &[1, 4])
+        .to_tensor()
+        .unwrap_err();
     assert!(
         matches!(&e, Error::InvalidPart { reason, .. } if reason.contains("missing")),
         "{e:?}"
     );
     let e = ck
-        .fill_region_into("w", &[3, 0], &[1, 4], &mut [0u8; 16])
+        .read("w")
+        .region(&[3, 0], &[1, 4])
+        .fused(true)
+        .into(&mut [0u8; 16])
         .unwrap_err();
     assert!(
         matches!(&e, Error::InvalidPart { reason, .. } if reason.contains("missing")),
@@ -246,17 +278,21 @@ fn damaged_and_missing_indexes_fail_only_what_they_hold() {
     // Restored: everything reads and verifies.
     std::fs::write(&p1, &good).unwrap();
     let ck = Checkpoint::open(dir).unwrap();
-    assert_eq!(f32s(ck.read_global("w").unwrap()), all);
+    assert_eq!(f32s(ck.read("w").to_tensor().unwrap()), all);
     ck.verify().unwrap();
     // A missing shard of a part fails its regions, naming the shard.
     let shard = dir.join(format!("shard-{id}-r2-0.safetensors"));
     std::fs::remove_file(&shard).unwrap();
     let ck = Checkpoint::open(dir).unwrap();
     assert_eq!(
-        f32s(ck.read_region("w", &[0, 0], &[4, 4]).unwrap()),
+        f32s(ck.read("w").region(&[0, 0], &[4, 4]).to_tensor().unwrap()),
         all[..16]
     );
-    let e = ck.read_region("w", &[5, 0], &[1, 4]).unwrap_err();
+    let e = ck
+        .read("w")
+        .region(&[5, 0], &[1, 4])
+        .to_tensor()
+        .unwrap_err();
     assert!(
         matches!(&e, Error::ShardMismatch { file, .. } if file.contains("-r2-")),
         "{e:?}"
@@ -271,17 +307,25 @@ fn replicas_wholes_and_the_layout_choice() {
         let (id, all) = three_ranks(dir, layout);
         let ck = Checkpoint::open(dir).unwrap();
         // Auto: far below the threshold, flat.
-        assert_eq!(ck.two_level(), layout == Layout::TwoLevel, "{layout:?}");
         assert_eq!(
-            ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+            ck.catalog().two_level(),
+            layout == Layout::TwoLevel,
+            "{layout:?}"
+        );
+        assert_eq!(
+            ck.read("w").to_tensor().unwrap().as_slice::<f32>().unwrap(),
             all.as_slice()
         );
         assert_eq!(
-            ck.read_global("bias").unwrap().as_slice::<f32>().unwrap(),
+            ck.read("bias")
+                .to_tensor()
+                .unwrap()
+                .as_slice::<f32>()
+                .unwrap(),
             &[1.0, 2.0, 3.0, 4.0]
         );
         assert_eq!(
-            ck.chunks("bias").unwrap().len(),
+            ck.catalog().chunks("bias").unwrap().len(),
             1,
             "replicas are one chunk"
         );
@@ -376,9 +420,9 @@ fn manager_steps_keep_their_parts_through_gc() {
     assert_eq!(r.swept, 0, "{r:?}");
     assert_eq!(mgr.steps().unwrap(), vec![20, 30]);
     let ck = mgr.open_latest().unwrap().unwrap();
-    assert!(ck.two_level());
+    assert!(ck.catalog().two_level());
     assert_eq!(
-        ck.read_global("w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("w").to_tensor().unwrap().as_slice::<f32>().unwrap(),
         want.as_slice()
     );
     ck.verify().unwrap();
@@ -423,13 +467,21 @@ fn cli_inspects_verifies_and_consolidates_a_two_level_checkpoint() {
     let out = tmp.path().join("hf");
     run(&["consolidate".as_ref(), d, "--out".as_ref(), out.as_os_str()]);
     let ck = Checkpoint::open(&out).unwrap();
-    assert!(!ck.two_level());
+    assert!(!ck.catalog().two_level());
     assert_eq!(
-        ck.tensor("w").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("w")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         all.as_slice()
     );
     assert_eq!(
-        ck.tensor("bias").unwrap().as_slice::<f32>().unwrap(),
+        ck.read("bias")
+            .view_unchecked()
+            .unwrap()
+            .as_slice::<f32>()
+            .unwrap(),
         &[1.0, 2.0, 3.0, 4.0]
     );
     // A damaged index: verify fails (exit 1) naming it.
@@ -454,8 +506,8 @@ fn grid_cells_plan_from_the_root_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, all) = three_ranks(tmp.path(), Layout::TwoLevel);
     let ck = Checkpoint::open(tmp.path()).unwrap();
-    let cells = ck.grid_cells("w").unwrap();
-    assert_eq!(ck.parts_read(), (0, 0));
+    let cells = ck.catalog().grid_cells("w").unwrap();
+    assert_eq!(ck.catalog().parts_read(), (0, 0));
     let boxes: Vec<(Vec<u64>, Vec<u64>)> = cells
         .iter()
         .map(|c| (c.offsets.clone(), c.shape.clone()))
@@ -470,16 +522,21 @@ fn grid_cells_plan_from_the_root_alone() {
     );
     let mut got = Vec::new();
     for c in &cells {
-        let t = ck.read_region("w", &c.offsets, &c.shape).unwrap();
+        let t = ck
+            .read("w")
+            .region(&c.offsets, &c.shape)
+            .to_tensor()
+            .unwrap();
         got.extend_from_slice(t.as_slice::<f32>().unwrap());
     }
     assert_eq!(got, all);
-    assert_eq!(ck.grid_cells("bias").unwrap().len(), 1);
-    assert!(ck.grid_cells("lr").is_none());
+    assert_eq!(ck.catalog().grid_cells("bias").unwrap().len(), 1);
+    assert!(ck.catalog().grid_cells("lr").is_none());
     let flat = tempfile::tempdir().unwrap();
     three_ranks(flat.path(), Layout::Flat);
     assert!(Checkpoint::open(flat.path())
         .unwrap()
+        .catalog()
         .grid_cells("w")
         .is_none());
 }
@@ -498,11 +555,11 @@ fn a_part_is_loaded_once_however_many_threads_ask() {
             for _ in 0..8 {
                 s.spawn(|| {
                     barrier.wait();
-                    let t = ck.read_region("w", &[2, 0], &[2, 4]).unwrap();
+                    let t = ck.read("w").region(&[2, 0], &[2, 4]).to_tensor().unwrap();
                     assert_eq!(t.as_slice::<f32>().unwrap(), &all[8..16]);
                 });
             }
         });
-        assert_eq!(ck.parts_read(), (1, size));
+        assert_eq!(ck.catalog().parts_read(), (1, size));
     }
 }

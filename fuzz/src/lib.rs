@@ -281,10 +281,18 @@ pub fn check_fetched_like_resident(data: &[u8]) {
         (x, y) => panic!("open: resident {:?}, fetched {:?}", x.err(), y.err()),
     };
     for t in a.tensors() {
-        same(a.read_tensor(&t.name), b.read_tensor(&t.name), &t.name);
+        same(
+            a.read(&t.name).to_tensor(),
+            b.read(&t.name).to_tensor(),
+            &t.name,
+        );
     }
-    for g in a.globals() {
-        same(a.read_global(&g.name), b.read_global(&g.name), &g.name);
+    for g in a.catalog().globals() {
+        same(
+            a.read(&g.name).to_tensor(),
+            b.read(&g.name).to_tensor(),
+            &g.name,
+        );
         // A box from the middle of the global shape to its end.
         let off: Vec<u64> = g.global_shape.iter().map(|d| d / 2).collect();
         let shape: Vec<u64> = g
@@ -294,8 +302,8 @@ pub fn check_fetched_like_resident(data: &[u8]) {
             .map(|(d, o)| d - o)
             .collect();
         same(
-            a.read_region(&g.name, &off, &shape),
-            b.read_region(&g.name, &off, &shape),
+            a.read(&g.name).region(&off, &shape).to_tensor(),
+            b.read(&g.name).region(&off, &shape).to_tensor(),
             &g.name,
         );
     }
@@ -681,13 +689,17 @@ pub fn check_two_level(data: &[u8]) {
     let Ok(ck) = Checkpoint::from_files(files) else {
         return;
     };
-    assert_eq!(ck.parts_read(), (0, 0), "opening reads no part index");
+    assert_eq!(
+        ck.catalog().parts_read(),
+        (0, 0),
+        "opening reads no part index"
+    );
     let (nparts, part_bytes) = ck.manifest().map_or((0, 0), |m| {
         let bytes = m.parts.iter().fold(0u64, |a, p| a.saturating_add(p.size));
         (m.parts.len(), bytes)
     });
     assert_eq!(
-        ck.two_level(),
+        ck.catalog().two_level(),
         nparts > 0,
         "two_level() iff the root names parts"
     );
@@ -697,23 +709,33 @@ pub fn check_two_level(data: &[u8]) {
     }
 
     // The catalog: every name once; each looks itself up.
-    let entries = ck.entries();
+    let entries = ck.catalog().entries();
     let mut names = HashSet::new();
     for e in &entries {
         assert!(names.insert(e.name), "entries() lists {:?} twice", e.name);
-        assert_eq!(ck.entry(e.name).ok(), Some(*e), "entry({:?})", e.name);
-        assert_eq!(e.global, ck.global(e.name).is_some(), "{:?}", e.name);
+        assert_eq!(
+            ck.catalog().entry(e.name).ok(),
+            Some(*e),
+            "entry({:?})",
+            e.name
+        );
+        assert_eq!(
+            e.global,
+            ck.catalog().global(e.name).is_some(),
+            "{:?}",
+            e.name
+        );
     }
-    assert_eq!(ck.entry_count(), entries.len(), "entry_count()");
+    assert_eq!(ck.catalog().entry_count(), entries.len(), "entry_count()");
 
     // Global tensors: what `verify` passing promises of each.
     let mut promised: Vec<String> = Vec::new();
-    for g in ck.globals() {
+    for g in ck.catalog().globals() {
         let name = g.name.as_str();
         let es = g.dtype.size();
         let shape = &g.global_shape;
         let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-        let chunks = ck.chunks(name);
+        let chunks = ck.catalog().chunks(name);
         if let Ok(list) = &chunks {
             let mut cover = 0u128;
             for r in list {
@@ -733,7 +755,7 @@ pub fn check_two_level(data: &[u8]) {
                 "{name}: the chunks do not tile {shape:?}"
             );
         }
-        let stored = ck.stored_chunks(name);
+        let stored = ck.catalog().stored_chunks(name);
         if let Ok(st) = &stored {
             let mut own = Vec::new();
             for c in st {
@@ -758,7 +780,7 @@ pub fn check_two_level(data: &[u8]) {
             listed.sort_by_key(key);
             assert_eq!(own, listed, "{name}: stored_chunks() and chunks() disagree");
         }
-        let whole = ck.read_global(name);
+        let whole = ck.read(name).to_tensor();
         if let Ok(t) = &whole {
             assert_eq!(t.dtype(), g.dtype, "{name}");
             assert_eq!(t.shape(), &shape[..], "{name}");
@@ -791,8 +813,8 @@ pub fn check_two_level(data: &[u8]) {
         }
         let mut reads = Vec::with_capacity(boxes.len());
         for (o, s) in &boxes {
-            let r = ck.read_region(name, o, s);
-            let ranges = ck.region_file_ranges(name, o, s);
+            let r = ck.read(name).region(o, s).to_tensor();
+            let ranges = ck.read(name).region(o, s).plan().map(|p| p.file_ranges);
             if let Ok(t) = &r {
                 assert_eq!(t.shape(), &s[..], "{name}: region {o:?} {s:?}");
                 if let Err(e) = &ranges {
@@ -841,12 +863,12 @@ pub fn check_two_level(data: &[u8]) {
 
     // Whole tensors: resident views, fresh reads, a whole-box region.
     for e in entries.iter().filter(|e| !e.global) {
-        let v = match ck.tensor(e.name) {
+        let v = match ck.read(e.name).view_unchecked() {
             Ok(v) => v,
             Err(err) => panic!("listed whole tensor {:?} has no view: {err}", e.name),
         };
         assert_eq!(v.shape(), e.shape, "{:?}", e.name);
-        let read = ck.read_tensor(e.name);
+        let read = ck.read(e.name).to_tensor();
         if let Ok(t) = &read {
             assert!(
                 t.bytes() == v.bytes(),
@@ -855,14 +877,14 @@ pub fn check_two_level(data: &[u8]) {
             );
         }
         let zeros = vec![0; e.shape.len()];
-        if let Ok(t) = ck.read_region(e.name, &zeros, e.shape) {
+        if let Ok(t) = ck.read(e.name).region(&zeros, e.shape).to_tensor() {
             assert!(
                 t.bytes() == v.bytes(),
                 "{:?}: read_region() differs from tensor()",
                 e.name
             );
         }
-        let tv = ck.tensor_verified(e.name);
+        let tv = ck.read(e.name).view();
         if read.is_err() || tv.is_err() {
             promised.push(format!(
                 "{:?}: read_tensor {:?}, tensor_verified {:?}",
@@ -874,7 +896,7 @@ pub fn check_two_level(data: &[u8]) {
     }
 
     let verified = verified.unwrap_or_else(|| ck.verify());
-    let (loaded, bytes) = ck.parts_read();
+    let (loaded, bytes) = ck.catalog().parts_read();
     assert!(loaded <= nparts, "{loaded} parts read of {nparts}");
     assert!(
         bytes <= part_bytes,

@@ -193,7 +193,7 @@ impl PyCheckpoint {
                 out.set_item(n, arr)?;
                 continue;
             }
-            let v = ck.tensor(n).map_err(CkError)?;
+            let v = ck.read(n).view_unchecked().map_err(CkError)?;
             out.set_item(n, self.wrap(py, base, v, raw)?)?;
         }
         Ok(out)
@@ -452,11 +452,9 @@ impl PyCheckpoint {
     #[pyo3(signature = (names, *, release = false))]
     fn verify_tensors(&self, py: Python<'_>, names: Vec<Name>, release: bool) -> PyResult<()> {
         let ck = self.open_parts_for("verify_tensors")?.0.clone();
-        py.detach(move || {
-            let ns: Vec<&str> = names.iter().map(|n| n.0.as_str()).collect();
-            ck.verify_tensors(&ns, release)
-        })
-        .map_err(CkError)?;
+        let names: Vec<String> = names.into_iter().map(|n| n.0).collect();
+        py.detach(move || batch::verify(&ck, &names, release))
+            .map_err(CkError)?;
         Ok(())
     }
 
@@ -490,12 +488,8 @@ impl PyCheckpoint {
             arrays.push(a);
         }
         let dsts = writable_bytes("copy_into", &names, &mut arrays)?;
-        py.detach(move || {
-            let pairs: Vec<(&str, &mut [u8])> =
-                names.iter().map(String::as_str).zip(dsts).collect();
-            ck.copy_into_unchecked(pairs, release)
-        })
-        .map_err(CkError)?;
+        py.detach(move || batch::copy(&ck, &names, dsts, release))
+            .map_err(CkError)?;
         Ok(())
     }
 
@@ -520,17 +514,8 @@ impl PyCheckpoint {
             arrays.push(a);
         }
         let dsts = writable_bytes("copy_ranges_into", &names, &mut arrays)?;
-        py.detach(move || {
-            let items: Vec<(&str, u64, &mut [u8])> = names
-                .iter()
-                .map(String::as_str)
-                .zip(offsets)
-                .zip(dsts)
-                .map(|((n, o), d)| (n, o, d))
-                .collect();
-            ck.copy_ranges_into_unchecked(items)
-        })
-        .map_err(CkError)?;
+        py.detach(move || batch::copy_ranges(&ck, &names, offsets, dsts))
+            .map_err(CkError)?;
         Ok(())
     }
 
@@ -577,13 +562,8 @@ impl PyCheckpoint {
             fills.into_iter().map(|(n, a)| (n.0, a)).unzip();
         let verify: Vec<String> = verify.into_iter().map(|n| n.0).collect();
         let dsts = writable_bytes("fill_and_verify", &names, &mut arrays)?;
-        py.detach(move || {
-            let fills: Vec<(&str, &mut [u8])> =
-                names.iter().map(String::as_str).zip(dsts).collect();
-            let vs: Vec<&str> = verify.iter().map(String::as_str).collect();
-            ck.fill_and_verify(fills, &vs, release)
-        })
-        .map_err(CkError)?;
+        py.detach(move || batch::fill(&ck, &names, dsts, &verify, release))
+            .map_err(CkError)?;
         Ok(())
     }
 

@@ -102,22 +102,22 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
         Checkpoint::info(self, name)
     }
     fn entries(&self) -> Vec<Entry<'_>> {
-        Checkpoint::entries(self)
+        self.catalog().entries()
     }
     fn entry(&self, name: &str) -> Result<Entry<'_>, Error> {
-        Checkpoint::entry(self, name)
+        self.catalog().entry(name)
     }
     fn entry_count(&self) -> usize {
-        Checkpoint::entry_count(self)
+        self.catalog().entry_count()
     }
     fn globals(&self) -> &[GlobalEntry] {
-        Checkpoint::globals(self)
+        self.catalog().globals()
     }
     fn shape_of(&self, name: &str) -> Result<(DType, Vec<u64>), Error> {
-        Checkpoint::shape_of(self, name).map(|(d, s)| (d, s.to_vec()))
+        self.catalog().shape_of(name).map(|(d, s)| (d, s.to_vec()))
     }
     fn chunks(&self, name: &str) -> Result<Vec<Region>, Error> {
-        Checkpoint::chunks(self, name)
+        self.catalog().chunks(name)
     }
     fn data_bytes(&self) -> u64 {
         Checkpoint::data_bytes(self)
@@ -129,22 +129,22 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
         Checkpoint::verify(self)
     }
     fn read_tensor(&self, name: &str) -> Result<Tensor, Error> {
-        Checkpoint::read_tensor(self, name)
+        self.read(name).to_tensor()
     }
     fn read_global(&self, name: &str) -> Result<Tensor, Error> {
-        Checkpoint::read_global(self, name)
+        self.read(name).to_tensor()
     }
     fn read_region(&self, name: &str, o: &[u64], s: &[u64]) -> Result<Tensor, Error> {
-        Checkpoint::read_region(self, name, o, s)
+        self.read(name).region(o, s).to_tensor()
     }
     fn read_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error> {
-        Checkpoint::read_region_into(self, n, o, s, out)
+        self.read(n).region(o, s).into(out)
     }
     fn fill_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error> {
-        Checkpoint::fill_region_into(self, n, o, s, out)
+        self.read(n).region(o, s).fused(true).into(out)
     }
     fn verify_region(&self, name: &str, o: &[u64], s: &[u64]) -> Result<(), Error> {
-        Checkpoint::verify_region(self, name, o, s)
+        self.read(name).region(o, s).verify()
     }
     fn copy_region_unchecked(
         &self,
@@ -153,7 +153,7 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
         s: &[u64],
         out: &mut [u8],
     ) -> Result<(), Error> {
-        Checkpoint::copy_region_unchecked(self, n, o, s, out)
+        self.read(n).region(o, s).into_unchecked(out)
     }
     fn region_byte_ranges(
         &self,
@@ -161,16 +161,16 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
         o: &[u64],
         s: &[u64],
     ) -> Result<Vec<(usize, u64, u64)>, Error> {
-        Checkpoint::region_byte_ranges(self, name, o, s)
+        self.read(name).region(o, s).plan().map(|p| p.shard_ranges)
     }
     fn two_level(&self) -> bool {
-        Checkpoint::two_level(self)
+        self.catalog().two_level()
     }
     fn parts_read(&self) -> (usize, u64) {
-        Checkpoint::parts_read(self)
+        self.catalog().parts_read()
     }
     fn grid_cells(&self, name: &str) -> Option<Vec<Region>> {
-        Checkpoint::grid_cells(self, name)
+        self.catalog().grid_cells(name)
     }
     fn region_file_ranges(
         &self,
@@ -178,7 +178,7 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
         o: &[u64],
         s: &[u64],
     ) -> Result<Vec<(&str, u64, u64)>, Error> {
-        Checkpoint::region_file_ranges(self, name, o, s)
+        self.read(name).region(o, s).plan().map(|p| p.file_ranges)
     }
 }
 
@@ -230,7 +230,7 @@ impl Regions {
 
     /// Copy the box into `out` (its bytes, row-major), CRC-checking it first unless this
     /// reader already did. With `fill`, a region not checked yet is read in one pass, each
-    /// block checked as it is copied (`Checkpoint::fill_region_into`): on error `out` is
+    /// block checked as it is copied (`Read::fused`): on error `out` is
     /// then partly written.
     pub(crate) fn copy(
         &self,

@@ -1,13 +1,14 @@
 //! The logical catalog of a checkpoint: what it holds as a user names it. A checkpoint
 //! written by several ranks stores each global tensor in chunks (`w@0,0~r0`, ...:
 //! format-spec/global.md); the catalog lists the global tensor `w` once, beside the whole
-//! tensors, and never its chunks, whose layout [`Checkpoint::chunks`] gives.
+//! tensors, and never its chunks, whose layout [`Catalog::chunks`] gives.
 
-use super::{Checkpoint, NOT_A_CHUNK};
+use super::{Checkpoint, Region, ShardSource, StoredChunk, NOT_A_CHUNK};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::format::global::GlobalEntry;
 
-/// One name of a checkpoint's logical catalog ([`Checkpoint::entries`]).
+/// One name of a checkpoint's logical catalog ([`Catalog::entries`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry<'a> {
     /// The name a user reads it by.
@@ -18,8 +19,8 @@ pub struct Entry<'a> {
     pub shape: &'a [u64],
     /// How many stored chunks hold it: 1 for a whole tensor.
     pub chunks: usize,
-    /// A global tensor (stored in chunks, read with [`Checkpoint::read_global`]) rather than
-    /// one whole stored tensor (viewable zero-copy with [`Checkpoint::tensor`]).
+    /// A global tensor (stored in chunks, assembled by [`Checkpoint::read`]) rather than
+    /// one whole stored tensor (viewable zero-copy: [`Read::view`](super::Read::view)).
     pub global: bool,
 }
 
@@ -36,7 +37,7 @@ impl<S> Checkpoint<S> {
     /// order they are stored (a global tensor where its first chunk is); chunks and their
     /// replicas are not listed. For a checkpoint without global tensors these are exactly
     /// [`Checkpoint::tensors`].
-    pub fn entries(&self) -> Vec<Entry<'_>> {
+    pub(crate) fn entries(&self) -> Vec<Entry<'_>> {
         let tensors = self.tensors();
         let globals = self.manifest().map_or(&[][..], |m| &m.globals);
         let mut listed = vec![false; globals.len()];
@@ -92,7 +93,7 @@ impl<S> Checkpoint<S> {
     }
 
     /// How many names [`Checkpoint::entries`] lists (without building the list).
-    pub fn entry_count(&self) -> usize {
+    pub(crate) fn entry_count(&self) -> usize {
         let chunks = self
             .chunk_of()
             .iter()
@@ -107,7 +108,7 @@ impl<S> Checkpoint<S> {
     /// # Errors
     /// [`Error::TensorNotFound`] if the catalog has no such name (a chunk's stored name is
     /// not one: read it through its global tensor).
-    pub fn entry(&self, name: &str) -> Result<Entry<'_>> {
+    pub(crate) fn entry(&self, name: &str) -> Result<Entry<'_>> {
         let not_found = || Error::TensorNotFound {
             name: name.to_string(),
         };
@@ -139,5 +140,124 @@ impl<S> Checkpoint<S> {
             chunks: 1,
             global: false,
         })
+    }
+}
+
+/// The logical catalog of a checkpoint ([`Checkpoint::catalog`]): the names a user reads
+/// by (whole tensors and global tensors), their shapes, and how the global tensors are
+/// chunked. A cheap copy of a reference to the checkpoint; what it returns borrows the
+/// checkpoint.
+pub struct Catalog<'c, S> {
+    ck: &'c Checkpoint<S>,
+}
+
+impl<S> Clone for Catalog<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S> Copy for Catalog<'_, S> {}
+
+impl<S> std::fmt::Debug for Catalog<'_, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Catalog")
+            .field("root", &self.ck.root())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> Checkpoint<S> {
+    /// The logical catalog: names, shapes and chunk layouts ([`Catalog`]).
+    pub fn catalog(&self) -> Catalog<'_, S> {
+        Catalog { ck: self }
+    }
+}
+
+impl<'c, S> Catalog<'c, S> {
+    /// The logical catalog: every whole tensor and every global tensor, once each, in the
+    /// order they are stored (a global tensor where its first chunk is); chunks and their
+    /// replicas are not listed. For a checkpoint without global tensors these are exactly
+    /// [`Checkpoint::tensors`].
+    pub fn entries(self) -> Vec<Entry<'c>> {
+        self.ck.entries()
+    }
+
+    /// How many names [`Catalog::entries`] lists (without building the list).
+    pub fn entry_count(self) -> usize {
+        self.ck.entry_count()
+    }
+
+    /// The catalog entry called `name`: a global tensor, or a whole tensor that is not a
+    /// chunk of one.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] if the catalog has no such name (a chunk's stored name is
+    /// not one: read it through its global tensor).
+    pub fn entry(self, name: &str) -> Result<Entry<'c>> {
+        self.ck.entry(name)
+    }
+
+    /// The global tensors (format-spec/global.md), in manifest order; empty for checkpoints
+    /// without any.
+    pub fn globals(self) -> &'c [GlobalEntry] {
+        self.ck.globals()
+    }
+
+    /// The global tensor called `name`, if there is one.
+    pub fn global(self, name: &str) -> Option<&'c GlobalEntry> {
+        self.ck.global(name)
+    }
+
+    /// The dtype and (global) shape of `name`: a global tensor, or a whole tensor.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] if neither holds that name.
+    pub fn shape_of(self, name: &str) -> Result<(DType, &'c [u64])> {
+        self.ck.shape_of(name)
+    }
+
+    /// The cells of the chunk grid of global `name` in a two-level checkpoint, as regions
+    /// in row-major cell order (format-spec/global.md §Root): each lies inside one chunk,
+    /// so a reader can plan with them as it would with chunks, from the root alone,
+    /// loading no part. `None` for a flat checkpoint's globals and for whole tensors.
+    pub fn grid_cells(self, name: &str) -> Option<Vec<Region>> {
+        self.ck.grid_cells(name)
+    }
+
+    /// Whether this is a two-level checkpoint (feature `parts`, format-spec/global.md §The
+    /// two-level manifest), whose chunk entries live in part indexes read on first use.
+    pub fn two_level(self) -> bool {
+        self.ck.parts.is_some()
+    }
+
+    /// Of a two-level checkpoint: how many part indexes have been read so far, and their
+    /// bytes (the metadata decoded besides the root manifest). `(0, 0)` otherwise.
+    pub fn parts_read(self) -> (usize, u64) {
+        self.ck
+            .parts
+            .as_ref()
+            .map_or((0, 0), |p| (p.loaded_count(), p.index_bytes()))
+    }
+}
+
+impl<'c, S: ShardSource> Catalog<'c, S> {
+    /// The chunks of `name` as regions of its global index space, in manifest order: a
+    /// whole tensor is one chunk at the origin. Of a two-level checkpoint this reads every
+    /// part of its grid.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; a part's load errors.
+    pub fn chunks(self, name: &str) -> Result<Vec<Region>> {
+        self.ck.chunks(name)
+    }
+
+    /// Every stored chunk of the global tensor `name`, replicas included: for `inspect`
+    /// and tools. Of a two-level checkpoint this reads every part.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`] if `name` is not a global tensor; a part's load errors.
+    pub fn stored_chunks(self, name: &str) -> Result<Vec<StoredChunk<'c>>> {
+        self.ck.stored_chunks(name)
     }
 }

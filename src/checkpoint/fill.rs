@@ -4,10 +4,9 @@
 
 use rayon::prelude::*;
 
-use super::{with_readahead, Checkpoint};
+use super::{with_readahead, Checkpoint, ShardSource};
 use crate::error::{Error, Result};
 use crate::format::manifest::TensorInfo;
-use crate::mmap::ReleasePages;
 
 /// Bytes per parallel block: each block's mapped pages are released as soon as the block
 /// is done, so at most a few blocks per thread are resident beyond what was restored.
@@ -31,14 +30,14 @@ fn hash_block(src: &[u8], dst: Option<&mut [u8]>) -> crc32fast::Hasher {
     h
 }
 
-/// One unit of [`Checkpoint::fill_and_verify`]: a tensor to copy (fused with its CRC) into
+/// One unit of `Checkpoint::fill_and_verify`: a tensor to copy (fused with its CRC) into
 /// a destination, or one whose CRC is only checked.
 enum Job<'a, 'd> {
     Fill(&'a TensorInfo, &'d mut [u8]),
     Verify(&'a TensorInfo),
 }
 
-impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
+impl<S: ShardSource> Checkpoint<S> {
     /// In one pass over the stored bytes: copy each tensor of `fills` into its destination
     /// (exactly the tensor's byte length) with its CRC32 computed on the way (per block:
     /// every byte read once and written once), and check the CRC32 of every tensor of
@@ -51,13 +50,13 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
     /// written. On a checksum error the destinations hold unspecified bytes: fill fresh
     /// memory and throw it away on error, and check the tensors whose destination must not
     /// change on failure through `verify` (copy them afterwards, with
-    /// [`Checkpoint::copy_tensor_into_unchecked`]).
+    /// `Checkpoint::copy_tensor_into_unchecked`).
     ///
     /// # Errors
     /// [`Error::TensorNotFound`] for an unknown name; [`Error::InvalidArgument`] for a
     /// destination of the wrong length (naming the tensor); [`Error::ChecksumMismatch`] for
     /// damaged bytes, the first in `fills` then `verify` order.
-    pub fn fill_and_verify(
+    pub(crate) fn fill_and_verify(
         &self,
         fills: Vec<(&str, &mut [u8])>,
         verify: &[&str],
@@ -110,7 +109,11 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if a destination is not
     /// exactly its tensor's byte length. Both are checked before any byte is written.
-    pub fn copy_into_unchecked(&self, pairs: Vec<(&str, &mut [u8])>, release: bool) -> Result<()> {
+    pub(crate) fn copy_into_unchecked(
+        &self,
+        pairs: Vec<(&str, &mut [u8])>,
+        release: bool,
+    ) -> Result<()> {
         let mut jobs = Vec::with_capacity(pairs.len());
         for (name, dst) in pairs {
             jobs.push((self.destination_for(name, dst)?, dst));
@@ -121,22 +124,12 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
         Ok(())
     }
 
-    /// [`Checkpoint::copy_into_unchecked`] (the old name, which did not say that the CRC is not
-    /// checked).
-    ///
-    /// # Errors
-    /// As [`Checkpoint::copy_into_unchecked`].
-    #[deprecated(note = "renamed copy_into_unchecked: it does not check the CRC")]
-    pub fn copy_into_releasing(&self, pairs: Vec<(&str, &mut [u8])>, release: bool) -> Result<()> {
-        self.copy_into_unchecked(pairs, release)
-    }
-
     /// One pass over tensor `t`'s stored bytes in parallel blocks: copied into `dst` when
     /// given (of the same length: checked by the callers), hashed when `hash` (the CRC32
     /// is returned; 0 otherwise), each block's mapped pages released after it when
     /// `release`.
     fn blocks(&self, t: &TensorInfo, dst: Option<&mut [u8]>, hash: bool, release: bool) -> u32 {
-        let src = self.view(t).bytes();
+        let src = self.stored_bytes(t).unwrap_or(&[]);
         let storage = &self.shards[t.shard].bytes;
         // Offsets were validated against the shard's length when the checkpoint was built.
         let base = t.offsets[0] as usize;
@@ -150,7 +143,7 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
                 (false, None) => None,
             };
             if release {
-                storage.release_pages(base + i * RELEASE_BLOCK, s.len());
+                storage.release((base + i * RELEASE_BLOCK) as u64, s.len() as u64);
             }
             h
         };
@@ -178,7 +171,7 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
     }
 }
 
-impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
+impl<S: ShardSource> Checkpoint<S> {
     /// Copy stored bytes `[offset, offset + dst.len())` of each named tensor into its
     /// `dst`, in parallel across items and in blocks within large ones. The CRC is not
     /// checked here ([`Checkpoint::verify_tensors`] or [`Checkpoint::fill_and_verify`]
@@ -189,21 +182,13 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a range outside its
     /// tensor.
-    pub fn copy_ranges_into_unchecked(&self, items: Vec<(&str, u64, &mut [u8])>) -> Result<()> {
+    pub(crate) fn copy_ranges_into_unchecked(
+        &self,
+        items: Vec<(&str, u64, &mut [u8])>,
+    ) -> Result<()> {
         let mut jobs = Vec::with_capacity(items.len());
         for (name, offset, dst) in items {
-            let src = self.view(self.info(name)?).bytes();
-            let range = usize::try_from(offset)
-                .ok()
-                .and_then(|a| Some(a..a.checked_add(dst.len())?))
-                .and_then(|r| src.get(r))
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "bytes {offset}..+{} are outside tensor {name:?} ({} bytes)",
-                        dst.len(),
-                        src.len()
-                    ))
-                })?;
+            let range = self.stored_range(name, offset, dst.len())?;
             jobs.push((range, dst));
         }
         jobs.into_par_iter().for_each(|(src, dst)| {
@@ -214,21 +199,11 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
         Ok(())
     }
 
-    /// [`Checkpoint::copy_ranges_into_unchecked`] (the old name, which did not say that the CRC is not
-    /// checked).
-    ///
-    /// # Errors
-    /// As [`Checkpoint::copy_ranges_into_unchecked`].
-    #[deprecated(note = "renamed copy_ranges_into_unchecked: it does not check the CRC")]
-    pub fn copy_ranges_into(&self, items: Vec<(&str, u64, &mut [u8])>) -> Result<()> {
-        self.copy_ranges_into_unchecked(items)
-    }
-
     /// The tensor `name`, checked to have exactly `dst.len()` stored bytes (the stored
     /// bytes themselves, not the shape's count: a copy needs equal lengths).
     fn destination_for(&self, name: &str, dst: &[u8]) -> Result<&TensorInfo> {
         let t = self.info(name)?;
-        let len = self.view(t).bytes().len();
+        let len = self.stored_bytes(t).map_or(0, <[u8]>::len);
         if len != dst.len() {
             return Err(Error::InvalidArgument(format!(
                 "tensor {name:?} is {len} bytes, its destination {} bytes",
@@ -236,5 +211,28 @@ impl<B: AsRef<[u8]> + Send + Sync + ReleasePages> Checkpoint<B> {
             )));
         }
         Ok(t)
+    }
+
+    /// Stored bytes `[offset, offset + len)` of the (resident) tensor `name`.
+    fn stored_range(&self, name: &str, offset: u64, len: usize) -> Result<&[u8]> {
+        let src = self.stored_bytes(self.info(name)?).unwrap_or(&[]);
+        usize::try_from(offset)
+            .ok()
+            .and_then(|a| Some(a..a.checked_add(len)?))
+            .and_then(|r| src.get(r))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "bytes {offset}..+{len} are outside tensor {name:?} ({} bytes)",
+                    src.len()
+                ))
+            })
+    }
+
+    /// Check each byte range against its tensor before anything is read or written.
+    pub(crate) fn check_ranges(&self, items: &[(&str, u64, &mut [u8])]) -> Result<()> {
+        for (name, offset, dst) in items {
+            self.stored_range(name, *offset, dst.len())?;
+        }
+        Ok(())
     }
 }

@@ -44,7 +44,7 @@ impl Checkpoint<Map> {
     /// let w: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
     /// save(dir.path(), &[TensorRef::from_slice("w", &[2, 2], &w)], &SaveOptions::default())?;
     /// let ckpt = Checkpoint::open(dir.path())?;
-    /// assert_eq!(ckpt.tensor("w")?.as_slice::<f32>()?, &w[..]);
+    /// assert_eq!(ckpt.read("w").view()?.as_slice::<f32>()?, &w[..]);
     /// ckpt.verify()?;
     /// # Ok(()) }
     /// ```

@@ -8,7 +8,7 @@
 //! the caller's fresh buffer, CRC-checked as they land, so the same failures are errors
 //! naming the file ([`Error::Io`], or [`Error::ShardMismatch`] for a file that came back
 //! short) and the process, and everything it holds, survives. The cost is what a fetch
-//! costs: a copy into fresh memory instead of zero-copy views (no [`Checkpoint::tensor`]
+//! costs: a copy into fresh memory instead of zero-copy views (no [`Read::view`](super::Read::view)
 //! views and no `load_optimizer`, which read in place); reads, regions, streams and
 //! `verify` work as on any source.
 
@@ -184,7 +184,7 @@ impl Checkpoint<FileShard> {
     /// let w = [1.0f32, 2.0, 3.0];
     /// ckptstore::save(dir.path(), &[ckptstore::TensorRef::from_slice("w", &[3], &w)], &Default::default())?;
     /// let ck = ckptstore::Checkpoint::open_pread(dir.path())?;
-    /// assert_eq!(ck.read_tensor("w")?.as_slice::<f32>()?, &w[..]);
+    /// assert_eq!(ck.read("w").to_tensor()?.as_slice::<f32>()?, &w[..]);
     /// # Ok(()) }
     /// ```
     pub fn open_pread(dir: impl AsRef<Path>) -> Result<Self> {

@@ -190,7 +190,7 @@ pub(crate) fn in_order() -> bool {
     read_strategy() == ReadStrategy::WillNeedInOrder
 }
 
-impl<B: AsRef<[u8]> + Send + Sync> Checkpoint<B> {
+impl<S: super::ShardSource> Checkpoint<S> {
     /// The mapped bytes of `tensors`, sorted in file order (shard, offset).
     /// Ranges that touch or overlap in a shard are merged, so that a checkpoint of many
     /// small tensors costs a few `mincore` calls per window, not per tensor.
@@ -213,7 +213,7 @@ impl<B: AsRef<[u8]> + Send + Sync> Checkpoint<B> {
                 self.shards
                     .get(sh)?
                     .bytes
-                    .as_ref()
+                    .bytes()?
                     .get(usize::try_from(a).ok()?..usize::try_from(b).ok()?)
             })
             .collect()

@@ -83,12 +83,12 @@ fn plan_region<'s, S>(src: &'s Source<'_, S>, region: &Region) -> Result<Vec<Ste
 impl<S> Checkpoint<S> {
     /// The global tensors (format-spec/global.md), in manifest order; empty for checkpoints
     /// without any.
-    pub fn globals(&self) -> &[GlobalEntry] {
+    pub(crate) fn globals(&self) -> &[GlobalEntry] {
         self.manifest().map_or(&[], |m| &m.globals)
     }
 
     /// The global tensor called `name`, if there is one.
-    pub fn global(&self, name: &str) -> Option<&GlobalEntry> {
+    pub(crate) fn global(&self, name: &str) -> Option<&GlobalEntry> {
         let i = *self.globals.get(name)?;
         self.globals().get(i)
     }
@@ -97,7 +97,7 @@ impl<S> Checkpoint<S> {
     ///
     /// # Errors
     /// [`Error::TensorNotFound`] if neither holds that name.
-    pub fn shape_of(&self, name: &str) -> Result<(DType, &[u64])> {
+    pub(crate) fn shape_of(&self, name: &str) -> Result<(DType, &[u64])> {
         match self.global(name) {
             Some(g) => Ok((g.dtype, &g.global_shape)),
             None => self.info(name).map(|t| (t.dtype, t.shape.as_slice())),
@@ -109,7 +109,7 @@ impl<S> Checkpoint<S> {
     ///
     /// # Errors
     /// [`Error::TensorNotFound`].
-    pub fn chunks(&self, name: &str) -> Result<Vec<Region>>
+    pub(crate) fn chunks(&self, name: &str) -> Result<Vec<Region>>
     where
         S: ShardSource,
     {
@@ -220,7 +220,7 @@ impl<S> Checkpoint<S> {
     ///
     /// # Errors
     /// As [`Checkpoint::read_region`], without reading any tensor data.
-    pub fn region_byte_ranges(
+    pub(crate) fn region_byte_ranges(
         &self,
         name: &str,
         offsets: &[u64],
@@ -261,7 +261,7 @@ impl<S> Checkpoint<S> {
     /// in row-major cell order (format-spec/global.md §Root): each lies inside one chunk,
     /// so a reader can plan with them as it would with chunks, from the root alone,
     /// loading no part. `None` for a flat checkpoint's globals and for whole tensors.
-    pub fn grid_cells(&self, name: &str) -> Option<Vec<Region>> {
+    pub(crate) fn grid_cells(&self, name: &str) -> Option<Vec<Region>> {
         let g = self.global(name)?;
         let grid = self.manifest()?.grids.get(g.grid? as usize)?;
         let dims = crate::format::grid::dims(grid);
@@ -291,7 +291,7 @@ impl<S> Checkpoint<S> {
     ///
     /// # Errors
     /// [`Error::TensorNotFound`] if `name` is not a global tensor; a part's load errors.
-    pub fn stored_chunks(&self, name: &str) -> Result<Vec<StoredChunk<'_>>>
+    pub(crate) fn stored_chunks(&self, name: &str) -> Result<Vec<StoredChunk<'_>>>
     where
         S: ShardSource,
     {
@@ -343,7 +343,7 @@ impl<S> Checkpoint<S> {
     ///
     /// # Errors
     /// As [`Checkpoint::read_region`], without reading any tensor data.
-    pub fn region_file_ranges(
+    pub(crate) fn region_file_ranges(
         &self,
         name: &str,
         offsets: &[u64],
@@ -382,37 +382,18 @@ impl<S> Checkpoint<S> {
         Ok(out)
     }
 
-    /// The bytes [`Checkpoint::read_region`] reads for this region: of every chunk it
-    /// intersects, the CRC blocks it touches (format-spec/integrity.md §Block CRCs), or
-    /// the whole chunk where the chunk has no block CRCs. Divided by the region's own
-    /// byte size, the read amplification of a resharding layout.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::read_region`], without reading any tensor data.
-    pub fn region_bytes_read(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<u64>
-    where
-        S: ShardSource,
-    {
-        // Bounded by the checkpoint's data size, validated at open.
-        Ok(self
-            .region_file_ranges(name, offsets, shape)?
-            .iter()
-            .map(|(_, b, e)| e - b)
-            .sum())
-    }
-
     /// The byte size of a region of `name`.
     ///
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] if it overflows.
-    pub fn region_nbytes(&self, name: &str, shape: &[u64]) -> Result<u64> {
+    pub(crate) fn region_nbytes(&self, name: &str, shape: &[u64]) -> Result<u64> {
         let (dtype, _) = self.shape_of(name)?;
         checked_nbytes(dtype, shape)
             .ok_or_else(|| Error::InvalidArgument(format!("region shape {shape:?} overflows")))
     }
 }
 
-/// One stored chunk of a global tensor ([`Checkpoint::stored_chunks`]).
+/// One stored chunk of a global tensor ([`Catalog::stored_chunks`](super::Catalog::stored_chunks)).
 #[derive(Debug, Clone)]
 pub struct StoredChunk<'a> {
     /// Where it lies in the global index space.
@@ -445,11 +426,11 @@ impl<S: ShardSource> Checkpoint<S> {
     /// let w: Vec<f32> = (0..12).map(|i| i as f32).collect();
     /// ckptstore::save(dir.path(), &[ckptstore::TensorRef::from_slice("w", &[3, 4], &w)], &Default::default())?;
     /// let ck = ckptstore::Checkpoint::open(dir.path())?;
-    /// let r = ck.read_region("w", &[1, 1], &[2, 2])?;
+    /// let r = ck.read("w").region(&[1, 1], &[2, 2]).to_tensor()?;
     /// assert_eq!(r.as_slice::<f32>()?, &[5.0, 6.0, 9.0, 10.0]);
     /// # Ok(()) }
     /// ```
-    pub fn read_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<Tensor> {
+    pub(crate) fn read_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<Tensor> {
         let region = Region::new(offsets, shape);
         let src = self.source(name, Some(&region))?;
         // Planned (and a two-level checkpoint's parts checked) before the buffer exists: its
@@ -474,7 +455,7 @@ impl<S: ShardSource> Checkpoint<S> {
     /// # Errors
     /// As [`Checkpoint::read_region`], and [`Error::InvalidArgument`] if `out` is not the
     /// region's byte size.
-    pub fn read_region_into(
+    pub(crate) fn read_region_into(
         &self,
         name: &str,
         offsets: &[u64],
@@ -492,7 +473,7 @@ impl<S: ShardSource> Checkpoint<S> {
     ///
     /// # Errors
     /// As [`Checkpoint::read_region`].
-    pub fn verify_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<()> {
+    pub(crate) fn verify_region(&self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<()> {
         self.region_op(name, offsets, shape, None, Pass::CheckFirst)
     }
 
@@ -504,7 +485,7 @@ impl<S: ShardSource> Checkpoint<S> {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a region of the wrong
     /// rank, out of bounds, or an `out` of the wrong size.
-    pub fn copy_region_unchecked(
+    pub(crate) fn copy_region_unchecked(
         &self,
         name: &str,
         offsets: &[u64],
@@ -512,17 +493,6 @@ impl<S: ShardSource> Checkpoint<S> {
         out: &mut [u8],
     ) -> Result<()> {
         self.region_op(name, offsets, shape, Some(out), Pass::Unchecked)
-    }
-
-    /// The whole of `name` (a global tensor assembled from its chunks, or a whole tensor),
-    /// in a fresh buffer, every chunk CRC-checked.
-    ///
-    /// # Errors
-    /// As [`Checkpoint::read_region`].
-    pub fn read_global(&self, name: &str) -> Result<Tensor> {
-        let (_, shape) = self.shape_of(name)?;
-        let shape = shape.to_vec();
-        self.read_region(name, &vec![0; shape.len()], &shape)
     }
 
     /// [`Checkpoint::read_region_into`] in one pass over the stored bytes, for a
@@ -535,7 +505,7 @@ impl<S: ShardSource> Checkpoint<S> {
     /// # Errors
     /// As [`Checkpoint::read_region_into`]: the first damaged block in the region's plan
     /// order is the one reported.
-    pub fn fill_region_into(
+    pub(crate) fn fill_region_into(
         &self,
         name: &str,
         offsets: &[u64],

@@ -135,8 +135,8 @@ impl ShardSource for RemoteShard {
 
 /// Open the checkpoint under the prefix of `remote` lazily: GET the manifest, then the header of every
 /// shard (a ranged GET each), checked as [`Checkpoint::open`] checks them. Tensors are
-/// fetched by ranged GETs when asked for ([`Checkpoint::read_tensor`],
-/// [`Checkpoint::read_region`], [`Checkpoint::stream_tensors`], [`Checkpoint::verify`]),
+/// fetched by ranged GETs when asked for ([`Checkpoint::read`],
+/// [`Checkpoint::stream_tensors`], [`Checkpoint::verify`]),
 /// CRC-checked, into fresh buffers: for checkpoints larger than memory and for reading a
 /// few tensors; [`open`] downloads everything.
 ///

@@ -113,14 +113,36 @@ impl<S: ShardSource> Checkpoint<S> {
     /// its data's (checked in the same pass as its CRC). For stores without checksums the structure was validated at open
     /// and the report says `checksummed: false`.
     pub fn verify(&self) -> Result<VerifyReport> {
-        self.verify_with_progress(&|_| {})
+        self.verify_opts(&VerifyOptions::default())
     }
 
-    /// [`Checkpoint::verify`], calling `progress` with the byte count of each tensor checked.
+    /// [`Checkpoint::verify`] with options ([`VerifyOptions`]): only some tensors' CRC32s,
+    /// a progress callback, pages released as tensors are checked.
     ///
     /// # Errors
-    /// As [`Checkpoint::verify`].
-    pub fn verify_with_progress(&self, progress: &(dyn Fn(u64) + Sync)) -> Result<VerifyReport> {
+    /// As [`Checkpoint::verify`]; for [`VerifyOptions::tensors`], [`Error::TensorNotFound`]
+    /// for an unknown name (before anything is read) and [`Error::ChecksumMismatch`] for
+    /// the first damaged tensor in the order named.
+    pub fn verify_opts(&self, opts: &VerifyOptions<'_>) -> Result<VerifyReport> {
+        let progress = opts.progress.unwrap_or(&|_| {});
+        if let Some(names) = opts.tensors {
+            self.verify_tensors(names, opts.release_pages, progress)?;
+            let mut bytes = 0;
+            for n in names {
+                bytes += self.info(n)?.nbytes();
+            }
+            return Ok(VerifyReport {
+                tensors: names.len(),
+                bytes,
+                checksummed: self.kind == Kind::Native,
+            });
+        }
+        self.verify_all(progress, opts.release_pages)
+    }
+
+    /// Every check of [`Checkpoint::verify`], calling `progress` with the byte count of each
+    /// tensor checked, releasing each tensor's pages once checked when `release` is set.
+    fn verify_all(&self, progress: &(dyn Fn(u64) + Sync), release: bool) -> Result<VerifyReport> {
         self.check_headers()?;
         self.check_optimizer_section()?;
         if self.kind != Kind::Native {
@@ -137,6 +159,9 @@ impl<S: ShardSource> Checkpoint<S> {
                 .filter_map(|(i, t)| {
                     let r = self.check_tensor(t);
                     progress(t.nbytes());
+                    if release {
+                        self.shards[t.shard].bytes.release(t.offsets[0], t.nbytes());
+                    }
                     r.err().map(|e| (i, e))
                 })
                 .min_by_key(|(i, _)| *i)
@@ -169,7 +194,7 @@ impl<S: ShardSource> Checkpoint<S> {
         if let Some(set) = &self.parts {
             for p in 0..set.len() {
                 let l = self.part(p as u32)?;
-                let r = l.ck.verify_with_progress(progress)?;
+                let r = l.ck.verify_all(progress, release)?;
                 report.tensors += r.tensors;
                 report.bytes += r.bytes;
             }
@@ -247,5 +272,51 @@ impl<S> Checkpoint<S> {
         actual: Option<f32>,
     ) -> Result<()> {
         check_absmax_in(t, &self.shards[t.shard].file, recorded, actual)
+    }
+}
+
+/// How [`Checkpoint::verify_opts`] verifies. The default is [`Checkpoint::verify`]'s:
+/// every header, the optimizer section and every tensor, no progress calls, pages kept.
+#[derive(Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct VerifyOptions<'a> {
+    /// Check only the CRC32 of these tensors (stored tensors, by name: no header or
+    /// optimizer-section checks), rayon-parallel across tensors and within large ones;
+    /// `None` checks everything.
+    pub tensors: Option<&'a [&'a str]>,
+    /// Called with the byte count of each tensor checked.
+    pub progress: Option<&'a (dyn Fn(u64) + Sync)>,
+    /// Release each tensor's mapped pages from this process once it is checked (they stay
+    /// in the page cache).
+    pub release_pages: bool,
+}
+
+impl std::fmt::Debug for VerifyOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerifyOptions")
+            .field("tensors", &self.tensors)
+            .field("progress", &self.progress.is_some())
+            .field("release_pages", &self.release_pages)
+            .finish()
+    }
+}
+
+impl<'a> VerifyOptions<'a> {
+    /// Check only these tensors' CRC32s.
+    pub fn tensors(mut self, names: &'a [&'a str]) -> Self {
+        self.tensors = Some(names);
+        self
+    }
+
+    /// Call `f` with the byte count of each tensor checked.
+    pub fn progress(mut self, f: &'a (dyn Fn(u64) + Sync)) -> Self {
+        self.progress = Some(f);
+        self
+    }
+
+    /// Release each tensor's mapped pages once it is checked.
+    pub fn release_pages(mut self, yes: bool) -> Self {
+        self.release_pages = yes;
+        self
     }
 }

@@ -172,7 +172,7 @@ impl StepLease {
 /// }
 /// assert_eq!(mgr.steps()?, vec![200, 300]);
 /// let ck = mgr.open(mgr.latest()?.unwrap())?;
-/// assert_eq!(ck.tensor("w")?.as_slice::<f32>()?[0], 300.0);
+/// assert_eq!(ck.read("w").view()?.as_slice::<f32>()?[0], 300.0);
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]

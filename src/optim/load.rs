@@ -292,7 +292,7 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
     /// `partition`, only the region of it that the rank holds (in the parameter's global
     /// index space), read from whatever chunking the checkpoint was saved with; parameters
     /// not named are loaded whole. States shaped like their parameter are read by region
-    /// ([`Checkpoint::read_region`], every chunk read CRC-checked); scalar states (`step`)
+    /// ([`Read::region`](crate::checkpoint::Read::region), every chunk read CRC-checked); scalar states (`step`)
     /// whole. The layout applies as in [`Checkpoint::load_optimizer`], to each rank's
     /// region: an F16-scaled target computes the scale from the region's own absmax, as
     /// FusedAdam does per local tensor. The returned state's parameter shapes are the
@@ -369,7 +369,7 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
                 let data = if shaped {
                     self.read_region(&s.tensor, &r.offsets, &r.shape)?
                 } else {
-                    self.read_global(&s.tensor)?
+                    self.read(&s.tensor).to_tensor()?
                 };
                 let (target, explicit) = layout.resolve(param, state);
                 let float = data.dtype().is_float() || s.encoding == Encoding::F16Scaled;
@@ -397,7 +397,7 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
                         convert_plain(&v, t, None, conv)
                     }
                     (Some(sc), t) => {
-                        let scale = self.read_global(sc)?;
+                        let scale = self.read(sc).to_tensor()?;
                         match t {
                             Target::AsStored | Target::F16Scaled(ScaleShape::Keep) => {
                                 Ok(StateValue::F16Scaled { q: data, scale })

@@ -268,7 +268,7 @@ pub fn model_refs(model: &Model) -> Vec<ckptstore::TensorRef<'_>> {
 }
 
 /// Read model parameters back from a checkpoint (CRC-checked), as a fresh model.
-pub fn model_from<B: AsRef<[u8]> + Send + Sync>(
+pub fn model_from<B: ckptstore::checkpoint::ShardSource>(
     ck: &ckptstore::Checkpoint<B>,
     like: &Model,
 ) -> Model {
@@ -276,7 +276,7 @@ pub fn model_from<B: AsRef<[u8]> + Send + Sync>(
         .params
         .iter()
         .map(|(n, (s, _))| {
-            let v = ck.tensor_verified(n).unwrap();
+            let v = ck.read(n).view().unwrap();
             assert_eq!(v.dtype(), DType::F32);
             assert_eq!(v.shape(), &s[..]);
             (

@@ -21,7 +21,7 @@ pub fn stored(ck: &Checkpoint) -> (Vec<String>, Vec<Vec<u8>>) {
     let names: Vec<String> = ck.tensors().iter().map(|t| t.name.clone()).collect();
     let bytes = names
         .iter()
-        .map(|n| ck.tensor(n).unwrap().bytes().to_vec())
+        .map(|n| ck.read(n).view_unchecked().unwrap().bytes().to_vec())
         .collect();
     (names, bytes)
 }

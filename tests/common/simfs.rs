@@ -830,7 +830,7 @@ fn diff(ck: &Checkpoint, e: &Expected) -> Option<String> {
     if ck.metadata() != &e.metadata {
         return Some(format!("metadata {} != {}", ck.metadata(), e.metadata));
     }
-    if ck.two_level() {
+    if ck.catalog().two_level() {
         return diff_two_level(ck, e);
     }
     let names: Vec<&str> = ck.tensors().iter().map(|t| t.name.as_str()).collect();
@@ -839,7 +839,7 @@ fn diff(ck: &Checkpoint, e: &Expected) -> Option<String> {
         return Some(format!("tensors {names:?} != {want:?}"));
     }
     for (name, dtype, shape, bytes) in &e.tensors {
-        let v = ck.tensor(name).unwrap();
+        let v = ck.read(name).view_unchecked().unwrap();
         if v.dtype() != *dtype || v.shape() != &shape[..] || v.bytes() != &bytes[..] {
             return Some(format!("tensor {name:?} differs"));
         }
@@ -855,7 +855,7 @@ fn diff_two_level(ck: &Checkpoint, e: &Expected) -> Option<String> {
     type Stored = (String, ckptstore::DType, Vec<u64>, Option<Vec<u8>>);
     let mut got: Vec<Stored> = Vec::new();
     for t in ck.tensors() {
-        let v = ck.tensor(&t.name).ok()?;
+        let v = ck.read(&t.name).view_unchecked().ok()?;
         got.push((
             t.name.clone(),
             t.dtype,
@@ -863,8 +863,8 @@ fn diff_two_level(ck: &Checkpoint, e: &Expected) -> Option<String> {
             Some(v.bytes().to_vec()),
         ));
     }
-    for g in ck.globals() {
-        let chunks = match ck.stored_chunks(&g.name) {
+    for g in ck.catalog().globals() {
+        let chunks = match ck.catalog().stored_chunks(&g.name) {
             Ok(c) => c,
             Err(err) => return Some(format!("chunks of {:?}: {err}", g.name)),
         };
@@ -872,7 +872,11 @@ fn diff_two_level(ck: &Checkpoint, e: &Expected) -> Option<String> {
             let bytes = if c.replica {
                 None
             } else {
-                match ck.read_region(&g.name, &c.region.offsets, &c.region.shape) {
+                match ck
+                    .read(&g.name)
+                    .region(&c.region.offsets, &c.region.shape)
+                    .to_tensor()
+                {
                     Ok(t) => Some(t.bytes().to_vec()),
                     Err(err) => return Some(format!("region of {:?}: {err}", g.name)),
                 }

@@ -384,7 +384,12 @@ fn commit_two_level(dir: &Path, name: &'static str, descriptors: &[parts::Part])
         let files = two_level_files(&unframe_two_level(&data.1));
         let ck = Checkpoint::from_files(files).map_err(|e| format!("{name}{}: {e}", data.0))?;
         ck.verify().map_err(|e| format!("{name}{}: {e}", data.0))?;
-        assert_eq!(ck.parts_read().0, part_names.len(), "{name}{}", data.0);
+        assert_eq!(
+            ck.catalog().parts_read().0,
+            part_names.len(),
+            "{name}{}",
+            data.0
+        );
         check_two_level(&data.1);
     }
     Ok(seed)

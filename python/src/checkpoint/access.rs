@@ -51,10 +51,10 @@ impl PyCheckpoint {
         if verify {
             let ck = ck.clone();
             let n = name.to_string();
-            py.detach(move || ck.tensor_verified(&n).map(|_| ()))
+            py.detach(move || ck.read(&n).view().map(|_| ()))
                 .map_err(CkError)?;
         }
-        let v = ck.tensor(name).map_err(CkError)?;
+        let v = ck.read(name).view_unchecked().map_err(CkError)?;
         self.wrap(py, base, v, raw)
     }
 
@@ -157,4 +157,66 @@ pub(crate) struct MappedCheckpoint {
 #[pyo3(name = "RegionReader")]
 pub(crate) fn region_reader(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
     PyCheckpoint::new(py, path, true)
+}
+
+/// The engine's batch reads behind `verify_tensors`, `copy_into_unchecked`,
+/// `copy_ranges_into_unchecked` and `fill_and_verify` (run with the interpreter released).
+pub(super) mod batch {
+    use ckptstore::checkpoint::VerifyOptions;
+    use ckptstore::{Checkpoint, Error, Storage};
+
+    fn strs(names: &[String]) -> Vec<&str> {
+        names.iter().map(String::as_str).collect()
+    }
+
+    /// The CRC32 of every named tensor, in parallel.
+    pub(crate) fn verify(
+        ck: &Checkpoint<Storage>,
+        names: &[String],
+        release: bool,
+    ) -> Result<(), Error> {
+        let ns = strs(names);
+        let opts = VerifyOptions::default().tensors(&ns);
+        ck.verify_opts(&opts.release_pages(release)).map(drop)
+    }
+
+    /// Each named tensor into its destination, unchecked.
+    pub(crate) fn copy(
+        ck: &Checkpoint<Storage>,
+        names: &[String],
+        dsts: Vec<&mut [u8]>,
+        release: bool,
+    ) -> Result<(), Error> {
+        let batch = ck
+            .read_batch()
+            .fill(strs(names).into_iter().zip(dsts).collect());
+        batch.release_pages(release).run_unchecked()
+    }
+
+    /// Each `(name, offset)` byte range into its destination, unchecked.
+    pub(crate) fn copy_ranges(
+        ck: &Checkpoint<Storage>,
+        names: &[String],
+        offsets: Vec<u64>,
+        dsts: Vec<&mut [u8]>,
+    ) -> Result<(), Error> {
+        let items = strs(names).into_iter().zip(offsets).zip(dsts);
+        let items = items.map(|((n, o), d)| (n, o, d)).collect();
+        ck.read_batch().fill_ranges(items).run_unchecked()
+    }
+
+    /// Each named tensor into its destination and each of `verify` checked, in one pass.
+    pub(crate) fn fill(
+        ck: &Checkpoint<Storage>,
+        names: &[String],
+        dsts: Vec<&mut [u8]>,
+        verify: &[String],
+        release: bool,
+    ) -> Result<(), Error> {
+        let vs = strs(verify);
+        let batch = ck
+            .read_batch()
+            .fill(strs(names).into_iter().zip(dsts).collect());
+        batch.check(&vs).release_pages(release).run()
+    }
 }

@@ -136,7 +136,7 @@ pub(super) fn verify_many(ck: &Checkpoint, names: &[String]) -> Result<(), Error
     let first_bad = names
         .par_iter()
         .enumerate()
-        .filter_map(|(i, n)| ck.tensor_verified(n).err().map(|e| (i, e)))
+        .filter_map(|(i, n)| ck.read(n).view().err().map(|e| (i, e)))
         .min_by_key(|(i, _)| *i);
     match first_bad {
         Some((_, e)) => Err(e),

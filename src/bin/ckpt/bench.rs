@@ -106,7 +106,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
         Ok(ck
             .tensors()
             .iter()
-            .map(|t| crc32fast::hash(ck.tensor(&t.name).map(|v| v.bytes()).unwrap_or(&[])))
+            .map(|t| {
+                crc32fast::hash(
+                    ck.read(&t.name)
+                        .view_unchecked()
+                        .map(|v| v.bytes())
+                        .unwrap_or(&[]),
+                )
+            })
             .fold(0u32, |a, b| a ^ b))
     })?;
 

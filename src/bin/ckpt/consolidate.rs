@@ -80,6 +80,7 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
         .collect();
     // Chunk tensors (and replicas) are not copied: their globals are written whole.
     let chunk_tensors: HashSet<&str> = ck
+        .catalog()
         .globals()
         .iter()
         .flat_map(|g| &g.chunks)
@@ -97,8 +98,14 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
             nbytes: t.nbytes(),
         })
         .collect();
-    for g in ck.globals() {
-        let nbytes = ck.region_nbytes(&g.name, &g.global_shape)?;
+    for g in ck.catalog().globals() {
+        let nbytes = g
+            .global_shape
+            .iter()
+            .try_fold(g.dtype.size() as u64, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| {
+                ckptstore::Error::InvalidArgument(format!("global tensor {:?} overflows", g.name))
+            })?;
         items.push(Item {
             name: &g.name,
             global: true,
@@ -133,12 +140,14 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
             // into memory that is already faulted in.
             let mut tensors = Vec::with_capacity(group.len());
             for it in group {
-                let (dtype, shape) = ck.shape_of(it.name)?;
+                let (dtype, shape) = ck.catalog().shape_of(it.name)?;
                 let mut buf = take_buffer(&mut pool, it.nbytes);
                 // Every chunk (or the whole tensor) is CRC-checked before a byte is copied;
                 // the error names the damaged chunk tensor and its shard: say which one.
                 let zeros = vec![0; shape.len()];
-                ck.read_region_into(it.name, &zeros, shape, &mut buf)
+                ck.read(it.name)
+                    .region(&zeros, shape)
+                    .into(&mut buf)
                     .inspect_err(|_| {
                         eprintln!(
                             "ckpt consolidate: cannot read {} tensor {:?} of {}",
@@ -207,8 +216,8 @@ fn consolidate<S: ShardSource>(a: &Args, ck: &Checkpoint<S>, out: &Location) -> 
     ckptstore::store::connect(out)?.put_file(HF_INDEX_FILE, &bytes)?;
     outln!(
         "consolidated {} global tensor(s) and {} whole tensor(s) into {} tensors ({}) in {} shard(s) at {} (checkpoint {}); {} lists {} model tensor(s){}",
-        ck.globals().len(),
-        info.tensors - ck.globals().len(),
+        ck.catalog().globals().len(),
+        info.tensors - ck.catalog().globals().len(),
         info.tensors,
         human(info.data_bytes),
         info.shards,

@@ -118,7 +118,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         .iter()
         .filter(|t| !referenced.contains(t.name.as_str()))
     {
-        let v = ck.tensor_verified(&t.name)?;
+        let v = ck.read(&t.name).view()?;
         match model_dtype
             .map(|d| convert_model(&v, d))
             .transpose()?

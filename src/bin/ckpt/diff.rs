@@ -35,7 +35,7 @@ fn first_difference(a: &Ckpt, b: &Ckpt) -> Option<String> {
         }
     }
     for n in an {
-        let (Ok(x), Ok(y)) = (a.tensor(n), b.tensor(n)) else {
+        let (Ok(x), Ok(y)) = (a.read(n).view_unchecked(), b.read(n).view_unchecked()) else {
             continue;
         };
         if x.dtype() != y.dtype() {

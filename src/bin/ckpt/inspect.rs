@@ -31,9 +31,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
     };
     // A two-level checkpoint's chunk tensors are in its parts (all read here).
     let mut total: u64 = ck.data_bytes();
-    if ck.two_level() {
-        for g in ck.globals() {
+    if ck.catalog().two_level() {
+        for g in ck.catalog().globals() {
             total += ck
+                .catalog()
                 .stored_chunks(&g.name)?
                 .iter()
                 .map(|c| c.tensor.nbytes())
@@ -55,6 +56,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             .map(|s| json!({"file": s.file, "size": s.bytes.as_ref().len()}))
             .collect();
         let globals: Vec<_> = ck
+            .catalog()
             .globals()
             .iter()
             .map(|g| {
@@ -88,7 +90,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "metadata": ck.metadata(),
             "optimizer": ck.manifest().and_then(|m| m.optimizer.as_ref()),
             "globals": globals,
-            "two_level": ck.two_level(), "parts": parts,
+            "two_level": ck.catalog().two_level(), "parts": parts,
         });
         outln!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
         return Ok(ExitCode::SUCCESS);
@@ -127,7 +129,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         human(total),
         ck.shards().len()
     );
-    if !ck.globals().is_empty() {
+    if !ck.catalog().globals().is_empty() {
         if let Some(m) = ck.manifest().filter(|m| !m.parts.is_empty()) {
             outln!(
                 "two-level: {} part index(es), {} in all",
@@ -138,7 +140,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         } else {
             outln!("global tensors (stored as the chunk tensors above):");
         }
-        for g in ck.globals() {
+        for g in ck.catalog().globals() {
             let chunks = grouped_chunks(&ck, &g.name)?;
             let replicas: usize = chunks.iter().map(|(_, r)| r.len()).sum();
             outln!(
@@ -184,7 +186,7 @@ fn grouped_chunks<'a, S: ckptstore::checkpoint::ShardSource>(
     ck: &'a ckptstore::Checkpoint<S>,
     name: &str,
 ) -> ckptstore::Result<Vec<(ckptstore::checkpoint::StoredChunk<'a>, Vec<String>)>> {
-    let all = ck.stored_chunks(name)?;
+    let all = ck.catalog().stored_chunks(name)?;
     let mut out: Vec<(ckptstore::checkpoint::StoredChunk<'a>, Vec<String>)> = all
         .iter()
         .filter(|c| !c.replica)

@@ -20,7 +20,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let res = crate::util::open(&a.path).and_then(|ck| {
         let pb = progress(ck.data_bytes(), "verify");
         let cb = callback(&pb);
-        let r = ck.verify_with_progress(&*cb);
+        let r = ck.verify_opts(&ckptstore::checkpoint::VerifyOptions::default().progress(&*cb));
         pb.finish_and_clear();
         r
     });
