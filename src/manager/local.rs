@@ -283,9 +283,9 @@ fn remove_step_dir(dir: &Path, committed: bool) -> std::io::Result<bool> {
 /// under the step's writer lock (skipped, 0, while anyone holds it: a reader's lease, a
 /// save). These are left by a commit killed after its commit point and before its own
 /// cleanup (format-spec/durability.md §Cleanup): the committed checkpoint's part
-/// descriptors, and shards, parts and temporary files of earlier attempts. Only temporary
-/// files, and finished files not newer than the manifest, go: a later writer's part is its
-/// own. Returns how many were
+/// descriptors, and shards, parts and temporary files of earlier attempts. Only files not
+/// newer than the manifest go: a later writer's files are its own (the next save into the
+/// step removes a failed one's, under its lock). Returns how many were
 /// removed; failures leave garbage, never damage (no manifest names what is removed).
 fn sweep_kept_step(dir: &Path) -> usize {
     let Ok(lock) = OpenOptions::new()
@@ -323,14 +323,10 @@ fn sweep_kept_step(dir: &Path) -> usize {
         if !write::is_engine_file(&name) || keep(&name) {
             continue;
         }
-        // A temporary file under the lock belongs to a writer that has ended (a writer
-        // renames its temporary files before it lets the lock go): whatever its age, as a
-        // save's step 0.3b removes them. A finished file newer than the manifest may be a
-        // rank's part of a later commit: its own.
-        let old = name.starts_with(write::TEMP_PREFIX)
-            || e.metadata()
-                .and_then(|md| md.modified())
-                .is_ok_and(|t| t <= committed_at);
+        let old = e
+            .metadata()
+            .and_then(|md| md.modified())
+            .is_ok_and(|t| t <= committed_at);
         if old && std::fs::remove_file(e.path()).is_ok() {
             removed += 1;
         }

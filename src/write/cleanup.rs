@@ -110,7 +110,7 @@ pub(crate) fn wait_in(dir: &Path) -> usize {
 /// let opts = SaveOptions { cleanup: Cleanup::Background, ..Default::default() };
 /// save(dir.path(), &[TensorRef::from_slice("w", &[256], &w)], &opts)?;
 /// save(dir.path(), &[TensorRef::from_slice("w", &[256], &w)], &opts)?; // waits for the first
-/// assert_eq!(ckptstore::wait_for_cleanup(), 1); // the first checkpoint's shard
+/// assert_eq!(ckptstore::write::wait_for_cleanup(), 1); // the first checkpoint's shard
 /// # Ok(()) }
 /// ```
 pub fn wait_for_cleanup() -> usize {

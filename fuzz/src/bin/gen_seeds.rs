@@ -299,9 +299,9 @@ fn save_all(tmp: &Path) -> Res<Vec<Saved>> {
         if rank == 0 {
             items.push(PartItem::Whole(model[0].clone()));
         }
-        descriptors.push(parts::write_part(&dir, &id, rank, &items, &opts(1 << 20))?);
+        descriptors.push(ckptstore::write_part(&dir, &id, rank, &items, &opts(1 << 20))?);
     }
-    parts::commit(&dir, &id, &descriptors, &parts::CommitOptions::default())?;
+    ckptstore::commit(&dir, &id, &descriptors, &parts::CommitOptions::default())?;
     out.push(next(&dir, "global")?);
     PART_SEEDS.with(|p| {
         p.borrow_mut()
@@ -328,11 +328,11 @@ struct TwoLevel {
 /// pass the target's checks, with and without the repairs.
 fn commit_two_level(dir: &Path, name: &'static str, descriptors: &[parts::Part]) -> Res<TwoLevel> {
     let opts = ckptstore::CommitOptions {
-        layout: ckptstore::Layout::TwoLevel,
+        layout: parts::Layout::TwoLevel,
         world_size: Some(descriptors.len() as u32),
         ..Default::default()
     };
-    parts::commit(dir, TL_SEED_ID, descriptors, &opts)?;
+    ckptstore::commit(dir, TL_SEED_ID, descriptors, &opts)?;
     let root = std::fs::read(dir.join(manifest::MANIFEST_FILE))?;
     let m = manifest::decode(&root).map_err(|e| format!("{name}: {e:?}"))?;
     assert!(!m.parts.is_empty(), "{name}: not a two-level root");
@@ -436,7 +436,7 @@ fn f16_bytes(bits: &[u16]) -> Vec<u8> {
 fn save_two_level(tmp: &Path) -> Res<Vec<TwoLevel>> {
     let opts = SaveOptions::default();
     let write = |dir: &Path, rank: u32, items: &[PartItem<'_>], o: &SaveOptions| {
-        parts::write_part(dir, TL_SEED_ID, rank, items, o)
+        ckptstore::write_part(dir, TL_SEED_ID, rank, items, o)
     };
     let mut out = Vec::new();
 
