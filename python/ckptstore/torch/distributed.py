@@ -45,7 +45,7 @@ from ._state import (
 from ._values import _decode, _encode
 from .dcp import META_KEY as _DCP_KEY, Reader, Writer
 
-__all__ = ["save", "load", "META_KEY"]
+__all__ = ["save", "load", "META_KEY", "CheckpointManager"]
 
 #: Manifest metadata key under which :func:`save` records what it stored.
 META_KEY = "ckptstore.torch.distributed"
@@ -392,4 +392,13 @@ def _apply_layout(tgt_o: dict, names: list[str], optimizer: Any, layout: Any, pg
                     local.zero_()
             else:
                 raise InvalidArgumentError(f"unknown layout target {target!r}")
-from .tiered import CheckpointManager  # noqa: E402,F401 - tiered checkpoints (issue 39)
+
+
+def __getattr__(name: str) -> Any:
+    """``CheckpointManager`` (tiered checkpoints: ``ckptstore.torch.tiered``), imported on
+    first use: that module builds on this one, which does not import it back."""
+    if name == "CheckpointManager":
+        from .tiered import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

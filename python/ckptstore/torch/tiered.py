@@ -91,6 +91,7 @@ from typing import Any, Mapping, Optional
 
 from .. import atomic, commit as _commit
 from ..errors import CheckpointError, InvalidArgumentError
+from . import distributed as _d
 
 __all__ = ["CheckpointManager"]
 
@@ -382,8 +383,6 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from . import distributed as _d
-
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
@@ -592,8 +591,6 @@ class CheckpointManager:
         is ``self.last_extra`` afterwards, the tier it came from ``self.last_tier``
         (``"fast"``: local and peer copies; ``"persistent"``). Raises
         :class:`ckptstore.CheckpointError` when steps were recorded but none can be read."""
-        from . import distributed as _d
-
         self._check_open()
         held = self._scan() if self.leader else None
         pers = self._persisted() if self.rank == 0 else None
@@ -662,8 +659,6 @@ class CheckpointManager:
         """Every host assembles the step's files (its own good copies, the others sent by a
         host holding them), commits them in ``.restore-<step>``, and every rank loads."""
         import torch.distributed as dist_mod
-
-        from . import distributed as _d
 
         rec = f["record"]
         holders: dict[int, list[int]] = f["holders"]
