@@ -3,8 +3,13 @@
 //! root re-exports count as the module they come from. Comments and doc links are not
 //! imports; `#[cfg(test)]` code is held to the same rule.
 
+#[path = "common/files.rs"]
+mod files;
+
 use std::collections::BTreeMap;
 use std::path::Path;
+
+use files::rs_files;
 
 /// Floor of each top-level module; `None` for names that are not modules (root re-exports
 /// are resolved through [`reexport`]).
@@ -33,17 +38,6 @@ fn reexport(name: &str) -> Option<&'static str> {
         | "TensorRef" => "write",
         _ => return None,
     })
-}
-
-fn rs_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            rs_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
 }
 
 /// The `crate::` paths of `code` (comments removed): the first segment, and the second

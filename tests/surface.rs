@@ -5,29 +5,12 @@
 //! public methods and every read that skips CRCs says `unchecked` in its name. Read from the source, so
 //! that a new export fails here, not in review.
 
-use std::path::{Path, PathBuf};
+#[path = "common/files.rs"]
+mod files;
 
-fn rs_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            rs_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
+use std::path::Path;
 
-fn py_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            py_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "py") {
-            out.push(p);
-        }
-    }
-}
+use files::{files_with, rs_files};
 
 /// The names a `pub use` line list brings into the root (`a::{B, C}` gives B and C).
 fn use_names(stmt: &str) -> Vec<String> {
@@ -126,7 +109,7 @@ fn no_source_file_is_over_800_lines() {
     let mut files = Vec::new();
     rs_files(&root.join("src"), &mut files);
     rs_files(&root.join("python/src"), &mut files);
-    py_files(&root.join("python/ckptstore"), &mut files);
+    files_with(&root.join("python/ckptstore"), "py", &mut files);
     let long: Vec<String> = files
         .iter()
         .filter_map(|f| {
