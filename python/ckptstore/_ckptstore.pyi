@@ -278,3 +278,6 @@ def fsync_dir(path: str) -> None:
 
 def write_file(location: str, name: str, data: bytes) -> None:
     """``ckptstore.atomic.write_file``."""
+
+def copy_files(src_dir: str, location: str, files: Sequence[tuple[str, int, int]]) -> None:
+    """``ckptstore.atomic.copy_files``."""

@@ -17,6 +17,9 @@ crash simulation enumerates (format-spec/durability.md §Directories).
 - :func:`fsync_dir` and :func:`write_file` (a temporary file, fsync, rename, directory
   fsync; one PUT on an ``s3://`` prefix) for the small files beside checkpoints, such as a
   ``latest`` pointer.
+- :func:`copy_files` copies files whose size and CRC32 were recorded into a directory or an
+  ``s3://`` prefix, each checked as it streams and published whole (the tiered manager's
+  persist step: committed local files into the persistent tier).
 
 Errors are :class:`ckptstore.CheckpointIOError` (also ``OSError``) naming the operation
 and the path. ``staging`` and ``target`` must be on one file system, and ``staging``'s own
@@ -26,11 +29,11 @@ files durable already (a committed ckptstore checkpoint is).
 from __future__ import annotations
 
 import os
-from typing import Union
+from typing import Iterable, Tuple, Union
 
 from . import _ckptstore
 
-__all__ = ["publish_dir", "remove_dir", "sweep_leftovers", "fsync_dir", "write_file"]
+__all__ = ["publish_dir", "remove_dir", "sweep_leftovers", "fsync_dir", "write_file", "copy_files"]
 
 _Path = Union[str, "os.PathLike[str]"]
 
@@ -63,3 +66,16 @@ def write_file(location: _Path, name: str, data: Union[bytes, str]) -> None:
     if isinstance(data, str):
         data = data.encode()
     _ckptstore.write_file(os.fspath(location), name, bytes(data))
+
+
+def copy_files(src_dir: _Path, location: _Path, files: Iterable[Tuple[str, int, int]]) -> None:
+    """Copy ``files`` (``(name, size, crc32)``, as their writer recorded them) from the
+    directory ``src_dir`` into the directory or ``s3://`` prefix ``location`` (a directory is
+    created if missing), in parallel; each file is checked against its size and CRC32 while
+    it streams and published whole, then the new names are made durable. A file that differs
+    raises :class:`ckptstore.ChecksumError` (or ``CheckpointIOError`` for its size) and is
+    not published; the files copied before it stay. Copy the files a commit's rendezvous
+    waits for (part descriptors) in a second call, after the ones they name."""
+    _ckptstore.copy_files(
+        os.fspath(src_dir), os.fspath(location), [(str(n), int(s), int(c)) for n, s, c in files]
+    )

@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use ckptstore::store::copy::{self, FileSum};
 use ckptstore::store::fs::{Fs, StdFs};
 use ckptstore::store::publish;
 use pyo3::prelude::*;
@@ -61,5 +62,24 @@ pub(crate) fn write_file(
 ) -> PyResult<()> {
     Ok(py
         .detach(|| ckptstore::store::connect(&location)?.put_file(name, data))
+        .map_err(CkError)?)
+}
+
+/// Copy the files `files` (`(name, size, crc32)`) of the directory `src_dir` into the
+/// directory or object-store prefix `location`, each checked against its size and CRC32 as
+/// it streams and published whole (`ckptstore.atomic.copy_files`).
+#[pyfunction]
+pub(crate) fn copy_files(
+    py: Python<'_>,
+    src_dir: PathBuf,
+    location: PathBuf,
+    files: Vec<(String, u64, u32)>,
+) -> PyResult<()> {
+    let files: Vec<FileSum> = files
+        .into_iter()
+        .map(|(name, size, crc32)| FileSum { name, size, crc32 })
+        .collect();
+    Ok(py
+        .detach(|| copy::copy_in(&src_dir, &*ckptstore::store::connect(&location)?, &files))
         .map_err(CkError)?)
 }

@@ -20,6 +20,7 @@ use crate::error::Error;
 pub use crate::location::{IntoLocation, Location, RemoteUrl};
 
 mod connect;
+pub mod copy;
 pub mod fs;
 pub use crate::sys::mmap;
 pub(crate) mod local;

@@ -69,3 +69,33 @@ def test_write_file_and_fsync_dir(tmp_path):
     atomic.fsync_dir(tmp_path)
     with pytest.raises(ckptstore.CheckpointIOError, match="missing"):
         atomic.fsync_dir(tmp_path / "missing")
+
+
+def _sums(d, names):
+    import zlib
+
+    return [(n, (d / n).stat().st_size, zlib.crc32((d / n).read_bytes())) for n in names]
+
+
+def test_copy_files_checks_each_file_against_its_record(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "shard.bin").write_bytes(os.urandom(3 << 20))
+    (src / "part.json").write_bytes(b'{"rank": 0}')
+    (src / "empty").write_bytes(b"")
+    files = _sums(src, ["shard.bin", "part.json", "empty"])
+    atomic.copy_files(src, tmp_path / "dst", files)  # the directory is made
+    for n, _, _ in files:
+        assert (tmp_path / "dst" / n).read_bytes() == (src / n).read_bytes()
+    # A byte changed since the record: refused, nothing published under its name.
+    (src / "late.bin").write_bytes(b"x" * 100)
+    rec = _sums(src, ["late.bin"])
+    (src / "late.bin").write_bytes(b"x" * 99 + b"y")
+    with pytest.raises(ckptstore.ChecksumError, match="late.bin"):
+        atomic.copy_files(src, tmp_path / "dst", rec)
+    with pytest.raises(ckptstore.CheckpointIOError, match="recorded 101"):
+        atomic.copy_files(src, tmp_path / "dst", [("late.bin", 101, rec[0][2])])
+    with pytest.raises(ckptstore.CheckpointIOError, match="missing"):
+        atomic.copy_files(src, tmp_path / "dst", [("missing", 1, 0)])
+    assert sorted(n for n in os.listdir(tmp_path / "dst") if not n.startswith(".")) == [
+        "empty", "part.json", "shard.bin"]

@@ -242,3 +242,23 @@ def test_fsdp2_save_load_on_s3(s3):
 
     for bad, epoch in dh.results(2, job_fsdp2_s3, "s3://bkt/fsdp/adam", _aws_env()):
         assert bad == [] and epoch == 2
+
+
+def test_copy_files_into_an_s3_prefix(s3, tmp_path):
+    """ckptstore.atomic.copy_files (the tiered manager's persist upload) onto s3://: each
+    object whole and checked; a file that changed since its record is refused."""
+    import zlib
+
+    from ckptstore import atomic
+
+    (tmp_path / "a.bin").write_bytes(os.urandom(9 << 20))  # more than one 8 MiB chunk
+    (tmp_path / "b.json").write_bytes(b"{}")
+    files = [(n, (tmp_path / n).stat().st_size, zlib.crc32((tmp_path / n).read_bytes())) for n in ("a.bin", "b.json")]
+    atomic.copy_files(tmp_path, "s3://bkt/copied", files)
+    for n, _, _ in files:
+        with open(os.path.join(s3, "bkt", "copied", n), "rb") as f:
+            assert f.read() == (tmp_path / n).read_bytes()
+    name, size, crc = files[1]
+    with pytest.raises(ckptstore.ChecksumError):
+        atomic.copy_files(tmp_path, "s3://bkt/copied2", [(name, size, crc ^ 1)])
+    assert not os.path.exists(os.path.join(s3, "bkt", "copied2", name))
