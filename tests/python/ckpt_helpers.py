@@ -205,9 +205,10 @@ class S3sFsError(RuntimeError):
     """s3s-fs is not installed, or did not start."""
 
 
-def start_s3s_fs(data: str, key: str, secret: str, timeout: float = 30.0):
+def start_s3s_fs(data: str, key: str, secret: str, timeout: float = 30.0, host: str = "127.0.0.1"):
     """Start s3s-fs serving the directory ``data`` (a bucket is a subdirectory) on a free
-    loopback port; returns ``(process, port)`` once the port accepts connections. The
+    port of ``host`` (loopback by default; a network-namespace cluster's bridge address for
+    its hosts); returns ``(process, port)`` once the port accepts connections. The
     executable is ``$CKPT_S3S_FS``, else ``s3s-fs`` on PATH, else ``~/.cargo/bin/s3s-fs``.
     Raises :class:`S3sFsError` when it is missing or does not listen within ``timeout``."""
     import shutil
@@ -218,17 +219,17 @@ def start_s3s_fs(data: str, key: str, secret: str, timeout: float = 30.0):
     if not os.access(exe, os.X_OK):
         raise S3sFsError(S3S_FS_MISSING)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [exe, "--host", "127.0.0.1", "--port", str(port), "--access-key", key, "--secret-key", secret, str(data)],
+        [exe, "--host", host, "--port", str(port), "--access-key", key, "--secret-key", secret, str(data)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + timeout
     while True:  # ready when the port accepts connections
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            socket.create_connection((host, port), timeout=1).close()
             return proc, port
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -2,7 +2,8 @@
 on hosts made of network namespaces (netns_cluster.py): 3 hosts, 1 rank each, FSDP2 on CPU
 with Adam, gloo.
 
-- Steps 1..3 saved (persist_every=2, replicas=1), the job restarted on the same hosts:
+- Steps 1..3 saved (persist_every=2, replicas=1; the saves non-blocking, training going on
+  while they are written), the job restarted on the same hosts:
   restore_latest returns 3, model and optimizer bit-identical to what was saved.
 - A host lost after step 3 (its local disk wiped) and replaced by a fresh one: the restarted
   job restores 3 from the peer replica, bit-identical.
@@ -11,8 +12,12 @@ with Adam, gloo.
   bit-identical; flipped in every copy: it returns 2, with a warning naming what was missing.
 - Two hosts lost (more than replicas=1 covers): step 2 from the persistent tier, with a
   warning, bit-identical.
-- A host lost (link down, then killed) before a save: the survivors' save raises gloo's
-  RuntimeError within the process group's timeout, and no index records the step.
+- A host lost (link down, then killed) before a save: the survivors' save raises a
+  CheckpointError naming the rank and host they waited for, within the manager's timeout,
+  and no index records the step.
+
+- Killed while persisting, restarted: bit-identical, the step persisted again, the tiers
+  clean after gc (one round of tiers_faults.py, the seeded fault mix).
 
 One job saves (the module's fixture); the restore tests start from that cluster or from a
 fresh cluster holding a copy of its hosts' directories. Each job runs this file as a script (``python test_tiers.py job NAME SHARED``); events are
@@ -66,7 +71,11 @@ def save_three_steps(c):
         assert sorted(p.name for p in (d / "step-3").iterdir()) == sorted(
             ["commit.json", f"src-{i}", f"src-{(i - 1) % 3}"]
         ), i
-    assert sorted(p.name for p in (c.shared / "persistent").iterdir()) == ["step-2"]
+    assert visible(c.shared / "persistent") == ["step-00000002"]
+
+
+def visible(d: Path) -> list:
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
 
 
 def flip(path: Path) -> None:
@@ -118,7 +127,7 @@ def copy_of_saved(make_cluster, snap):
 
 def test_restart_on_same_hosts_restores_newest_step_bit_identical(saved, ckpt):
     c, _ = saved
-    ckpt("verify", str(c.shared / "persistent" / "step-2"), expect=0)  # an ordinary checkpoint
+    ckpt("verify", str(c.shared / "persistent" / "step-00000002"), expect=0)  # an ordinary checkpoint
     half = c.local_dir(0) / "step-4" / "src-0"  # a save that never reached the index
     half.mkdir(parents=True)
     (half / "part-x-r0.json").write_text("{}")
@@ -193,22 +202,74 @@ def test_host_lost_before_a_save_makes_the_survivors_raise_and_records_nothing(s
     assert codes == [0, 0], j.tails()
     for r in (0, 1):
         o = nc.job_result(j.output(r))
-        assert o["runtime_error"], o  # gloo's error, after its 3 s timeout (60 s: a failure bound)
+        assert o["checkpoint_error"], o  # after the manager's 3 s timeout (60 s: a failure bound)
+        assert "rank 2 on host 2" in o["msg"], o  # the rank it waited for, from the progress marks
         assert o["after_s"] < 60, o
         idx = json.loads((c.local_dir(r) / "index.json").read_text())
         assert sorted(idx["steps"]) == ["2", "3"], idx  # step 4 never recorded
 
 
+def test_persistent_tier_on_s3_restores_when_the_fast_tiers_are_lost(make_cluster, ckpt, tmp_path):
+    """The persistent tier on s3:// (s3s-fs on the cluster's bridge address): the persisted
+    step is an ordinary checkpoint there, and two hosts lost restore it, bit-identical."""
+    import ckpt_helpers as h
+
+    needs_torch()
+    c = make_cluster(3)
+    data = tmp_path / "s3"
+    (data / "bkt").mkdir(parents=True)
+    try:
+        proc, port = h.start_s3s_fs(str(data), "tierkey", "tiersecret0123456789", host=c.gateway)
+    except h.S3sFsError as e:
+        pytest.fail(str(e), pytrace=False)
+    env = {"TIERS_PERSISTENT": "s3://bkt/run", "AWS_ENDPOINT_URL": f"http://{c.gateway}:{port}",
+           "AWS_ACCESS_KEY_ID": "tierkey", "AWS_SECRET_ACCESS_KEY": "tiersecret0123456789",
+           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    try:
+        results(c.start([sys.executable, str(HERE), "job", "save", str(c.shared)], env=env))
+        assert sorted(p.name for p in (data / "bkt" / "run").iterdir()) == ["step-00000002"]
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            ckpt("verify", "s3://bkt/run/step-00000002", expect=0)
+        finally:
+            h.restore_env(old)
+        for i in (1, 2):
+            c.lose_host(i, wipe_local=True)
+            c.replace_host(i)
+        out = results(c.start([sys.executable, str(HERE), "job", "restore", str(c.shared)], env=env))
+        assert_restored(out, 2, tier="persistent")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_killed_while_persisting_then_restarted_ends_bit_identical_and_clean(make_cluster):
+    """One fixed round of the fault mix (tiers_faults.py; the script runs the long seeded
+    one): rank 2 killed while its host uploads step 4 to the persistent tier; the restart
+    restores step 4 from the fast tier (bit-identical), persists it again (its persist was
+    interrupted), trains to the end bit-identical to an uninterrupted run, and gc leaves
+    every tier holding only what retention keeps."""
+    import tiers_faults as tf
+
+    needs_torch()
+    c = make_cluster(3)
+    tf.reference(c)
+    r = tf.run_round(c, seed=0, faults=[("kill", "persist-upload:4@2")])
+    assert r["attempts"] == 2, r
+    assert sorted(p.name for p in (c.shared / "persistent").iterdir() if p.name.startswith("step-")) == [
+        "step-00000002", "step-00000004", "step-00000006"]
+
+
 # ---- the jobs (run in the hosts) -----------------------------------------------------------
 
 
-def _manager():
+def _manager(**kw):
     from ckptstore.torch.distributed import CheckpointManager
 
     shared = Path(sys.argv[3])
-    return CheckpointManager(
-        os.environ["CLUSTER_LOCAL"], shared / "persistent", persist_every=2, replicas=1, keep=2
-    )
+    persistent = os.environ.get("TIERS_PERSISTENT") or shared / "persistent"
+    return CheckpointManager(os.environ["CLUSTER_LOCAL"], persistent, persist_every=2, replicas=1, keep=2, **kw)
 
 
 def _restore(m, o):
@@ -249,8 +310,7 @@ def _job_main(name: str, shared: str) -> None:
         with _manager() as mgr:
             for s in (1, 2, 3):
                 nc._fsdp_train(m, o, s, 1, rank)
-                mgr.save(s, m, o, extra={"step": s})
-                mgr.wait()
+                mgr.save(s, m, o, extra={"step": s})  # returns once snapshot: training goes on
                 full = nc._fsdp_gather(m, o)
                 if rank == 0:
                     torch.save(full, d / f"expect-{s}.pt.tmp")
@@ -275,7 +335,7 @@ def _job_main(name: str, shared: str) -> None:
 
         m, o = nc._fsdp_model(world, seed=0)
         nc._fsdp_train(m, o, 4, 1, rank)
-        mgr = _manager()
+        mgr = _manager(timeout=3)
         (d / f"ready.{rank}.tmp").write_text("ready")
         os.replace(d / f"ready.{rank}.tmp", d / f"ready.{rank}")
         if rank == 2:
@@ -288,10 +348,12 @@ def _job_main(name: str, shared: str) -> None:
             mgr.save(4, m, o, extra={"step": 4})
             mgr.wait()
         except Exception as e:  # noqa: BLE001 - what it raised is the result
-            nc._result({"raised": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
-                        "msg": str(e)[:500], "after_s": round(time.monotonic() - t0, 2)})
+            from ckptstore import CheckpointError
+
+            nc._result({"raised": type(e).__name__, "checkpoint_error": isinstance(e, CheckpointError), "msg": str(e)[:2000],
+                        "after_s": round(time.monotonic() - t0, 2)})
             os._exit(0)  # the group is broken: no teardown
-        nc._result({"raised": None, "runtime_error": False})
+        nc._result({"raised": None, "checkpoint_error": False})
         os._exit(1)
     else:
         raise SystemExit(f"unknown job {name}")

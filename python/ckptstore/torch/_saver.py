@@ -74,6 +74,20 @@ class Snapshot:
             raise InvalidTensorError(f"tensor {name!r}: only dense (strided) tensors can be stored")
         if src.dtype not in _wire_of:
             raise InvalidTensorError(f"tensor {name!r}: dtype {src.dtype} cannot be stored")
+        return _to_numpy(name, self._tensor_buf(torch, name, src))
+
+    def tensor(self, name: str, src: Any) -> Any:
+        """This set's copy of the torch tensor ``src``, as a CPU tensor of its shape and
+        dtype (a writer that takes torch tensors, as DCP does)."""
+        if name in self._used:
+            raise InvalidTensorError(f"tensor {name!r} is stored twice")
+        self._used.add(name)
+        torch = _torch()
+        if src.layout != torch.strided:
+            raise InvalidTensorError(f"tensor {name!r}: only dense (strided) tensors can be stored")
+        return self._tensor_buf(torch, name, src.detach())
+
+    def _tensor_buf(self, torch: Any, name: str, src: Any) -> Any:
         buf = self.bufs.get(name)
         if not isinstance(buf, torch.Tensor) or buf.shape != src.shape or buf.dtype != src.dtype:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
@@ -84,7 +98,7 @@ class Snapshot:
             buf.copy_(src, non_blocking=True)
         else:
             buf.copy_(src)
-        return _to_numpy(name, buf)
+        return buf
 
     def end(self) -> None:
         """Wait for device copies; drop buffers of names this save did not store."""
@@ -182,13 +196,16 @@ class AsyncSaver:
         write: Callable[[Any], Any],
         *,
         after: Optional[threading.Event] = None,
+        whole_snapshot: bool = False,
     ) -> Handle:
         """Start a background save; return ``handle``, finished by the writer thread.
 
         Blocks while ``max_in_flight`` saves are in flight; raises an earlier save's error
         no one has seen yet (nothing started), then ``build``'s own error (nothing queued).
         ``after``: an event the write waits for before it starts (the caller sets it, also
-        on failure); a write abandoned at interpreter exit does not hang it."""
+        on failure); a write abandoned at interpreter exit does not hang it.
+        ``whole_snapshot``: ``build`` gets the :class:`Snapshot` (``tensor``, ``copy``)
+        instead of its ``copy``."""
         self.check_open()
         self._slots.acquire()
         try:
@@ -201,7 +218,7 @@ class AsyncSaver:
                     self.buffer_sets += 1
             try:
                 snap.begin()
-                job = build(snap.copy)
+                job = build(snap if whole_snapshot else snap.copy)
                 snap.end()
             except BaseException:
                 with self._lock:

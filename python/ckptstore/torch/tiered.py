@@ -1,108 +1,86 @@
-"""Tiered checkpoints across hosts (issue 39), a first slice: host-local tier, replicas on
-peer hosts over torch.distributed, a persistent tier, a collective restore of the newest
-whole step.
+"""Tiered checkpoints across hosts: every save lands in each host's local tier (host
+memory or node-local disk) with copies of each host's part on other hosts, some are also
+persisted to a directory or ``s3://`` prefix, and a restore takes the newest step every
+rank can read whole from some tier, checked and resharded.
 
 ::
 
     from ckptstore.torch.distributed import CheckpointManager
 
-    with CheckpointManager(local="/dev/shm/ckpt", persistent="/shared/run",
+    with CheckpointManager(local="/dev/shm/ckpt", persistent="s3://bucket/run",
                            persist_every=100, replicas=1) as mgr:    # every rank
         step = mgr.restore_latest(model, optimizer)                  # None: nothing saved yet
         ...
-        mgr.save(step, model, optimizer, extra={"epoch": 3})         # every rank
-        mgr.wait()
+        mgr.save(step, model, optimizer, extra={"epoch": 3})         # every rank, non-blocking
+        mgr.wait()                                                   # raises a failed save's error
 
-**Layout of a host's local tier** (``local``, the same path on every host, private to it)::
+**Save** (every rank). :meth:`CheckpointManager.save` copies the model's and optimizer's
+tensors (DTensor shards as they are) into snapshot buffers it reuses from save to save
+(:class:`ckptstore.torch.internal.AsyncSaver`; a save first waits for the one before it) and
+returns; a writer thread then, on the manager's own gloo process group:
 
-    index.json                 the steps this host knows saved, and each commit.json's CRC32
-    step-<n>/commit.json       the step's record: checkpoint id, world size, every rank's
-                               files with size and CRC32, the manifest metadata
-    step-<n>/src-<h>/          the parts (``part-<id>-r<rank>.json`` and shard files, as
-                               ckptstore.write_part writes them) of the ranks of host h:
-                               this host's own, and those replicated here from other hosts
+1. writes every rank's part into ``step-<n>/src-<h>/`` of its host's local tier
+   (:class:`ckptstore.torch.dcp.Writer`: the state dict and metadata of
+   :func:`ckptstore.torch.distributed.save`; the coordinator keeps the manifest metadata
+   instead of committing), and gathers every file's size and CRC32;
+2. copies each host's files to the ``replicas`` next hosts of the ring (host h to h+1, ...,
+   never itself), its first rank sending to theirs over torch.distributed point-to-point
+   one file at a time; each file is checked against its writer's CRC32 on arrival, written
+   with fsync into a staging directory published as ``step-<n>/src-<h>/`` in one rename;
+3. broadcasts the step's record, which every host writes durably (``commit.json``, then
+   ``index.json``): **a step is saved when it is in an index**;
+4. applies retention (``keep`` steps per local tier);
+5. on a step that is a multiple of ``persist_every``, hands the step's committed local
+   files to each host's persist thread (:mod:`ckptstore.torch._tier_persist`): copied into
+   ``<persistent>/step-<n, 8+ digits>/`` and committed there by rank 0, an ordinary
+   ckptstore checkpoint; the next steps are saved meanwhile.
 
-**Save** (every rank; blocking, so :meth:`CheckpointManager.wait` returns at once):
+Any failure in 1-3 raises on every rank from :meth:`~CheckpointManager.wait` (or the next
+save), and nothing is recorded for that step. A host lost during a save (its link down: no
+FIN reaches the peers) makes the survivors' collectives fail after ``timeout`` seconds; the
+error names the ranks and hosts that never reached the phase (each rank marks its progress
+in the job's rendezvous store). A failed persist is raised by :meth:`~CheckpointManager.wait`
+on every rank; the steps on the fast tier stand.
 
-1. Every rank writes its DCP save items into ``step-<n>/src-<h>/`` of its host through
-   :class:`ckptstore.torch.dcp.Writer` (the state dict and metadata of
-   :func:`ckptstore.torch.distributed.save`); the coordinator keeps the manifest metadata
-   instead of committing (the parts are on different hosts: a commit needs them together).
-2. Each host's first rank sends the files of its host's ranks to the ``replicas`` next hosts
-   of the ring (host h to h+1, ..., never itself) as uint8 tensors over gloo point-to-point
-   (isend/irecv); the receiver checks every file's CRC32 against the writer's, writes them
-   with fsync into a staging directory and publishes it as ``step-<n>/src-<h>/``
-   (:func:`ckptstore.atomic.publish_dir`).
-3. The ranks all-gather their status; when every part and replica is durable, the
-   coordinator broadcasts the step's record, which each host writes durably
-   (``commit.json``, then ``index.json``, both with :func:`ckptstore.atomic.write_file`): a
-   step is saved when it is in an index. Any failure raises on every rank; a lost host makes
-   the survivors' collectives raise gloo's ``RuntimeError`` within the process group's
-   timeout.
-4. Retention: the newest ``keep`` indexed steps stay in each local tier (the index is
-   rewritten first, then the older step directories removed whole).
-5. A step whose number is a multiple of ``persist_every`` is also saved to
-   ``<persistent>/step-<n>`` with :func:`ckptstore.torch.distributed.save`: an ordinary
-   committed ckptstore checkpoint (``ckpt verify`` and ``distributed.load`` open it).
+**Restore** (every rank, any world size): each host's first rank checks its local tier
+(every indexed step: every rank's files present with the recorded size and CRC32); the ranks
+all-gather that with rank 0's list of committed persistent steps and try, newest first, a
+step whose every part has a good copy on some live host (the fast tier), then a persisted
+step. For a fast-tier step every host assembles the step in ``.restore-<n>/``: its own good
+copies hard-linked, the others sent by a host holding a good copy (checked on arrival),
+committed there (:func:`ckptstore.commit`), and every rank loads it with
+:func:`ckptstore.torch.distributed.load` (every block CRC-checked, resharded onto the current
+world and mesh, nothing changed unless every rank's reads passed, the old state replaced
+whole). A candidate whose load fails is passed over for the next. Taking an older step
+than the newest any tier recorded warns with what was missing.
 
-**Restore** (every rank): each host's first rank checks what its local tier holds (for every
-indexed step, every rank's files present with the recorded size and CRC32); the ranks
-all-gather it with the coordinator's list of committed persistent steps and agree on the
-newest step whose every part has a good copy on some live host, else the newest persisted
-step. For a fast-tier step, every host assembles the step's files in ``.restore-<n>/`` of its
-local tier: its own good copies (hard links), the rest sent by a host holding a good copy
-over gloo point-to-point (checked by CRC32 on arrival); it commits them there
-(:func:`ckptstore.commit`, the same checkpoint id, so each host holds one ordinary
-checkpoint), and every rank loads with :func:`ckptstore.torch.distributed.load` (every block
-CRC-checked, the ranks agreeing, any world size and mesh: the assembled checkpoint holds
-every part). A candidate whose load fails is passed over for the next one. Taking an older
-step than the newest any tier recorded warns (``warnings.warn``) with what was missing.
-
-**Not done yet** (later slices of issue 39):
-
-- The save blocks the training loop for the local write, the replication and (on
-  persisted steps) a second save to the persistent tier; no background thread, no reuse of
-  snapshot buffers; the persistent copy is a second snapshot, not an upload of the local
-  files.
-- Restore moves every part to every host (each host assembles the whole step) instead of
-  the parts its ranks read; CRCs of the local copies are checked file by file before the
-  engine checks them again block by block.
-- ``persistent`` must be a directory (no ``s3://``); no retention nor gc on the persistent
-  tier; a local tier on ``s3://`` is not supported.
-- The default process group only (no ``process_group`` argument); no timeout of its own (the
-  process group's applies); the error of a lost host is gloo's, naming no host.
-- A step is restored from the fast tier only if every part has a good copy on a host of
-  the current job; parts are never combined across the fast and persistent tiers.
-- No integration with TorchTitan's or Lightning's configs, no random fault mix, no benchmark.
+Where the local tier is on a host, its layout and clean-up are in
+:mod:`ckptstore.torch._tier_local`; the wire, progress marks and kill seam in
+:mod:`ckptstore.torch._tier_wire`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
-import struct
 import time
 import uuid
 import warnings
-import zlib
+from datetime import timedelta
 from typing import Any, Mapping, Optional
 
-from .. import atomic, commit as _commit
+from .. import commit as _commit
 from ..errors import CheckpointError, InvalidArgumentError
 from . import distributed as _d
+from ._saver import AsyncSaver, Handle
+from ._tier_local import LocalTier, check_arrival, new_stage, saved_host
+from ._tier_persist import PersistentTier, Persister
+from ._tier_wire import Progress, kill_point, transfer, write_fsync
 
 __all__ = ["CheckpointManager"]
 
-_INDEX = "index.json"
-_COMMIT = "commit.json"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_SRC_RE = re.compile(r"^src-(\d+)$")
-_VERSION = 1
-
-
-# ---- helpers -------------------------------------------------------------------------------
+_TAG_REPLICATE = 1 << 20
+_TAG_RESTORE = 1 << 24
 
 
 def _dist() -> Any:
@@ -111,81 +89,19 @@ def _dist() -> Any:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _crc_file(path: str) -> tuple[int, int]:
-    crc = 0
-    size = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(1 << 22)
-            if not b:
-                break
-            crc = zlib.crc32(b, crc)
-            size += len(b)
-    return size, crc
-
-
-def _write_fsync(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _pack(files: list[tuple[str, bytes]], error: Optional[str] = None) -> Any:
-    """Files as one uint8 tensor: an 8-byte header length, a JSON header, the contents."""
+def _snapshot(obj: Any, snap: Any, path: str) -> Any:
+    """``obj`` (a DCP state dict) with every tensor replaced by the snapshot's copy; a
+    DTensor keeps its placement (its local shard copied)."""
     import torch
 
-    head = json.dumps({"files": [[n, len(b)] for n, b in files], "error": error}).encode()
-    buf = bytearray(struct.pack("<Q", len(head)) + head)
-    for _, b in files:
-        buf += b
-    return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-
-
-def _unpack(t: Any) -> tuple[list[tuple[str, bytes]], Optional[str]]:
-    raw = t.numpy().tobytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    head = json.loads(raw[8 : 8 + n])
-    pos = 8 + n
-    out = []
-    for name, size in head["files"]:
-        out.append((name, raw[pos : pos + size]))
-        pos += size
-    return out, head.get("error")
-
-
-def _send_pack(t: Any, dst: int, tag: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    dist.send(torch.tensor([t.numel()], dtype=torch.int64), dst, tag=tag)
-    dist.send(t, dst, tag=tag)
-
-
-def _recv_pack(src: int, tag: int) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    n = torch.zeros(1, dtype=torch.int64)
-    dist.recv(n, src, tag=tag)
-    t = torch.empty(int(n.item()), dtype=torch.uint8)
-    dist.recv(t, src, tag=tag)
-    return t
-
-
-def _exchange(payload: Any, dst: int, src: int, tag: int) -> Any:
-    """Send ``payload`` to ``dst`` while receiving one from ``src`` (a ring step)."""
-    import torch
-    import torch.distributed as dist
-
-    n_out = torch.tensor([payload.numel()], dtype=torch.int64)
-    n_in = torch.zeros(1, dtype=torch.int64)
-    for w in [dist.isend(n_out, dst, tag=tag), dist.irecv(n_in, src, tag=tag)]:
-        w.wait()
-    buf = torch.empty(int(n_in.item()), dtype=torch.uint8)
-    for w in [dist.isend(payload, dst, tag=tag + 1), dist.irecv(buf, src, tag=tag + 1)]:
-        w.wait()
-    return buf
+    if isinstance(obj, dict):
+        return {k: _snapshot(v, snap, f"{path}/{k}") for k, v in obj.items()}
+    if _d._is_dtensor(obj):
+        local = snap.tensor(path, obj.to_local())
+        return type(obj)(local, obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return snap.tensor(path, obj)
+    return obj
 
 
 def _part_writer(path: str, metadata: dict) -> Any:
@@ -206,21 +122,31 @@ def _part_writer(path: str, metadata: dict) -> Any:
     return _PartWriter(path, metadata=metadata)
 
 
-# ---- the manager ---------------------------------------------------------------------------
+class _GroupError(CheckpointError):
+    """An operation between ranks failed (a peer lost, the group broken): raised on each
+    rank that saw it; nothing more can be agreed on this process group."""
+
+
+def _err(rank: int, e: BaseException) -> str:
+    return f"rank {rank}: {type(e).__name__}: {e}"
 
 
 class CheckpointManager:
     """Tiered checkpoints of an FSDP2 / DTensor / plain model and its optimizer across the
-    hosts of a torch.distributed job (see the module docstring for what this slice does).
-    Construct it on every rank after ``init_process_group``; it finds which ranks share a
-    local directory (a host) by marker files, and removes what an interrupted save left in
-    the local tier (step directories no index names, restore staging directories).
+    hosts of a torch.distributed job (see the module docstring). Construct it on every rank
+    after ``init_process_group``; it finds which ranks share a local directory (a host) by
+    marker files, and removes what an interrupted save or restore left in the local tier.
 
-    ``local``: this host's tier (RAM or node-local disk), the same path string on every
-    host. ``persistent``: a directory every rank can read (``None``: none).
-    ``persist_every``: persist steps that are multiples of it (``None``/0: never).
-    ``replicas``: copies of each host's parts on other hosts (at most hosts - 1; fewer hosts
-    lower it with a warning). ``keep``: steps kept in each local tier.
+    ``local``: this host's tier, the same path on every host (RAM or node-local disk).
+    ``persistent``: a directory every rank can read, or an ``s3://`` URL (``None``: none).
+    ``persist_every``: persist the steps that are multiples of it (``None``/0: never).
+    ``replicas``: copies of each host's files on other hosts (at most hosts - 1: fewer hosts
+    lower it with a warning). ``keep``: steps kept in each local tier. ``persist_keep``:
+    committed steps kept in the persistent tier (``None``: all). ``timeout``: seconds any one
+    operation between ranks may wait (a lost host is reported after it), also the persistent
+    commit's wait for every host's upload. ``process_group``: a gloo group of all ranks for
+    the manager's own traffic, which must not be used by anything else while a save is in
+    flight (``None``: the manager makes one, with ``timeout``).
     """
 
     def __init__(
@@ -231,62 +157,76 @@ class CheckpointManager:
         replicas: int = 1,
         *,
         keep: int = 2,
+        persist_keep: Optional[int] = None,
+        timeout: float = 300.0,
+        process_group: Any = None,
     ) -> None:
         local = os.fspath(local)
         if "://" in local:
             raise InvalidArgumentError(f"local must be a directory, got {local!r}")
-        if persistent is not None:
-            persistent = os.fspath(persistent)
-            if "://" in persistent:
-                raise InvalidArgumentError(
-                    f"persistent on an object store ({persistent!r}) is not supported yet: give a directory"
-                )
-        if not isinstance(replicas, int) or replicas < 0:
-            raise InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
-        if not isinstance(keep, int) or keep < 1:
-            raise InvalidArgumentError(f"keep must be an int >= 1, got {keep!r}")
-        if persist_every is not None and (not isinstance(persist_every, int) or persist_every < 0):
-            raise InvalidArgumentError(f"persist_every must be an int >= 0, got {persist_every!r}")
+        for name, v, low in (("replicas", replicas, 0), ("keep", keep, 1), ("persist_every", persist_every, 0),
+                             ("persist_keep", persist_keep, 1)):
+            if v is None and name in ("persist_every", "persist_keep"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {v!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.local = local
-        self.persistent = persistent
+        self.persistent = None if persistent is None else os.fspath(persistent)
         self.persist_every = persist_every or 0
         self.keep = keep
+        self.timeout = float(timeout)
         self.last_extra: Optional[dict] = None
         self.last_tier: Optional[str] = None
         self._closed = False
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
+        self._own_pg = dist is not None and process_group is None
+        if self._own_pg:
+            process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        self.pg = process_group
         os.makedirs(local, exist_ok=True)
-        self.hosts = self._find_hosts()
+        token = self._bcast(uuid.uuid4().hex if self.rank == 0 else None)
+        self.hosts = self._find_hosts(token)
         self.host = next(i for i, g in enumerate(self.hosts) if self.rank in g)
         self.leader = self.hosts[self.host][0] == self.rank
+        self._progress = Progress(self.rank, self.world, token)
         n_hosts = len(self.hosts)
         if replicas > n_hosts - 1:
-            if replicas:
-                warnings.warn(
-                    f"ckptstore: replicas={replicas} needs {replicas + 1} hosts, the job has "
-                    f"{n_hosts}: {n_hosts - 1} replica(s) kept",
-                    stacklevel=2,
-                )
+            warnings.warn(
+                f"ckptstore: replicas={replicas} needs {replicas + 1} hosts, the job has {n_hosts}: "
+                f"{n_hosts - 1} replica(s) kept",
+                stacklevel=2,
+            )
             replicas = n_hosts - 1
         self.replicas = replicas
+        self._tier = LocalTier(local, keep)
+        self._persistent: Optional[PersistentTier] = None
+        self._persister: Optional[Persister] = None
         err = None
-        if self.leader:
-            try:
-                self._gc_start()
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        self._agree([err], "cleaning the local tier")
+        try:
+            if self.persistent is not None and (self.leader or self.rank == 0):
+                self._persistent = PersistentTier(self.persistent, persist_keep)
+                if self.leader:
+                    self._persister = Persister(self._persistent, self._tier, self.rank, self.host, self.world,
+                                                self.timeout)
+            if self.leader:
+                self._tier.clean()
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            err = _err(self.rank, e)
+        self._saver = AsyncSaver(1, name="ckptstore-tiers", what="the tiered CheckpointManager")
+        self._agree([err], "opening the tiers")
 
-    # -- collectives -----------------------------------------------------------------------
+    # -- collectives on the manager's group --------------------------------------------------
 
     def _gather(self, obj: Any) -> list:
         dist = _dist()
         if not dist:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.pg)
         return out
 
     def _bcast(self, obj: Any) -> Any:
@@ -294,7 +234,7 @@ class CheckpointManager:
         if not dist:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
     def _agree(self, errors: list, what: str) -> None:
@@ -302,300 +242,212 @@ class CheckpointManager:
         got = self._gather([e for e in errors if e])
         bad = [e for es in got for e in es]
         if bad:
-            raise RuntimeError(f"ckptstore tiers: {what} failed: " + "; ".join(bad))
+            raise CheckpointError(f"ckptstore tiers: {what} failed: " + "; ".join(bad))
 
-    def _find_hosts(self) -> list[list[int]]:
+    def _phase(self, label: str, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` (a step that talks to other ranks) as the phase ``label``; a failure of
+        the process group (a lost peer) is raised naming the ranks that never got there."""
+        self._progress.mark(label)
+        try:
+            return fn(*args)
+        except CheckpointError:
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - gloo's RuntimeError, DCP's CheckpointException
+            behind = self._progress.behind(self.hosts)
+            raise _GroupError(f"ckptstore tiers: {label} failed on rank {self.rank}{behind}: {e}") from e
+
+    def _find_hosts(self, token: str) -> list[list[int]]:
         """Ranks grouped by the local directory they share (each rank leaves a marker file
         there; the ranks that see one another's markers are one host)."""
-        token = self._bcast(uuid.uuid4().hex if self.rank == 0 else None)
         mark = os.path.join(self.local, f".member-{token}-r{self.rank}")
         with open(mark, "w"):
             pass
         dist = _dist()
         if dist:
-            dist.barrier()
+            dist.barrier(group=self.pg)
         prefix = f".member-{token}-r"
         mine = sorted(int(n[len(prefix):]) for n in os.listdir(self.local) if n.startswith(prefix))
         if dist:
-            dist.barrier()
+            dist.barrier(group=self.pg)
         os.unlink(mark)
         groups = self._gather(mine)
         hosts = sorted({tuple(g) for g in groups})
-        flat = sorted(r for g in hosts for r in g)
-        if flat != list(range(self.world)) or any(self.rank not in g for g in [groups[self.rank]]):
+        if sorted(r for g in hosts for r in g) != list(range(self.world)):
             raise InvalidArgumentError(
                 f"the ranks do not split into hosts by their local directory {self.local!r}: {groups}"
             )
         return [list(g) for g in hosts]
 
-    # -- the local tier --------------------------------------------------------------------
+    # -- save ----------------------------------------------------------------------------------
 
-    def _step_dir(self, step: int) -> str:
-        return os.path.join(self.local, f"step-{step}")
-
-    def _read_index(self) -> dict:
-        try:
-            with open(os.path.join(self.local, _INDEX), "rb") as f:
-                idx = json.loads(f.read())
-            steps = idx["steps"]
-            return {int(k): dict(v) for k, v in steps.items()}
-        except FileNotFoundError:
-            return {}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            warnings.warn(f"ckptstore: the local tier's index {self.local}/{_INDEX} is unreadable ({e}): ignored", stacklevel=3)
-            return {}
-
-    def _write_index(self, idx: dict) -> None:
-        body = {"version": _VERSION, "steps": {str(k): v for k, v in sorted(idx.items())}}
-        atomic.write_file(self.local, _INDEX, json.dumps(body, sort_keys=True))
-
-    def _gc_start(self) -> None:
-        atomic.sweep_leftovers(self.local)
-        idx = self._read_index()
-        for name in os.listdir(self.local):
-            p = os.path.join(self.local, name)
-            m = _STEP_RE.match(name)
-            if (m and int(m.group(1)) not in idx) or name.startswith(".restore-"):
-                atomic.remove_dir(p)
-            elif m:
-                atomic.sweep_leftovers(p)
-                for sub in os.listdir(p):
-                    if sub.startswith(".src-") and os.path.isdir(os.path.join(p, sub)):
-                        shutil.rmtree(os.path.join(p, sub))
-
-    def _retain(self) -> None:
-        idx = self._read_index()
-        old = sorted(idx)[: -self.keep]
-        if not old:
-            return
-        for s in old:
-            del idx[s]
-        self._write_index(idx)
-        for s in old:
-            atomic.remove_dir(self._step_dir(s))
-
-    # -- save ------------------------------------------------------------------------------
-
-    def save(self, step: int, model: Any, optimizer: Any = None, extra: Optional[Mapping[str, Any]] = None) -> None:
-        """Save ``step`` (every rank): local tier, replicas, index; persisted too when
-        ``step`` is a multiple of ``persist_every``. Blocks until the step is saved; raises
-        on every rank when it is not (nothing is then recorded for it)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
+    def save(self, step: int, model: Any, optimizer: Any = None, extra: Optional[Mapping[str, Any]] = None) -> Handle:
+        """Start saving ``step`` (every rank) and return once its tensors are copied into the
+        snapshot buffers (after the previous save has finished: one in flight). The
+        returned handle's ``wait()`` or :meth:`wait` reports the outcome; an earlier save's
+        error nobody saw is raised here first (nothing started)."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
-        dist = _dist()
-        sdir = self._step_dir(step)
-        # 0. A step saved again: forget the old one first.
+        sd, meta = _d.state_and_meta(model, optimizer, extra)
+
+        def build(snap: Any) -> tuple:
+            snapped = _snapshot(sd, snap, "")
+            kill_point("snapshot", step, self.rank)
+            return step, snapped, meta
+
+        return self._saver.save(Handle(f"step {step}"), build, self._write, whole_snapshot=True)
+
+    def _write(self, job: tuple) -> dict:
+        """The writer thread: steps 1-5 of the module docstring."""
+        import torch.distributed.checkpoint as dcp
+
+        step, sd, meta = job
+        tier = self._tier
         err = None
         if self.leader:
             try:
-                idx = self._read_index()
-                if step in idx:
-                    del idx[step]
-                    self._write_index(idx)
-                if os.path.exists(sdir):
-                    atomic.remove_dir(sdir)
+                tier.forget(step)
             except Exception as e:  # noqa: BLE001
-                err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        self._agree([err], f"preparing step {step}")
+                err = _err(self.rank, e)
+        self._phase(f"step {step}: prepare", self._agree, [err], f"preparing step {step}")
 
-        # 1. Every rank's part into its host's local tier.
-        own = os.path.join(sdir, f"src-{self.host}")
-        sd, meta = _d.state_and_meta(model, optimizer, extra)
+        own = tier.src_dir(step, self.host)
         w = _part_writer(own, {_d.META_KEY: meta})
-        try:
-            dcp.save(sd, storage_writer=w)
-        except CheckpointException as e:  # a BaseException in DCP: report as ckptstore's own
-            failures = getattr(e, "failures", None) or {}
-            first = next(iter(failures.values()), e)
-            raise CheckpointError(
-                f"writing step {step} into {own!r} failed on rank(s) {sorted(failures)}: {first}"
-            ) from e
+        self._phase(f"step {step}: local write", lambda: dcp.save(sd, storage_writer=w, process_group=self.pg))
+        kill_point("local-write", step, self.rank)
         cid = w.checkpoint_id
         files: dict[str, list[int]] = {}
         err = None
         try:
+            from ._tier_wire import crc_file
+            from .. import atomic
+
             for name in sorted(os.listdir(own)):
                 if name.startswith((f"part-{cid}-r{self.rank}.", f"shard-{cid}-r{self.rank}-")):
-                    files[name] = list(_crc_file(os.path.join(own, name)))
+                    files[name] = list(crc_file(os.path.join(own, name)))
             atomic.fsync_dir(own)
             if not any(n.startswith("part-") for n in files):
                 raise CheckpointError(f"no part file of rank {self.rank} in {own}")
         except Exception as e:  # noqa: BLE001
-            err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        status = self._gather((files, err, w.manifest_metadata if self.rank == 0 else None))
+            err = _err(self.rank, e)
+        status = self._phase(f"step {step}: gather", self._gather,
+                             (files, err, w.manifest_metadata if self.rank == 0 else None))
         bad = [s[1] for s in status if s[1]]
         if bad:
-            raise RuntimeError(f"ckptstore tiers: writing step {step} failed: " + "; ".join(bad))
+            raise CheckpointError(f"ckptstore tiers: writing step {step} failed: " + "; ".join(bad))
         all_files = {r: s[0] for r, s in enumerate(status)}
-        manifest_meta = status[0][2]
 
-        # 2. Replicas: host h's files to hosts h+1 .. h+replicas (ring), leaders only. The
-        #    transfers are collectives (a lost host raises gloo's error out of them); the
-        #    checks and writes around them report through the status all-gather.
-        err = None
-        if self.leader and self.replicas:
-            err = self._replicate(step, all_files)
-        self._agree([err], f"replicating step {step}")
+        err = self._replicate(step, all_files) if self.leader and self.replicas else None
+        self._phase(f"step {step}: replicate", self._agree, [err], f"replicating step {step}")
 
-        # 3. The coordinator records the step; every host writes the record durably.
         record = None
         if self.rank == 0:
             record = {
-                "version": _VERSION,
-                "step": step,
-                "checkpoint_id": cid,
-                "world_size": self.world,
-                "saved_at": time.time(),
-                "hosts": self.hosts,
-                "replicas": self.replicas,
-                "files": {str(r): f for r, f in all_files.items()},
-                "metadata": manifest_meta,
+                "version": 1, "step": step, "checkpoint_id": cid, "world_size": self.world,
+                "saved_at": time.time(), "hosts": self.hosts, "replicas": self.replicas,
+                "files": {str(r): f for r, f in all_files.items()}, "metadata": status[0][2],
             }
-        record = self._bcast(record)
+        record = self._phase(f"step {step}: record", self._bcast, record)
         err = None
         if self.leader:
             try:
-                body = json.dumps(record, sort_keys=True).encode()
-                atomic.write_file(sdir, _COMMIT, body)
-                idx = self._read_index()
-                idx[step] = {"checkpoint_id": cid, "commit_crc32": zlib.crc32(body), "commit_size": len(body)}
-                self._write_index(idx)
+                tier.record(step, record, between=lambda: kill_point("record", step, self.rank))
             except Exception as e:  # noqa: BLE001
-                err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        self._agree([err], f"recording step {step}")
+                err = _err(self.rank, e)
+        due = bool(self.persistent and self.persist_every and step % self.persist_every == 0)
+        if due:  # no upload in flight from here to the agreement below: rank 0's gc is safe
+            if self._persister is not None:
+                self._persister.join()
+            if self.rank == 0 and self._persistent is not None:
+                try:
+                    self._persistent.gc()
+                except Exception as e:  # noqa: BLE001 - retention retries at the next persist
+                    warnings.warn(f"ckptstore: retention in {self.persistent} failed: {e}", stacklevel=2)
+        self._phase(f"step {step}: recorded", self._agree, [err], f"recording step {step}")
 
-        # 4. Retention (after the record: a failure here loses nothing).
         if self.leader:
             try:
-                self._retain()
-            except Exception as e:  # noqa: BLE001 - the step is saved; gc retries next time
+                tier.retain()
+            except Exception as e:  # noqa: BLE001 - the step is saved; gc retries
                 warnings.warn(f"ckptstore: retention in {self.local} failed: {e}", stacklevel=2)
-
-        # 5. The persistent tier.
-        if self.persistent and self.persist_every and step % self.persist_every == 0:
-            _d.save(os.path.join(self.persistent, f"step-{step}"), model, optimizer, extra)
+            if due and self._persister is not None:
+                mine = [r for r in self.hosts[self.host]]
+                self._persister.start(step, record, tier.src_dir(step, self.host), mine)
+        return {"step": step, "checkpoint_id": cid}
 
     def _replicate(self, step: int, all_files: dict) -> Optional[str]:
-        """Send this host's files around the ring and store what arrives; the first error
-        (as text), or None. Every exchange runs even after an error (the peers expect it)."""
-        sdir = self._step_dir(step)
-        own = os.path.join(sdir, f"src-{self.host}")
-        err = None
-        mine = []
-        try:
-            for r in self.hosts[self.host]:
-                for name in sorted(all_files[r]):
-                    with open(os.path.join(own, name), "rb") as f:
-                        mine.append((name, f.read()))
-            payload = _pack(mine)
-        except Exception as e:  # noqa: BLE001
-            err = f"rank {self.rank}: {type(e).__name__}: {e}"
-            payload = _pack([], err)
+        """Send this host's files around the ring and keep what arrives; the first error as
+        text, or None. Every transfer runs to its end even after an error (the peers expect
+        its bytes); the receive side records an error and drops the rest."""
+        tier = self._tier
+        sdir = tier.step_dir(step)
+        own = tier.src_dir(step, self.host)
+        names = sorted(n for r in self.hosts[self.host] for n in all_files[r])
+        err: Optional[str] = None
         n_hosts = len(self.hosts)
         for j in range(1, self.replicas + 1):
-            dst_h = (self.host + j) % n_hosts
-            src_h = (self.host - j) % n_hosts
-            got = _exchange(payload, self.hosts[dst_h][0], self.hosts[src_h][0], tag=1000 + 2 * j)
-            if err is not None:
-                continue
-            try:
-                files, error = _unpack(got)
-                if error:
-                    raise CheckpointError(f"host {src_h} could not send its files: {error}")
-                want = {n: v for r in self.hosts[src_h] for n, v in all_files[r].items()}
-                if sorted(n for n, _ in files) != sorted(want):
-                    raise CheckpointError(
-                        f"host {src_h} sent files {[n for n, _ in files]}, expected {sorted(want)}"
-                    )
-                stage = os.path.join(sdir, f".src-{src_h}.tmp-{uuid.uuid4().hex[:8]}")
-                os.makedirs(stage)
-                for name, data in files:
-                    if [len(data), zlib.crc32(data)] != list(want[name]):
-                        raise CheckpointError(f"{name} from host {src_h}: size or CRC32 differs from its writer's")
-                    _write_fsync(os.path.join(stage, name), data)
-                atomic.fsync_dir(stage)
-                atomic.publish_dir(stage, os.path.join(sdir, f"src-{src_h}"))
-            except Exception as e:  # noqa: BLE001
-                err = f"rank {self.rank}: {type(e).__name__}: {e}"
+            dst_h, src_h = (self.host + j) % n_hosts, (self.host - j) % n_hosts
+            want = {n: v for r in self.hosts[src_h] for n, v in all_files[r].items()}
+            got: dict[str, Any] = {"stage": None, "err": None}
+
+            def receive(inc: Any, name: Optional[str], data: Any, src_h: int = src_h, want: dict = want,
+                        got: dict = got) -> None:
+                if got["err"]:
+                    return
+                try:
+                    if name is None:
+                        if inc.error:
+                            raise CheckpointError(f"host {src_h} could not send its files: {inc.error}")
+                        if sorted(n for n, _ in inc.files) != sorted(want):
+                            raise CheckpointError(f"host {src_h} announced {[n for n, _ in inc.files]}, "
+                                                  f"expected {sorted(want)}")
+                        got["stage"] = new_stage(sdir, f"src-{src_h}")
+                        return
+                    check_arrival(name, data, want, src_h)
+                    write_fsync(os.path.join(got["stage"], name), data.numpy())
+                except Exception as e:  # noqa: BLE001
+                    got["err"] = _err(self.rank, e)
+
+            self._phase(f"step {step}: replica {j}", transfer, own, names, None, self.hosts[dst_h][0],
+                        self.hosts[src_h][0], _TAG_REPLICATE * j, self.pg, receive)
+            kill_point("replicate", step, self.rank)
+            err = err or got["err"]
+            if err is None:
+                try:
+                    from .. import atomic
+
+                    atomic.fsync_dir(got["stage"])
+                    atomic.publish_dir(got["stage"], tier.src_dir(step, src_h))
+                except Exception as e:  # noqa: BLE001
+                    err = _err(self.rank, e)
         return err
 
     def wait(self) -> None:
-        """Every rank: saves are blocking in this slice, so this returns at once."""
+        """Every rank: wait for the save in flight and the persist in flight; raise the
+        first save error nobody has seen, or any rank's persist error (on every rank)."""
         self._check_open()
+        self._saver.wait()
+        perr = self._persister.take_errors() if self._persister is not None else []
+        got = self._phase("wait", self._gather, perr)
+        bad = [e for es in got for e in es]
+        if bad:
+            raise CheckpointError("ckptstore tiers: persisting failed: " + "; ".join(bad))
 
-    # -- restore ---------------------------------------------------------------------------
-
-    def _scan(self) -> dict:
-        """What this host's local tier holds: per indexed step, the record and the ranks
-        whose every file is present with its recorded size and CRC32 (and why not)."""
-        out = {}
-        for step, ent in sorted(self._read_index().items()):
-            sdir = self._step_dir(step)
-            try:
-                with open(os.path.join(sdir, _COMMIT), "rb") as f:
-                    body = f.read()
-                if zlib.crc32(body) != ent.get("commit_crc32") or len(body) != ent.get("commit_size"):
-                    raise CheckpointError("commit.json does not match the index's CRC32")
-                record = json.loads(body)
-            except (OSError, ValueError, CheckpointError) as e:
-                out[step] = {"record": None, "good": [], "bad": {"*": f"{sdir}/{_COMMIT}: {e}"}}
-                continue
-            good, bad = [], {}
-            for h, ranks in enumerate(record["hosts"]):
-                src = os.path.join(sdir, f"src-{h}")
-                if not os.path.isdir(src):
-                    continue
-                for r in ranks:
-                    why = None
-                    for name, (size, crc) in sorted(record["files"][str(r)].items()):
-                        p = os.path.join(src, name)
-                        try:
-                            got = _crc_file(p)
-                        except OSError as e:
-                            why = f"{p}: {e.strerror or e}"
-                            break
-                        if list(got) != [size, crc]:
-                            why = f"{p}: size or CRC32 differs from the record (damaged)"
-                            break
-                    if why is None:
-                        good.append(r)
-                    else:
-                        bad[str(r)] = why
-            out[step] = {"record": record, "good": sorted(good), "bad": bad}
-        return out
-
-    def _persisted(self) -> list[int]:
-        if not self.persistent or not os.path.isdir(self.persistent):
-            return []
-        from .. import _ckptstore
-
-        steps = []
-        for name in os.listdir(self.persistent):
-            m = _STEP_RE.match(name)
-            if not m:
-                continue
-            try:
-                _ckptstore.Checkpoint(os.path.join(self.persistent, name), lazy=True)
-            except Exception:  # noqa: BLE001 - not committed (or not a checkpoint): not a candidate
-                continue
-            steps.append(int(m.group(1)))
-        return sorted(steps)
+    # -- restore -------------------------------------------------------------------------------
 
     def restore_latest(self, model: Any, optimizer: Any = None) -> Optional[int]:
-        """Restore the newest step that can be read whole from some tier (every rank);
-        returns it, or ``None`` when no tier holds any. The ``extra`` dict it was saved with
-        is ``self.last_extra`` afterwards, the tier it came from ``self.last_tier``
-        (``"fast"``: local and peer copies; ``"persistent"``). Raises
+        """Restore the newest step that can be read whole from some tier (every rank, after
+        any save in flight); returns it, or ``None`` when no tier holds any. Afterwards
+        ``self.last_extra`` is the ``extra`` it was saved with, ``self.last_tier`` where it
+        came from (``"fast"``: local and peer copies; ``"persistent"``). Raises
         :class:`ckptstore.CheckpointError` when steps were recorded but none can be read."""
-        self._check_open()
-        held = self._scan() if self.leader else None
-        pers = self._persisted() if self.rank == 0 else None
-        gathered = self._gather((self.host, held, pers))
-        persisted = gathered[0][2]
+        self.wait()
+        held = self._tier.scan() if self.leader else None
+        pers = self._persistent.steps() if self.rank == 0 and self._persistent is not None else None
+        gathered = self._phase("restore: scan", self._gather, (self.host, held, pers))
+        persisted = gathered[0][2] or []
         by_host = {h: hd for h, hd, _ in gathered if hd is not None}
 
         # Per (step, checkpoint id): which current hosts hold a good copy of which rank's part.
@@ -608,33 +460,34 @@ class CheckpointManager:
                 rec = ent["record"]
                 if rec is None:
                     continue
-                key = (step, rec["checkpoint_id"])
-                f = fast.setdefault(key, {"record": rec, "holders": {}})
+                f = fast.setdefault((step, rec["checkpoint_id"]), {"record": rec, "holders": {}})
                 for r in ent["good"]:
                     f["holders"].setdefault(r, []).append(h)
         candidates: list[tuple[int, str, Any]] = []
-        for (step, cid), f in fast.items():
+        for (step, _cid), f in fast.items():
             missing = [r for r in range(f["record"]["world_size"]) if r not in f["holders"]]
             if missing:
                 notes.setdefault(step, []).append(f"no good copy on any host of the parts of rank(s) {missing}")
             else:
                 candidates.append((step, "fast", f))
-        for step in persisted:
-            candidates.append((step, "persistent", None))
+        candidates += [(s, "persistent", None) for s in persisted]
         # Newest first; for one step the fast tier first (of two saves of one step number,
         # say by a host back with stale files, the later one), then the persistent one.
-        candidates.sort(
-            key=lambda c: (-c[0], c[1] != "fast", -float((c[2] or {}).get("record", {}).get("saved_at") or 0))
-        )
+        candidates.sort(key=lambda c: (-c[0], c[1] != "fast", -float((c[2] or {}).get("record", {}).get("saved_at") or 0)))
         newest = max([s for s, _ in fast] + list(notes) + list(persisted), default=None)
         if newest is None:
             return None
         for step, kind, f in candidates:
             try:
                 if kind == "fast":
-                    extra = self._restore_fast(step, f, model, optimizer)
+                    repersist = bool(self.persist_every and step % self.persist_every == 0
+                                     and self.persistent and step not in persisted)
+                    extra = self._restore_fast(step, f, model, optimizer, repersist)
                 else:
-                    extra = _d.load(os.path.join(self.persistent, f"step-{step}"), model, optimizer)
+                    loc = self._bcast(self._persistent.location(step) if self.rank == 0 else None)  # type: ignore[union-attr]
+                    extra = self._load(step, loc, model, optimizer)
+            except _GroupError:
+                raise  # the process group failed: no next candidate can be agreed on
             except CheckpointError as e:  # every rank raised it (the loads agree): next one
                 notes.setdefault(step, []).append(f"{kind} tier: {e}")
                 continue
@@ -642,9 +495,8 @@ class CheckpointManager:
                 missed = sorted((s for s in notes if s > step), reverse=True)
                 detail = "; ".join(f"step {s}: " + ", ".join(notes[s]) for s in missed)
                 warnings.warn(
-                    f"ckptstore: restored step {step} from the {kind} tier, not the newest "
-                    f"recorded step {newest}: {detail or 'no whole copy'} (persisted steps: "
-                    f"{persisted})",
+                    f"ckptstore: restored step {step} from the {kind} tier, not the newest recorded step "
+                    f"{newest}: {detail or 'no whole copy'} (persisted steps: {persisted})",
                     stacklevel=2,
                 )
             self.last_extra = extra
@@ -655,68 +507,78 @@ class CheckpointManager:
             + "; ".join(f"step {s}: " + ", ".join(n) for s, n in sorted(notes.items(), reverse=True))
         )
 
-    def _restore_fast(self, step: int, f: dict, model: Any, optimizer: Any) -> dict:
-        """Every host assembles the step's files (its own good copies, the others sent by a
-        host holding them), commits them in ``.restore-<step>``, and every rank loads."""
-        import torch.distributed as dist_mod
+    def _load(self, step: int, loc: str, model: Any, optimizer: Any) -> dict:
+        """:func:`ckptstore.torch.distributed.load` on the manager's group. Its own errors
+        (a damaged or incompatible checkpoint) are raised alike on every rank and pass
+        through; a failure of the group is a ``_GroupError``."""
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        rec = f["record"]
-        holders: dict[int, list[int]] = f["holders"]
-        cid = rec["checkpoint_id"]
-        world = rec["world_size"]
-        n_hosts = len(self.hosts)
+        def load() -> dict:
+            try:
+                return _d.load(loc, model, optimizer, process_group=self.pg)
+            except CheckpointException as e:  # the ranks' errors, gathered by DCP
+                failures = getattr(e, "failures", None) or {}
+                first = next(iter(failures.values()), e)
+                if isinstance(first, CheckpointError):
+                    raise CheckpointError(f"loading step {step} from {loc}: {first}") from e
+                raise
+
+        return self._phase(f"restore: load step {step}", load)
+
+    def _restore_fast(self, step: int, f: dict, model: Any, optimizer: Any, repersist: bool) -> dict:
+        """Every host assembles the step's files (its own good copies, the others sent by a
+        host holding them), commits them in ``.restore-<step>``, and every rank loads.
+        ``repersist``: the step is due for the persistent tier but not there (its persist
+        was interrupted): the hosts then persist it from what they assembled."""
+        rec, holders = f["record"], f["holders"]
+        cid, world = rec["checkpoint_id"], rec["world_size"]
         stage = os.path.join(self.local, f".restore-{step}")
-        # The same transfer list on every rank: part r to host d from one of its holders.
-        transfers = []
-        for r in range(world):
-            hs = holders[r]
-            for d in range(n_hosts):
-                if d not in hs:
-                    transfers.append((r, hs[(d + r) % len(hs)], d))
+        sdir = self._tier.step_dir(step)
+        # The same transfer list on every rank: rank r's files to host d from one holder.
+        transfers = [(r, holders[r][(d + r) % len(holders[r])], d)
+                     for r in range(world) for d in range(len(self.hosts)) if d not in holders[r]]
         err = None
         if self.leader:
             try:
                 if os.path.exists(stage):
-                    atomic.remove_dir(stage)
+                    shutil.rmtree(stage)
                 os.makedirs(stage)
-                sdir = self._step_dir(step)
                 for r in range(world):
                     if self.host in holders[r]:
-                        src = os.path.join(sdir, f"src-{self._saved_host(rec, r)}")
+                        src = os.path.join(sdir, f"src-{saved_host(rec, r)}")
                         for name in rec["files"][str(r)]:
                             try:
                                 os.link(os.path.join(src, name), os.path.join(stage, name))
                             except OSError:
                                 shutil.copyfile(os.path.join(src, name), os.path.join(stage, name))
             except Exception as e:  # noqa: BLE001
-                err = f"rank {self.rank}: {type(e).__name__}: {e}"
+                err = _err(self.rank, e)
             for i, (r, src_h, dst_h) in enumerate(transfers):
-                tag = 5000 + i
-                if self.host == src_h:
-                    files, why = [], None
+                if self.host not in (src_h, dst_h):
+                    continue
+                want = {n: v for n, v in rec["files"][str(r)].items()}
+                box: dict[str, Any] = {"err": None}
+
+                def receive(inc: Any, name: Optional[str], data: Any, want: dict = want, src_h: int = src_h,
+                            r: int = r, box: dict = box) -> None:
+                    if box["err"] or err:
+                        return
                     try:
-                        src = os.path.join(self._step_dir(step), f"src-{self._saved_host(rec, r)}")
-                        for name in sorted(rec["files"][str(r)]):
-                            with open(os.path.join(src, name), "rb") as fh:
-                                files.append((name, fh.read()))
-                    except OSError as e:
-                        files, why = [], f"host {self.host}: {e}"
-                    _send_pack(_pack(files, why), self.hosts[dst_h][0], tag)
-                elif self.host == dst_h:
-                    got, why = _unpack(_recv_pack(self.hosts[src_h][0], tag))
-                    if err is None:
-                        try:
-                            if why:
-                                raise CheckpointError(why)
-                            want = rec["files"][str(r)]
-                            if sorted(n for n, _ in got) != sorted(want):
-                                raise CheckpointError(f"host {src_h} sent the wrong files for rank {r}")
-                            for name, data in got:
-                                if [len(data), zlib.crc32(data)] != list(want[name]):
-                                    raise CheckpointError(f"{name} from host {src_h}: CRC32 differs from the record")
-                                _write_fsync(os.path.join(stage, name), data)
-                        except Exception as e:  # noqa: BLE001
-                            err = f"rank {self.rank}: {type(e).__name__}: {e}"
+                        if name is None:
+                            if inc.error:
+                                raise CheckpointError(f"host {src_h} could not send rank {r}'s files: {inc.error}")
+                            return
+                        check_arrival(name, data, want, src_h)
+                        write_fsync(os.path.join(stage, name), data.numpy())
+                    except Exception as e:  # noqa: BLE001
+                        box["err"] = _err(self.rank, e)
+
+                sending = self.host == src_h
+                self._phase(f"restore: step {step} transfer {i}", transfer,
+                            os.path.join(sdir, f"src-{saved_host(rec, r)}"), sorted(want), None,
+                            self.hosts[dst_h][0] if sending else None, None if sending else self.hosts[src_h][0],
+                            _TAG_RESTORE + (i % 64) * 4096, self.pg, receive)
+                err = err or box["err"]
             if err is None:
                 try:
                     parts = []
@@ -725,38 +587,74 @@ class CheckpointManager:
                             parts.append(fh.read())
                     _commit(stage, cid, parts=parts, world_size=world, metadata=rec["metadata"])
                 except Exception as e:  # noqa: BLE001
-                    err = f"rank {self.rank}: {type(e).__name__}: {e}"
-        got = self._gather(err)
-        bad = [e for e in got if e]
+                    err = _err(self.rank, e)
+        loaded = False
         try:
-            if bad:
-                raise CheckpointError(f"assembling step {step} failed: " + "; ".join(bad))
-            return _d.load(stage, model, optimizer)
+            self._phase(f"restore: step {step} assembled", self._agree, [err], f"assembling step {step}")
+            kill_point("restore", step, self.rank)
+            extra = self._load(step, stage, model, optimizer)
+            loaded = True
+            return extra
         finally:
-            if _dist():
-                dist_mod.barrier()
-            if self.leader and os.path.exists(stage):
-                atomic.remove_dir(stage)
+            dist = _dist()
+            try:
+                if dist:
+                    self._phase(f"restore: step {step} done", dist.barrier, self.pg)
+            finally:
+                if self.rank == 0 and loaded and repersist and self._persister is not None:
+                    self._persister.start(step, rec, stage, None, remove_src=True)
+                elif self.leader and os.path.exists(stage):
+                    shutil.rmtree(stage, ignore_errors=True)
 
-    @staticmethod
-    def _saved_host(rec: dict, rank: int) -> int:
-        return next(h for h, rs in enumerate(rec["hosts"]) if rank in rs)
+    # -- lifetime ------------------------------------------------------------------------------
 
-    # -- lifetime --------------------------------------------------------------------------
+    def gc(self) -> None:
+        """Every rank, with no save in flight: remove what interrupted saves, restores and
+        persists left in every tier, and apply each tier's retention."""
+        self.wait()
+        err = None
+        try:
+            if self.leader:
+                self._tier.clean()
+                self._tier.retain()
+            if self.rank == 0 and self._persistent is not None:
+                self._persistent.gc()
+        except Exception as e:  # noqa: BLE001
+            err = _err(self.rank, e)
+        self._phase("gc", self._agree, [err], "gc")
 
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("the CheckpointManager is closed")
 
     def close(self) -> None:
-        """Finish (saves are blocking: nothing pending) and refuse further calls."""
-        self._closed = True
+        """Every rank: wait for what is in flight (raising as :meth:`wait`), then refuse
+        further calls and release the manager's process group."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            try:
+                self._saver.close()
+            except Exception:  # noqa: BLE001 - wait() above raised it already
+                pass
+            dist = _dist()
+            if self._own_pg and dist is not None:
+                try:
+                    dist.destroy_process_group(self.pg)
+                except Exception:  # noqa: BLE001 - a broken group: nothing left to release
+                    pass
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # already failing: do not wait on a group that may be broken
+            self._closed = True
 
     def __repr__(self) -> str:
         return (

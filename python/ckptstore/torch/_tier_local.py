@@ -1,0 +1,226 @@
+"""A host's local tier for the tiered manager (:mod:`ckptstore.torch.tiered`): its index,
+the steps' records, the check of what it holds, retention and the clean-up of what an
+interrupted save or restore left. Run by the host's first rank only.
+
+Layout (``root``, the same path on every host, private to it)::
+
+    index.json                 the steps this host knows saved, each with its commit.json's
+                               size and CRC32 (a step is saved on this host when it is here)
+    step-<n>/commit.json       the step's record: checkpoint id, world size, hosts, every
+                               rank's files with size and CRC32, the manifest metadata
+    step-<n>/src-<h>/          the files of the ranks of host h (this host's own, and those
+                               replicated here from other hosts)
+    step-<n>/.src-<h>.tmp-*    a replica being received (published by one rename)
+    .restore-<n>/              a step being assembled for a restore
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import warnings
+import zlib
+from typing import Any, Optional
+
+from .. import atomic
+from ..errors import CheckpointError
+from ._tier_wire import crc_file
+
+INDEX = "index.json"
+COMMIT = "commit.json"
+STEP_RE = re.compile(r"^step-(\d+)$")
+RESTORE_RE = re.compile(r"^\.restore-(\d+)$")
+VERSION = 1
+
+
+class LocalTier:
+    """The local tier at ``root``; ``keep``: indexed steps kept by :meth:`retain`."""
+
+    def __init__(self, root: str, keep: int) -> None:
+        self.root = root
+        self.keep = keep
+        self._pins: dict[int, int] = {}  # steps a persist is reading: never removed
+        self._lock = threading.Lock()
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step}")
+
+    def src_dir(self, step: int, host: int) -> str:
+        return os.path.join(self.step_dir(step), f"src-{host}")
+
+    # -- the index ---------------------------------------------------------------------------
+
+    def read_index(self) -> dict:
+        try:
+            with open(os.path.join(self.root, INDEX), "rb") as f:
+                idx = json.loads(f.read())
+            return {int(k): dict(v) for k, v in idx["steps"].items()}
+        except FileNotFoundError:
+            return {}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            warnings.warn(f"ckptstore: the local tier's index {self.root}/{INDEX} is unreadable ({e}): ignored",
+                          stacklevel=3)
+            return {}
+
+    def write_index(self, idx: dict) -> None:
+        body = {"version": VERSION, "steps": {str(k): v for k, v in sorted(idx.items())}}
+        atomic.write_file(self.root, INDEX, json.dumps(body, sort_keys=True))
+
+    def forget(self, step: int) -> None:
+        """A step saved again: out of the index first, then its directory removed."""
+        idx = self.read_index()
+        if step in idx:
+            del idx[step]
+            self.write_index(idx)
+        if os.path.exists(self.step_dir(step)):
+            atomic.remove_dir(self.step_dir(step))
+
+    def record(self, step: int, record: dict, between: Any = None) -> None:
+        """Write the step's record durably, then name it in the index: the step is saved.
+        ``between()`` runs in between (the kill seam)."""
+        body = json.dumps(record, sort_keys=True).encode()
+        atomic.write_file(self.step_dir(step), COMMIT, body)
+        if between is not None:
+            between()
+        idx = self.read_index()
+        idx[step] = {"checkpoint_id": record["checkpoint_id"], "commit_crc32": zlib.crc32(body),
+                     "commit_size": len(body)}
+        self.write_index(idx)
+
+    def load_record(self, step: int) -> dict:
+        """The step's record, checked against the index's CRC32; raises CheckpointError."""
+        ent = self.read_index().get(step)
+        p = os.path.join(self.step_dir(step), COMMIT)
+        if ent is None:
+            raise CheckpointError(f"{self.root}: step {step} is not in the index")
+        try:
+            with open(p, "rb") as f:
+                body = f.read()
+        except OSError as e:
+            raise CheckpointError(f"{p}: {e.strerror or e}") from e
+        if zlib.crc32(body) != ent.get("commit_crc32") or len(body) != ent.get("commit_size"):
+            raise CheckpointError(f"{p}: does not match the index's CRC32 (damaged)")
+        try:
+            return json.loads(body)
+        except ValueError as e:
+            raise CheckpointError(f"{p}: {e}") from e
+
+    # -- retention and leftovers -------------------------------------------------------------
+
+    def pin(self, step: int) -> None:
+        with self._lock:
+            self._pins[step] = self._pins.get(step, 0) + 1
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            n = self._pins.get(step, 0) - 1
+            if n > 0:
+                self._pins[step] = n
+            else:
+                self._pins.pop(step, None)
+
+    def retain(self) -> list[int]:
+        """Keep the newest ``keep`` indexed steps, and any step a persist still reads; the
+        index is rewritten first, then the older step directories removed whole."""
+        idx = self.read_index()
+        with self._lock:
+            old = [s for s in sorted(idx)[: -self.keep] if s not in self._pins]
+        if not old:
+            return []
+        for s in old:
+            del idx[s]
+        self.write_index(idx)
+        for s in old:
+            atomic.remove_dir(self.step_dir(s))
+        return old
+
+    def clean(self) -> int:
+        """Remove what an interrupted save or restore left: step directories the index does
+        not name, restore staging, replicas half received, engine leftovers. Run where no
+        save or restore of this manager is in flight (at start-up, by ``gc``)."""
+        n = atomic.sweep_leftovers(self.root)
+        idx = self.read_index()
+        with self._lock:
+            pinned = set(self._pins)
+        for name in os.listdir(self.root):
+            p = os.path.join(self.root, name)
+            m = STEP_RE.match(name)
+            r = RESTORE_RE.match(name)
+            if (m and int(m.group(1)) not in idx and int(m.group(1)) not in pinned) or (r and int(r.group(1)) not in pinned):
+                atomic.remove_dir(p)
+                n += 1
+            elif m:
+                n += atomic.sweep_leftovers(p)
+                for sub in os.listdir(p):
+                    if sub.startswith(".src-") and os.path.isdir(os.path.join(p, sub)):
+                        shutil.rmtree(os.path.join(p, sub))
+                        n += 1
+        return n
+
+    # -- what this host holds ----------------------------------------------------------------
+
+    def scan(self) -> dict:
+        """Per indexed step: the record (``None`` when damaged), the ranks whose every file
+        is present in this tier with its recorded size and CRC32 (``good``), and why the
+        others that are here are not (``bad``)."""
+        out = {}
+        for step in sorted(self.read_index()):
+            try:
+                record = self.load_record(step)
+            except CheckpointError as e:
+                out[step] = {"record": None, "good": [], "bad": {"*": str(e)}}
+                continue
+            good, bad = [], {}
+            for h, ranks in enumerate(record["hosts"]):
+                src = self.src_dir(step, h)
+                if not os.path.isdir(src):
+                    continue
+                for r in ranks:
+                    why = self.check_files(src, record["files"][str(r)])
+                    if why is None:
+                        good.append(r)
+                    else:
+                        bad[str(r)] = why
+            out[step] = {"record": record, "good": sorted(good), "bad": bad}
+        return out
+
+    @staticmethod
+    def check_files(src: str, files: dict) -> Optional[str]:
+        for name, (size, crc) in sorted(files.items()):
+            p = os.path.join(src, name)
+            try:
+                got = crc_file(p)
+            except OSError as e:
+                return f"{p}: {e.strerror or e}"
+            if list(got) != [size, crc]:
+                return f"{p}: size or CRC32 differs from the record (damaged)"
+        return None
+
+
+def saved_host(record: dict, rank: int) -> int:
+    """The host whose ``src-<h>`` holds ``rank``'s files in a step's record."""
+    return next(h for h, rs in enumerate(record["hosts"]) if rank in rs)
+
+
+def check_arrival(name: str, data: Any, want: dict, src_host: int) -> None:
+    """A file received from ``src_host``: its size and CRC32 must be the record's."""
+    if name not in want:
+        raise CheckpointError(f"host {src_host} sent {name}, which the record does not name")
+    got = [data.numel(), zlib.crc32(data.numpy())]
+    if got != list(want[name]):
+        raise CheckpointError(f"{name} from host {src_host}: size or CRC32 differs from the record (damaged in transit or at the source)")
+
+
+def new_stage(parent: str, name: str) -> str:
+    stage = os.path.join(parent, f".{name}.tmp-{uuid_hex()}")
+    os.makedirs(stage)
+    return stage
+
+
+def uuid_hex() -> str:
+    import uuid
+
+    return uuid.uuid4().hex[:8]

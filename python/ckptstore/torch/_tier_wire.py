@@ -1,0 +1,230 @@
+"""What the tiered manager (:mod:`ckptstore.torch.tiered`) sends between hosts and how it
+tells who it waited for: files moved over torch.distributed point-to-point (one header,
+then one uint8 tensor per file, so that no host holds more than one file in flight twice),
+CRC32 of files, the progress marks that name the rank a failed collective waited for, and
+the kill seam of the fault tests.
+
+Every function that talks takes the manager's own process group; ranks are global ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import zlib
+from typing import Any, Optional
+
+import numpy as np
+
+#: The kill seam: ``point[:step][@rank]`` SIGKILLs the process that reaches ``point`` (at
+#: ``step``, on ``rank``; either may be left out). Points: ``snapshot`` (the save's copy
+#: made, on the caller's thread), ``local-write`` (the part written, before its CRCs are
+#: gathered), ``replicate`` (the host's files sent, before the received ones are published),
+#: ``record`` (``commit.json`` written, before the index names the step),
+#: ``persist-upload`` (a host's shards in the persistent tier, before its part
+#: descriptors), ``persist-commit`` (before the persistent commit), ``restore`` (the step
+#: assembled, before the load). Unset, a point costs one environment lookup.
+KILL_ENV = "CKPTSTORE_TIERS_KILL"
+POINTS = (
+    "snapshot",
+    "local-write",
+    "replicate",
+    "record",
+    "persist-upload",
+    "persist-commit",
+    "restore",
+)
+
+
+def kill_point(point: str, step: int, rank: int) -> None:
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    spec, _, want_rank = spec.partition("@")
+    want, _, at = spec.partition(":")
+    if want == point and (not at or int(at) == step) and (not want_rank or int(want_rank) == rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crc_file(path: str) -> tuple[int, int]:
+    """``(size, crc32)`` of the file ``path``."""
+    crc = 0
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(1 << 22)
+            if not b:
+                break
+            crc = zlib.crc32(b, crc)
+            size += len(b)
+    return size, crc
+
+
+def write_fsync(path: str, data: Any) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_tensor(path: str, size: int) -> Any:
+    import torch
+
+    a = np.fromfile(path, dtype=np.uint8)
+    if a.size != size:
+        raise OSError(f"{path}: {a.size} bytes, {size} expected (the file changed)")
+    return torch.from_numpy(a)
+
+
+def _header(src_dir: str, names: list[str], error: Optional[str]) -> tuple[list, Optional[str]]:
+    files = []
+    if error is None:
+        try:
+            files = [[n, os.stat(os.path.join(src_dir, n)).st_size] for n in names]
+        except OSError as e:
+            error = f"{e.filename}: {e.strerror or e}"
+    return ([] if error else files), error
+
+
+def _head_tensor(files: list, error: Optional[str]) -> Any:
+    import torch
+
+    b = json.dumps({"files": files, "error": error}).encode()
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class Incoming:
+    """What a peer's header announced: ``files`` (``[name, size]``) and ``error`` (the peer
+    could not send: raise it)."""
+
+    def __init__(self, head: Any) -> None:
+        h = json.loads(head.numpy().tobytes() or b"{}")
+        self.files: list = [(str(n), int(z)) for n, z in h.get("files") or []]
+        self.error: Optional[str] = h.get("error")
+
+
+def _exchange_heads(out: Any, dst: Optional[int], src: Optional[int], tag: int, pg: Any) -> Optional[Incoming]:
+    import torch
+    import torch.distributed as dist
+
+    n_in = torch.zeros(1, dtype=torch.int64)
+    works = []
+    if dst is not None:
+        works.append(dist.isend(torch.tensor([out.numel()], dtype=torch.int64), dst, group=pg, tag=tag))
+    if src is not None:
+        works.append(dist.irecv(n_in, src, group=pg, tag=tag))
+    _wait(works)
+    head = torch.empty(int(n_in.item()), dtype=torch.uint8)
+    works = []
+    if dst is not None:
+        works.append(dist.isend(out, dst, group=pg, tag=tag + 1))
+    if src is not None:
+        works.append(dist.irecv(head, src, group=pg, tag=tag + 1))
+    _wait(works)
+    return Incoming(head) if src is not None else None
+
+
+def transfer(src_dir: str, names: list[str], error: Optional[str], dst: Optional[int],
+             src: Optional[int], tag: int, pg: Any, receive: Any) -> None:
+    """Send the files ``names`` of ``src_dir`` to rank ``dst`` while receiving ``src``'s
+    (either may be ``None``): both headers first, then the files in lock step, one each way
+    at a time, each arriving one handed to ``receive(incoming, name, uint8 tensor)``;
+    ``receive(incoming, None, None)`` first, with the header. A file this side cannot read
+    goes as ``error`` in its header (no files follow), which the receiver raises."""
+    import torch
+    import torch.distributed as dist
+
+    files, error = _header(src_dir, names, error) if dst is not None else ([], None)
+    inc = _exchange_heads(_head_tensor(files, error), dst, src, tag, pg)
+    if inc is not None:
+        receive(inc, None, None)
+    n_in = len(inc.files) if inc is not None else 0
+    failed: Optional[OSError] = None
+    for i in range(max(len(files), n_in)):
+        works, buf = [], None
+        if i < len(files) and files[i][1]:
+            name, size = files[i]
+            try:
+                t = _file_tensor(os.path.join(src_dir, name), size)
+            except OSError as e:  # the peer is waiting for `size` bytes: its CRC check fails
+                failed = failed or e
+                t = torch.zeros(size, dtype=torch.uint8)
+            works.append(dist.isend(t, dst, group=pg, tag=tag + 2 + i))
+        if i < n_in:
+            buf = torch.empty(inc.files[i][1], dtype=torch.uint8)  # type: ignore[union-attr]
+            if buf.numel():
+                works.append(dist.irecv(buf, src, group=pg, tag=tag + 2 + i))
+        _wait(works)
+        if buf is not None:
+            receive(inc, inc.files[i][0], buf)  # type: ignore[union-attr]
+    if failed is not None:
+        raise failed
+
+
+class Progress:
+    """How far each rank got, in the job's rendezvous store: one key per rank, overwritten
+    as it enters each collective phase of the manager with a sequence number (every rank
+    enters the same phases in the same order) and a label, so that a collective that fails
+    (a host lost: its link down, the peers waiting out the timeout) names the ranks that
+    never reached it. Without a store (no process group) it does nothing."""
+
+    def __init__(self, rank: int, world: int, token: str) -> None:
+        self.rank, self.world = rank, world
+        self.seq = 0
+        self.label = "start"
+        self._store = None
+        self._prefix = f"ckptstore-tiers/{token}/"
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self._store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: errors then name no rank
+            self._store = None
+        self.mark("start")
+
+    def mark(self, label: str) -> None:
+        self.seq += 1
+        self.label = label
+        if self._store is not None:
+            try:
+                self._store.set(f"{self._prefix}{self.rank}", f"{self.seq} {label}")
+            except Exception:  # noqa: BLE001 - a diagnostic only
+                pass
+
+    def behind(self, hosts: list[list[int]], wait_s: float = 5.0) -> str:
+        """Which ranks never reached this rank's current phase (asked of the store in a
+        thread, ``wait_s`` at most: the store itself may be on the lost host)."""
+        if self._store is None:
+            return ""
+        out: dict[str, Any] = {}
+        store = self._store
+
+        def ask() -> None:
+            got = {}
+            for r in range(self.world):
+                k = f"{self._prefix}{r}"
+                got[r] = store.get(k).decode() if store.check([k]) else "0 start"
+            out["got"] = got
+
+        t = threading.Thread(target=ask, name="ckptstore-tier-progress", daemon=True)
+        t.start()
+        t.join(wait_s)
+        host_of = {r: h for h, rs in enumerate(hosts) for r in rs}
+        if "got" not in out:
+            h0 = host_of.get(0, 0)
+            return (f" (the job's rendezvous store, on rank 0 of host {h0}, did not answer within "
+                    f"{wait_s:g} s: host {h0} is likely the lost one)")
+        late = []
+        for r, v in sorted(out["got"].items()):
+            seq, _, label = v.partition(" ")
+            if int(seq) < self.seq:
+                late.append(f"rank {r} on host {host_of.get(r, '?')} (last seen at: {label})")
+        return f" (waiting for {', '.join(late)})" if late else ""
