@@ -1,0 +1,182 @@
+"""The tiered manager (ckptstore.torch.distributed.CheckpointManager) in one process, without
+torch.distributed: the parts of its contract that need no second host, checked where network
+namespaces cannot be made too (tests/python/test_tiers.py has the hosts).
+
+- save is non-blocking and saves the state as it was at the call (the snapshot), not as
+  training changed it afterwards; restore_latest is bit-identical;
+- the snapshot buffers are reused: none allocated after the first save;
+- the persistent tier holds ordinary checkpoints (ckptstore.open, ckpt verify) with retention;
+- a failed persist is raised by wait(), the fast-tier step stands;
+- a damaged local copy with no other copy falls back to the persisted step, with a warning;
+- leftovers of an interrupted save are removed at start and by gc.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ckptstore  # noqa: E402
+from ckptstore.torch.distributed import CheckpointManager  # noqa: E402
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _train(m, o, s):
+    g = torch.Generator().manual_seed(s)
+    o.zero_grad()
+    (m(torch.randn(8, 16, generator=g)) ** 2).mean().backward()
+    o.step()
+
+
+def _state(m, o):
+    out = {f"m.{k}": v.detach().clone() for k, v in m.state_dict().items()}
+    for i, st in o.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"o.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def _same(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*replica.*needs.*hosts")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def test_save_snapshots_then_restore_bit_identical_and_buffers_reused(tmp_path):
+    import threading
+
+    m, o = _model()
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=2, keep=2) as mgr:
+        allocs = []
+        for s in range(1, 6):
+            _train(m, o, s)
+            if s < 5:
+                mgr.save(s, m, o, extra={"step": s})
+                mgr.wait()
+                allocs.append(mgr._saver.allocations)
+                continue
+            # Step 5's writer is held (a test seam) until the live weights have changed
+            # after save returned: what it writes must be the state at the call.
+            gate = threading.Event()
+            write = mgr._write
+            mgr._write = lambda job: (gate.wait(), write(job))[1]
+            mgr.save(s, m, o, extra={"step": s})
+            want = _state(m, o)
+            with torch.no_grad():
+                m[0].weight.add_(1.0)
+            gate.set()
+            mgr.wait()
+        assert mgr._saver.buffer_sets == 1
+        assert allocs[0] == len(want) and allocs == [allocs[0]] * 4, allocs  # allocated once, reused
+    assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-4", "step-5"]
+    m2, o2 = _model(seed=1)
+    _train(m2, o2, 99)
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=2) as mgr:
+        assert mgr.restore_latest(m2, o2) == 5
+        assert mgr.last_tier == "fast" and mgr.last_extra == {"step": 5}
+    _same(_state(m2, o2), want)  # the snapshot, not the weights changed after save returned
+    assert not torch.equal(m2[0].weight, m[0].weight)
+    for s in (2, 4):  # the persisted steps: ordinary checkpoints
+        ck = ckptstore.open(tmp_path / "pers" / f"step-{s:08d}")
+        assert ck.verify()["tensors"] > 0
+
+
+def test_persistent_retention_and_fallback_with_warning(tmp_path):
+    m, o = _model()
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=1, keep=1, persist_keep=2) as mgr:
+        for s in range(1, 5):
+            _train(m, o, s)
+            mgr.save(s, m, o)
+            if s == 3:
+                want3 = _state(m, o)
+        mgr.wait()
+        mgr.gc()
+    assert sorted(n for n in os.listdir(tmp_path / "pers") if n.startswith("step-")) == ["step-00000003", "step-00000004"]
+    # Damage the only fast copy of step 4 and drop the persisted step 4: step 3 from the
+    # persistent tier, with a warning naming what was missing.
+    d = tmp_path / "local" / "step-4" / "src-0"
+    shard = next(p for p in d.iterdir() if p.name.startswith("shard-"))
+    b = bytearray(shard.read_bytes())
+    b[-1] ^= 1
+    shard.write_bytes(bytes(b))
+    ckptstore.atomic.remove_dir(tmp_path / "pers" / "step-00000004")
+    m2, o2 = _model(seed=1)
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=1) as mgr:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert mgr.restore_latest(m2, o2) == 3
+        assert mgr.last_tier == "persistent"
+    msgs = [str(w.message) for w in caught if "restored step" in str(w.message)]
+    assert len(msgs) == 1 and "step 4" in msgs[0] and "damaged" in msgs[0], msgs
+    _same(_state(m2, o2), want3)
+
+
+def test_failed_persist_is_raised_by_wait_and_the_fast_step_stands(tmp_path):
+    (tmp_path / "pers").write_text("a file where the persistent directory should be")
+    m, o = _model()
+    with pytest.raises(ckptstore.CheckpointError):  # the persistent root itself is refused
+        CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=1)
+    os.unlink(tmp_path / "pers")
+    mgr = CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=1)
+    (tmp_path / "pers" / "step-00000001").write_text("in the way")  # step 1's location
+    _train(m, o, 1)
+    mgr.save(1, m, o)
+    with pytest.raises(ckptstore.CheckpointError, match="persisting step 1"):
+        mgr.wait()
+    mgr.close()
+    m2, o2 = _model(seed=1)
+    with CheckpointManager(tmp_path / "local", None) as mgr:
+        assert mgr.restore_latest(m2, o2) == 1 and mgr.last_tier == "fast"
+    _same(_state(m2, o2), _state(m, o))
+
+
+def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
+    m, o = _model()
+    with CheckpointManager(tmp_path / "local") as mgr:
+        _train(m, o, 1)
+        mgr.save(1, m, o)
+    half = tmp_path / "local" / "step-2" / "src-0"  # a save that never reached the index
+    half.mkdir(parents=True)
+    (half / "part-x-r0.json").write_text("{}")
+    (tmp_path / "local" / ".restore-1").mkdir()
+    (tmp_path / "local" / "step-1" / ".src-0.tmp-1234").mkdir()
+    with CheckpointManager(tmp_path / "local") as mgr:
+        assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-1"]
+        assert sorted(os.listdir(tmp_path / "local" / "step-1")) == ["commit.json", "src-0"]
+        assert mgr.restore_latest(*_model(seed=2)) == 1
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
+    for kw in ({"replicas": -1}, {"keep": 0}, {"persist_every": -2}, {"persist_keep": 0}, {"timeout": 0},
+               {"timeout": True}):
+        with pytest.raises(ckptstore.InvalidArgumentError):
+            CheckpointManager(tmp_path / "local", tmp_path / "p", **kw)
+    with pytest.raises(ckptstore.InvalidArgumentError):
+        CheckpointManager("s3://bucket/local")
+    assert not (tmp_path / "local").exists() and not (tmp_path / "p").exists()
+    with CheckpointManager(tmp_path / "local") as mgr:
+        m, o = _model()
+        with pytest.raises(ckptstore.InvalidArgumentError):
+            mgr.save(-1, m, o)
+    with pytest.raises(ckptstore.InvalidArgumentError):
+        mgr.save(1, m, o)  # closed
