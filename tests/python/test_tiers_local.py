@@ -180,3 +180,16 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
             mgr.save(-1, m, o)
     with pytest.raises(ckptstore.InvalidArgumentError):
         mgr.save(1, m, o)  # closed
+
+
+def test_persist_forced_or_skipped_per_save(tmp_path):
+    m, o = _model()
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=2) as mgr:
+        for s, persist in ((1, True), (2, False), (3, None), (4, None)):
+            _train(m, o, s)
+            mgr.save(s, m, o, persist=persist)
+        with pytest.raises(ckptstore.InvalidArgumentError):
+            mgr.save(5, m, o, persist="yes")
+        mgr.wait()
+    assert sorted(n for n in os.listdir(tmp_path / "pers") if n.startswith("step-")) == [
+        "step-00000001", "step-00000004"]

@@ -30,7 +30,7 @@ returns; a writer thread then, on the manager's own gloo process group:
 3. broadcasts the step's record, which every host writes durably (``commit.json``, then
    ``index.json``): **a step is saved when it is in an index**;
 4. applies retention (``keep`` steps per local tier);
-5. on a step that is a multiple of ``persist_every``, hands the step's committed local
+5. on a step that is a multiple of ``persist_every`` (or saved with ``persist=True``), hands the step's committed local
    files to each host's persist thread (:mod:`ckptstore.torch._tier_persist`): copied into
    ``<persistent>/step-<n, 8+ digits>/`` and committed there by rank 0, an ordinary
    ckptstore checkpoint; the next steps are saved meanwhile.
@@ -282,20 +282,28 @@ class CheckpointManager:
 
     # -- save ----------------------------------------------------------------------------------
 
-    def save(self, step: int, model: Any, optimizer: Any = None, extra: Optional[Mapping[str, Any]] = None) -> Handle:
+    def save(self, step: int, model: Any, optimizer: Any = None, extra: Optional[Mapping[str, Any]] = None,
+             *, persist: Optional[bool] = None) -> Handle:
         """Start saving ``step`` (every rank) and return once its tensors are copied into the
         snapshot buffers (after the previous save has finished: one in flight). The
         returned handle's ``wait()`` or :meth:`wait` reports the outcome; an earlier save's
-        error nobody saw is raised here first (nothing started)."""
+        error nobody saw is raised here first (nothing started). ``persist``: also persist
+        this step (``True``, a training run's last step, say) or not (``False``); ``None``:
+        when ``step`` is a multiple of ``persist_every``. The same on every rank."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+        if persist is not None and not isinstance(persist, bool):
+            raise InvalidArgumentError(f"persist must be None, True or False, got {persist!r}")
+        if persist is None:
+            persist = bool(self.persist_every and step % self.persist_every == 0)
+        persist = persist and self.persistent is not None
         sd, meta = _d.state_and_meta(model, optimizer, extra)
 
         def build(snap: Any) -> tuple:
             snapped = _snapshot(sd, snap, "")
             kill_point("snapshot", step, self.rank)
-            return step, snapped, meta
+            return step, snapped, meta, persist
 
         return self._saver.save(Handle(f"step {step}"), build, self._write, whole_snapshot=True)
 
@@ -303,7 +311,7 @@ class CheckpointManager:
         """The writer thread: steps 1-5 of the module docstring."""
         import torch.distributed.checkpoint as dcp
 
-        step, sd, meta = job
+        step, sd, meta, due = job
         tier = self._tier
         err = None
         if self.leader:
@@ -356,7 +364,6 @@ class CheckpointManager:
                 tier.record(step, record, between=lambda: kill_point("record", step, self.rank))
             except Exception as e:  # noqa: BLE001
                 err = _err(self.rank, e)
-        due = bool(self.persistent and self.persist_every and step % self.persist_every == 0)
         if due:  # no upload in flight from here to the agreement below: rank 0's gc is safe
             if self._persister is not None:
                 self._persister.join()
