@@ -104,6 +104,24 @@ a damaged checkpoint leaves every rank's model and optimizer unchanged. The FSDP
 ``FSDPStrategy`` is not routed (lightning 2.6 runs it on GPUs only, so it is untested here):
 use :class:`ModelParallelStrategy` (FSDP2) instead (see python/README.md).
 
+**Tiered mode.** ``ModelParallelStrategy(..., tiered={"local": "/dev/shm/ckpt",
+"persistent": "s3://bucket/run", "persist_every": 1000, "replicas": 1, "keep": 2})``: the
+dict holds the arguments of :class:`ckptstore.torch.distributed.CheckpointManager` (the
+tiered manager; also ``persist_keep``, ``timeout``). Each ``save_checkpoint`` saves the step
+``checkpoint["global_step"]`` through it (the model and its optimizer as
+:func:`ckptstore.torch.distributed.save` stores them, the rest of the dict in its ``extra``
+as above; once per step: ``last.ckpt`` of a step already saved gets its pointer only) and
+writes, at the path Lightning names, a pointer: a checkpoint without tensors whose metadata
+``ckptstore.lightning.tiered`` names the step. ``ModelCheckpoint`` (top-k, ``save_last``) and
+``fit(ckpt_path="last")`` work unchanged: loading a pointer is ``restore_latest``, the
+newest step the tiers hold whole, on any world size (a warning says so when that is not the
+step the pointer names); a path holding an ordinary checkpoint of this strategy loads as
+before. Saves do not block inside ``fit`` (an error raises at the next save, or at
+``teardown``, which waits); a save outside ``fit`` waits. One optimizer at most;
+``allow_optimizer_change`` and ``max_shard_size`` are refused with ``tiered``; a pickled
+value in the rest of the dict is refused after the model and optimizer were restored (the
+check needs the dict, which comes with the step).
+
 **A change of optimizer class** (state saved by AdamW, resumed into ``SGD``): refused with
 :class:`ckptstore.IncompatibleStateError` naming both classes, by rule F1 of
 :func:`ckptstore.check_optimizer_fit` (the one rule of :func:`ckptstore.torch.load`), unless

@@ -4,7 +4,7 @@ checkpoints stored through ckptstore's DCP ``Writer`` / ``Reader`` (the package 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
@@ -17,40 +17,8 @@ from .._common import check_optimizer_class, dcp_error, name_error, with_live_hy
 from .._tree import has_pickle
 from ._base import _is_remote, _local, _location
 from ._io import CheckpointIO
-
-#: Manifest metadata key under which :class:`ModelParallelStrategy` keeps the rest of
-#: Lightning's checkpoint dict (beside DCP's own metadata).
-DCP_TREE_KEY = "ckptstore.lightning"
-_DCP_TREE_VERSION = 1
-#: DCP state-dict key of the tensors of the rest of the dict.
-_DCP_EXTRA = "ckptstore.extra"
-
-
-def _split_rest(rest: Dict[str, Any], allow_pickle: bool) -> tuple:
-    """The non-model, non-optimizer part of a Lightning checkpoint as a JSON skeleton and
-    its tensors ``{name: tensor}`` (numpy arrays as CPU tensors), described in the
-    skeleton."""
-    from .._tree import _Flattener
-
-    tensors: Dict[str, Any] = {}
-    described: Dict[str, Any] = {}
-
-    def prepare(name: str, v: Any) -> tuple:
-        import numpy as np
-
-        if isinstance(v, np.ndarray):
-            t = torch.from_numpy(np.ascontiguousarray(v))
-            kind = "ndarray"
-        else:
-            t = v.detach()
-            kind = "tensor"
-        tensors[name] = t
-        described[name] = {"kind": kind, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
-        return (name,)
-
-    f = _Flattener(prepare, allow_pickle)
-    skeleton = f.walk(rest, "")
-    return {"version": _DCP_TREE_VERSION, "tree": skeleton, "tensors": described}, tensors
+from ._rest import _DCP_EXTRA, _DCP_TREE_VERSION, DCP_TREE_KEY, build_rest, split_rest
+from ._tiered import TIERED_KEY, Tiered
 
 
 def _split_tensors(d: Any) -> tuple:
@@ -136,6 +104,12 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     saved by another class (:class:`ckptstore.IncompatibleStateError` naming both) before it
     builds any state dict or reads anything, so the model and the optimizers are left exactly
     as they were, unless ``allow_optimizer_change=True`` (package docs: what a change loads).
+
+    ``tiered``: the tiered mode, a dict of the arguments of
+    :class:`ckptstore.torch.distributed.CheckpointManager` (``local``, ``persistent``,
+    ``persist_every``, ``replicas``, ``keep``): each save goes through that manager, keyed
+    by the global step, and the path Lightning names gets a pointer; resuming from a pointer
+    restores the newest step the tiers hold (the package docs).
     """
 
     def __init__(
@@ -144,6 +118,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         allow_pickle: bool = False,
         max_shard_size: Optional[int] = None,
         allow_optimizer_change: bool = False,
+        tiered: Optional[Mapping[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
         if not kwargs.get("save_distributed_checkpoint", True):
@@ -152,12 +127,29 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                 "full checkpoint use lightning's ModelParallelStrategy(save_distributed_checkpoint="
                 "False) with plugins=[ckptstore.integrations.lightning.CheckpointIO()]"
             )
+        if tiered is not None and (allow_optimizer_change or max_shard_size is not None):
+            raise InvalidArgumentError(
+                "allow_optimizer_change and max_shard_size are not supported in the tiered mode (tiered=)"
+            )
         super().__init__(*args, **kwargs)
+        self._tiered = None if tiered is None else Tiered(tiered)
         self.allow_pickle = bool(allow_pickle)
         self.max_shard_size = max_shard_size
         self.allow_optimizer_change = bool(allow_optimizer_change)
         if self._checkpoint_io is None:
             self._checkpoint_io = CheckpointIO(allow_pickle=allow_pickle)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self._tiered is not None:
+            self._tiered.in_fit = True
+
+    def teardown(self) -> None:
+        try:
+            if self._tiered is not None:
+                self._tiered.close()  # waits for the tiered saves in flight
+        finally:
+            super().teardown()
 
     def save_checkpoint(
         self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
@@ -175,6 +167,9 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             raise InvalidArgumentError(
                 f"{location!r} is a file: a checkpoint of another format is in the way"
             )
+        if self._tiered is not None:
+            self._tiered.save(self, checkpoint, location)
+            return
         rest = dict(checkpoint)
         # DCP gets the tensors only: it would pickle every other leaf (torch.save into a
         # bytes item, loaded with torch.load(weights_only=False)). The rest (optimizer
@@ -187,7 +182,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             state[f"optimizer_{i}"], r = _split_tensors(osd)
             optim_rests.append(r)
         whole = {"rest": rest, "state_dict": model_rest, "optimizer_states": optim_rests}
-        tree, tensors = _split_rest(whole, self.allow_pickle)
+        tree, tensors = split_rest(whole, self.allow_pickle)
         tree["optimizer_classes"] = [optimizer_class(o) for o in self.optimizers]
         if tensors:
             state[_DCP_EXTRA] = tensors
@@ -204,12 +199,19 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         )
 
         from ...torch.dcp import Reader
-        from .._tree import _Loader
 
         location = _location(self.broadcast(_location(checkpoint_path)))
         with _open(location) as ck:
             meta = ck.metadata
             cid = ck.checkpoint_id
+        if TIERED_KEY in meta:
+            if self._tiered is None:
+                raise InvalidArgumentError(
+                    f"{location!r} points to a step of tiered checkpoints: resume it with the "
+                    "strategy's tiered= arguments of the run that saved it"
+                )
+            allow = self.allow_pickle and weights_only is not True
+            return self._tiered.load(self, location, meta[TIERED_KEY], allow)
         tree = meta.get(DCP_TREE_KEY)
         if not isinstance(tree, dict) or tree.get("version") != _DCP_TREE_VERSION:
             raise InvalidArgumentError(
@@ -261,14 +263,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             if err is None:
                 raise
             raise name_error(err, location) from e
-        loader = _Loader(None, location, allow, None)
-        for name, d in (tree.get("tensors") or {}).items():
-            t = fresh[name]
-            if d.get("kind") == "ndarray":
-                loader.fresh[("$ndarray", name)] = t.numpy()
-            else:
-                loader.fresh[("$tensor", name)] = t
-        whole = loader.build(tree["tree"])
+        whole = build_rest(tree, fresh, location, allow)
         module.load_state_dict(
             _merge_tensors(state["state_dict"], whole["state_dict"]),
             strict=self.lightning_module.strict_loading,

@@ -105,6 +105,34 @@ consolidate FOLDER/step-<N> --out hf_dir`` assembles it into a Hugging Face dire
 checkpoint directory; ``initial_load_in_hf`` reads a Hugging Face directory through the
 adapter's reader, as TorchTitan does.
 
+Tiered mode: ``local_folder`` set selects ckptstore's tiered manager
+(:class:`ckptstore.torch.distributed.CheckpointManager`)::
+
+    CheckpointManager.Config(enable=True, folder="s3://bucket/run", interval=100,
+        local_folder="/dev/shm/ckpt",   # this host's tier (the same path on every host)
+        persist_every=1000,             # multiples of it (and of interval) also go to folder
+        replicas=1,                     # copies of each host's part on other hosts
+        local_keep_latest_k=2)          # steps kept in each host's tier
+
+Every save goes through the tiered manager: each host's tier is ``local_folder`` (joined to
+``base_folder`` when relative), the persistent tier is ``folder`` (``keep_latest_k``: its
+retention, 0 keeping every step), ``tiered_timeout_seconds`` its ``timeout``. The model and
+its optimizer are stored as :func:`ckptstore.torch.distributed.save` stores them; the other
+states (train state, dataloader, schedulers, ``states``) in its ``extra``, under
+``STATE_KEY``, in the codec above (merged across ranks as above; their tensors as extra
+tensors ``STATE_KEY/<name>``). Saves do not block (the manager snapshots and writes in the
+background; a failed save raises at the next save or at ``close()``). ``load(step=-1)`` is
+``restore_latest``: the newest step some tier holds whole, on any world size, then each
+component's ``load_state_dict`` (a value refused there is refused after the model and
+optimizer were restored); when the tiers hold nothing, ``initial_load_path`` as usual. The
+last step with ``last_save_model_only`` stays the model-only export in ``folder``, written
+once the tiers' saves in flight are done. Refused in this mode (by the config):
+``async_mode`` other than ``"disabled"``, ``max_shard_size``, ``allow_optimizer_change``,
+``load_step`` other than -1, ``persist_every`` not a multiple of ``interval``, and the tiered
+keys without ``local_folder``; by the manager: several model parts (pipeline parallelism) or
+several optimizers. The persistent tier's steps are not steps of the untiered mode, nor the
+other way round: a folder serves one mode.
+
 Test seam: ``CKPTSTORE_TORCHTITAN_KILL="<point>[:<step>]"`` SIGKILLs the process at
 ``point`` (``commit``: the coordinator, every rank's part written, before the commit;
 ``write``: a rank, before writing its part) of the save of ``step`` (any step if omitted).

@@ -12,6 +12,11 @@ import torch
 from ..._codec import DROP, Decoder, Encoder, is_tagged
 from ...errors import InvalidArgumentError
 
+#: Manifest metadata key of the non-tensor state (JSON); in the tiered mode, the key of the
+#: ``extra`` entry that holds it.
+STATE_KEY = "ckptstore.torchtitan"
+_VERSION = 1
+
 
 def _dot_join(path: str, key: Any) -> str:
     """A child's flat DCP name: ``parent.key`` (``key`` alone at the root)."""

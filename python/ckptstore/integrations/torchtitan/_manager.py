@@ -33,13 +33,11 @@ from ...errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentE
 from ...torch.dcp import META_KEY, Reader, Writer
 from ...torch.internal import optimizer_class
 from .._common import check_optimizer_class, dcp_error, kill_point
-from ._codec import _Encoder, _decode, _merge, _Ref, _substitute
+from . import _tiered
+from ._codec import _VERSION, STATE_KEY, _Encoder, _decode, _merge, _Ref, _substitute
 from ._steps import _join, _Steps
 from ._stock_steps import _DCP_METADATA, _is_stock_step, _StockPlanner, _StockReader
 
-#: Manifest metadata key of the non-tensor state (JSON).
-STATE_KEY = "ckptstore.torchtitan"
-_VERSION = 1
 _KILL_ENV = "CKPTSTORE_TORCHTITAN_KILL"
 
 logger = logging.getLogger(__package__)  # the package's logger
@@ -126,6 +124,26 @@ class CheckpointManager(BaseCheckpointManager):
         state for the state names it has and the checkpoint's hyperparameters plus its own
         for the settings the checkpoint lacks."""
 
+        local_folder: str = ""
+        """The tiered mode: this host's tier (RAM such as ``/dev/shm/ckpt``, or node-local
+        disk; joined to ``base_folder`` like ``folder`` when relative), the same path on every
+        host. Every save lands there; ``folder`` is the persistent tier. Empty: off."""
+
+        persist_every: int = 0
+        """Tiered mode: a saved step whose number is a multiple of this (a multiple of
+        ``interval``) is also persisted to ``folder``; 0: never."""
+
+        replicas: int = 1
+        """Tiered mode: copies of each host's part kept in the tiers of other hosts."""
+
+        local_keep_latest_k: int = 2
+        """Tiered mode: the steps kept in each host's tier (``keep_latest_k`` is the
+        persistent tier's retention)."""
+
+        tiered_timeout_seconds: Optional[float] = None
+        """Tiered mode: seconds any one operation between ranks may wait, a lost host being
+        reported after it (``None``: the tiered manager's default)."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             mode = self.async_mode.lower()
@@ -134,6 +152,7 @@ class CheckpointManager(BaseCheckpointManager):
             self.async_mode = mode  # type: ignore[assignment]
             if self.max_shard_size is not None and self.max_shard_size <= 0:
                 raise ValueError("max_shard_size must be positive")
+            _tiered.check_config(self)
 
     def __init__(
         self,
@@ -177,7 +196,10 @@ class CheckpointManager(BaseCheckpointManager):
         self.allow_optimizer_change = config.allow_optimizer_change
         self.max_shard_size = config.max_shard_size
         self.keep_latest_k = config.keep_latest_k
-        self._steps = _Steps(self.folder, config.keep_latest_k)
+        # The tiered mode's persistent tier is `folder`, laid out by the tiered manager: its
+        # model-only export of the last step goes beside, into `folder/export`.
+        exports = _join(self.folder, "export") if config.local_folder else self.folder
+        self._steps = _Steps(exports, config.keep_latest_k)
         self.pg: Any = None
         if self.async_mode != "disabled" and _dist():
             self.pg = dist.new_group(backend="gloo")
@@ -186,6 +208,11 @@ class CheckpointManager(BaseCheckpointManager):
         self._pending_step: Optional[int] = None
         #: The step a completed ``load`` restored (``None``: none yet / a fresh start).
         self.loaded_step: Optional[int] = None
+        #: The tiered manager (``config.local_folder``; ``None``: the untiered mode).
+        self.tiered: Any = None
+        if config.local_folder:
+            _tiered.model_and_optimizer(self)  # refused before anything is built
+            self.tiered = _tiered.build(config, _join(base_folder, config.local_folder), self.folder)
 
     def __del__(self) -> None:
         try:
@@ -265,7 +292,12 @@ class CheckpointManager(BaseCheckpointManager):
             return False
         self.maybe_wait_for_saving()
         if last_step and self.last_save_model_only:
+            if self.tiered is not None:
+                self.tiered.wait()  # no upload into the folder in flight while its gc runs
             self._save_model_only(curr_step)
+            return True
+        if self.tiered is not None:
+            _tiered.save(self, curr_step, last_step)
             return True
         tensors, skeleton = self._split(self._flat_states())
         skeleton = self._gathered(skeleton)
@@ -352,11 +384,25 @@ class CheckpointManager(BaseCheckpointManager):
             if self.stager is not None:
                 self.stager.close()
                 self.stager = None
+            tiered, self.tiered = self.tiered, None
+            if tiered is not None:
+                tiered.close()  # waits for its saves in flight; raises a failed one's error
 
     # -- load ----------------------------------------------------------------------------
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
+        if self.tiered is not None:
+            if step != -1:
+                raise ValueError(
+                    f"the tiered mode resumes the newest step its tiers hold, not step {step} "
+                    "(checkpoint.load_step -1)"
+                )
+            restored = _tiered.load(self)
+            if restored is None:
+                return self._load_initial()
+            self.loaded_step = restored
+            return True
         steps = self._steps.steps()
         # Steps of TorchTitan's own manager (a job switched to ckptstore): the newest step of
         # either kind is the latest (a ckptstore step wins a tie).
@@ -371,7 +417,6 @@ class CheckpointManager(BaseCheckpointManager):
             load_step = step
         else:
             load_step = max(steps[-1] if steps else -1, max(stock) if stock else -1)
-        cfg = self.config
         if load_step != -1 and load_step not in steps:
             path = stock[load_step]
             self._load_stock(path, model_only=load_step == 0)
@@ -384,29 +429,35 @@ class CheckpointManager(BaseCheckpointManager):
             )
             return True
         if load_step == -1:
-            if cfg.initial_load_path:
-                if cfg.initial_load_in_hf:
-                    self._load_hf(cfg.initial_load_path, cfg.initial_load_in_hf_quantized)
-                elif "://" not in cfg.initial_load_path and _is_stock_step(cfg.initial_load_path):
-                    self._load_stock(cfg.initial_load_path, model_only=cfg.initial_load_model_only)
-                    logger.warning(
-                        "ckptstore: initial_load_path %s is a checkpoint of TorchTitan's own "
-                        "manager (DCP format), loaded as TorchTitan loads it (no CRC check)",
-                        cfg.initial_load_path,
-                    )
-                else:
-                    self._load_path(cfg.initial_load_path, model_only=cfg.initial_load_model_only)
-                return True
-            if cfg.initial_load_in_hf:
-                path = getattr(self.sd_adapter, "hf_assets_path", None)
-                if not path:
-                    raise ValueError("from_hf=True requires sd_adapter and hf_assets_path.")
-                self._load_hf(path, cfg.initial_load_in_hf_quantized)
-                return True
-            return False
+            return self._load_initial()
         self._load_path(self.step_path(load_step), model_only=load_step == 0)
         self.loaded_step = load_step
         return True
+
+    def _load_initial(self) -> bool:
+        """No step to resume: ``initial_load_path`` (a ckptstore or stock checkpoint, or a
+        Hugging Face directory) or the adapter's Hugging Face assets, if configured."""
+        cfg = self.config
+        if cfg.initial_load_path:
+            if cfg.initial_load_in_hf:
+                self._load_hf(cfg.initial_load_path, cfg.initial_load_in_hf_quantized)
+            elif "://" not in cfg.initial_load_path and _is_stock_step(cfg.initial_load_path):
+                self._load_stock(cfg.initial_load_path, model_only=cfg.initial_load_model_only)
+                logger.warning(
+                    "ckptstore: initial_load_path %s is a checkpoint of TorchTitan's own "
+                    "manager (DCP format), loaded as TorchTitan loads it (no CRC check)",
+                    cfg.initial_load_path,
+                )
+            else:
+                self._load_path(cfg.initial_load_path, model_only=cfg.initial_load_model_only)
+            return True
+        if cfg.initial_load_in_hf:
+            path = getattr(self.sd_adapter, "hf_assets_path", None)
+            if not path:
+                raise ValueError("from_hf=True requires sd_adapter and hf_assets_path.")
+            self._load_hf(path, cfg.initial_load_in_hf_quantized)
+            return True
+        return False
 
     def _load_stock(self, path: str, *, model_only: bool) -> None:
         """A step of TorchTitan's own manager, loaded as TorchTitan loads it (``dcp.load`` of
@@ -548,8 +599,8 @@ class CheckpointManager(BaseCheckpointManager):
             comp = states[k]
             if isinstance(comp, Stateful):
                 comp.load_state_dict(values[k])
-            else:
-                states[k] = values[k]
+            else:  # a plain value: replaced in the manager's states (`states` is a filtered copy)
+                self.states[k] = values[k]
         if MODEL in states:
             model_sd = {k: want[k] for k in live if k in enc.tensors and k in want}
             states[MODEL].load_state_dict(model_sd)
