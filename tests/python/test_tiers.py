@@ -16,6 +16,10 @@ with Adam, gloo.
   CheckpointError naming the rank and host they waited for, within the manager's timeout,
   and no index records the step.
 
+- A host back with stale files (the job went on without it and saved its newest step again):
+  the new copy is restored, bit-identical.
+- The persistent tier on s3s-fs, and on a Garage cluster whose 3 nodes are hosts of their
+  own (one of them lost with two training hosts: the persisted step still restores).
 - Killed while persisting, restarted: bit-identical, the step persisted again, the tiers
   clean after gc (one round of tiers_faults.py, the seeded fault mix).
 
@@ -244,6 +248,64 @@ def test_persistent_tier_on_s3_restores_when_the_fast_tiers_are_lost(make_cluste
         proc.wait()
 
 
+def test_a_host_back_with_stale_files_does_not_confuse_the_choice(saved, make_cluster):
+    """Host 1 lost with its disk kept; the job goes on on hosts 0 and 2 and saves step 3
+    again (other weights, world 2); host 1 comes back holding the old step 3 and step 2:
+    the restart on 3 hosts takes the new step 3 (resharded from 2 ranks), bit-identical."""
+    c = copy_of_saved(make_cluster, saved[1])
+    c.lose_host(1, wipe_local=False)
+    out = results(job(c, "resave", hosts=[0, 2]))
+    assert [o["world"] for o in out] == [2, 2], out
+    old_disk = c.local_dir(1)
+    c.replace_host(1)  # the machine back: a new namespace, its old disk put back
+    shutil.copytree(old_disk, c.local_dir(1), symlinks=True, dirs_exist_ok=True)
+    assert (c.local_dir(1) / "step-3").is_dir()
+    out = results(job(c, "restore-b"))
+    for o in out:
+        assert o["step"] == 3 and o["extra"] == {"step": 3, "again": True}, o
+        assert o["differ"] == [] and o["compared"] > 0 and o["tier"] == "fast", o
+
+
+def test_persistent_tier_on_garage_nodes_on_their_own_hosts(make_cluster, ckpt_bin, tmp_path):
+    """The persistent tier on a 3-node Garage cluster whose nodes are hosts of their own
+    (replication 3, quorum 2): a save through node 3; then the storage host 3 and the
+    training hosts 1 and 2 lost: the restart reads the persisted step through node 5,
+    bit-identical. Skipped where garage is not installed, unless CKPT_REQUIRE_GARAGE is set
+    (.ci/run builds it and sets it)."""
+    import subprocess
+
+    import garage_hosts as gh
+
+    exe = gh.find_garage()
+    if exe is None:
+        if os.environ.get("CKPT_REQUIRE_GARAGE"):
+            pytest.fail("garage is not installed (CKPT_REQUIRE_GARAGE is set): see garage_hosts.find_garage")
+        pytest.skip("garage is not installed (.ci/run builds garage 2.5.0; GARAGE=path)")
+    needs_torch()
+    c = make_cluster(6)
+    g = gh.Garage(c, [3, 4, 5], tmp_path / "garage", exe)
+
+    def cli(node, *args):
+        return subprocess.run([str(ckpt_bin), *args], env={**os.environ, **g.env(node)}, capture_output=True,
+                              text=True, timeout=60)
+
+    end = time.monotonic() + 60
+    while cli(4, "ls", "s3://ckpt/run").returncode != 0:  # the bucket served (a bound, not a pace)
+        assert time.monotonic() < end, cli(4, "ls", "s3://ckpt/run").stderr
+        time.sleep(0.2)
+    env = {"TIERS_PERSISTENT": "s3://ckpt/run", **g.env(3)}
+    results(c.start([sys.executable, str(HERE), "job", "save", str(c.shared)], hosts=[0, 1, 2], env=env))
+    r = cli(4, "verify", "s3://ckpt/run/step-00000002")
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r
+    c.lose_host(3)  # the node the save went through
+    for i in (1, 2):
+        c.lose_host(i, wipe_local=True)
+        c.replace_host(i)
+    env = {"TIERS_PERSISTENT": "s3://ckpt/run", **g.env(5)}
+    out = results(c.start([sys.executable, str(HERE), "job", "restore", str(c.shared)], hosts=[0, 1, 2], env=env))
+    assert_restored(out, 2, tier="persistent")
+
+
 def test_killed_while_persisting_then_restarted_ends_bit_identical_and_clean(make_cluster):
     """One fixed round of the fault mix (tiers_faults.py; the script runs the long seeded
     one): rank 2 killed while its host uploads step 4 to the persistent tier; the restart
@@ -272,7 +334,7 @@ def _manager(**kw):
     return CheckpointManager(os.environ["CLUSTER_LOCAL"], persistent, persist_every=2, replicas=1, keep=2, **kw)
 
 
-def _restore(m, o):
+def _restore(m, o, expect="expect-{step}.pt"):
     import warnings
 
     import torch
@@ -283,7 +345,7 @@ def _restore(m, o):
             step = mgr.restore_latest(m, o)
             extra, tier = mgr.last_extra, mgr.last_tier
     got = nc._fsdp_gather(m, o)
-    want = torch.load(Path(sys.argv[3]) / f"expect-{step}.pt")
+    want = torch.load(Path(sys.argv[3]) / expect.format(step=step))
     differ = sorted(set(got) ^ set(want))
     differ += sorted(
         k for k in set(got) & set(want)
@@ -320,6 +382,21 @@ def _job_main(name: str, shared: str) -> None:
         m, o = nc._fsdp_model(world, seed=1)
         nc._fsdp_train(m, o, 7, 1, rank)  # a state of its own, to be replaced whole
         nc._result(_restore(m, o))
+    elif name == "restore-b":  # the state the "resave" job saved
+        m, o = nc._fsdp_model(world, seed=1)
+        nc._result(_restore(m, o, expect="expect-{step}b.pt"))
+    elif name == "resave":  # on fewer hosts: restore, train other data, save step 3 again
+        m, o = nc._fsdp_model(world, seed=1)
+        with _manager() as mgr:
+            assert mgr.restore_latest(m, o) == 3
+            nc._fsdp_train(m, o, 77, 1, rank)
+            mgr.save(3, m, o, extra={"step": 3, "again": True})
+            mgr.wait()
+        full = nc._fsdp_gather(m, o)
+        if rank == 0:
+            torch.save(full, d / "expect-3b.pt.tmp")
+            os.replace(d / "expect-3b.pt.tmp", d / "expect-3b.pt")
+        nc._result({"rank": rank, "world": world})
     elif name == "restore-twice":
         m, o = nc._fsdp_model(world, seed=1)
         nc._fsdp_train(m, o, 7, 1, rank)
