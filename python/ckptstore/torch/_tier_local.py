@@ -162,10 +162,11 @@ class LocalTier:
 
     # -- what this host holds ----------------------------------------------------------------
 
-    def scan(self) -> dict:
+    def scan(self, crc: bool = True) -> dict:
         """Per indexed step: the record (``None`` when damaged), the ranks whose every file
-        is present in this tier with its recorded size and CRC32 (``good``), and why the
-        others that are here are not (``bad``)."""
+        is present in this tier with its recorded size and CRC32 (``good``; without ``crc``,
+        the size only: :meth:`check_ranks` then checks the step chosen), and why the others
+        that are here are not (``bad``)."""
         out = {}
         for step in sorted(self.read_index()):
             try:
@@ -179,7 +180,7 @@ class LocalTier:
                 if not os.path.isdir(src):
                     continue
                 for r in ranks:
-                    why = self.check_files(src, record["files"][str(r)])
+                    why = self.check_files(src, record["files"][str(r)], crc)
                     if why is None:
                         good.append(r)
                     else:
@@ -187,15 +188,26 @@ class LocalTier:
             out[step] = {"record": record, "good": sorted(good), "bad": bad}
         return out
 
+    def check_ranks(self, step: int, record: dict, ranks: list[int]) -> dict:
+        """``{rank: why}`` for the ranks of ``ranks`` whose files here do not all have the
+        recorded size and CRC32."""
+        bad = {}
+        for r in ranks:
+            src = self.src_dir(step, saved_host(record, r))
+            why = self.check_files(src, record["files"][str(r)], True)
+            if why is not None:
+                bad[r] = why
+        return bad
+
     @staticmethod
-    def check_files(src: str, files: dict) -> Optional[str]:
-        for name, (size, crc) in sorted(files.items()):
+    def check_files(src: str, files: dict, crc: bool = True) -> Optional[str]:
+        for name, (size, want) in sorted(files.items()):
             p = os.path.join(src, name)
             try:
-                got = crc_file(p)
+                got = crc_file(p) if crc else (os.stat(p).st_size, want)
             except OSError as e:
                 return f"{p}: {e.strerror or e}"
-            if list(got) != [size, crc]:
+            if list(got) != [size, want]:
                 return f"{p}: size or CRC32 differs from the record (damaged)"
         return None
 

@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 from .. import _ckptstore, atomic, commit as _commit
 from ._tier_local import LocalTier
-from ._tier_wire import crc_file, kill_point
+from ._tier_wire import crc_file, kill_point, trim_heap
 
 MANIFEST = "ckpt-manifest.json"
 
@@ -115,6 +115,7 @@ class Persister:
             if remove_src:
                 shutil.rmtree(src, ignore_errors=True)
             self.local.unpin(step)
+            trim_heap()
 
     def _persist(self, step: int, record: dict, src: str, ranks: Optional[list[int]]) -> None:
         loc = self.tier.location(step)

@@ -48,6 +48,25 @@ def kill_point(point: str, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def trim_heap() -> None:
+    """Give the pages freed by a save back to the system (glibc ``malloc_trim``): the save's
+    transient buffers come from the writer thread's malloc arena, which otherwise keeps them,
+    and host memory would grow with the saves. Elsewhere (not glibc) it does nothing."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
 def crc_file(path: str) -> tuple[int, int]:
     """``(size, crc32)`` of the file ``path``."""
     crc = 0
@@ -78,11 +97,11 @@ def _file_tensor(path: str, size: int) -> Any:
     return torch.from_numpy(a)
 
 
-def _header(src_dir: str, names: list[str], error: Optional[str]) -> tuple[list, Optional[str]]:
+def _header(out: list, error: Optional[str]) -> tuple[list, Optional[str]]:
     files = []
     if error is None:
         try:
-            files = [[n, os.stat(os.path.join(src_dir, n)).st_size] for n in names]
+            files = [[n, os.stat(path).st_size, path] for n, path in out]
         except OSError as e:
             error = f"{e.filename}: {e.strerror or e}"
     return ([] if error else files), error
@@ -131,9 +150,9 @@ def _exchange_heads(out: Any, dst: Optional[int], src: Optional[int], tag: int, 
     return Incoming(head) if src is not None else None
 
 
-def transfer(src_dir: str, names: list[str], error: Optional[str], dst: Optional[int],
-             src: Optional[int], tag: int, pg: Any, receive: Any) -> None:
-    """Send the files ``names`` of ``src_dir`` to rank ``dst`` while receiving ``src``'s
+def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[int], tag: int, pg: Any,
+             receive: Any) -> None:
+    """Send the files ``out`` (``(name, path)``) to rank ``dst`` while receiving ``src``'s
     (either may be ``None``): both headers first, then the files in lock step, one each way
     at a time, each arriving one handed to ``receive(incoming, name, uint8 tensor)``;
     ``receive(incoming, None, None)`` first, with the header. A file this side cannot read
@@ -141,8 +160,8 @@ def transfer(src_dir: str, names: list[str], error: Optional[str], dst: Optional
     import torch
     import torch.distributed as dist
 
-    files, error = _header(src_dir, names, error) if dst is not None else ([], None)
-    inc = _exchange_heads(_head_tensor(files, error), dst, src, tag, pg)
+    files, error = _header(out, error) if dst is not None else ([], None)
+    inc = _exchange_heads(_head_tensor([f[:2] for f in files], error), dst, src, tag, pg)
     if inc is not None:
         receive(inc, None, None)
     n_in = len(inc.files) if inc is not None else 0
@@ -150,9 +169,9 @@ def transfer(src_dir: str, names: list[str], error: Optional[str], dst: Optional
     for i in range(max(len(files), n_in)):
         works, buf = [], None
         if i < len(files) and files[i][1]:
-            name, size = files[i]
+            _, size, path = files[i]
             try:
-                t = _file_tensor(os.path.join(src_dir, name), size)
+                t = _file_tensor(path, size)
             except OSError as e:  # the peer is waiting for `size` bytes: its CRC check fails
                 failed = failed or e
                 t = torch.zeros(size, dtype=torch.uint8)

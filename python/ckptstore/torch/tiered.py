@@ -75,7 +75,7 @@ from . import distributed as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_local import LocalTier, check_arrival, new_stage, saved_host
 from ._tier_persist import PersistentTier, Persister
-from ._tier_wire import Progress, kill_point, transfer, write_fsync
+from ._tier_wire import Progress, kill_point, transfer, trim_heap, write_fsync
 
 __all__ = ["CheckpointManager"]
 
@@ -382,6 +382,7 @@ class CheckpointManager:
             if due and self._persister is not None:
                 mine = [r for r in self.hosts[self.host]]
                 self._persister.start(step, record, tier.src_dir(step, self.host), mine)
+        trim_heap()
         return {"step": step, "checkpoint_id": cid}
 
     def _replicate(self, step: int, all_files: dict) -> Optional[str]:
@@ -417,8 +418,8 @@ class CheckpointManager:
                 except Exception as e:  # noqa: BLE001
                     got["err"] = _err(self.rank, e)
 
-            self._phase(f"step {step}: replica {j}", transfer, own, names, None, self.hosts[dst_h][0],
-                        self.hosts[src_h][0], _TAG_REPLICATE * j, self.pg, receive)
+            self._phase(f"step {step}: replica {j}", transfer, [(n, os.path.join(own, n)) for n in names], None,
+                        self.hosts[dst_h][0], self.hosts[src_h][0], _TAG_REPLICATE * j, self.pg, receive)
             kill_point("replicate", step, self.rank)
             err = err or got["err"]
             if err is None:
@@ -451,7 +452,7 @@ class CheckpointManager:
         came from (``"fast"``: local and peer copies; ``"persistent"``). Raises
         :class:`ckptstore.CheckpointError` when steps were recorded but none can be read."""
         self.wait()
-        held = self._tier.scan() if self.leader else None
+        held = self._tier.scan(crc=False) if self.leader else None
         pers = self._persistent.steps() if self.rank == 0 and self._persistent is not None else None
         gathered = self._phase("restore: scan", self._gather, (self.host, held, pers))
         persisted = gathered[0][2] or []
@@ -485,6 +486,8 @@ class CheckpointManager:
         if newest is None:
             return None
         for step, kind, f in candidates:
+            if kind == "fast" and not self._check_copies(step, f, notes):
+                continue
             try:
                 if kind == "fast":
                     repersist = bool(self.persist_every and step % self.persist_every == 0
@@ -513,6 +516,25 @@ class CheckpointManager:
             "ckptstore tiers: no step can be restored from any tier: "
             + "; ".join(f"step {s}: " + ", ".join(n) for s, n in sorted(notes.items(), reverse=True))
         )
+
+    def _check_copies(self, step: int, f: dict, notes: dict) -> bool:
+        """The CRC32 check of the copies a fast-tier candidate would use (the scan only saw
+        them present with the right size): every host checks its own, the ranks gather the
+        damaged ones, which lose their holder. Whether every rank still has a good copy."""
+        rec, holders = f["record"], f["holders"]
+        bad = {}
+        if self.leader:
+            mine = [r for r in range(rec["world_size"]) if self.host in holders.get(r, [])]
+            bad = self._tier.check_ranks(step, rec, mine)
+        got = self._phase(f"restore: check step {step}", self._gather, (self.host, bad))
+        for h, b in got:
+            for r, why in b.items():
+                holders[int(r)] = [x for x in holders[int(r)] if x != h]
+                notes.setdefault(step, []).append(f"host {h}: {why}")
+        missing = [r for r in range(rec["world_size"]) if not holders.get(r)]
+        if missing:
+            notes.setdefault(step, []).append(f"no good copy on any host of the parts of rank(s) {missing}")
+        return not missing
 
     def _load(self, step: int, loc: str, model: Any, optimizer: Any) -> dict:
         """:func:`ckptstore.torch.distributed.load` on the manager's group. Its own errors
@@ -560,31 +582,38 @@ class CheckpointManager:
                                 shutil.copyfile(os.path.join(src, name), os.path.join(stage, name))
             except Exception as e:  # noqa: BLE001
                 err = _err(self.rank, e)
-            for i, (r, src_h, dst_h) in enumerate(transfers):
-                if self.host not in (src_h, dst_h):
+            # In rounds: in round k every host sends to host + k what it is to send there
+            # and receives from host - k, all pairs at once, one file each way at a time.
+            n_hosts = len(self.hosts)
+            for k in range(1, n_hosts):
+                if not any((dst_h - src_h) % n_hosts == k for _, src_h, dst_h in transfers):
                     continue
-                want = {n: v for n, v in rec["files"][str(r)].items()}
+                to_h, from_h = (self.host + k) % n_hosts, (self.host - k) % n_hosts
+                out = [(n, os.path.join(sdir, f"src-{saved_host(rec, r)}", n))
+                       for r, src_h, dst_h in transfers if (src_h, dst_h) == (self.host, to_h)
+                       for n in sorted(rec["files"][str(r)])]
+                want = {n: v for r, src_h, dst_h in transfers if (src_h, dst_h) == (from_h, self.host)
+                        for n, v in rec["files"][str(r)].items()}
                 box: dict[str, Any] = {"err": None}
 
-                def receive(inc: Any, name: Optional[str], data: Any, want: dict = want, src_h: int = src_h,
-                            r: int = r, box: dict = box) -> None:
+                def receive(inc: Any, name: Optional[str], data: Any, want: dict = want, src_h: int = from_h,
+                            box: dict = box) -> None:
                     if box["err"] or err:
                         return
                     try:
                         if name is None:
                             if inc.error:
-                                raise CheckpointError(f"host {src_h} could not send rank {r}'s files: {inc.error}")
+                                raise CheckpointError(f"host {src_h} could not send its files: {inc.error}")
                             return
                         check_arrival(name, data, want, src_h)
-                        write_fsync(os.path.join(stage, name), data.numpy())
+                        with open(os.path.join(stage, name), "wb") as fh:  # a scratch copy: no fsync
+                            fh.write(data.numpy())
                     except Exception as e:  # noqa: BLE001
                         box["err"] = _err(self.rank, e)
 
-                sending = self.host == src_h
-                self._phase(f"restore: step {step} transfer {i}", transfer,
-                            os.path.join(sdir, f"src-{saved_host(rec, r)}"), sorted(want), None,
-                            self.hosts[dst_h][0] if sending else None, None if sending else self.hosts[src_h][0],
-                            _TAG_RESTORE + (i % 64) * 4096, self.pg, receive)
+                self._phase(f"restore: step {step} round {k}", transfer, out, None,
+                            self.hosts[to_h][0] if out else None, self.hosts[from_h][0] if want else None,
+                            _TAG_RESTORE + k * 4096, self.pg, receive)
                 err = err or box["err"]
             if err is None:
                 try:
