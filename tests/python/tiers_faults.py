@@ -184,6 +184,9 @@ def _job_main(name: str, shared: str) -> None:
 
     from ckptstore.torch.distributed import CheckpointManager
 
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120)  # a rank stuck 2 minutes says where (a diagnostic)
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     d = Path(shared)
@@ -242,6 +245,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "job":
-        _job_main(sys.argv[2], sys.argv[3])
+        try:
+            _job_main(sys.argv[2], sys.argv[3])
+        except BaseException:  # a failed rank ends now, as a launcher ends a failed worker:
+            import traceback  # interpreter exit with a broken gloo group can block for good
+
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
     else:
         main()

@@ -227,16 +227,21 @@ class Progress:
         store = self._store
 
         def ask() -> None:
-            got = {}
-            for r in range(self.world):
-                k = f"{self._prefix}{r}"
-                got[r] = store.get(k).decode() if store.check([k]) else "0 start"
-            out["got"] = got
+            try:
+                got = {}
+                for r in range(self.world):
+                    k = f"{self._prefix}{r}"
+                    got[r] = store.get(k).decode() if store.check([k]) else "0 start"
+                out["got"] = got
+            except Exception as e:  # noqa: BLE001 - the store's process is gone, say
+                out["error"] = e
 
         t = threading.Thread(target=ask, name="ckptstore-tier-progress", daemon=True)
         t.start()
         t.join(wait_s)
         host_of = {r: h for h, rs in enumerate(hosts) for r in rs}
+        if "error" in out:
+            return f" (the job's rendezvous store, on rank 0, could not be asked who is behind: {out['error']})"
         if "got" not in out:
             h0 = host_of.get(0, 0)
             return (f" (the job's rendezvous store, on rank 0 of host {h0}, did not answer within "

@@ -127,6 +127,32 @@ class _GroupError(CheckpointError):
     rank that saw it; nothing more can be agreed on this process group."""
 
 
+def _bounded(fn: Any, timeout: float, what: str) -> Any:
+    """``fn()`` on a thread of its own, waited for ``timeout`` seconds (and a little more):
+    gloo's group creation does not return while a peer's host is gone without a FIN (seen
+    with torch 2.15: past any timeout), so a rank gives up on it, raising, and its launcher
+    restarts it (the thread is left behind: a daemon)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["ok"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="ckptstore-tiers-group", daemon=True)
+    t.start()
+    t.join(timeout + 10.0)
+    if "err" in box:
+        raise _GroupError(f"ckptstore tiers: {what} failed: {box['err']}") from box["err"]
+    if "ok" not in box:
+        raise _GroupError(f"ckptstore tiers: {what} did not finish within {timeout:g} s: a peer is lost "
+                          "(or the job's rendezvous store is)")
+    return box["ok"]
+
+
 def _err(rank: int, e: BaseException) -> str:
     return f"rank {rank}: {type(e).__name__}: {e}"
 
@@ -185,7 +211,10 @@ class CheckpointManager:
         self.world = dist.get_world_size() if dist else 1
         self._own_pg = dist is not None and process_group is None
         if self._own_pg:
-            process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            process_group = _bounded(
+                lambda: dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout)),
+                self.timeout, f"rank {self.rank}: making the manager's gloo group",
+            )
         self.pg = process_group
         os.makedirs(local, exist_ok=True)
         token = self._bcast(uuid.uuid4().hex if self.rank == 0 else None)
