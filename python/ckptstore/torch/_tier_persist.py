@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 from .. import _ckptstore, atomic, commit as _commit
 from ._tier_local import LocalTier
@@ -74,7 +74,6 @@ class Persister:
         self._thread: Optional[threading.Thread] = None
         self._errors: list[str] = []
         self._lock = threading.Lock()
-        self.persisted: list[int] = []  # steps this rank committed (rank 0)
 
     def start(self, step: int, record: dict, src: str, ranks: Optional[list[int]],
               remove_src: bool = False) -> None:
@@ -125,7 +124,6 @@ class Persister:
             kill_point("persist-upload", step, self.rank)
             kill_point("persist-commit", step, self.rank)
             atomic.copy_files(src, loc, [(MANIFEST, *crc_file(os.path.join(src, MANIFEST)))])
-            self.persisted.append(step)
             return
         shards, parts = [], []
         for r in ranks:
@@ -139,4 +137,3 @@ class Persister:
         kill_point("persist-commit", step, self.rank)
         _commit(loc, record["checkpoint_id"], world_size=record["world_size"], timeout=self.timeout,
                 metadata=record["metadata"])
-        self.persisted.append(step)

@@ -69,13 +69,13 @@ import warnings
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
-from .. import commit as _commit
+from .. import atomic, commit as _commit
 from ..errors import CheckpointError, InvalidArgumentError
 from . import distributed as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_local import LocalTier, check_arrival, new_stage, saved_host
 from ._tier_persist import PersistentTier, Persister
-from ._tier_wire import Progress, kill_point, transfer, trim_heap, write_fsync
+from ._tier_wire import Progress, crc_file, kill_point, transfer, trim_heap, write_fsync
 
 __all__ = ["CheckpointManager"]
 
@@ -358,9 +358,6 @@ class CheckpointManager:
         files: dict[str, list[int]] = {}
         err = None
         try:
-            from ._tier_wire import crc_file
-            from .. import atomic
-
             for name in sorted(os.listdir(own)):
                 if name.startswith((f"part-{cid}-r{self.rank}.", f"shard-{cid}-r{self.rank}-")):
                     files[name] = list(crc_file(os.path.join(own, name)))
@@ -409,8 +406,7 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - the step is saved; gc retries
                 warnings.warn(f"ckptstore: retention in {self.local} failed: {e}", stacklevel=2)
             if due and self._persister is not None:
-                mine = [r for r in self.hosts[self.host]]
-                self._persister.start(step, record, tier.src_dir(step, self.host), mine)
+                self._persister.start(step, record, tier.src_dir(step, self.host), list(self.hosts[self.host]))
         trim_heap()
         return {"step": step, "checkpoint_id": cid}
 
@@ -453,8 +449,6 @@ class CheckpointManager:
             err = err or got["err"]
             if err is None:
                 try:
-                    from .. import atomic
-
                     atomic.fsync_dir(got["stage"])
                     atomic.publish_dir(got["stage"], tier.src_dir(step, src_h))
                 except Exception as e:  # noqa: BLE001
