@@ -212,6 +212,22 @@ class LocalTier:
         return None
 
 
+#: A safetensors header's length cap (the engine's and safetensors' ``MAX_HEADER_SIZE``).
+_MAX_HEADER = 100_000_000
+
+
+def shard_head_len(path: str) -> int:
+    """How many leading bytes of the shard file ``path`` are its header: the 8-byte
+    little-endian length, then that many bytes (checked to fit the file and the cap)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 <= n <= min(_MAX_HEADER, size - 8):
+        raise CheckpointError(f"{path}: not a shard file (its header length prefix does not fit its {size} bytes)")
+    return 8 + n
+
+
 def saved_host(record: dict, rank: int) -> int:
     """The host whose ``src-<h>`` holds ``rank``'s files in a step's record."""
     return next(h for h, rs in enumerate(record["hosts"]) if rank in rs)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
+import time
 import zlib
 from typing import Any, Optional
 
@@ -27,6 +29,10 @@ import numpy as np
 #: descriptors), ``persist-commit`` (before the persistent commit), ``restore`` (the step
 #: assembled, before the load). Unset, a point costs one environment lookup.
 KILL_ENV = "CKPTSTORE_TIERS_KILL"
+#: Set, each rank writes the seconds since its previous phase as it enters the next one
+#: (where a save or a restore spends its time): to stderr, or appended to the file it names
+#: when it is an absolute path.
+_TRACE = os.environ.get("CKPTSTORE_TIERS_TRACE", "")
 POINTS = (
     "snapshot",
     "local-write",
@@ -88,20 +94,38 @@ def write_fsync(path: str, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _file_tensor(path: str, size: int) -> Any:
+def _file_tensor(path: str, size: int, begin: int = 0) -> Any:
+    """``size`` bytes of the file at ``begin``, mapped (copy-on-write, so writable for
+    torch, never written): sent straight from the page cache. The files sent are
+    committed ones, which nothing rewrites in place (format-spec/tiers.md)."""
     import torch
 
-    a = np.fromfile(path, dtype=np.uint8)
-    if a.size != size:
-        raise OSError(f"{path}: {a.size} bytes, {size} expected (the file changed)")
+    try:
+        a = np.memmap(path, dtype=np.uint8, mode="c", offset=begin, shape=(size,))
+    except ValueError as e:  # the file is shorter than the range
+        raise OSError(f"{path}: {size} bytes at {begin} expected, the file is shorter ({e})") from e
     return torch.from_numpy(a)
 
 
+def map_range(path: str, begin: int, size: int) -> Any:
+    """A writable uint8 tensor over bytes ``[begin, begin + size)`` of the existing file
+    ``path`` (mapped shared): a receive lands in the file with no copy."""
+    import torch
+
+    return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", offset=begin, shape=(size,)))
+
+
 def _header(out: list, error: Optional[str]) -> tuple[list, Optional[str]]:
+    """``[key, size, path, begin]`` per item to send: ``(key, path)`` a whole file,
+    ``(key, path, begin, size)`` a byte range of it."""
     files = []
     if error is None:
         try:
-            files = [[n, os.stat(path).st_size, path] for n, path in out]
+            for item in out:
+                if len(item) == 2:
+                    files.append([item[0], os.stat(item[1]).st_size, item[1], 0])
+                else:
+                    files.append([item[0], int(item[3]), item[1], int(item[2])])
         except OSError as e:
             error = f"{e.filename}: {e.strerror or e}"
     return ([] if error else files), error
@@ -151,12 +175,15 @@ def _exchange_heads(out: Any, dst: Optional[int], src: Optional[int], tag: int, 
 
 
 def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[int], tag: int, pg: Any,
-             receive: Any) -> None:
-    """Send the files ``out`` (``(name, path)``) to rank ``dst`` while receiving ``src``'s
-    (either may be ``None``): both headers first, then the files in lock step, one each way
-    at a time, each arriving one handed to ``receive(incoming, name, uint8 tensor)``;
+             receive: Any, dest: Any = None) -> None:
+    """Send the files ``out`` (``(key, path)``, or ``(key, path, begin, size)`` for a byte
+    range of the file) to rank ``dst`` while receiving ``src``'s (either may be ``None``):
+    both headers first, then the items in lock step, one each way at a time, each arriving
+    one handed to ``receive(incoming, key, uint8 tensor)``;
     ``receive(incoming, None, None)`` first, with the header. A file this side cannot read
-    goes as ``error`` in its header (no files follow), which the receiver raises."""
+    goes as ``error`` in its header (no files follow), which the receiver raises.
+    ``dest(key, size)``: where to receive an item (a uint8 tensor of ``size``), or None
+    for a fresh buffer."""
     import torch
     import torch.distributed as dist
 
@@ -169,15 +196,21 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
     for i in range(max(len(files), n_in)):
         works, buf = [], None
         if i < len(files) and files[i][1]:
-            _, size, path = files[i]
+            _, size, path, begin = files[i]
             try:
-                t = _file_tensor(path, size)
+                t = _file_tensor(path, size, begin)
             except OSError as e:  # the peer is waiting for `size` bytes: its CRC check fails
                 failed = failed or e
                 t = torch.zeros(size, dtype=torch.uint8)
             works.append(dist.isend(t, dst, group=pg, tag=tag + 2 + i))
         if i < n_in:
-            buf = torch.empty(inc.files[i][1], dtype=torch.uint8)  # type: ignore[union-attr]
+            key, size = inc.files[i]  # type: ignore[union-attr]
+            try:
+                buf = dest(key, size) if dest is not None and size else None
+            except Exception:  # noqa: BLE001 - a fresh buffer then; `receive` sees it
+                buf = None
+            if buf is None:
+                buf = torch.empty(size, dtype=torch.uint8)
             if buf.numel():
                 works.append(dist.irecv(buf, src, group=pg, tag=tag + 2 + i))
         _wait(works)
@@ -200,6 +233,7 @@ class Progress:
         self.label = "start"
         self._store = None
         self._prefix = f"ckptstore-tiers/{token}/"
+        self._t = time.monotonic()
         try:
             import torch.distributed as dist
 
@@ -212,6 +246,15 @@ class Progress:
     def mark(self, label: str) -> None:
         self.seq += 1
         self.label = label
+        if _TRACE:
+            now = time.monotonic()
+            line = f"ckptstore tiers: rank {self.rank} +{now - self._t:.3f}s -> {label}\n"
+            if _TRACE.startswith("/"):
+                with open(_TRACE, "a") as f:
+                    f.write(line)
+            else:
+                sys.stderr.write(line)
+            self._t = now
         if self._store is not None:
             try:
                 self._store.set(f"{self._prefix}{self.rank}", f"{self.seq} {label}")

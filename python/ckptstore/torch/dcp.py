@@ -84,6 +84,7 @@ _META_VERSION = 1
 _PART_FQN = "__ckptstore.part__"
 
 import torch  # noqa: E402  (this module is only imported by torch users)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.metadata import (  # noqa: E402
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -312,6 +313,43 @@ def _partly_written(e: CheckpointError, path: str) -> CheckpointError:
     return out
 
 
+def _requests(plan: LoadPlan) -> tuple[list, list]:
+    """A load plan's read items as region reads ``(item, name, offsets, shape)`` of stored
+    tensors and whole reads ``(item, name)`` of stored bytes."""
+    tensor_reqs = []
+    byte_reqs = []
+    for ri in plan.items:
+        fqn = ri.storage_index.fqn
+        if ri.type == LoadItemType.BYTE_IO:
+            byte_reqs.append((ri, BYTES_PREFIX + fqn))
+        else:
+            base = ri.storage_index.offset or [0] * len(ri.lengths)
+            offs = [int(b) + int(o) for b, o in zip(base, ri.storage_offsets)]
+            tensor_reqs.append((ri, fqn, offs, [int(n) for n in ri.lengths]))
+    return tensor_reqs, byte_reqs
+
+
+def plan_byte_ranges(path: "str | os.PathLike[str]", state_dict: dict) -> list[tuple[str, int, int]]:
+    """Where the stored bytes lie that ``dcp.load(state_dict)`` through a :class:`Reader`
+    of the local checkpoint ``path`` reads on this rank (DCP's default load planner, this
+    rank's plan): ``(shard file path, begin, end)``, merged per file, each range whole CRC
+    blocks or chunks (what the read checks). No collective; no tensor data read; the
+    checkpoint is closed again on return."""
+    reader = Reader(path, all_or_nothing=False)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, reader.read_metadata(), True)
+    tensor_reqs, byte_reqs = _requests(planner.create_local_plan())
+    rr = reader._open()
+    regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
+    for _, name in byte_reqs:
+        _, shape = rr.shape_of(name)
+        if 0 not in shape:
+            regions.append((name, [0] * len(shape), list(shape)))
+    ranges = [(os.fspath(f), int(b), int(e)) for f, b, e in rr.byte_ranges(regions)]
+    reader.reset()
+    return ranges
+
+
 def _prefetch(ranges: list) -> None:
     """Ask the kernel to read the byte ranges a plan needs ahead (``POSIX_FADV_WILLNEED``):
     the CRC pass then faults in pages the kernel is already reading sequentially. Advisory:
@@ -477,17 +515,7 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         rr = self._open()
-        tensor_reqs = []
-        byte_reqs = []
-        for ri in plan.items:
-            fqn = ri.storage_index.fqn
-            if ri.type == LoadItemType.BYTE_IO:
-                name = BYTES_PREFIX + fqn
-                byte_reqs.append((ri, name))
-            else:
-                base = ri.storage_index.offset or [0] * len(ri.lengths)
-                offs = [int(b) + int(o) for b, o in zip(base, ri.storage_offsets)]
-                tensor_reqs.append((ri, fqn, offs, [int(n) for n in ri.lengths]))
+        tensor_reqs, byte_reqs = _requests(plan)
 
         one_pass = self.streaming or self.fresh_destinations
         # 1. Read the bytes items, and check every stored tensor the plan reads: all of it

@@ -203,16 +203,55 @@ def load(
     ``step``), or a dict by state name (``"*"``: the default; ``"as_stored"``/``"f32"``
     leave a state as stored).
     """
-    torch = _torch()
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    # 1-3. The checks, and the fresh tensors to read into.
     meta_all, cid = _broadcast_meta(path, process_group)
+    sd, meta, om, names, tgt_m, tgt_o, tgt_x = _targets(
+        path, meta_all, model, optimizer, strict, allow_optimizer_change
+    )
+    # 4. Read. The destinations are the fresh tensors above, which nothing uses if the load raises:
+    # each block is checked as it is copied (one pass), the ranks agreeing before return.
+    reader = Reader(
+        path, process_group=process_group, expect_checkpoint_id=cid, fresh_destinations=True
+    )
+    try:
+        dcp.load(sd, storage_reader=reader, process_group=process_group)
+    except CheckpointException as e:
+        # DCP's CheckpointException is a BaseException: report the first rank's error as
+        # ckptstore's own (an Exception), chained to DCP's.
+        failures = getattr(e, "failures", None) or {}
+        first = next(iter(failures.values()), e)
+        cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
+        raise cls(
+            f"loading {os.fspath(path)!r} failed on rank(s) {sorted(failures)}: {first}"
+        ) from e
+
+    # 5. Moments in the layout asked for.
+    if layout is not None and tgt_o:
+        _apply_layout(tgt_o, names, optimizer, layout, process_group)
+
+    # 6. Apply: nothing above changed the model or the optimizer.
+    if optimizer is not None:
+        keep_live = _changed_class(optimizer, om.get("class"), allow_optimizer_change)
+        optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o, keep_live))
+    set_model_state_dict(model, tgt_m, options=StateDictOptions(strict=strict))
+    extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
+    extra.update(tgt_x)
+    return extra
+
+
+def _targets(
+    path: Any, meta_all: dict, model: Any, optimizer: Any, strict: bool, allow_optimizer_change: bool
+) -> tuple:
+    """Steps 1-3 of :func:`load`, on this rank alone: the checks against the checkpoint's
+    metadata ``meta_all`` and the fresh tensors to read into, as the state dict handed to
+    ``dcp.load`` (``sd``) and its pieces."""
+    torch = _torch()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     meta = meta_all.get(META_KEY)
     dmeta = meta_all.get(_DCP_KEY)
     if not isinstance(meta, dict) or not isinstance(dmeta, dict):
@@ -290,41 +329,13 @@ def load(
         size, dtype = stored(f"extra.{k}")
         tgt_x[k] = torch.empty(size, dtype=dtype)
 
-    # 4. Read everything into the fresh tensors (CRC-checked as copied; all ranks agree).
+    # The state dict read into (every stored chunk CRC-checked as copied; all ranks agree).
     sd: dict[str, Any] = {"model": tgt_m}
     if tgt_o:
         sd["optim"] = tgt_o
     if tgt_x:
         sd["extra"] = tgt_x
-    # The destinations are the fresh tensors above, which nothing uses if the load raises:
-    # each block is checked as it is copied (one pass), the ranks agreeing before return.
-    reader = Reader(
-        path, process_group=process_group, expect_checkpoint_id=cid, fresh_destinations=True
-    )
-    try:
-        dcp.load(sd, storage_reader=reader, process_group=process_group)
-    except CheckpointException as e:
-        # DCP's CheckpointException is a BaseException: report the first rank's error as
-        # ckptstore's own (an Exception), chained to DCP's.
-        failures = getattr(e, "failures", None) or {}
-        first = next(iter(failures.values()), e)
-        cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
-        raise cls(
-            f"loading {os.fspath(path)!r} failed on rank(s) {sorted(failures)}: {first}"
-        ) from e
-
-    # 5. Moments in the layout asked for.
-    if layout is not None and tgt_o:
-        _apply_layout(tgt_o, names, optimizer, layout, process_group)
-
-    # 6. Apply: nothing above changed the model or the optimizer.
-    if optimizer is not None:
-        keep_live = _changed_class(optimizer, om.get("class"), allow_optimizer_change)
-        optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o, keep_live))
-    set_model_state_dict(model, tgt_m, options=StateDictOptions(strict=strict))
-    extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
-    extra.update(tgt_x)
-    return extra
+    return sd, meta, om, names, tgt_m, tgt_o, tgt_x
 
 
 def _new_optimizer_state(
