@@ -522,20 +522,8 @@ class CheckpointManager:
         if newest is None:
             return None
         for step, kind, f in candidates:
-            if kind == "fast" and not self._check_copies(step, f, notes):
-                continue
-            try:
-                if kind == "fast":
-                    repersist = bool(self.persist_every and step % self.persist_every == 0
-                                     and self.persistent and step not in persisted)
-                    extra = self._restore_fast(step, f, model, optimizer, repersist)
-                else:
-                    loc = self._bcast(self._persistent.location(step) if self.rank == 0 else None)  # type: ignore[union-attr]
-                    extra = self._load(step, loc, model, optimizer)
-            except _GroupError:
-                raise  # the process group failed: no next candidate can be agreed on
-            except CheckpointError as e:  # every rank raised it (the loads agree): next one
-                notes.setdefault(step, []).append(f"{kind} tier: {e}")
+            extra = self._restore_one(step, kind, f, persisted, notes, model, optimizer)
+            if extra is None:
                 continue
             if step != newest:
                 missed = sorted((s for s in notes if s > step), reverse=True)
@@ -552,6 +540,37 @@ class CheckpointManager:
             "ckptstore tiers: no step can be restored from any tier: "
             + "; ".join(f"step {s}: " + ", ".join(n) for s, n in sorted(notes.items(), reverse=True))
         )
+
+    def _restore_one(self, step: int, kind: str, f: Any, persisted: list, notes: dict, model: Any,
+                     optimizer: Any) -> Optional[dict]:
+        """Restore ``step`` from the ``kind`` tier; the extra dict, or None (with a note why)
+        when it cannot be. A fast-tier step is first tried with the copies as the scan saw
+        them (their size): every byte a load reads is CRC-checked on the way, so a damaged
+        copy fails that try (on every rank alike); the copies are then checked whole
+        (``_check_copies``: the damaged lose their holder) and the step tried once more
+        from the good ones, if it still has a copy of every part."""
+        repersist = bool(kind == "fast" and self.persist_every and step % self.persist_every == 0
+                         and self.persistent and step not in persisted)
+        # A step to persist again is checked whole first: its every byte is uploaded.
+        checked = repersist
+        if repersist and not self._check_copies(step, f, notes):
+            return None
+        while True:
+            try:
+                if kind == "fast":
+                    return self._restore_fast(step, f, model, optimizer, repersist)
+                loc = self._bcast(self._persistent.location(step) if self.rank == 0 else None)  # type: ignore[union-attr]
+                return self._load(step, loc, model, optimizer)
+            except _GroupError:
+                raise  # the process group failed: no next candidate can be agreed on
+            except CheckpointError as e:  # every rank raised it (the loads agree)
+                if kind == "fast" and not checked:
+                    checked = True
+                    if self._check_copies(step, f, notes):
+                        continue
+                    return None
+                notes.setdefault(step, []).append(f"{kind} tier: {e}")
+                return None
 
     def _check_copies(self, step: int, f: dict, notes: dict) -> bool:
         """The CRC32 check of the copies a fast-tier candidate would use (the scan only saw
