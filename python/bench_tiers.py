@@ -350,6 +350,24 @@ def _run_job(c, name, hosts, env, timeout):
     return t0, out
 
 
+def _fetch_s(trace: Path) -> float | None:
+    """From the manager's phase trace (``CKPTSTORE_TIERS_TRACE``): the longest time any
+    rank spent in the restore's fetch rounds (the byte ranges moving between hosts)."""
+    if not trace.exists():
+        return None
+    spent: dict = {}
+    prev: dict = {}
+    for line in trace.read_text().splitlines():
+        m = re.match(r"ckptstore tiers: rank (\d+) \+([0-9.]+)s -> (.*)$", line)
+        if not m:
+            continue
+        r, dt, label = int(m[1]), float(m[2]), m[3]
+        if "fetch round" in prev.get(r, ""):
+            spent[r] = spent.get(r, 0.0) + dt
+        prev[r] = label
+    return max(spent.values()) if spent else None
+
+
 def _wipe(d: Path):
     for p in d.iterdir():
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -428,8 +446,10 @@ def run(args) -> dict:
                 else:
                     for i in hosts:
                         _wipe(c.local_dir(i))
-                t0, out = _run_job(c, f"resume-{leg}", hosts, env, args.timeout)
-                legs.setdefault(leg, []).append({"launch": t0, "ranks": out})
+                trace = c.shared / f"trace-{leg}-{len(legs.get(leg, []))}.log"
+                t0, out = _run_job(c, f"resume-{leg}", hosts, {**env, "CKPTSTORE_TIERS_TRACE": str(trace)},
+                                   args.timeout)
+                legs.setdefault(leg, []).append({"launch": t0, "ranks": out, "fetch_s": _fetch_s(trace)})
                 print(f"restart from {leg}: {max(o['t_first_step'] for o in out) - t0:.2f} s", flush=True)
         res["legs"] = legs
     return res
@@ -457,6 +477,8 @@ def summarize(res) -> dict:
         # per repetition: the raw transfer's best of 2 (each timed by its slowest rank)
         raw = [min(max(o["raw_s"][k] for o in d["ranks"]) for k in range(len(r0["raw_s"]))) for d in legs["fast"]]
         s["raw_s"] = med(raw)
+        fetch = [d["fetch_s"] for d in legs["fast"] if d.get("fetch_s")]
+        s["fetch_s"] = med(fetch) if fetch else None
     n = len(train[0]["block_s"])
     blk = [max(o["block_s"][k] for o in train) for k in range(n)]
     dn = [max(o["done_s"][k] for o in train) for k in range(n)]
@@ -506,7 +528,8 @@ def report(res, s) -> None:
         print(f"\npeer restore moved {s['peer_bytes'] / MIB:.1f} MiB (matrix src->dst, MiB: "
               f"{[[round(v / MIB, 1) for v in row] for row in s['peer_bytes_matrix']]}); raw transfer of "
               f"the same: {s['raw_s']:.2f} s ({s['peer_bytes'] / MIB / s['raw_s']:.0f} MiB/s); restore "
-              f"{s['fast']['restore_s']:.2f} s")
+              f"{s['fast']['restore_s']:.2f} s" + (f", of which its fetch rounds {s['fetch_s']:.2f} s (raw s / "
+                                                    f"fetch s: {s['raw_s'] / s['fetch_s']:.2f})" if s.get("fetch_s") else ""))
     v = s["save"]
     print(f"\nsave: one copy {v['copy_s'] * 1e3:.1f} ms; save() blocks median {v['block_median_s'] * 1e3:.0f} ms "
           f"(not persisted {v['block_median_not_persisted_s'] * 1e3:.0f} ms, persisted "

@@ -44,6 +44,18 @@ POINTS = (
 )
 
 
+def dist_or_none() -> Any:
+    """``torch.distributed`` when a process group is initialized, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def err_text(rank: int, e: BaseException) -> str:
+    """An error as the ranks gather it: ``rank <r>: <type>: <message>``."""
+    return f"rank {rank}: {type(e).__name__}: {e}"
+
+
 def kill_point(point: str, step: int, rank: int) -> None:
     spec = os.environ.get(KILL_ENV)
     if not spec:

@@ -42,53 +42,48 @@ error names the ranks and hosts that never reached the phase (each rank marks it
 in the job's rendezvous store). A failed persist is raised by :meth:`~CheckpointManager.wait`
 on every rank; the steps on the fast tier stand.
 
-**Restore** (every rank, any world size): each host's first rank checks its local tier
-(every indexed step: every rank's files present with the recorded size and CRC32); the ranks
+**Restore** (every rank, any world size): each host's first rank scans its local tier
+(every indexed step: which ranks' files are present with the recorded size); the ranks
 all-gather that with rank 0's list of committed persistent steps and try, newest first, a
-step whose every part has a good copy on some live host (the fast tier), then a persisted
-step. For a fast-tier step every host assembles the step in ``.restore-<n>/``: its own good
-copies hard-linked, the others sent by a host holding a good copy (checked on arrival),
-committed there (:func:`ckptstore.commit`), and every rank loads it with
-:func:`ckptstore.torch.distributed.load` (every block CRC-checked, resharded onto the current
-world and mesh, nothing changed unless every rank's reads passed, the old state replaced
-whole). A candidate whose load fails is passed over for the next. Taking an older step
-than the newest any tier recorded warns with what was missing.
+step whose every part has a copy on some live host (the fast tier), then a persisted step.
+For a fast-tier step every host builds the step in ``.restore-<n>/``: its own copies
+hard-linked, the other ranks' part descriptors and shard headers from a holder with each
+shard a sparse placeholder, committed there (:func:`ckptstore.commit`); each rank plans its
+load against it, each host fetches from holders exactly the byte ranges its ranks read, and
+every rank loads it with :func:`ckptstore.torch.distributed.load` (every byte read
+CRC-checked, resharded onto the current world and mesh, nothing changed unless every rank's
+reads passed, the old state replaced whole). A failed try checks every copy of the step
+whole (size and CRC32), drops the damaged ones and tries once more from the others; a
+candidate that still fails is passed over for the next. Taking an older step than the
+newest any tier recorded warns with what was missing.
 
 Where the local tier is on a host, its layout and clean-up are in
-:mod:`ckptstore.torch._tier_local`; the wire, progress marks and kill seam in
+:mod:`ckptstore.torch._tier_local`; the fast-tier restore in
+:mod:`ckptstore.torch._tier_restore`; the wire, progress marks and kill seam in
 :mod:`ckptstore.torch._tier_wire`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 import uuid
 import warnings
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
-from .. import _ckptstore, atomic, commit as _commit
+from .. import atomic
 from ..errors import CheckpointError, InvalidArgumentError
 from . import distributed as _d
 from ._saver import AsyncSaver, Handle
-from ._tier_local import LocalTier, check_arrival, new_stage, saved_host, shard_head_len
+from ._tier_local import LocalTier, check_arrival, new_stage
 from ._tier_persist import PersistentTier, Persister
-from .dcp import plan_byte_ranges
-from ._tier_wire import Progress, crc_file, kill_point, map_range, transfer, trim_heap, write_fsync
+from ._tier_restore import restore_fast
+from ._tier_wire import Progress, crc_file, dist_or_none as _dist, err_text as _err, kill_point, transfer, trim_heap, write_fsync
 
 __all__ = ["CheckpointManager"]
 
 _TAG_REPLICATE = 1 << 20
-_TAG_RESTORE = 1 << 24
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _snapshot(obj: Any, snap: Any, path: str) -> Any:
@@ -124,17 +119,6 @@ def _part_writer(path: str, metadata: dict) -> Any:
     return _PartWriter(path, metadata=metadata)
 
 
-def _merge(ranges: list) -> list:
-    """Byte ranges ``(begin, end)`` sorted, those that touch or overlap merged."""
-    out: list = []
-    for b, e in sorted(ranges):
-        if out and b <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((b, e))
-    return out
-
-
 class _GroupError(CheckpointError):
     """An operation between ranks failed (a peer lost, the group broken): raised on each
     rank that saw it; nothing more can be agreed on this process group."""
@@ -164,10 +148,6 @@ def _bounded(fn: Any, timeout: float, what: str) -> Any:
         raise _GroupError(f"ckptstore tiers: {what} did not finish within {timeout:g} s: a peer is lost "
                           "(or the job's rendezvous store is)")
     return box["ok"]
-
-
-def _err(rank: int, e: BaseException) -> str:
-    return f"rank {rank}: {type(e).__name__}: {e}"
 
 
 class CheckpointManager:
@@ -558,7 +538,7 @@ class CheckpointManager:
         while True:
             try:
                 if kind == "fast":
-                    return self._restore_fast(step, f, model, optimizer, repersist)
+                    return restore_fast(self, step, f, model, optimizer, repersist)
                 loc = self._bcast(self._persistent.location(step) if self.rank == 0 else None)  # type: ignore[union-attr]
                 return self._load(step, loc, model, optimizer)
             except _GroupError:
@@ -608,184 +588,6 @@ class CheckpointManager:
                 raise
 
         return self._phase(f"restore: load step {step}", load)
-
-    def _restore_fast(self, step: int, f: dict, model: Any, optimizer: Any, repersist: bool) -> dict:
-        """Every host builds the step's checkpoint in ``.restore-<step>`` out of what it
-        holds (its good copies of ranks' files, linked) and, for every other rank, its part
-        descriptor and shard headers sent by a host holding them, each shard a sparse
-        placeholder of its recorded size behind its real header; and commits it. Each rank
-        then works out the byte ranges its load reads (DCP's plan against the stage), the
-        hosts fetch the ranges of placeholders that their ranks read from a holder, and
-        every rank loads: only the bytes some rank reads move between hosts. (A range
-        never fetched is never read; were it read, its CRC check would fail the load.)
-        ``repersist``: the step is due for the persistent tier but not there (its persist
-        was interrupted): rank 0's host then fetches every byte and persists its stage."""
-        rec, holders = f["record"], f["holders"]
-        cid, world, files = rec["checkpoint_id"], rec["world_size"], rec["files"]
-        stage = os.path.join(self.local, f".restore-{step}")
-        sdir = self._tier.step_dir(step)
-        n_hosts = len(self.hosts)
-        owner = {n: int(r) for r, fs in files.items() for n in fs}
-
-        def holder(r: int, d: int) -> int:  # the host that sends rank r's bytes to host d
-            return holders[r][(d + r) % len(holders[r])]
-
-        def src_path(name: str) -> str:
-            return os.path.join(sdir, f"src-{saved_host(rec, owner[name])}", name)
-
-        absent = {d: [r for r in range(world) if d not in holders[r]] for d in range(n_hosts)}
-        placeholders = {n for r in absent[self.host] for n in files[str(r)] if not n.startswith("part-")}
-        err = None
-        if self.leader:
-            try:
-                if os.path.exists(stage):
-                    shutil.rmtree(stage)
-                os.makedirs(stage)
-                for r in range(world):
-                    if r not in absent[self.host]:
-                        for name in files[str(r)]:
-                            try:
-                                os.link(src_path(name), os.path.join(stage, name))
-                            except OSError:
-                                shutil.copyfile(src_path(name), os.path.join(stage, name))
-            except Exception as e:  # noqa: BLE001
-                err = _err(self.rank, e)
-
-            def heads(src_h: int, dst_h: int) -> list:  # a part descriptor whole, a shard's header
-                return [(n, src_path(n)) if n.startswith("part-") else (n, src_path(n), 0, None)
-                        for r in absent[dst_h] if holder(r, dst_h) == src_h for n in sorted(files[str(r)])]
-
-            def put_head(src_h: int, name: str, data: Any) -> None:
-                if owner.get(name) not in absent[self.host]:
-                    raise CheckpointError(f"host {src_h} sent {name}, which this host did not ask for")
-                size = files[str(owner[name])][name][0]
-                if name not in placeholders:
-                    check_arrival(name, data, files[str(owner[name])], src_h)
-                elif data.numel() > size:
-                    raise CheckpointError(f"host {src_h} sent {data.numel()} header bytes of {name}, "
-                                          f"which is {size} bytes")
-                with open(os.path.join(stage, name), "wb") as fh:  # a scratch copy: no fsync
-                    fh.write(data.numpy())
-                    fh.truncate(size)
-
-            err = self._rounds(f"restore: step {step} heads", _TAG_RESTORE, heads, put_head, err)
-            if err is None:
-                try:
-                    parts = []
-                    for r in range(world):
-                        with open(os.path.join(stage, f"part-{cid}-r{r}.json"), "rb") as fh:
-                            parts.append(fh.read())
-                    _commit(stage, cid, parts=parts, world_size=world, metadata=rec["metadata"])
-                except Exception as e:  # noqa: BLE001
-                    err = _err(self.rank, e)
-        self._phase(f"restore: step {step} staged", self._agree, [err], f"assembling step {step}")
-
-        # What each rank's load reads of the placeholders; per host, the union of its ranks'.
-        # (Every rank plans, placeholders or not: taking the model's state dict is the same
-        # call on every rank.)
-        need: list = []
-        perr = None
-        try:
-            meta_all = json.loads(_ckptstore.Checkpoint(stage, lazy=True).metadata_json())
-            sd = _d._targets(stage, meta_all, model, optimizer, True, False)[0]
-            need = [(os.path.basename(p), b, e) for p, b, e in plan_byte_ranges(stage, sd)
-                    if os.path.basename(p) in placeholders]
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            perr = _err(self.rank, e)
-        got = self._phase(f"restore: step {step} plan", self._gather, (self.host, need, perr))
-        self._agree([p for _, _, p in got], f"planning the load of step {step}")
-        wanted: dict[int, dict[str, list]] = {}
-        for h, ranges, _ in got:
-            for name, b, e in ranges:
-                wanted.setdefault(h, {}).setdefault(name, []).append((int(b), int(e)))
-        if repersist:  # rank 0's host persists from its stage: every byte of it
-            h0 = next(h for h, rs in enumerate(self.hosts) if 0 in rs)
-            for r in absent[h0]:
-                for name, (size, _) in files[str(r)].items():
-                    if not name.startswith("part-"):
-                        wanted.setdefault(h0, {})[name] = [(0, int(size))]
-        err = None
-        if self.leader:
-            def ranges(src_h: int, dst_h: int) -> list:
-                return [(f"{n}@{b}", src_path(n), b, e - b) for n, rs in sorted(wanted.get(dst_h, {}).items())
-                        if holder(owner[n], dst_h) == src_h for b, e in _merge(rs)]
-
-            mine = {f"{n}@{b}": (n, b, e - b) for n, rs in wanted.get(self.host, {}).items() for b, e in _merge(rs)}
-            mapped: dict[str, Any] = {}
-
-            def dest(key: str, size: int) -> Any:  # received straight into the placeholder
-                if key not in mine or mine[key][2] != size:
-                    return None
-                mapped[key] = map_range(os.path.join(stage, mine[key][0]), mine[key][1], size)
-                return mapped[key]
-
-            def put_range(src_h: int, key: str, data: Any) -> None:
-                if key not in mine or data.numel() != mine[key][2]:
-                    raise CheckpointError(f"host {src_h} sent {key} ({data.numel()} bytes), which this host did not ask for")
-                if mapped.pop(key, None) is data:
-                    return
-                name, b, _ = mine[key]
-                with open(os.path.join(stage, name), "r+b") as fh:  # a scratch copy: no fsync
-                    fh.seek(b)
-                    fh.write(data.numpy())
-
-            err = self._rounds(f"restore: step {step} fetch", _TAG_RESTORE * 2, ranges, put_range, None, dest)
-        loaded = False
-        try:
-            self._phase(f"restore: step {step} assembled", self._agree, [err], f"assembling step {step}")
-            kill_point("restore", step, self.rank)
-            extra = self._load(step, stage, model, optimizer)
-            loaded = True
-            return extra
-        finally:
-            dist = _dist()
-            try:
-                if dist:
-                    self._phase(f"restore: step {step} done", dist.barrier, self.pg)
-            finally:
-                if self.rank == 0 and loaded and repersist and self._persister is not None:
-                    self._persister.start(step, rec, stage, None, remove_src=True)
-                elif self.leader and os.path.exists(stage):
-                    shutil.rmtree(stage, ignore_errors=True)
-
-    def _rounds(self, label: str, tag: int, items: Any, put: Any, err: Optional[str],
-                dest: Any = None) -> Optional[str]:
-        """Between the hosts' first ranks, in rounds: in round k every host sends to host
-        + k ``items(this host, host + k)`` (``transfer``'s items) and receives from host - k,
-        all pairs at once, one item each way at a time, ``put(source host, key, data)``
-        keeping each arrival (received where ``dest(key, size)`` says, as ``transfer``).
-        Every round runs (the peers expect its bytes) even after an
-        error; the first error as text (``err`` if given), or None."""
-        n_hosts = len(self.hosts)
-        for k in range(1, n_hosts):
-            to_h, from_h = (self.host + k) % n_hosts, (self.host - k) % n_hosts
-            if not any(items(h, (h + k) % n_hosts) for h in range(n_hosts)):
-                continue
-            send, expect = items(self.host, to_h), items(from_h, self.host)
-            out: list = []
-            oerr = None
-            try:  # an item of size None: a shard's header (its length read here, the sender)
-                out = [(x[0], x[1], 0, shard_head_len(x[1])) if len(x) == 4 and x[3] is None else x for x in send]
-            except Exception as e:  # noqa: BLE001 - sent instead of the items
-                oerr = _err(self.rank, e)
-            box: dict[str, Any] = {"err": err}
-
-            def receive(inc: Any, key: Optional[str], data: Any, src_h: int = from_h, box: dict = box) -> None:
-                if box["err"]:
-                    return
-                try:
-                    if key is None:
-                        if inc.error:
-                            raise CheckpointError(f"host {src_h} could not send its files: {inc.error}")
-                        return
-                    put(src_h, key, data)
-                except Exception as e:  # noqa: BLE001
-                    box["err"] = _err(self.rank, e)
-
-            self._phase(f"{label} round {k}", transfer, out, oerr, self.hosts[to_h][0] if send else None,
-                        self.hosts[from_h][0] if expect else None, tag + k * 65536, self.pg, receive, dest)
-            err = box["err"]
-        return err
 
     # -- lifetime ------------------------------------------------------------------------------
 

@@ -1,0 +1,213 @@
+"""The fast-tier restore of the tiered manager (:mod:`ckptstore.torch.tiered`): a host
+builds a step out of its own copies and placeholders, every rank plans its load, the hosts
+fetch exactly the byte ranges their ranks read, every rank loads (format-spec/tiers.md
+§Choosing a step). Functions of the manager (``mgr``), every rank calling each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+from .. import _ckptstore, commit as _commit
+from ..errors import CheckpointError
+from . import distributed as _d
+from .dcp import plan_byte_ranges
+from ._tier_local import check_arrival, saved_host, shard_head_len
+from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, map_range, transfer
+
+#: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
+TAG_HEADS = 1 << 24
+TAG_RANGES = 1 << 25
+
+
+def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, repersist: bool) -> dict:
+    """Every host builds the step's checkpoint in ``.restore-<step>`` out of what it
+    holds (its copies of ranks' files, linked) and, for every other rank, its part
+    descriptor and shard headers sent by a host holding them, each shard a sparse
+    placeholder of its recorded size behind its real header; and commits it. Each rank
+    then works out the byte ranges its load reads (DCP's plan against the stage), the
+    hosts fetch the ranges of placeholders that their ranks read from a holder, and
+    every rank loads: only the bytes some rank reads move between hosts. (A range
+    never fetched is never read; were it read, its CRC check would fail the load.)
+    ``repersist``: the step is due for the persistent tier but not there (its persist
+    was interrupted): rank 0's host then fetches every byte and persists its stage."""
+    rec, holders = f["record"], f["holders"]
+    cid, world, files = rec["checkpoint_id"], rec["world_size"], rec["files"]
+    stage = os.path.join(mgr.local, f".restore-{step}")
+    sdir = mgr._tier.step_dir(step)
+    n_hosts = len(mgr.hosts)
+    owner = {n: int(r) for r, fs in files.items() for n in fs}
+
+    def holder(r: int, d: int) -> int:  # the host that sends rank r's bytes to host d
+        return holders[r][(d + r) % len(holders[r])]
+
+    def src_path(name: str) -> str:
+        return os.path.join(sdir, f"src-{saved_host(rec, owner[name])}", name)
+
+    absent = {d: [r for r in range(world) if d not in holders[r]] for d in range(n_hosts)}
+    placeholders = {n for r in absent[mgr.host] for n in files[str(r)] if not n.startswith("part-")}
+    err = None
+    if mgr.leader:
+        try:
+            if os.path.exists(stage):
+                shutil.rmtree(stage)
+            os.makedirs(stage)
+            for r in range(world):
+                if r not in absent[mgr.host]:
+                    for name in files[str(r)]:
+                        try:
+                            os.link(src_path(name), os.path.join(stage, name))
+                        except OSError:
+                            shutil.copyfile(src_path(name), os.path.join(stage, name))
+        except Exception as e:  # noqa: BLE001
+            err = _err(mgr.rank, e)
+
+        def heads(src_h: int, dst_h: int) -> list:  # a part descriptor whole, a shard's header
+            return [(n, src_path(n)) if n.startswith("part-") else (n, src_path(n), 0, None)
+                    for r in absent[dst_h] if holder(r, dst_h) == src_h for n in sorted(files[str(r)])]
+
+        def put_head(src_h: int, name: str, data: Any) -> None:
+            if owner.get(name) not in absent[mgr.host]:
+                raise CheckpointError(f"host {src_h} sent {name}, which this host did not ask for")
+            size = files[str(owner[name])][name][0]
+            if name not in placeholders:
+                check_arrival(name, data, files[str(owner[name])], src_h)
+            elif data.numel() > size:
+                raise CheckpointError(f"host {src_h} sent {data.numel()} header bytes of {name}, "
+                                      f"which is {size} bytes")
+            with open(os.path.join(stage, name), "wb") as fh:  # a scratch copy: no fsync
+                fh.write(data.numpy())
+                fh.truncate(size)
+
+        err = rounds(mgr, f"restore: step {step} heads", TAG_HEADS, heads, put_head, err)
+        if err is None:
+            try:
+                parts = []
+                for r in range(world):
+                    with open(os.path.join(stage, f"part-{cid}-r{r}.json"), "rb") as fh:
+                        parts.append(fh.read())
+                _commit(stage, cid, parts=parts, world_size=world, metadata=rec["metadata"])
+            except Exception as e:  # noqa: BLE001
+                err = _err(mgr.rank, e)
+    mgr._phase(f"restore: step {step} staged", mgr._agree, [err], f"assembling step {step}")
+
+    # What each rank's load reads of the placeholders; per host, the union of its ranks'.
+    # (Every rank plans, placeholders or not: taking the model's state dict is the same
+    # call on every rank.)
+    need: list = []
+    perr = None
+    try:
+        meta_all = json.loads(_ckptstore.Checkpoint(stage, lazy=True).metadata_json())
+        sd = _d._targets(stage, meta_all, model, optimizer, True, False)[0]
+        need = [(os.path.basename(p), b, e) for p, b, e in plan_byte_ranges(stage, sd)
+                if os.path.basename(p) in placeholders]
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        perr = _err(mgr.rank, e)
+    got = mgr._phase(f"restore: step {step} plan", mgr._gather, (mgr.host, need, perr))
+    mgr._agree([p for _, _, p in got], f"planning the load of step {step}")
+    wanted: dict[int, dict[str, list]] = {}
+    for h, ranges, _ in got:
+        for name, b, e in ranges:
+            wanted.setdefault(h, {}).setdefault(name, []).append((int(b), int(e)))
+    if repersist:  # rank 0's host persists from its stage: every byte of it
+        h0 = next(h for h, rs in enumerate(mgr.hosts) if 0 in rs)
+        for r in absent[h0]:
+            for name, (size, _) in files[str(r)].items():
+                if not name.startswith("part-"):
+                    wanted.setdefault(h0, {})[name] = [(0, int(size))]
+    err = None
+    if mgr.leader:
+        def ranges(src_h: int, dst_h: int) -> list:
+            return [(f"{n}@{b}", src_path(n), b, e - b) for n, rs in sorted(wanted.get(dst_h, {}).items())
+                    if holder(owner[n], dst_h) == src_h for b, e in _merge(rs)]
+
+        mine = {f"{n}@{b}": (n, b, e - b) for n, rs in wanted.get(mgr.host, {}).items() for b, e in _merge(rs)}
+        mapped: dict[str, Any] = {}
+
+        def dest(key: str, size: int) -> Any:  # received straight into the placeholder
+            if key not in mine or mine[key][2] != size:
+                return None
+            mapped[key] = map_range(os.path.join(stage, mine[key][0]), mine[key][1], size)
+            return mapped[key]
+
+        def put_range(src_h: int, key: str, data: Any) -> None:
+            if key not in mine or data.numel() != mine[key][2]:
+                raise CheckpointError(f"host {src_h} sent {key} ({data.numel()} bytes), which this host did not ask for")
+            if mapped.pop(key, None) is data:
+                return
+            name, b, _ = mine[key]
+            with open(os.path.join(stage, name), "r+b") as fh:  # a scratch copy: no fsync
+                fh.seek(b)
+                fh.write(data.numpy())
+
+        err = rounds(mgr, f"restore: step {step} fetch", TAG_RANGES, ranges, put_range, None, dest)
+    loaded = False
+    try:
+        mgr._phase(f"restore: step {step} assembled", mgr._agree, [err], f"assembling step {step}")
+        kill_point("restore", step, mgr.rank)
+        extra = mgr._load(step, stage, model, optimizer)
+        loaded = True
+        return extra
+    finally:
+        dist = _dist()
+        try:
+            if dist:
+                mgr._phase(f"restore: step {step} done", dist.barrier, mgr.pg)
+        finally:
+            if mgr.rank == 0 and loaded and repersist and mgr._persister is not None:
+                mgr._persister.start(step, rec, stage, None, remove_src=True)
+            elif mgr.leader and os.path.exists(stage):
+                shutil.rmtree(stage, ignore_errors=True)
+
+def rounds(mgr: Any, label: str, tag: int, items: Any, put: Any, err: Optional[str],
+            dest: Any = None) -> Optional[str]:
+    """Between the hosts' first ranks, in rounds: in round k every host sends to host
+    + k ``items(this host, host + k)`` (``transfer``'s items) and receives from host - k,
+    all pairs at once, one item each way at a time, ``put(source host, key, data)``
+    keeping each arrival (received where ``dest(key, size)`` says, as ``transfer``).
+    Every round runs (the peers expect its bytes) even after an
+    error; the first error as text (``err`` if given), or None."""
+    n_hosts = len(mgr.hosts)
+    for k in range(1, n_hosts):
+        to_h, from_h = (mgr.host + k) % n_hosts, (mgr.host - k) % n_hosts
+        if not any(items(h, (h + k) % n_hosts) for h in range(n_hosts)):
+            continue
+        send, expect = items(mgr.host, to_h), items(from_h, mgr.host)
+        out: list = []
+        oerr = None
+        try:  # an item of size None: a shard's header (its length read here, the sender)
+            out = [(x[0], x[1], 0, shard_head_len(x[1])) if len(x) == 4 and x[3] is None else x for x in send]
+        except Exception as e:  # noqa: BLE001 - sent instead of the items
+            oerr = _err(mgr.rank, e)
+        box: dict[str, Any] = {"err": err}
+
+        def receive(inc: Any, key: Optional[str], data: Any, src_h: int = from_h, box: dict = box) -> None:
+            if box["err"]:
+                return
+            try:
+                if key is None:
+                    if inc.error:
+                        raise CheckpointError(f"host {src_h} could not send its files: {inc.error}")
+                    return
+                put(src_h, key, data)
+            except Exception as e:  # noqa: BLE001
+                box["err"] = _err(mgr.rank, e)
+
+        mgr._phase(f"{label} round {k}", transfer, out, oerr, mgr.hosts[to_h][0] if send else None,
+                    mgr.hosts[from_h][0] if expect else None, tag + k * 65536, mgr.pg, receive, dest)
+        err = box["err"]
+    return err
+
+
+def _merge(ranges: list) -> list:
+    """Byte ranges ``(begin, end)`` sorted, those that touch or overlap merged."""
+    out: list = []
+    for b, e in sorted(ranges):
+        if out and b <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((b, e))
+    return out
