@@ -193,3 +193,23 @@ def test_persist_forced_or_skipped_per_save(tmp_path):
         mgr.wait()
     assert sorted(n for n in os.listdir(tmp_path / "pers") if n.startswith("step-")) == [
         "step-00000001", "step-00000004"]
+
+
+def test_restore_into_another_optimizer_class_only_when_allowed(tmp_path):
+    m, o = _model()
+    _train(m, o, 1)
+    with CheckpointManager(tmp_path / "local") as mgr:
+        mgr.save(1, m, o)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    m2, _ = _model(seed=1)
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    sgd = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    with CheckpointManager(tmp_path / "local") as mgr:
+        with pytest.raises(ckptstore.CheckpointError, match="optimizer"):
+            mgr.restore_latest(m2, sgd)
+        for k, v in m2.state_dict().items():  # nothing changed
+            assert torch.equal(v, before[k]), k
+        assert mgr.restore_latest(m2, sgd, allow_optimizer_change=True) == 1
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert sgd.param_groups[0]["momentum"] == 0.9  # the live group's own setting kept

@@ -101,7 +101,7 @@ def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, reper
     perr = None
     try:
         meta_all = json.loads(_ckptstore.Checkpoint(stage, lazy=True).metadata_json())
-        sd = _d._targets(stage, meta_all, model, optimizer, True, False)[0]
+        sd = _d._targets(stage, meta_all, model, optimizer, True, mgr._allow_change)[0]
         need = [(os.path.basename(p), b, e) for p, b, e in plan_byte_ranges(stage, sd)
                 if os.path.basename(p) in placeholders]
     except Exception as e:  # noqa: BLE001 - raised on every rank below
@@ -162,8 +162,9 @@ def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, reper
             elif mgr.leader and os.path.exists(stage):
                 shutil.rmtree(stage, ignore_errors=True)
 
+
 def rounds(mgr: Any, label: str, tag: int, items: Any, put: Any, err: Optional[str],
-            dest: Any = None) -> Optional[str]:
+           dest: Any = None) -> Optional[str]:
     """Between the hosts' first ranks, in rounds: in round k every host sends to host
     + k ``items(this host, host + k)`` (``transfer``'s items) and receives from host - k,
     all pairs at once, one item each way at a time, ``put(source host, key, data)``

@@ -198,6 +198,7 @@ class CheckpointManager:
         self.timeout = float(timeout)
         self.last_extra: Optional[dict] = None
         self.last_tier: Optional[str] = None
+        self._allow_change = False  # restore_latest's allow_optimizer_change, while it runs
         self._closed = False
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
@@ -461,12 +462,16 @@ class CheckpointManager:
 
     # -- restore -------------------------------------------------------------------------------
 
-    def restore_latest(self, model: Any, optimizer: Any = None) -> Optional[int]:
+    def restore_latest(self, model: Any, optimizer: Any = None, *, allow_optimizer_change: bool = False) -> Optional[int]:
         """Restore the newest step that can be read whole from some tier (every rank, after
         any save in flight); returns it, or ``None`` when no tier holds any. Afterwards
         ``self.last_extra`` is the ``extra`` it was saved with, ``self.last_tier`` where it
-        came from (``"fast"``: local and peer copies; ``"persistent"``). Raises
-        :class:`ckptstore.CheckpointError` when steps were recorded but none can be read."""
+        came from (``"fast"``: local and peer copies; ``"persistent"``).
+        ``allow_optimizer_change``: as in :func:`ckptstore.torch.distributed.load` (a
+        deliberate change of optimizer class). Raises :class:`ckptstore.CheckpointError` on
+        every rank alike when steps were recorded but none can be read (naming why for
+        each)."""
+        self._allow_change = bool(allow_optimizer_change)
         self.wait()
         held = self._tier.scan(crc=False) if self.leader else None
         pers = self._persistent.steps() if self.rank == 0 and self._persistent is not None else None
@@ -579,7 +584,8 @@ class CheckpointManager:
 
         def load() -> dict:
             try:
-                return _d.load(loc, model, optimizer, process_group=self.pg)
+                return _d.load(loc, model, optimizer, process_group=self.pg,
+                               allow_optimizer_change=self._allow_change)
             except CheckpointException as e:  # the ranks' errors, gathered by DCP
                 failures = getattr(e, "failures", None) or {}
                 first = next(iter(failures.values()), e)
