@@ -462,7 +462,7 @@ def run(args) -> dict:
                 else:
                     for i in hosts:
                         _wipe(c.local_dir(i))
-                trace = c.shared / f"trace-{leg}-{len(legs.get(leg, []))}.log"
+                trace = Path(args.trace_dir or c.shared) / f"trace-{leg}-{len(legs.get(leg, []))}.log"
                 t0, out = _run_job(c, f"resume-{leg}", hosts, {**env, "CKPTSTORE_TIERS_TRACE": str(trace)},
                                    args.timeout)
                 legs.setdefault(leg, []).append({"launch": t0, "ranks": out, "fetch_s": _fetch_s(trace)})
@@ -576,6 +576,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600, help="process group timeout and per-job bound, s")
     ap.add_argument("--dir", default=None, help="where the cluster's temp dir goes (default: the temp dir)")
     ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--trace-dir", default=None,
+                    help="keep the restarts' phase traces (CKPTSTORE_TIERS_TRACE) here (default: in the cluster, removed)")
     args = ap.parse_args()
     if args.hosts < 3:
         ap.error("--hosts must be >= 3 (host 1 is lost, a peer holds its replica)")
