@@ -121,9 +121,16 @@ def _file_tensor(path: str, size: int, begin: int = 0) -> Any:
 
 def map_range(path: str, begin: int, size: int) -> Any:
     """A writable uint8 tensor over bytes ``[begin, begin + size)`` of the existing file
-    ``path`` (mapped shared): a receive lands in the file with no copy."""
+    ``path`` (mapped shared): a receive lands in the file with no copy. The range's blocks
+    are allocated first, so that a full disk is this ``OSError`` (the caller then receives
+    into memory and writes), never a SIGBUS on a write through the mapping."""
     import torch
 
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, begin, size)
+    finally:
+        os.close(fd)
     return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", offset=begin, shape=(size,)))
 
 
