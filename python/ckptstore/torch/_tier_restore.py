@@ -14,7 +14,7 @@ from typing import Any, Optional
 from .. import _ckptstore, commit as _commit
 from ..errors import CheckpointError
 from . import distributed as _d
-from .dcp import plan_byte_ranges
+from .dcp import _plan_byte_ranges
 from ._tier_local import check_arrival, saved_host, shard_head_len
 from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, map_range, transfer
 
@@ -102,7 +102,7 @@ def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, reper
     try:
         meta_all = json.loads(_ckptstore.Checkpoint(stage, lazy=True).metadata_json())
         sd = _d._targets(stage, meta_all, model, optimizer, True, mgr._allow_change)[0]
-        need = [(os.path.basename(p), b, e) for p, b, e in plan_byte_ranges(stage, sd)
+        need = [(os.path.basename(p), b, e) for p, b, e in _plan_byte_ranges(stage, sd)
                 if os.path.basename(p) in placeholders]
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         perr = _err(mgr.rank, e)

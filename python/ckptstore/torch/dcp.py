@@ -329,7 +329,7 @@ def _requests(plan: LoadPlan) -> tuple[list, list]:
     return tensor_reqs, byte_reqs
 
 
-def plan_byte_ranges(path: "str | os.PathLike[str]", state_dict: dict) -> list[tuple[str, int, int]]:
+def _plan_byte_ranges(path: "str | os.PathLike[str]", state_dict: dict) -> list[tuple[str, int, int]]:
     """Where the stored bytes lie that ``dcp.load(state_dict)`` through a :class:`Reader`
     of the local checkpoint ``path`` reads on this rank (DCP's default load planner, this
     rank's plan): ``(shard file path, begin, end)``, merged per file, each range whole CRC
