@@ -24,7 +24,7 @@ from ckptstore.errors import (
     PickleNotAllowedError,
     UnsupportedFormatError,
 )
-from ckptstore.torch.internal import AsyncSaver, Handle
+from ckptstore.torch.internal import AsyncSaver, Handle, Snapshot
 
 EVENT_TIMEOUT = 120.0
 
@@ -306,6 +306,33 @@ def test_saver_snapshots_writes_in_order_and_reuses_buffers(tmp_path: Path):
     assert saver.snapshot_bytes == 0
     with pytest.raises(InvalidArgumentError, match="the saver is closed"):
         _saver_job(tmp_path, saver, "c4", live)
+
+
+def test_snapshot_copies_every_torch_tensor_in_one_native_call(monkeypatch):
+    # One release of the interpreter lock for all of a save's copies: a loop of copy_ calls
+    # waits for the lock once per tensor while another Python thread is busy.
+    calls = []
+    real = torch._foreach_copy_
+
+    def counted(dst, src, **kw):
+        calls.append(len(dst))
+        return real(dst, src, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    snap = Snapshot()
+    for x in (1.0, 2.0):  # the second save reuses the buffers and refreshes them
+        srcs = {"w": torch.arange(6.0).reshape(2, 3).t() * x,  # not contiguous
+                "h": torch.full((4,), x, dtype=torch.bfloat16), "step": torch.tensor(int(x))}
+        snap.begin()
+        bufs = {k: snap.tensor(k, v) for k, v in srcs.items()}
+        entry = snap.copy("c", torch.full((2,), 7.0 * x))
+        arr = snap.copy("n", np.full(3, x))  # numpy: copied at once
+        assert np.array_equal(arr[2], np.full(3, x))
+        snap.end()
+        for k, v in srcs.items():
+            assert bufs[k].is_contiguous() and bufs[k].dtype == v.dtype and torch.equal(bufs[k], v)
+        assert np.array_equal(entry[2], np.full(2, 7.0 * x, np.float32))
+    assert calls == [4, 4] and snap.allocations == 5
 
 
 def test_saver_max_in_flight_blocks_the_next_save(tmp_path: Path):

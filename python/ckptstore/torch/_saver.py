@@ -38,17 +38,26 @@ def check_max_in_flight(max_in_flight: Any) -> int:
 class Snapshot:
     """One set of snapshot buffers, keyed by stored tensor name and reused from save to
     save: a buffer is allocated only for a name it does not hold yet, or whose shape or
-    dtype changed. CUDA tensors are copied into pinned CPU buffers."""
+    dtype changed. CUDA tensors are copied into pinned CPU buffers.
+
+    Torch tensors are copied in :meth:`end`, all in one ``torch._foreach_copy_`` (one
+    release of the interpreter lock): a loop of ``copy_`` calls gives the lock up and waits
+    for it once per tensor, which another busy Python thread (a data loader, a logger)
+    stretches to 5 ms a tensor. The buffers :meth:`copy` and :meth:`tensor` return hold
+    their data once :meth:`end` has returned."""
 
     def __init__(self) -> None:
         self.bufs: Dict[str, Any] = {}
         self.allocations = 0  # buffers allocated over this set's life
         self._used: set = set()
         self._devices: set = set()
+        self._dst: List[Any] = []  # torch copies deferred to end(): destinations
+        self._src: List[Any] = []  # and their sources
 
     def begin(self) -> None:
         self._used = set()
         self._devices = set()
+        self._dst, self._src = [], []
 
     def copy(self, name: str, src: Any) -> Tuple[str, str, np.ndarray]:
         """``(name, wire dtype, array)`` over this set's copy of ``src`` (a torch tensor or
@@ -95,13 +104,23 @@ class Snapshot:
             self.allocations += 1
         if src.is_cuda:
             self._devices.add(src.device)
-            buf.copy_(src, non_blocking=True)
-        else:
-            buf.copy_(src)
+        self._dst.append(buf)
+        self._src.append(src)
         return buf
 
     def end(self) -> None:
-        """Wait for device copies; drop buffers of names this save did not store."""
+        """Copy the torch tensors (CUDA ones without blocking, then waited for); drop the
+        buffers of names this save did not store."""
+        dst, src = self._dst, self._src
+        self._dst, self._src = [], []
+        if dst:
+            torch = _torch()
+            foreach = getattr(torch, "_foreach_copy_", None)
+            if foreach is not None:
+                foreach(dst, src, non_blocking=True)
+            else:  # pragma: no cover - torch before 2.1
+                for b, t in zip(dst, src):
+                    b.copy_(t, non_blocking=t.is_cuda)
         if self._devices:
             torch = _torch()
             for d in self._devices:
