@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from . import distributed as _d
 from .dcp import _plan_byte_ranges
 from ._tier_local import check_arrival, saved_host, shard_head_len
-from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, map_range, transfer
+from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, transfer
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
 TAG_HEADS = 1 << 24
@@ -125,25 +125,38 @@ def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, reper
                     if holder(owner[n], dst_h) == src_h for b, e in _merge(rs)]
 
         mine = {f"{n}@{b}": (n, b, e - b) for n, rs in wanted.get(mgr.host, {}).items() for b, e in _merge(rs)}
-        mapped: dict[str, Any] = {}
+        fds: dict[str, int] = {}
+        failed: dict[str, str] = {}  # key -> why its bytes are not all in the stage
 
-        def dest(key: str, size: int) -> Any:  # received straight into the placeholder
+        def dest(key: str, size: int) -> Any:  # each chunk written into the placeholder on arrival
             if key not in mine or mine[key][2] != size:
                 return None
-            mapped[key] = map_range(os.path.join(stage, mine[key][0]), mine[key][1], size)
-            return mapped[key]
+            name, begin, _ = mine[key]
+
+            def write(offset: int, chunk: Any) -> None:
+                if key in failed:
+                    return
+                try:
+                    if name not in fds:
+                        fds[name] = os.open(os.path.join(stage, name), os.O_WRONLY)
+                    _pwrite_all(fds[name], chunk.numpy(), begin + offset)
+                except OSError as e:  # a full disk, say: the step is not assembled here
+                    failed[key] = f"{os.path.join(stage, name)}: {e.strerror or e}"
+            return write
 
         def put_range(src_h: int, key: str, data: Any) -> None:
-            if key not in mine or data.numel() != mine[key][2]:
-                raise CheckpointError(f"host {src_h} sent {key} ({data.numel()} bytes), which this host did not ask for")
-            if mapped.pop(key, None) is data:
+            if data is None:  # written chunk by chunk (`dest`)
+                if key in failed:
+                    raise CheckpointError(f"writing {key} from host {src_h} failed: {failed[key]}")
                 return
-            name, b, _ = mine[key]
-            with open(os.path.join(stage, name), "r+b") as fh:  # a scratch copy: no fsync
-                fh.seek(b)
-                fh.write(data.numpy())
+            if key not in mine or data.numel() != mine[key][2] or data.numel():
+                raise CheckpointError(f"host {src_h} sent {key} ({data.numel()} bytes), which this host did not ask for")
 
-        err = rounds(mgr, f"restore: step {step} fetch", TAG_RANGES, ranges, put_range, None, dest)
+        try:  # a scratch copy: no fsync
+            err = rounds(mgr, f"restore: step {step} fetch", TAG_RANGES, ranges, put_range, None, dest)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
     loaded = False
     try:
         mgr._phase(f"restore: step {step} assembled", mgr._agree, [err], f"assembling step {step}")
@@ -201,6 +214,14 @@ def rounds(mgr: Any, label: str, tag: int, items: Any, put: Any, err: Optional[s
                     mgr.hosts[from_h][0] if expect else None, tag + k * 65536, mgr.pg, receive, dest)
         err = box["err"]
     return err
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """All of ``data`` (a buffer) written at ``offset`` of ``fd``."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _merge(ranges: list) -> list:

@@ -1,6 +1,6 @@
 """What the tiered manager (:mod:`ckptstore.torch.tiered`) sends between hosts and how it
 tells who it waited for: files moved over torch.distributed point-to-point (one header,
-then one uint8 tensor per file, so that no host holds more than one file in flight twice),
+then each file or byte range in chunks of 8 MiB, received one ahead of the one being kept),
 CRC32 of files, the progress marks that name the rank a failed collective waited for, and
 the kill seam of the fault tests.
 
@@ -119,21 +119,6 @@ def _file_tensor(path: str, size: int, begin: int = 0) -> Any:
     return torch.from_numpy(a)
 
 
-def map_range(path: str, begin: int, size: int) -> Any:
-    """A writable uint8 tensor over bytes ``[begin, begin + size)`` of the existing file
-    ``path`` (mapped shared): a receive lands in the file with no copy. The range's blocks
-    are allocated first, so that a full disk is this ``OSError`` (the caller then receives
-    into memory and writes), never a SIGBUS on a write through the mapping."""
-    import torch
-
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, begin, size)
-    finally:
-        os.close(fd)
-    return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r+", offset=begin, shape=(size,)))
-
-
 def _header(out: list, error: Optional[str]) -> tuple[list, Optional[str]]:
     """``[key, size, path, begin]`` per item to send: ``(key, path)`` a whole file,
     ``(key, path, begin, size)`` a byte range of it."""
@@ -193,16 +178,36 @@ def _exchange_heads(out: Any, dst: Optional[int], src: Optional[int], tag: int, 
     return Incoming(head) if src is not None else None
 
 
+#: Bytes of one wire chunk: every item moves as chunks of this size (the last one shorter),
+#: each its own point-to-point message, so that a receiver writes one chunk out while the
+#: next arrives, into two reused buffers.
+CHUNK = 8 << 20
+#: Chunks a sender has in flight at most.
+SEND_AHEAD = 4
+
+
+def _chunks(sizes: list) -> list:
+    """``(item, begin, length)`` of every chunk of items of ``sizes``, in wire order."""
+    return [(i, b, min(CHUNK, z - b)) for i, z in enumerate(sizes) for b in (range(0, z, CHUNK) if z else (0,))]
+
+
 def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[int], tag: int, pg: Any,
              receive: Any, dest: Any = None) -> None:
     """Send the files ``out`` (``(key, path)``, or ``(key, path, begin, size)`` for a byte
     range of the file) to rank ``dst`` while receiving ``src``'s (either may be ``None``):
-    both headers first, then the items in lock step, one each way at a time, each arriving
-    one handed to ``receive(incoming, key, uint8 tensor)``;
-    ``receive(incoming, None, None)`` first, with the header. A file this side cannot read
-    goes as ``error`` in its header (no files follow), which the receiver raises.
-    ``dest(key, size)``: where to receive an item (a uint8 tensor of ``size``), or None
-    for a fresh buffer."""
+    both headers first, then every item in chunks of :data:`CHUNK` bytes, each chunk its
+    own message (tag ``tag + 2 + n``, its number), sent from a read-only mapping of the
+    file, at most :data:`SEND_AHEAD` at a time, while the arriving ones are received one
+    ahead of the one being kept. ``receive(incoming, None, None)`` first, with the header;
+    then ``receive(incoming, key, data)`` as each item completes. ``dest(key, size)``: None
+    (the item arrives in a fresh buffer, handed over as ``data``), or a callable
+    ``write(offset, chunk)`` that takes each chunk as it arrives (a uint8 tensor, reused
+    once the call returns; ``data`` is then None). ``receive`` does not raise (it records
+    what went wrong: the peer keeps sending regardless). A file this side cannot read goes
+    as ``error`` in its header (no files follow), which the receiver raises; one that
+    fails after the header is sent as zeros (its CRC check fails there), and a ``write``
+    that raises keeps nothing more of its item: either error is raised here once every
+    chunk has moved."""
     import torch
     import torch.distributed as dist
 
@@ -210,33 +215,94 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
     inc = _exchange_heads(_head_tensor([f[:2] for f in files], error), dst, src, tag, pg)
     if inc is not None:
         receive(inc, None, None)
-    n_in = len(inc.files) if inc is not None else 0
-    failed: Optional[OSError] = None
-    for i in range(max(len(files), n_in)):
-        works, buf = [], None
-        if i < len(files) and files[i][1]:
+    ins = inc.files if inc is not None else []
+    out_chunks, in_chunks = _chunks([f[1] for f in files]), _chunks([z for _, z in ins])
+    failed: Optional[Exception] = None
+    mapped: dict[int, Any] = {}  # item -> the mapping its chunks are sent from
+    zeros: Any = None
+
+    def post_send(n: int) -> Any:
+        nonlocal failed, zeros
+        i, b, z = out_chunks[n]
+        if not z:  # an empty item: nothing is sent
+            return None
+        if i not in mapped:
+            mapped.clear()  # the previous item's last chunk holds its own view
             _, size, path, begin = files[i]
             try:
-                t = _file_tensor(path, size, begin)
+                mapped[i] = _file_tensor(path, size, begin)
             except OSError as e:  # the peer is waiting for `size` bytes: its CRC check fails
                 failed = failed or e
-                t = torch.zeros(size, dtype=torch.uint8)
-            works.append(dist.isend(t, dst, group=pg, tag=tag + 2 + i))
-        if i < n_in:
-            key, size = inc.files[i]  # type: ignore[union-attr]
+                mapped[i] = None
+        t = mapped[i]
+        if t is None:
+            zeros = torch.zeros(CHUNK, dtype=torch.uint8) if zeros is None else zeros
+            t = zeros[:z]
+        else:
+            t = t[b:b + z]
+        return dist.isend(t, dst, group=pg, tag=tag + 2 + n)
+
+    # Receiving: item i's fresh buffer (no dest), or its writer and two reused buffers.
+    whole: dict[int, Any] = {}
+    writers: dict[int, Any] = {}
+    ring: list = []
+
+    def target(n: int) -> Any:
+        i, b, z = in_chunks[n]
+        if b == 0:
+            key, size = ins[i]
+            w = None
             try:
-                buf = dest(key, size) if dest is not None and size else None
+                w = dest(key, size) if dest is not None and size else None
             except Exception:  # noqa: BLE001 - a fresh buffer then; `receive` sees it
-                buf = None
-            if buf is None:
-                buf = torch.empty(size, dtype=torch.uint8)
-            if buf.numel():
-                works.append(dist.irecv(buf, src, group=pg, tag=tag + 2 + i))
-        _wait(works)
-        if buf is not None:
-            receive(inc, inc.files[i][0], buf)  # type: ignore[union-attr]
+                w = None
+            if w is None:
+                whole[i] = torch.empty(size, dtype=torch.uint8)
+            else:
+                writers[i] = w
+        if i in whole:
+            return whole[i][b:b + z]
+        if not ring:
+            ring.extend(torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2))
+        return ring[n % 2][:z]
+
+    def post_recv(n: int) -> Any:
+        t = bufs[n % 2] = target(n)
+        return dist.irecv(t, src, group=pg, tag=tag + 2 + n) if t.numel() else None
+
+    sends: list = []
+    bufs: list = [None, None]  # chunk n's target: bufs[n % 2]
+    recv = post_recv(0) if in_chunks else None
+    for n in range(max(len(out_chunks), len(in_chunks))):
+        if n < len(out_chunks):
+            if len(sends) >= SEND_AHEAD:
+                sends.pop(0).wait()
+            w = post_send(n)
+            if w is not None:
+                sends.append(w)
+        if n < len(in_chunks):
+            if recv is not None:
+                recv.wait()
+            got = bufs[n % 2]
+            if n + 1 < len(in_chunks):  # the next chunk arrives while this one is kept
+                recv = post_recv(n + 1)
+            i, b, z = in_chunks[n]
+            if i in writers:
+                try:
+                    writers[i](b, got)
+                except Exception as e:  # noqa: BLE001 - raised once the peer is done
+                    failed = failed or e
+                    writers[i] = _discard
+            if b + z == ins[i][1]:  # the item's last chunk
+                writers.pop(i, None)
+                receive(inc, ins[i][0], whole.pop(i, None))
+    _wait(sends)
     if failed is not None:
         raise failed
+
+
+def _discard(offset: int, chunk: Any) -> None:
+    """A writer that keeps nothing (the rest of an item whose writer failed)."""
 
 
 class Progress:

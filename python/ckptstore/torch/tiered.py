@@ -25,7 +25,7 @@ returns; a writer thread then, on the manager's own gloo process group:
    instead of committing), and gathers every file's size and CRC32;
 2. copies each host's files to the ``replicas`` next hosts of the ring (host h to h+1, ...,
    never itself), its first rank sending to theirs over torch.distributed point-to-point
-   one file at a time; each file is checked against its writer's CRC32 on arrival, written
+   in 8 MiB chunks; each file is checked against its writer's CRC32 on arrival, written
    with fsync into a staging directory published as ``step-<n>/src-<h>/`` in one rename;
 3. broadcasts the step's record, which every host writes durably (``commit.json``, then
    ``index.json``): **a step is saved when it is in an index**;

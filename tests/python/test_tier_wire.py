@@ -1,0 +1,112 @@
+"""The tiered manager's wire (ckptstore.torch._tier_wire.transfer) between real gloo ranks
+on loopback: every item moves in chunks, all ranks of a ring sending and receiving at once,
+with the chunk size made small so that items of 0, 1, exactly one, one-plus-one and many
+chunks and byte ranges that start mid-file all occur in a few KiB. Checked bit for bit,
+whether an item is received into one buffer or written chunk by chunk at its offset; a
+writer that fails keeps nothing more of its item, every other item still arrives and the
+error is raised once the peer is done (the ranks stay in step: a barrier follows).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dist_helpers as dh  # noqa: E402
+
+CHUNK = 1000
+SIZES = [0, 1, CHUNK, CHUNK + 1, 4 * CHUNK + 321]
+
+
+def _bytes(rank: int, size: int) -> bytes:
+    return bytes((rank * 131 + i * 7 + size) % 251 for i in range(size))
+
+
+def _ring(rank, world, root, fail_key):
+    import torch.distributed as dist
+
+    from ckptstore.torch import _tier_wire as w
+
+    w.CHUNK = CHUNK
+    mine = os.path.join(root, f"r{rank}")
+    os.makedirs(mine)
+    items = []
+    for z in SIZES:
+        p = os.path.join(mine, f"f{z}")
+        with open(p, "wb") as f:
+            f.write(_bytes(rank, z))
+        items.append((f"f{z}", p))
+    big = os.path.join(mine, f"f{SIZES[-1]}")
+    items += [("w:mid", big, 7, 2 * CHUNK + 500), ("w:one", big, 3 * CHUNK, CHUNK), ("mid", big, 999, 2)]
+    sink = os.path.join(mine, "sink")
+    with open(sink, "wb") as f:
+        f.truncate(8 * CHUNK)
+    got, header, chunks = {}, [], []
+
+    def receive(inc, key, data):
+        if key is None:
+            header.append([list(x) for x in inc.files])
+        else:
+            got[key] = None if data is None else bytes(data.numpy())
+
+    def dest(key, size):
+        if not key.startswith("w:"):
+            return None
+        at = {"w:mid": 0, "w:one": 4 * CHUNK}[key]
+
+        def write(offset, chunk):
+            chunks.append((key, offset, chunk.numel()))
+            if key == fail_key:
+                raise OSError(28, "No space left on device")
+            with open(sink, "r+b") as f:
+                f.seek(at + offset)
+                f.write(chunk.numpy().tobytes())
+        return write
+
+    err = None
+    try:
+        w.transfer(items, None, (rank + 1) % world, (rank - 1) % world, 4096, None, receive, dest)
+    except OSError as e:
+        err = str(e)
+    dist.barrier()
+    with open(sink, "rb") as f:
+        sunk = f.read()
+    return {"got": got, "header": header, "chunks": chunks, "sunk": sunk, "err": err}
+
+
+def _expected(src: int) -> dict:
+    big = _bytes(src, SIZES[-1])
+    want = {f"f{z}": _bytes(src, z) for z in SIZES}
+    want["mid"] = big[999:1001]
+    return want, big
+
+
+def test_transfer_moves_every_item_in_chunks_bit_for_bit(tmp_path):
+    world = 3
+    res = dh.results(world, _ring, str(tmp_path), None)
+    for r, out in enumerate(res):
+        src = (r - 1) % world
+        want, big = _expected(src)
+        assert out["err"] is None
+        assert out["header"] == [[[f"f{z}", z] for z in SIZES] + [["w:mid", 2500], ["w:one", CHUNK], ["mid", 2]]]
+        assert {k: v for k, v in out["got"].items() if not k.startswith("w:")} == want
+        assert out["got"]["w:mid"] is None and out["got"]["w:one"] is None  # written, not handed over
+        assert out["sunk"][:2500] == big[7:2507] and out["sunk"][4 * CHUNK:5 * CHUNK] == big[3 * CHUNK:4 * CHUNK]
+        # a range of 2.5 chunks is written as 3, in order, at their offsets
+        assert [c for c in out["chunks"] if c[0] == "w:mid"] == [("w:mid", 0, 1000), ("w:mid", 1000, 1000),
+                                                                 ("w:mid", 2000, 500)]
+
+
+def test_a_failing_writer_keeps_nothing_more_and_the_rest_still_arrives(tmp_path):
+    world = 2
+    res = dh.results(world, _ring, str(tmp_path), "w:mid")
+    for r, out in enumerate(res):
+        want, big = _expected((r - 1) % world)
+        assert "No space left on device" in out["err"]
+        assert [c for c in out["chunks"] if c[0] == "w:mid"] == [("w:mid", 0, 1000)]  # then discarded
+        assert {k: v for k, v in out["got"].items() if not k.startswith("w:")} == want
+        assert out["sunk"][4 * CHUNK:5 * CHUNK] == big[3 * CHUNK:4 * CHUNK]  # the next range written
+        assert out["sunk"][:2500] == bytes(2500)
