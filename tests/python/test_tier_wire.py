@@ -110,3 +110,29 @@ def test_a_failing_writer_keeps_nothing_more_and_the_rest_still_arrives(tmp_path
         assert {k: v for k, v in out["got"].items() if not k.startswith("w:")} == want
         assert out["sunk"][4 * CHUNK:5 * CHUNK] == big[3 * CHUNK:4 * CHUNK]  # the next range written
         assert out["sunk"][:2500] == bytes(2500)
+
+
+def test_an_arrival_is_written_at_its_offsets_with_its_crc_taken_on_the_way(tmp_path):
+    import zlib
+
+    from ckptstore.errors import CheckpointError
+    from ckptstore.torch._tier_local import check_arrival
+    from ckptstore.torch._tier_wire import Arrival
+
+    data = bytes(range(256)) * 40
+    a = Arrival(str(tmp_path / "f"))
+    for b in range(0, len(data), 3000):
+        a.write(b, torch.frombuffer(bytearray(data[b:b + 3000]), dtype=torch.uint8))
+    got = a.finish()
+    assert got == (len(data), zlib.crc32(data))
+    assert (tmp_path / "f").read_bytes() == data
+    check_arrival("f", got, {"f": [len(data), zlib.crc32(data)]}, 1)
+    with pytest.raises(CheckpointError, match="f from host 1: size or CRC32 differs from the record"):
+        check_arrival("f", got, {"f": [len(data), zlib.crc32(data) ^ 1]}, 1)
+    # a file that exists is never overwritten; the error comes out of finish, once
+    b = Arrival(str(tmp_path / "f"))
+    b.write(0, torch.zeros(4, dtype=torch.uint8))
+    b.write(4, torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(FileExistsError):
+        b.finish()
+    assert (tmp_path / "f").read_bytes() == data

@@ -234,10 +234,11 @@ def saved_host(record: dict, rank: int) -> int:
 
 
 def check_arrival(name: str, data: Any, want: dict, src_host: int) -> None:
-    """A file received from ``src_host``: its size and CRC32 must be the record's."""
+    """A file received from ``src_host`` (a uint8 tensor, or the ``(size, crc32)`` of what
+    was written): its size and CRC32 must be the record's."""
     if name not in want:
         raise CheckpointError(f"host {src_host} sent {name}, which the record does not name")
-    got = [data.numel(), zlib.crc32(data.numpy())]
+    got = list(data) if isinstance(data, tuple) else [data.numel(), zlib.crc32(data.numpy())]
     if got != list(want[name]):
         raise CheckpointError(f"{name} from host {src_host}: size or CRC32 differs from the record (damaged in transit or at the source)")
 

@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from . import distributed as _d
 from .dcp import _plan_byte_ranges
 from ._tier_local import check_arrival, saved_host, shard_head_len
-from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, transfer
+from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, pwrite_all, transfer
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
 TAG_HEADS = 1 << 24
@@ -139,7 +139,7 @@ def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, reper
                 try:
                     if name not in fds:
                         fds[name] = os.open(os.path.join(stage, name), os.O_WRONLY)
-                    _pwrite_all(fds[name], chunk.numpy(), begin + offset)
+                    pwrite_all(fds[name], chunk.numpy(), begin + offset)
                 except OSError as e:  # a full disk, say: the step is not assembled here
                     failed[key] = f"{os.path.join(stage, name)}: {e.strerror or e}"
             return write
@@ -214,14 +214,6 @@ def rounds(mgr: Any, label: str, tag: int, items: Any, put: Any, err: Optional[s
                     mgr.hosts[from_h][0] if expect else None, tag + k * 65536, mgr.pg, receive, dest)
         err = box["err"]
     return err
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    """All of ``data`` (a buffer) written at ``offset`` of ``fd``."""
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _merge(ranges: list) -> list:

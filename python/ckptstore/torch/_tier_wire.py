@@ -106,6 +106,58 @@ def write_fsync(path: str, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """All of ``data`` (a buffer) written at ``offset`` of ``fd``."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class Arrival:
+    """A new file ``path`` received chunk by chunk (:func:`transfer`'s ``write``): each
+    chunk written at its offset, its CRC32 taken on the way; :meth:`finish` makes it
+    durable. A write that fails keeps nothing more; :meth:`finish` raises its error."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = 0
+        self.crc = 0
+        self.error: Optional[OSError] = None
+        self._fd: Optional[int] = None
+
+    def write(self, offset: int, chunk: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            data = chunk.numpy()
+            self.crc = zlib.crc32(data, self.crc)
+            pwrite_all(self._fd, data, offset)
+            self.size = max(self.size, offset + data.nbytes)
+        except OSError as e:
+            self.error = e
+
+    def finish(self) -> tuple[int, int]:
+        """fsync and close the file; its ``(size, crc32)`` (chunks arrive in order)."""
+        try:
+            if self.error is None and self._fd is not None:
+                os.fsync(self._fd)
+        except OSError as e:
+            self.error = e
+        finally:
+            self.close()
+        if self.error is not None:
+            raise self.error
+        return self.size, self.crc
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def _file_tensor(path: str, size: int, begin: int = 0) -> Any:
     """``size`` bytes of the file at ``begin``, mapped (copy-on-write, so writable for
     torch, never written): sent straight from the page cache. The files sent are
@@ -292,7 +344,7 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
                     writers[i](b, got)
                 except Exception as e:  # noqa: BLE001 - raised once the peer is done
                     failed = failed or e
-                    writers[i] = _discard
+                    writers[i] = discard
             if b + z == ins[i][1]:  # the item's last chunk
                 writers.pop(i, None)
                 receive(inc, ins[i][0], whole.pop(i, None))
@@ -301,7 +353,7 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
         raise failed
 
 
-def _discard(offset: int, chunk: Any) -> None:
+def discard(offset: int, chunk: Any) -> None:
     """A writer that keeps nothing (the rest of an item whose writer failed)."""
 
 

@@ -79,7 +79,8 @@ from ._saver import AsyncSaver, Handle
 from ._tier_local import LocalTier, check_arrival, new_stage
 from ._tier_persist import PersistentTier, Persister
 from ._tier_restore import restore_fast
-from ._tier_wire import Progress, crc_file, dist_or_none as _dist, err_text as _err, kill_point, transfer, trim_heap, write_fsync
+from ._tier_wire import (Arrival, Progress, crc_file, discard, dist_or_none as _dist, err_text as _err, kill_point,
+                         transfer, trim_heap, write_fsync)
 
 __all__ = ["CheckpointManager"]
 
@@ -418,9 +419,18 @@ class CheckpointManager:
             dst_h, src_h = (self.host + j) % n_hosts, (self.host - j) % n_hosts
             want = {n: v for r in self.hosts[src_h] for n, v in all_files[r].items()}
             got: dict[str, Any] = {"stage": None, "err": None}
+            arrivals: dict[str, Arrival] = {}
+
+            def dest(name: str, size: int, got: dict = got, want: dict = want, arrivals: dict = arrivals) -> Any:
+                if got["err"]:  # the rest is dropped
+                    return discard
+                if got["stage"] is None or name not in want:
+                    return None  # a buffer: `receive` refuses it
+                arrivals[name] = Arrival(os.path.join(got["stage"], name))
+                return arrivals[name].write
 
             def receive(inc: Any, name: Optional[str], data: Any, src_h: int = src_h, want: dict = want,
-                        got: dict = got) -> None:
+                        got: dict = got, arrivals: dict = arrivals) -> None:
                 if got["err"]:
                     return
                 try:
@@ -432,13 +442,21 @@ class CheckpointManager:
                                                   f"expected {sorted(want)}")
                         got["stage"] = new_stage(sdir, f"src-{src_h}")
                         return
-                    check_arrival(name, data, want, src_h)
-                    write_fsync(os.path.join(got["stage"], name), data.numpy())
+                    if data is None:  # written chunk by chunk, its CRC32 taken on the way
+                        check_arrival(name, arrivals.pop(name).finish(), want, src_h)
+                    else:  # an empty file (or one not asked for: refused)
+                        check_arrival(name, data, want, src_h)
+                        write_fsync(os.path.join(got["stage"], name), data.numpy())
                 except Exception as e:  # noqa: BLE001
                     got["err"] = _err(self.rank, e)
 
-            self._phase(f"step {step}: replica {j}", transfer, [(n, os.path.join(own, n)) for n in names], None,
-                        self.hosts[dst_h][0], self.hosts[src_h][0], _TAG_REPLICATE * j, self.pg, receive)
+            try:
+                self._phase(f"step {step}: replica {j}", transfer, [(n, os.path.join(own, n)) for n in names],
+                            None, self.hosts[dst_h][0], self.hosts[src_h][0], _TAG_REPLICATE * j, self.pg,
+                            receive, dest)
+            finally:
+                for a in arrivals.values():
+                    a.close()
             kill_point("replicate", step, self.rank)
             err = err or got["err"]
             if err is None:
