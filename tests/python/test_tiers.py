@@ -181,6 +181,50 @@ def test_damaged_copy_passed_over_then_older_step_with_warning(saved, make_clust
         assert "restored step 2" in w and "step 3" in w and "rank(s) [0]" in w and "damaged" in w, w
 
 
+def test_fetch_into_a_full_disk_fails_that_try_then_the_next_source_is_taken(saved, make_cluster):
+    """Host 1, lost and replaced, cannot write what it fetches (every ``pwrite`` of the
+    restore fails with ENOSPC): step 3, and step 2 from the fast tiers, need those bytes on
+    its disk, so step 2 comes from the persistent tier, with a warning naming the file and
+    the error. Then one write fails only: the try fails, the retry restores step 3."""
+    c = copy_of_saved(make_cluster, saved[1])
+    c.lose_host(1, wipe_local=True)
+    c.replace_host(1)
+    out = results(job(c, "restore-full-disk"))
+    first = [o["first"] for o in out]
+    assert_restored(first, 2, tier="persistent")
+    for o in first:
+        assert len(o["warnings"]) == 1, o
+        w = o["warnings"][0]
+        assert "restored step 2 from the persistent tier" in w and "step 3" in w, w
+        assert "No space left on device" in w and ".restore-3" in w, w
+    assert_restored([o["second"] for o in out], 3)
+    assert all(o["second"]["warnings"] == [] for o in out), out
+    assert [o["failed_writes"] > 0 for o in out] == [False, True, False], out  # only host 1's
+    assert [o["left"] for o in out][1] == 0, out  # the second restore's one failure happened
+    assert not [p.name for p in c.local_dir(1).iterdir() if p.name.startswith(".restore")]
+
+
+def test_a_replica_damaged_on_the_wire_fails_that_save_and_is_never_recorded(make_cluster):
+    """Host 2 receives host 1's shard of step 2 with one byte changed (after the sender's
+    CRC32 was taken): every rank's ``wait()`` raises naming the file and the sending host;
+    step 2 is in no index, not persisted though due, and gc removes its files; the next
+    save stands."""
+    needs_torch()
+    c = make_cluster(3)
+    out = results(job(c, "save-wire-damage"))
+    for o in out:
+        assert sorted(o["errors"]) == ["2"], o
+        e = o["errors"]["2"]
+        assert "replicating step 2 failed" in e and "from host 1" in e and "damaged in transit" in e, e
+        assert "shard-" in e, e
+    assert out[2]["damaged"] == 1 and out[0]["damaged"] == out[1]["damaged"] == 0, out
+    for i in range(3):
+        d = c.local_dir(i)
+        assert sorted(json.loads((d / "index.json").read_text())["steps"]) == ["1", "3"], i
+        assert visible(d) == ["index.json", "step-1", "step-3"], i
+    assert not (c.shared / "persistent").exists() or visible(c.shared / "persistent") == []
+
+
 def test_more_hosts_lost_than_replicas_cover_restores_the_persisted_step(saved, make_cluster):
     c = copy_of_saved(make_cluster, saved[1])
     for i in (1, 2):  # rank 1's part of steps 2 and 3 was on hosts 1 and 2 only
@@ -412,6 +456,59 @@ def _job_main(name: str, shared: str) -> None:
             raise SystemExit("the test never wrote flipped")
         nc._fsdp_train(m, o, 8, 1, rank)
         nc._result(_restore(m, o))
+    elif name == "restore-full-disk":  # host 1's disk is full while the restore fetches
+        import errno
+
+        from ckptstore.torch import _tier_restore
+
+        real, box = _tier_restore.pwrite_all, {"left": 0, "failed": 0}
+
+        def full(fd, data, offset):
+            if box["left"]:
+                box["left"] -= 1
+                box["failed"] += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, data, offset)
+
+        if os.environ["CLUSTER_HOST"] == "1":
+            _tier_restore.pwrite_all = full
+        m, o = nc._fsdp_model(world, seed=1)
+        nc._fsdp_train(m, o, 7, 1, rank)
+        box["left"] = 1 << 30
+        first = _restore(m, o)
+        box["left"] = 1 if os.environ["CLUSTER_HOST"] == "1" else 0
+        nc._fsdp_train(m, o, 8, 1, rank)
+        second = _restore(m, o)
+        nc._result({"first": first, "second": second, "left": box["left"], "failed_writes": box["failed"]})
+    elif name == "save-wire-damage":  # host 2 receives host 1's shard of step 2 damaged
+        from ckptstore import CheckpointError
+        from ckptstore.torch import tiered
+
+        box = {"damaged": 0}
+
+        class Damaging(tiered.Arrival):
+            def write(self, offset, chunk):
+                name = os.path.basename(self.path)
+                if offset == 0 and f"{os.sep}step-2{os.sep}" in self.path and name.startswith("shard-"):
+                    chunk = chunk.clone()
+                    chunk[0] ^= 1
+                    box["damaged"] += 1
+                return super().write(offset, chunk)
+
+        if os.environ["CLUSTER_HOST"] == "2":
+            tiered.Arrival = Damaging
+        m, o = nc._fsdp_model(world, seed=0)
+        errors = {}
+        with _manager() as mgr:
+            for s in (1, 2, 3):
+                nc._fsdp_train(m, o, s, 1, rank)
+                mgr.save(s, m, o, extra={"step": s})
+                try:
+                    mgr.wait()
+                except CheckpointError as e:
+                    errors[str(s)] = str(e)
+            mgr.gc()
+        nc._result({"rank": rank, "errors": errors, "damaged": box["damaged"]})
     elif name == "save-lose":
         import threading
 

@@ -227,3 +227,41 @@ def test_fsdp2_resume_equals_uninterrupted_run(saved):
     for out in res:
         for name in OPTIMS:
             assert same(out[name], ref[name][1]) == [], name
+
+
+def job_model_state_dict(rank, world):
+    """What ``_model_state_dict`` returns against ``get_model_state_dict`` itself, and when
+    it calls torch's function (counted)."""
+    from torch.distributed.checkpoint import state_dict as tsd
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ckptstore.torch import distributed as d
+
+    real, calls = tsd.get_model_state_dict, []
+
+    def counted(model, **kw):
+        calls.append(1)
+        return real(model, **kw)
+
+    tsd.get_model_state_dict = counted
+
+    def agrees(model) -> bool:
+        got, want = d._model_state_dict(model), real(model)
+        return list(got) == list(want) and all(d._same_tensor(got[k], want[k]) for k in want)
+
+    out = {}
+    m, _ = build(world, 0, "Adam")  # FSDP2: its state_dict() is the model state dict
+    out["fsdp2"] = [agrees(m) for _ in range(3)], len(calls)
+    m.register_buffer("counter", torch.zeros(2))  # the keys change: torch's function again
+    out["new_key"] = agrees(m), "counter" in d._model_state_dict(m), len(calls)
+    ddp = DistributedDataParallel(nn.Linear(3, 2))  # keys "module.*" mapped: never cached
+    n0 = len(calls)
+    out["ddp"] = [agrees(ddp) for _ in range(2)], len(calls) - n0, sorted(d._model_state_dict(ddp))
+    return out
+
+
+def test_model_state_dict_is_torchs_and_skips_its_name_maps_only_where_they_change_nothing():
+    (out,) = dh.results(1, job_model_state_dict)
+    assert out["fsdp2"] == ([True, True, True], 1), out  # one call of torch's, the first
+    assert out["new_key"] == (True, True, 2), out
+    assert out["ddp"] == ([True, True], 2, ["bias", "weight"]), out  # torch's every time

@@ -53,6 +53,9 @@ class Snapshot:
         self._devices: set = set()
         self._dst: List[Any] = []  # torch copies deferred to end(): destinations
         self._src: List[Any] = []  # and their sources
+        #: What a caller built around a buffer, by name (the tiered manager's DTensors):
+        #: kept while the name is stored, for the caller to reuse while it fits.
+        self.wrapped: Dict[str, Any] = {}
 
     def begin(self) -> None:
         self._used = set()
@@ -127,6 +130,8 @@ class Snapshot:
                 torch.cuda.synchronize(d)
         for k in [k for k in self.bufs if k not in self._used]:
             del self.bufs[k]
+        for k in [k for k in self.wrapped if k not in self._used]:
+            del self.wrapped[k]
 
     @property
     def nbytes(self) -> int:

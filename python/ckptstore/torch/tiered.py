@@ -105,7 +105,11 @@ def _snapshot(obj: Any, snap: Any, path: str) -> Any:
             # a third of the walk's time over 500 tensors), and only its bytes are read.
             shard = getattr(obj, "_local_tensor", None)
             local = snap.tensor(path, shard if isinstance(shard, torch.Tensor) else obj.to_local())
-            return type(obj)(local, obj._spec, requires_grad=False)
+            # The DTensor around the buffer is kept too, while buffer and spec are the same.
+            w = snap.wrapped.get(path)
+            if w is None or getattr(w, "_local_tensor", None) is not local or w._spec != obj._spec:
+                w = snap.wrapped[path] = type(obj)(local, obj._spec, requires_grad=False)
+            return w
         if isinstance(obj, torch.Tensor):
             return snap.tensor(path, obj)
         return obj
