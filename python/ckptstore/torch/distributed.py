@@ -54,12 +54,17 @@ _META_VERSION = 1
 _F16_RANGE = 32752.0  # the engine's FP16-scaled range (src/convert: F16_MAX_RANGE)
 
 
-def _is_dtensor(t: Any) -> bool:
+def _dtensor_type() -> type:
+    """torch's DTensor class (its public module, or the private one of older torch)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - older torch
         from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-    return isinstance(t, DTensor)
+    return DTensor
+
+
+def _is_dtensor(t: Any) -> bool:
+    return isinstance(t, _dtensor_type())
 
 
 def save(

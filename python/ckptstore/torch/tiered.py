@@ -92,10 +92,7 @@ def _snapshot(obj: Any, snap: Any, path: str) -> Any:
     DTensor keeps its placement (its local shard copied)."""
     import torch
 
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - older torch
-        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    DTensor = _d._dtensor_type()
 
     def walk(obj: Any, path: str) -> Any:
         if isinstance(obj, dict):
