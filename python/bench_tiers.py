@@ -313,7 +313,7 @@ def _job_main(name: str, shared: str) -> None:
             res["matrix"] = matrix
             res["raw_s"] = _raw_transfer(matrix, [h * rph for h in range(n_hosts)], host, is_leader)
     nc._result(res)
-    nc._exit_together(rank, world)
+    nc.exit_together(rank, world)
 
 
 # ---- the driver --------------------------------------------------------------------------

@@ -73,6 +73,48 @@ def _entry(rank, world, port, fn, args, q):
             pass
 
 
+def exit_together(rank: int, world: int, code: int = 0) -> None:
+    """End every rank of a finished job (a process of its own, the default group's
+    TCPStore up) without a teardown race, and exit with ``code``. A rank that exits closes
+    its gloo sockets, which a peer still in the tail of the last collective may see; and
+    interpreter finalization with gloo's threads alive and no ``destroy_process_group`` can
+    abort with SIGABRT, `terminate called without an active exception` (seen here, in the
+    namespace jobs and once in a Lightning FSDP2 job in CI; pytorch/pytorch#190489). So: a
+    barrier; each rank says it is out of it through the TCPStore; rank 0 (the store's
+    server) releases the others once all are out and exits last, after they have
+    acknowledged; nobody runs finalizers (``os._exit``, after flushing stdout and stderr)."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"exit/out/{rank}", "1")
+    if rank == 0:
+        store.wait([f"exit/out/{r}" for r in range(world)])
+        store.set("exit/release", "1")
+        if world > 1:
+            store.wait([f"exit/done/{r}" for r in range(1, world)])
+    else:
+        store.wait(["exit/release"])
+        store.set(f"exit/done/{rank}", "1")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+
+def end_process(code: int = 0) -> None:
+    """Exit a job's process with ``code``: through :func:`exit_together` where a process
+    group is initialized (every rank must get here), else plainly."""
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        exit_together(dist.get_rank(), dist.get_world_size(), code)
+    sys.exit(code)
+
 def run(world: int, fn, *args, allow_dead=(), join_timeout=PG_TIMEOUT_S * 3):
     """Run ``fn`` on ``world`` ranks; return ``{rank: (ok, result or traceback)}`` and the
     exit codes. Raises if a rank not in ``allow_dead`` failed or exited without reporting."""

@@ -79,6 +79,8 @@ import threading
 import time
 from pathlib import Path
 
+from dist_helpers import exit_together  # every job's end (stdlib only at import)
+
 RUN_NETNS = "/run/netns"
 LOCK_FILE = "/run/lock/ckptstore-netns-cluster.lock"
 # Written when a cluster's first `ip netns add` made /run/netns (a mount, made by ip): the
@@ -953,32 +955,7 @@ def _job_main(name: str, d: str) -> int:
         os._exit(1)
     else:
         raise SystemExit(f"unknown job {name}")
-    _exit_together(rank, world)
-
-
-def _exit_together(rank: int, world: int) -> None:
-    """End every rank of a finished job without a teardown race: a rank that exits closes
-    its gloo sockets, which a peer still in the tail of the last collective may see, and
-    interpreter finalization with gloo threads alive can abort (one such SIGABRT, `terminate
-    called without an active exception`, was seen here). So: a barrier; each rank says it is
-    out of it through the TCPStore; rank 0 (the store's server) releases the others once all
-    are out and exits last, after they have acknowledged; nobody runs finalizers (os._exit)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"exit/out/{rank}", "1")
-    if rank == 0:
-        store.wait([f"exit/out/{r}" for r in range(world)])
-        store.set("exit/release", "1")
-        if world > 1:
-            store.wait([f"exit/done/{r}" for r in range(1, world)])
-    else:
-        store.wait(["exit/release"])
-        store.set(f"exit/done/{rank}", "1")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_together(rank, world)
 
 
 if __name__ == "__main__":

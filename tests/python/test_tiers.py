@@ -541,7 +541,7 @@ def _job_main(name: str, shared: str) -> None:
         os._exit(1)
     else:
         raise SystemExit(f"unknown job {name}")
-    nc._exit_together(rank, world)
+    nc.exit_together(rank, world)
 
 
 if __name__ == "__main__":

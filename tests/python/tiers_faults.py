@@ -242,7 +242,7 @@ def _job_main(name: str, shared: str) -> None:
     mgr.close()
     out["done"] = True
     nc._result(out)
-    nc._exit_together(rank, world)
+    nc.exit_together(rank, world)
 
 
 def main() -> None:
