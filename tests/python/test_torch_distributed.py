@@ -152,6 +152,19 @@ def job_load(rank, world, base, damaged):
     return out
 
 
+def job_load_refused(rank, world, path):
+    """A load that must fail: its error, and what of the model and optimizer changed."""
+    m, o = build(world, 1, "Adam")
+    train(m, o, 7, 2, rank)
+    before = snapshot(m, o)
+    err = None
+    try:
+        ctd.load(path, m, o)
+    except ckptstore.CheckpointError as e:
+        err = (type(e).__name__, str(e))
+    return err, same(before, snapshot(m, o))
+
+
 def job_resume(rank, world, base):
     out = {}
     for name in OPTIMS:
@@ -219,6 +232,19 @@ def test_fsdp2_load_on_1_rank_and_moment_layouts(saved):
             assert torch.equal(v, (s2[k] * (1.0 / s)).half().float() * s), k
         else:
             assert same({k: v}, {k: s2[k]}) == [], k
+
+
+def test_a_malformed_extra_value_fails_the_load_before_anything_changes(saved, tmp_path):
+    import ckpt_helpers as h
+
+    base, _ = saved
+    bad = tmp_path / "bad"
+    h.clone_checkpoint(base / "Adam", bad)
+    h.rewrite_manifest(bad, lambda m: m["metadata"][ctd.META_KEY]["extra"].__setitem__("epoch", {"$int": "1e3"}))
+    ((err, differ),) = dh.results(1, job_load_refused, str(bad))
+    assert err is not None and err[0] == "CorruptCheckpointError", err
+    assert differ == []  # the model and the optimizer as they were
+    assert f"{str(bad)!r}, extra 'epoch'" in err[1] and "not a decimal integer" in err[1], err
 
 
 def test_fsdp2_resume_equals_uninterrupted_run(saved):

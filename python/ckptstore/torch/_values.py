@@ -23,6 +23,7 @@ def _encode(v: Any, where: str) -> Any:
     return Encoder(hint=_HINT).encode(v, where)
 
 
-def _decode(v: Any) -> Any:
-    """The value :func:`_encode` stored (and the older inline-tensor form)."""
-    return Decoder().decode(v)
+def _decode(v: Any, where: str = "the checkpoint") -> Any:
+    """The value :func:`_encode` stored (and the older inline-tensor form); ``where``
+    names it in errors."""
+    return Decoder(where=where).decode(v)

@@ -252,7 +252,7 @@ def load(
     optimizer class as the one saved, as many parameter groups, each naming the same
     parameters (by model name, in any order) with the same global shapes
     (``allow_optimizer_change=True``: a deliberate change of optimizer class, as in
-    :func:`ckptstore.torch.load`); then the checkpoint is read into fresh tensors, every stored chunk read CRC-checked and
+    :func:`ckptstore.torch.load`); every stored ``extra`` value decodes; then the checkpoint is read into fresh tensors, every stored chunk read CRC-checked and
     the ranks agreeing that all reads passed. Any failure raises on every rank (a
     :class:`ckptstore.CheckpointError`, or DCP's ``CheckpointException`` wrapping one) with
     the model and optimizer untouched.
@@ -273,6 +273,10 @@ def load(
     sd, meta, om, names, tgt_m, tgt_o, tgt_x = _targets(
         path, meta_all, model, optimizer, strict, allow_optimizer_change
     )
+    # The extra values, decoded before anything is read: a malformed one fails the load here.
+    extra: dict[str, Any] = {
+        k: _decode(v, f"{os.fspath(path)!r}, extra {k!r}") for k, v in (meta.get("extra") or {}).items()
+    }
     # 4. Read. The destinations are the fresh tensors above, which nothing uses if the load raises:
     # each block is checked as it is copied (one pass), the ranks agreeing before return.
     reader = Reader(
@@ -299,7 +303,6 @@ def load(
         keep_live = _changed_class(optimizer, om.get("class"), allow_optimizer_change)
         optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o, keep_live))
     set_model_state_dict(model, tgt_m, options=StateDictOptions(strict=strict))
-    extra: dict[str, Any] = {k: _decode(v) for k, v in (meta.get("extra") or {}).items()}
     extra.update(tgt_x)
     return extra
 
