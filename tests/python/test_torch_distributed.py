@@ -165,6 +165,29 @@ def job_load_refused(rank, world, path):
     return err, same(before, snapshot(m, o))
 
 
+def job_check_extra(rank, world, path):
+    """``check_extra`` refusing on rank 1 only, then accepting: what each load did."""
+    m, o = build(world, 1, "Adam")
+    train(m, o, 7, 2, rank)
+    before = snapshot(m, o)
+    seen = []
+
+    def refuse_on_1(extra):
+        seen.append({k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in extra.items()})
+        if rank == 1:
+            raise ValueError("no such data loader position")
+
+    err = None
+    try:
+        ctd.load(path, m, o, check_extra=refuse_on_1)
+    except ckptstore.CheckpointError as e:
+        err = str(e)
+    refused = same(before, snapshot(m, o))
+    extra = ctd.load(path, m, o, check_extra=seen.append)
+    return {"err": err, "changed_when_refused": refused, "changed": bool(same(before, snapshot(m, o))),
+            "seen": seen[0], "returned": extra is seen[1]}
+
+
 def job_resume(rank, world, base):
     out = {}
     for name in OPTIMS:
@@ -245,6 +268,16 @@ def test_a_malformed_extra_value_fails_the_load_before_anything_changes(saved, t
     assert err is not None and err[0] == "CorruptCheckpointError", err
     assert differ == []  # the model and the optimizer as they were
     assert f"{str(bad)!r}, extra 'epoch'" in err[1] and "not a decimal integer" in err[1], err
+
+
+def test_check_extra_refusing_on_one_rank_fails_the_load_on_every_rank_before_anything_changes(saved):
+    base, _ = saved
+    res = dh.results(2, job_check_extra, str(base / "Adam"))
+    for r in range(2):
+        assert res[r]["changed_when_refused"] == [], r
+        assert "check_extra refused its extra on rank(s) [1]: ValueError: no such data loader position" in res[r]["err"]
+        assert res[r]["seen"] == {"epoch": 2, "t": [0, 1, 2]}  # the tensors read too
+        assert res[r]["changed"] and res[r]["returned"]  # accepted: loaded, the same dict returned
 
 
 def test_fsdp2_resume_equals_uninterrupted_run(saved):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .. import _ckptstore
 from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
@@ -241,6 +241,7 @@ def load(
     layout: Any = None,
     process_group: Any = None,
     allow_optimizer_change: bool = False,
+    check_extra: Optional[Callable[[dict], Any]] = None,
 ) -> dict:
     """Restore ``model`` and ``optimizer`` in place from the checkpoint :func:`save` wrote
     at ``path``, on any world size; call it on every rank. Returns the ``extra`` dict.
@@ -263,6 +264,12 @@ def load(
     ``"bf16"`` / ``"f16_scaled"`` for every floating state shaped like its parameter (never
     ``step``), or a dict by state name (``"*"``: the default; ``"as_stored"``/``"f32"``
     leave a state as stored).
+
+    ``check_extra``: called on every rank with the ``extra`` dict once everything is read
+    and checked, before the model and the optimizer change (its return value is ignored):
+    what it raises on any rank fails the load on every rank with nothing changed, as
+    :class:`CheckpointError` naming the ranks. The place to decode or check state of your
+    own (a data loader's position, say) that must come back together with the model.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -298,13 +305,43 @@ def load(
     if layout is not None and tgt_o:
         _apply_layout(tgt_o, names, optimizer, layout, process_group)
 
+    extra.update(tgt_x)
+    if check_extra is not None:
+        _check_extra(check_extra, extra, path, process_group)
+
     # 6. Apply: nothing above changed the model or the optimizer.
     if optimizer is not None:
         keep_live = _changed_class(optimizer, om.get("class"), allow_optimizer_change)
         optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o, keep_live))
     set_model_state_dict(model, tgt_m, options=StateDictOptions(strict=strict))
-    extra.update(tgt_x)
     return extra
+
+
+class _ExtraRefused(CheckpointError):
+    """``check_extra`` raised on some rank (internal: the tiered manager passes such a step
+    over without suspecting its copies)."""
+
+
+def _check_extra(fn: Callable[[dict], Any], extra: dict, path: Any, pg: Any) -> None:
+    """``fn(extra)`` on every rank; the ranks agree: what it raised on any rank is raised
+    on every rank."""
+    import torch.distributed as dist
+
+    err: Optional[BaseException] = None
+    try:
+        fn(extra)
+    except Exception as e:  # noqa: BLE001 - agreed on below
+        err = e
+    errs = [f"{type(err).__name__}: {err}" if err is not None else None]
+    if dist.is_available() and dist.is_initialized():
+        errs = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(errs, f"{type(err).__name__}: {err}" if err is not None else None, group=pg)
+    bad = {r: e for r, e in enumerate(errs) if e is not None}
+    if bad:
+        first = next(iter(bad.values()))
+        raise _ExtraRefused(
+            f"loading {os.fspath(path)!r}: check_extra refused its extra on rank(s) {sorted(bad)}: {first}"
+        ) from err
 
 
 def _targets(

@@ -70,7 +70,7 @@ import time
 import uuid
 import warnings
 from datetime import timedelta
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .. import atomic
 from ..errors import CheckpointError, InvalidArgumentError
@@ -212,6 +212,7 @@ class CheckpointManager:
         self.last_extra: Optional[dict] = None
         self.last_tier: Optional[str] = None
         self._allow_change = False  # restore_latest's allow_optimizer_change, while it runs
+        self._check_extra: Optional[Callable[[dict], Any]] = None  # restore_latest's, while it runs
         self._closed = False
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
@@ -492,16 +493,20 @@ class CheckpointManager:
 
     # -- restore -------------------------------------------------------------------------------
 
-    def restore_latest(self, model: Any, optimizer: Any = None, *, allow_optimizer_change: bool = False) -> Optional[int]:
+    def restore_latest(self, model: Any, optimizer: Any = None, *, allow_optimizer_change: bool = False,
+                       check_extra: Optional[Callable[[dict], Any]] = None) -> Optional[int]:
         """Restore the newest step that can be read whole from some tier (every rank, after
         any save in flight); returns it, or ``None`` when no tier holds any. Afterwards
         ``self.last_extra`` is the ``extra`` it was saved with, ``self.last_tier`` where it
         came from (``"fast"``: local and peer copies; ``"persistent"``).
         ``allow_optimizer_change``: as in :func:`ckptstore.torch.distributed.load` (a
-        deliberate change of optimizer class). Raises :class:`ckptstore.CheckpointError` on
-        every rank alike when steps were recorded but none can be read (naming why for
-        each)."""
+        deliberate change of optimizer class). ``check_extra``: as in that function, called
+        with a step's ``extra`` before anything changes; a step whose extra it refuses (on
+        any rank) is passed over like one that cannot be read, and named in the warning.
+        Raises :class:`ckptstore.CheckpointError` on every rank alike when steps were
+        recorded but none can be read (naming why for each)."""
         self._allow_change = bool(allow_optimizer_change)
+        self._check_extra = check_extra
         self.wait()
         held = self._tier.scan(crc=False) if self.leader else None
         pers = self._persistent.steps() if self.rank == 0 and self._persistent is not None else None
@@ -579,7 +584,7 @@ class CheckpointManager:
             except _GroupError:
                 raise  # the process group failed: no next candidate can be agreed on
             except CheckpointError as e:  # every rank raised it (the loads agree)
-                if kind == "fast" and not checked:
+                if kind == "fast" and not checked and not isinstance(e, _d._ExtraRefused):
                     checked = True
                     if self._check_copies(step, f, notes):
                         continue
@@ -615,7 +620,7 @@ class CheckpointManager:
         def load() -> dict:
             try:
                 return _d.load(loc, model, optimizer, process_group=self.pg,
-                               allow_optimizer_change=self._allow_change)
+                               allow_optimizer_change=self._allow_change, check_extra=self._check_extra)
             except CheckpointException as e:  # the ranks' errors, gathered by DCP
                 failures = getattr(e, "failures", None) or {}
                 first = next(iter(failures.values()), e)

@@ -91,6 +91,33 @@ def state_of(snap: dict) -> dict:
     return {k: v for k, v in snap.items() if k != "loaded_step"}
 
 
+class Probe:
+    """A Stateful of the job that no saved step holds."""
+
+    def state_dict(self) -> dict:
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise AssertionError("never loaded")
+
+
+def titan_refused(rank, world, d):
+    """A job with one more state than the steps hold: its load must fail with nothing
+    changed (the model and optimizer are restored by the tiered manager, the other states
+    after it: they are checked before anything changes)."""
+    job = tj.build(os.path.join(d, "persistent"), rank=rank, world=world, fsdp=True, steps=STEPS, **titan_config(d))
+    job.checkpointer.states["probe"] = Probe()
+    before = tj.snapshot(job)
+    err = None
+    try:
+        job.checkpointer.load(step=-1)
+    except ckptstore.CheckpointError as e:
+        err = str(e)
+    after = tj.snapshot(job)
+    job.checkpointer.close()
+    return {"err": err, "before": before, "after": after}
+
+
 def test_torchtitan_config_selects_the_tiered_manager(tmp_path):
     d = str(tmp_path)
     # Uninterrupted: steps 1-6. Then steps 1-4 through the tiers (saves at 2 and 4, step 4
@@ -118,6 +145,15 @@ def test_torchtitan_config_selects_the_tiered_manager(tmp_path):
     for r in range(2):
         assert again[r]["snap"]["loaded_step"] == 4 and again[r]["tier"] == "persistent"
         assert_same(state_of(again[r]["snap"]), state_of(want[r]["snap"]), f"rank {r}")
+
+    # A job with a state that no step holds: every step is passed over, and the job is left
+    # as it was built (the model and the optimizer too: the states are checked first).
+    refused = dh.results(2, titan_refused, d)
+    for r in range(2):
+        err = refused[r]["err"]
+        assert err and "no step can be restored" in err and "the checkpoint holds no state 'probe'" in err, err
+        assert "step 6: fast tier" in err and "step 4: persistent tier" in err, err
+        assert_same(state_of(refused[r]["after"]), state_of(refused[r]["before"]), f"rank {r}")
 
 
 def test_torchtitan_tiered_config_is_checked():

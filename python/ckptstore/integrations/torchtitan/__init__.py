@@ -122,9 +122,12 @@ states (train state, dataloader, schedulers, ``states``) in its ``extra``, under
 ``STATE_KEY``, in the codec above (merged across ranks as above; their tensors as extra
 tensors ``STATE_KEY/<name>``). Saves do not block (the manager snapshots and writes in the
 background; a failed save raises at the next save or at ``close()``). ``load(step=-1)`` is
-``restore_latest``: the newest step some tier holds whole, on any world size, then each
-component's ``load_state_dict`` (a value refused there is refused after the model and
-optimizer were restored); when the tiers hold nothing, ``initial_load_path`` as usual. The
+``restore_latest``: the newest step some tier holds whole, on any world size, whose other
+states decode and include every state of the job (checked before the model and optimizer
+change: a step that fails this is passed over, with the warning that names it; none left
+raises with the job untouched), then each component's ``load_state_dict`` (a value refused
+there is refused after the model and optimizer were restored); when the tiers hold
+nothing, ``initial_load_path`` as usual. The
 last step with ``last_save_model_only`` stays the model-only export in ``folder``, written
 once the tiers' saves in flight are done. Refused in this mode (by the config):
 ``async_mode`` other than ``"disabled"``, ``max_shard_size``, ``allow_optimizer_change``,

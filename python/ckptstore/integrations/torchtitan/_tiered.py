@@ -107,37 +107,50 @@ def save(m: Any, step: int, last_step: bool = False) -> None:
 
 def load(m: Any) -> Optional[int]:
     """Restore the newest step the tiers hold (model, optimizer unless excluded, then the
-    other states); ``None`` when they hold none."""
+    other states); ``None`` when they hold none. The other states are decoded and checked
+    against the job's before the model and the optimizer change (``check_extra``): a step
+    whose rest is malformed or lacks one of the job's states is passed over."""
     for k in m.exclude_from_loading:
         if k not in m.states:
             raise ValueError(f"{k} not found in state_dict.")
     model, opt = model_and_optimizer(m)
-    step = m.tiered.restore_latest(model, None if OPTIMIZER in m.exclude_from_loading else opt)
-    if step is None:
-        return None
-    where = f"step {step} ({m.tiered.last_tier} tier of {m.tiered!r})"
-    extra = m.tiered.last_extra or {}
-    saved = extra.get(STATE_KEY)
-    if not isinstance(saved, dict) or not isinstance(saved.get("states"), dict):
-        raise CheckpointError(f"{where}: not a step of ckptstore's TorchTitan manager (no {STATE_KEY!r} in extra)")
-    skeleton = saved["states"]
     states = {
         k: v for k, v in m.states.items()
         if k not in (MODEL, OPTIMIZER) and k not in m.exclude_from_loading
     }
-    absent = [k for k, v in states.items() if v is not None and k not in skeleton]
-    if absent:
-        raise CheckpointError(f"{where}: the checkpoint holds no state {absent[0]!r}")
-    tensors = {k[len(TENSOR_PREFIX):]: v for k, v in extra.items() if k.startswith(TENSOR_PREFIX)}
-    try:
-        values = _decode({k: skeleton[k] for k in states if k in skeleton}, tensors, m.allow_pickle, where)
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError, KeyError, AttributeError, binascii.Error) as e:
-        raise CheckpointError(f"{where}: the stored non-tensor state is malformed: {e!r}") from e
-    for k, v in values.items():
+    decoded: dict[str, Any] = {}
+
+    def check(extra: dict) -> None:
+        decoded.clear()
+        decoded.update(_values(m, states, extra))
+
+    step = m.tiered.restore_latest(model, None if OPTIMIZER in m.exclude_from_loading else opt, check_extra=check)
+    if step is None:
+        return None
+    for k, v in decoded.items():
         if isinstance(states[k], Stateful):
             states[k].load_state_dict(v)
         else:
             m.states[k] = v
     return step
+
+
+def _values(m: Any, states: dict, extra: dict) -> dict:
+    """The values of the job's other ``states`` in a step's ``extra`` (what :func:`save`
+    stored), decoded; raises :class:`CheckpointError` for a step not saved by this manager,
+    one lacking a state, or a malformed one."""
+    where = f"{m.tiered!r}: the stored states"
+    saved = extra.get(STATE_KEY)
+    if not isinstance(saved, dict) or not isinstance(saved.get("states"), dict):
+        raise CheckpointError(f"{where}: not a step of ckptstore's TorchTitan manager (no {STATE_KEY!r} in extra)")
+    skeleton = saved["states"]
+    absent = [k for k, v in states.items() if v is not None and k not in skeleton]
+    if absent:
+        raise CheckpointError(f"{where}: the checkpoint holds no state {absent[0]!r}")
+    tensors = {k[len(TENSOR_PREFIX):]: v for k, v in extra.items() if k.startswith(TENSOR_PREFIX)}
+    try:
+        return _decode({k: skeleton[k] for k in states if k in skeleton}, tensors, m.allow_pickle, where)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, binascii.Error) as e:
+        raise CheckpointError(f"{where}: the stored non-tensor state is malformed: {e!r}") from e
