@@ -177,11 +177,17 @@ def test_torchtitan_tiered_config_is_checked():
 # ---- Lightning ----------------------------------------------------------------------------------
 
 
-def lightning_run(rank, world, d, max_epochs, resume, tiered=True):
+class Opaque:
+    """A value of Lightning's dict that only a pickle stores."""
+
+
+def lightning_run(rank, world, d, max_epochs, resume, tiered=True, pickled=None):
     """One job of 2 ranks: lightning_fsdp.py's FSDP2 ``Net`` under ckptstore's
     ModelParallelStrategy, ``ModelCheckpoint(save_last=True)`` every epoch (2 steps per rank),
     ``fit(ckpt_path="last" if resume)``; the gathered model and optimizer state at the end,
-    what the resume loaded, and the warnings."""
+    what the resume loaded, and the warnings. ``pickled`` (True or False): the dict gets an
+    ``Opaque`` value, the strategy that ``allow_pickle``, and an error of ``fit`` is
+    returned."""
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -194,7 +200,7 @@ def lightning_run(rank, world, d, max_epochs, resume, tiered=True):
     from ckptstore.integrations.lightning import ModelParallelStrategy
     from lightning_fsdp import Net
 
-    opts = {}
+    opts = {} if pickled is None else {"allow_pickle": pickled}
     if tiered:
         opts["tiered"] = {"local": os.path.join(d, "local"), "persistent": os.path.join(d, "persistent"),
                           "persist_every": 4, "replicas": 1, "keep": 2}
@@ -202,22 +208,31 @@ def lightning_run(rank, world, d, max_epochs, resume, tiered=True):
     g = torch.Generator().manual_seed(7)
     ds = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 6, generator=g))
     model = Net()
+    if pickled is not None:
+        saving = model.on_save_checkpoint
+        model.on_save_checkpoint = lambda ck: (saving(ck), ck.__setitem__("opaque", Opaque()))
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_epochs=max_epochs, logger=False,
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, **opts),
         callbacks=[ModelCheckpoint(dirpath=os.path.join(d, "ckpts"), save_last=True, every_n_epochs=1)],
         enable_progress_bar=False, enable_model_summary=False,
     )
+    error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=8), ckpt_path="last" if resume else None)
+        try:
+            trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=8), ckpt_path="last" if resume else None)
+        except Exception as e:  # noqa: BLE001 - returned
+            if pickled is None:
+                raise
+            error = f"{type(e).__name__}: {e}"
     full = StateDictOptions(full_state_dict=True)  # gathered whole on every rank
     msd = get_model_state_dict(trainer.strategy.model, options=full)
     osd = get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
     return {
         "model": {k: v.detach().clone() for k, v in msd.items()}, "optimizer": osd["state"],
         "groups": osd["param_groups"], "global_step": trainer.global_step, "loaded": model.loaded,
-        "at_train_start": model.at_train_start, "warnings": [str(w.message) for w in caught],
+        "at_train_start": model.at_train_start, "warnings": [str(w.message) for w in caught], "error": error,
     }
 
 
@@ -260,6 +275,25 @@ def test_lightning_strategy_option_selects_the_tiered_manager(tmp_path):
     assert any("names step 6" in w and "persistent tier" in w for w in again[0]["warnings"]), again[0]["warnings"]
     assert_same(again[0]["model"], want[0]["model"], "model")
     assert_same(again[0]["optimizer"], want[0]["optimizer"], "optimizer")
+
+
+def test_lightning_resume_refusing_every_steps_rest_leaves_the_model_untouched(tmp_path):
+    """Steps whose rest holds a pickle, resumed without allow_pickle: each step is refused
+    before the model and optimizer change (restore_latest's check_extra), so the failed
+    resume leaves the model as it was built."""
+    d = str(tmp_path)
+    first = dh.results(2, lightning_run, d, 2, False, True, True)
+    assert first[0]["error"] is None and first[0]["global_step"] == 4
+    refused = dh.results(2, lightning_run, d, 3, True, True, False)
+    from lightning_fsdp import Net
+
+    torch.manual_seed(0)
+    init = Net().state_dict()
+    for r in range(2):
+        err = refused[r]["error"]
+        assert err and "no step can be restored" in err and "PickleNotAllowedError" in err, err
+        assert "step 4: fast tier" in err and "step 2: fast tier" in err, err
+        assert_same(refused[r]["model"], init, f"rank {r} model")
 
 
 def test_lightning_tiered_option_is_checked():

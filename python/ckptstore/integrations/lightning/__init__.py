@@ -118,9 +118,11 @@ newest step the tiers hold whole, on any world size (a warning says so when that
 step the pointer names); a path holding an ordinary checkpoint of this strategy loads as
 before. Saves do not block inside ``fit`` (an error raises at the next save, or at
 ``teardown``, which waits); a save outside ``fit`` waits. One optimizer at most;
-``allow_optimizer_change`` and ``max_shard_size`` are refused with ``tiered``; a pickled
-value in the rest of the dict is refused after the model and optimizer were restored (the
-check needs the dict, which comes with the step).
+``allow_optimizer_change`` and ``max_shard_size`` are refused with ``tiered``. The rest of
+the dict is rebuilt before the model and optimizer change (``restore_latest``'s
+``check_extra``): a step whose rest cannot be (a pickled value without ``allow_pickle``, a
+missing tensor) is passed over like an unreadable one, and when no step is left the resume
+raises with the model and optimizer as they were.
 
 **A change of optimizer class** (state saved by AdamW, resumed into ``SGD``): refused with
 :class:`ckptstore.IncompatibleStateError` naming both classes, by rule F1 of

@@ -87,11 +87,17 @@ class Tiered:
 
     def load(self, strategy: Any, location: str, pointer: Any, allow_pickle: bool) -> Dict[str, Any]:
         """Every rank: ``restore_latest`` into the model and optimizer; the rest of the dict
-        of the step restored."""
+        of the step restored, built (and so checked) before the model and optimizer change:
+        a step whose rest cannot be built is passed over."""
         named = pointer.get("step") if isinstance(pointer, dict) else None
         model, opt = self._parts(strategy)
         mgr = self.manager()
-        step = mgr.restore_latest(model, opt)
+        built: Dict[str, Any] = {}
+
+        def check(extra: Dict[str, Any]) -> None:
+            built["rest"] = _rest(extra, f"the rest of Lightning's dict ({mgr!r})", allow_pickle)
+
+        step = mgr.restore_latest(model, opt, check_extra=check)
         if step is None:
             raise CheckpointNotFoundError(
                 f"{location!r} points to step {named} of the tiered checkpoints, but no tier holds "
@@ -104,17 +110,7 @@ class Tiered:
                 stacklevel=3,
             )
         self.saved_step = step
-        extra = mgr.last_extra or {}
-        tree = extra.get(DCP_TREE_KEY)
-        if not isinstance(tree, dict) or tree.get("version") != _DCP_TREE_VERSION:
-            raise CheckpointError(
-                f"step {step} of the tiers ({mgr!r}) was not saved by ckptstore's ModelParallelStrategy"
-            )
-        fresh = {name: extra.get(_PREFIX + name) for name in tree.get("tensors") or {}}
-        missing = [name for name, t in fresh.items() if t is None]
-        if missing:
-            raise CheckpointError(f"step {step} of the tiers ({mgr!r}) lacks the tensor {missing[0]!r}")
-        return build_rest(tree, fresh, f"step {step} ({mgr.last_tier} tier)", allow_pickle)["rest"]
+        return built["rest"]
 
     def close(self) -> None:
         """Wait for the saves in flight (a failed one's error raises) and close the manager."""
@@ -122,3 +118,17 @@ class Tiered:
         mgr, self.mgr = self.mgr, None
         if mgr is not None:
             mgr.close()
+
+
+def _rest(extra: Dict[str, Any], where: str, allow_pickle: bool) -> Dict[str, Any]:
+    """The rest of Lightning's dict that :meth:`Tiered.save` stored in a step's ``extra``;
+    raises :class:`CheckpointError` for a step not saved by the strategy or lacking a
+    tensor, and the errors of ``build_rest``."""
+    tree = extra.get(DCP_TREE_KEY)
+    if not isinstance(tree, dict) or tree.get("version") != _DCP_TREE_VERSION:
+        raise CheckpointError(f"{where}: not saved by ckptstore's ModelParallelStrategy")
+    fresh = {name: extra.get(_PREFIX + name) for name in tree.get("tensors") or {}}
+    missing = [name for name, t in fresh.items() if t is None]
+    if missing:
+        raise CheckpointError(f"{where}: the tensor {missing[0]!r} is missing")
+    return build_rest(tree, fresh, where, allow_pickle)["rest"]
