@@ -253,8 +253,9 @@ def load(
     optimizer class as the one saved, as many parameter groups, each naming the same
     parameters (by model name, in any order) with the same global shapes
     (``allow_optimizer_change=True``: a deliberate change of optimizer class, as in
-    :func:`ckptstore.torch.load`); every stored ``extra`` value decodes; then the checkpoint is read into fresh tensors, every stored chunk read CRC-checked and
-    the ranks agreeing that all reads passed. Any failure raises on every rank (a
+    :func:`ckptstore.torch.load`); every stored ``extra`` value decodes; then the checkpoint
+    is read into fresh tensors, every stored chunk read CRC-checked and the ranks agreeing
+    that all reads passed. Any failure raises on every rank (a
     :class:`ckptstore.CheckpointError`, or DCP's ``CheckpointException`` wrapping one) with
     the model and optimizer untouched.
 
@@ -332,10 +333,11 @@ def _check_extra(fn: Callable[[dict], Any], extra: dict, path: Any, pg: Any) -> 
         fn(extra)
     except Exception as e:  # noqa: BLE001 - agreed on below
         err = e
-    errs = [f"{type(err).__name__}: {err}" if err is not None else None]
+    mine = None if err is None else f"{type(err).__name__}: {err}"
+    errs: list = [mine]
     if dist.is_available() and dist.is_initialized():
         errs = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(errs, f"{type(err).__name__}: {err}" if err is not None else None, group=pg)
+        dist.all_gather_object(errs, mine, group=pg)
     bad = {r: e for r, e in enumerate(errs) if e is not None}
     if bad:
         first = next(iter(bad.values()))
