@@ -136,3 +136,74 @@ def test_an_arrival_is_written_at_its_offsets_with_its_crc_taken_on_the_way(tmp_
     with pytest.raises(FileExistsError):
         b.finish()
     assert (tmp_path / "f").read_bytes() == data
+
+
+def test_small_items_share_messages_and_large_ones_move_alone_in_chunks():
+    from ckptstore.torch import _tier_wire as w
+
+    old = w.CHUNK
+    w.CHUNK = 1000  # small: under 62 bytes
+    try:
+        got = w._messages([0, 61, 62, 5, 0, 2500, 40] + [30] * 40 + [1])
+    finally:
+        w.CHUNK = old
+    assert got[:4] == [[(0, 0, 0), (1, 0, 61)], [(2, 0, 62)], [(3, 0, 5), (4, 0, 0)],
+                       [(5, 0, 1000)]]
+    assert got[4:6] == [[(5, 1000, 1000)], [(5, 2000, 500)]]
+    # 40 + 30 * 40 + 1 bytes of small items: packs of at most 1000 bytes, each item whole
+    packs = got[6:]
+    assert [i for m in packs for i, _, _ in m] == list(range(6, 48))
+    assert all(sum(z for _, _, z in m) <= 1000 for m in packs) and len(packs) == 2
+    assert all(b == 0 for m in packs for _, b, _ in m)
+
+
+def _packed(rank, world, root, fail_key):
+    """Rank 0 sends rank 1 many small byte ranges (some into a writer, one failing, one past
+    the end of its file) around one large item."""
+    import torch.distributed as dist
+
+    from ckptstore.torch import _tier_wire as w
+
+    w.CHUNK = CHUNK
+    src = os.path.join(root, "src")
+    items = []
+    if rank == 0:
+        with open(src, "wb") as f:
+            f.write(_bytes(0, 5000))
+        items = [(f"s{k}", src, 97 * k, k % 50) for k in range(45)]
+        items.insert(20, ("big", src, 10, 3000))
+        items += [("w:a", src, 11, 33), ("w:fail", src, 1, 20), ("w:b", src, 4990, 10), ("short", src, 4995, 9)]
+    got, written = {}, {}
+
+    def receive(inc, key, data):
+        if key is not None:
+            got[key] = None if data is None else bytes(data.numpy())
+
+    def dest(key, size):
+        if not key.startswith("w:"):
+            return None
+
+        def write(offset, chunk):
+            if key == fail_key:
+                raise OSError(28, "No space left on device")
+            written[key] = written.get(key, b"") + chunk.numpy().tobytes()
+        return write
+
+    err = None
+    try:
+        w.transfer(items, None, 1 if rank == 0 else None, 0 if rank == 1 else None, 4096, None, receive, dest)
+    except OSError as e:
+        err = str(e)
+    dist.barrier()
+    return {"got": got, "written": written, "err": err}
+
+
+def test_packed_small_items_arrive_bit_for_bit_into_buffers_and_writers(tmp_path):
+    sender, receiver = dh.results(2, _packed, str(tmp_path), "w:fail")
+    data = _bytes(0, 5000)
+    assert "shorter" in sender["err"]  # "short" asks for 9 bytes of the last 5: sent as zeros
+    assert "No space left on device" in receiver["err"]
+    want = {f"s{k}": data[97 * k:97 * k + k % 50] for k in range(45)}
+    want.update({"big": data[10:3010], "short": bytes(9), "w:a": None, "w:fail": None, "w:b": None})
+    assert receiver["got"] == want
+    assert receiver["written"] == {"w:a": data[11:44], "w:b": data[4990:5000]}
