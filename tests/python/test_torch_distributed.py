@@ -188,6 +188,23 @@ def job_check_extra(rank, world, path):
             "seen": seen[0], "returned": extra is seen[1]}
 
 
+def job_plan_fails_on_one_rank(rank, world, path):
+    """Rank 1's reader fails while the ranks plan (each plans alone: no exchange of plans)."""
+    m, o = build(world, 1, "Adam")
+    train(m, o, 7, 2, rank)
+    before = snapshot(m, o)
+    if rank == 1:
+        def gone(self):
+            raise OSError(5, "Input/output error")
+        Reader.read_metadata = gone
+    err = None
+    try:
+        ctd.load(path, m, o)
+    except ckptstore.CheckpointError as e:
+        err = str(e)
+    return {"err": err, "changed": same(before, snapshot(m, o))}
+
+
 def job_resume(rank, world, base):
     out = {}
     for name in OPTIMS:
@@ -278,6 +295,14 @@ def test_check_extra_refusing_on_one_rank_fails_the_load_on_every_rank_before_an
         assert "check_extra refused its extra on rank(s) [1]: ValueError: no such data loader position" in res[r]["err"]
         assert res[r]["seen"] == {"epoch": 2, "t": [0, 1, 2]}  # the tensors read too
         assert res[r]["changed"] and res[r]["returned"]  # accepted: loaded, the same dict returned
+
+
+def test_a_rank_failing_to_plan_fails_the_load_on_every_rank(saved):
+    base, _ = saved
+    res = dh.results(2, job_plan_fails_on_one_rank, str(base / "Adam"))
+    for r in range(2):
+        assert res[r]["changed"] == [], r
+        assert res[r]["err"] and "failed on rank(s) [1]: [Errno 5] Input/output error" in res[r]["err"], res[r]["err"]
 
 
 def test_fsdp2_resume_equals_uninterrupted_run(saved):

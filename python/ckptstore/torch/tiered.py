@@ -615,18 +615,9 @@ class CheckpointManager:
         """:func:`ckptstore.torch.distributed.load` on the manager's group. Its own errors
         (a damaged or incompatible checkpoint) are raised alike on every rank and pass
         through; a failure of the group is a ``_GroupError``."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
         def load() -> dict:
-            try:
-                return _d.load(loc, model, optimizer, process_group=self.pg,
-                               allow_optimizer_change=self._allow_change, check_extra=self._check_extra)
-            except CheckpointException as e:  # the ranks' errors, gathered by DCP
-                failures = getattr(e, "failures", None) or {}
-                first = next(iter(failures.values()), e)
-                if isinstance(first, CheckpointError):
-                    raise CheckpointError(f"loading step {step} from {loc}: {first}") from e
-                raise
+            return _d.load(loc, model, optimizer, process_group=self.pg,
+                           allow_optimizer_change=self._allow_change, check_extra=self._check_extra)
 
         return self._phase(f"restore: load step {step}", load)
 
