@@ -1,6 +1,7 @@
 """What the tiered manager (:mod:`ckptstore.torch.tiered`) sends between hosts and how it
 tells who it waited for: files moved over torch.distributed point-to-point (one header,
-then each file or byte range in chunks of 8 MiB, received one ahead of the one being kept),
+then each file or byte range in chunks of 8 MiB, runs of small ones packed into shared
+messages, received one ahead of the one being kept; format-spec/tiers.md),
 CRC32 of files, the progress marks that name the rank a failed collective waited for, and
 the kill seam of the fault tests.
 
