@@ -391,8 +391,8 @@ def _targets(
     path: Any, meta_all: dict, model: Any, optimizer: Any, strict: bool, allow_optimizer_change: bool
 ) -> tuple:
     """Steps 1-3 of :func:`load`, on this rank alone: the checks against the checkpoint's
-    metadata ``meta_all`` and the fresh tensors to read into, as the state dict handed to
-    ``dcp.load`` (``sd``) and its pieces."""
+    metadata ``meta_all`` and the fresh tensors to read into, as the state dict DCP's load
+    planner plans over (``sd``: :func:`_read`) and its pieces."""
     torch = _torch()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
