@@ -354,18 +354,22 @@ def state_dict_plain(version: int) -> dict:
 
 
 def test_planned_byte_ranges_are_all_a_load_reads(saved, tmp_path):
-    """_plan_byte_ranges (what the tiered restore fetches): for a state dict of some
-    tensors, the ranges cover less than the stored data, and a copy of the checkpoint with
-    every other data byte zeroed (shard headers kept) still loads those tensors
-    bit-identical, every byte read CRC-checked."""
-    from ckptstore.torch.dcp import _plan_byte_ranges
+    """_plan_ranges (what the tiered restore fetches) of DCP's default load plan: for a
+    state dict of some tensors, the ranges cover less than the stored data, and a copy of
+    the checkpoint with every other data byte zeroed (shard headers kept) still loads those
+    tensors bit-identical, every byte read CRC-checked."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ckptstore.torch.dcp import _plan_ranges
 
     src = saved / "ours-4"
     cp = tmp_path / "ours-4"
     shutil.copytree(src, cp)
     want = {"a": torch.empty(SPECS["a"][0], dtype=SPECS["a"][1]),
             "d": torch.empty(SPECS["d"][0], dtype=SPECS["d"][1])}
-    ranges = _plan_byte_ranges(cp, want)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(want, Reader(cp).read_metadata(), True)
+    ranges = _plan_ranges(cp, planner.create_local_plan())
     assert ranges and all(os.path.dirname(f) == str(cp) for f, _, _ in ranges), ranges
     keep: dict = {}
     for f, b, e in ranges:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from .. import _ckptstore, commit as _commit
 from ..errors import CheckpointError
 from . import distributed as _d
-from .dcp import _plan_byte_ranges
+from .dcp import _plan_ranges
 from ._tier_local import check_arrival, saved_host, shard_head_len
 from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, pwrite_all, transfer
 
@@ -23,7 +23,7 @@ TAG_HEADS = 1 << 24
 TAG_RANGES = 1 << 25
 
 
-def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, repersist: bool) -> dict:
+def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dict:
     """Every host builds the step's checkpoint in ``.restore-<step>`` out of what it
     holds (its copies of ranks' files, linked) and, for every other rank, its part
     descriptor and shard headers sent by a host holding them, each shard a sparse
@@ -97,12 +97,17 @@ def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, reper
     # What each rank's load reads of the placeholders; per host, the union of its ranks'.
     # (Every rank plans, placeholders or not: taking the model's state dict is the same
     # call on every rank.)
+    # The load planned here is the one run below: planned once.
     need: list = []
     perr = None
+    prep = None
     try:
-        meta_all = json.loads(_ckptstore.Checkpoint(stage, lazy=True).metadata_json())
-        sd = _d._targets(stage, meta_all, model, optimizer, True, mgr._allow_change)[0]
-        need = [(os.path.basename(p), b, e) for p, b, e in _plan_byte_ranges(stage, sd)
+        rr = _ckptstore.Checkpoint(stage, lazy=True)
+        prep = _d._prepare(stage, json.loads(rr.metadata_json()), rr.checkpoint_id, req.model, req.optimizer,
+                           True, req.allow_optimizer_change)
+        del rr
+        _d._plan(prep, mgr.pg)
+        need = [(os.path.basename(p), b, e) for p, b, e in _plan_ranges(stage, prep.plan)
                 if os.path.basename(p) in placeholders]
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         perr = _err(mgr.rank, e)
@@ -161,7 +166,7 @@ def restore_fast(mgr: Any, step: int, f: dict, model: Any, optimizer: Any, reper
     try:
         mgr._phase(f"restore: step {step} assembled", mgr._agree, [err], f"assembling step {step}")
         kill_point("restore", step, mgr.rank)
-        extra = mgr._load(step, stage, model, optimizer)
+        extra = mgr._load(step, stage, req, prep)
         loaded = True
         return extra
     finally:

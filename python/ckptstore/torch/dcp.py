@@ -84,7 +84,6 @@ _META_VERSION = 1
 _PART_FQN = "__ckptstore.part__"
 
 import torch  # noqa: E402  (this module is only imported by torch users)
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.metadata import (  # noqa: E402
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -329,25 +328,23 @@ def _requests(plan: LoadPlan) -> tuple[list, list]:
     return tensor_reqs, byte_reqs
 
 
-def _plan_byte_ranges(path: "str | os.PathLike[str]", state_dict: dict) -> list[tuple[str, int, int]]:
-    """Where the stored bytes lie that ``dcp.load(state_dict)`` through a :class:`Reader`
-    of the local checkpoint ``path`` reads on this rank (DCP's default load planner, this
-    rank's plan): ``(shard file path, begin, end)``, merged per file, each range whole CRC
-    blocks or chunks (what the read checks). No collective; no tensor data read; the
-    checkpoint is closed again on return."""
+def _plan_ranges(path: "str | os.PathLike[str]", plan: LoadPlan) -> list[tuple[str, int, int]]:
+    """Where the stored bytes lie that ``plan`` (this rank's load plan against the local
+    checkpoint ``path``, read through a :class:`Reader`) reads: ``(shard file path, begin,
+    end)``, merged per file, each range whole CRC blocks or chunks (what the read checks).
+    No collective; no tensor data read; the checkpoint is closed again on return."""
     reader = Reader(path, all_or_nothing=False)
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner(state_dict, reader.read_metadata(), True)
-    tensor_reqs, byte_reqs = _requests(planner.create_local_plan())
-    rr = reader._open()
-    regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
-    for _, name in byte_reqs:
-        _, shape = rr.shape_of(name)
-        if 0 not in shape:
-            regions.append((name, [0] * len(shape), list(shape)))
-    ranges = [(os.fspath(f), int(b), int(e)) for f, b, e in rr.byte_ranges(regions)]
-    reader.reset()
-    return ranges
+    try:
+        tensor_reqs, byte_reqs = _requests(plan)
+        rr = reader._open()
+        regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
+        for _, name in byte_reqs:
+            _, shape = rr.shape_of(name)
+            if 0 not in shape:
+                regions.append((name, [0] * len(shape), list(shape)))
+        return [(os.fspath(f), int(b), int(e)) for f, b, e in rr.byte_ranges(regions)]
+    finally:
+        reader.reset()
 
 
 def _prefetch(ranges: list) -> None:

@@ -272,71 +272,113 @@ def load(
     :class:`CheckpointError` naming the ranks. The place to decode or check state of your
     own (a data loader's position, say) that must come back together with the model.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    # 1-3. The checks, and the fresh tensors to read into.
+    # 1-3. The checks, the fresh tensors to read into, the extra values decoded (a malformed
+    # one fails the load here): identical on every rank, from the first rank's metadata.
     meta_all, cid = _broadcast_meta(path, process_group)
+    prep = _prepare(path, meta_all, cid, model, optimizer, strict, allow_optimizer_change)
+    # 4a. Each rank plans its reads alone; the ranks agree that every plan was made.
+    err: Optional[BaseException] = None
+    try:
+        _plan(prep, process_group)
+    except Exception as e:  # noqa: BLE001 - agreed on below
+        err = e
+    _raise_agreed(err, path, process_group)
+    return _finish(prep, model, optimizer, strict=strict, layout=layout, process_group=process_group,
+                   allow_optimizer_change=allow_optimizer_change, check_extra=check_extra)
+
+
+class _Prepared:
+    """A load up to its reads (:func:`_prepare`, :func:`_plan`): the checkpoint's metadata,
+    the fresh tensors to read into, the decoded extra values and, once planned, this rank's
+    DCP read plan. The tiered restore plans once, fetches what the plan reads, and loads."""
+
+    def __init__(self, path: Any, cid: str, meta: dict, sd: dict, om: dict, names: list,
+                 tgt_m: dict, tgt_o: dict, tgt_x: dict, extra: dict) -> None:
+        self.path, self.cid, self.meta, self.sd, self.om, self.names = path, cid, meta, sd, om, names
+        self.tgt_m, self.tgt_o, self.tgt_x, self.extra = tgt_m, tgt_o, tgt_x, extra
+        self.planner: Any = None
+        self.plan: Any = None
+        self.md: Any = None
+
+
+def _prepare(path: Any, meta_all: dict, cid: str, model: Any, optimizer: Any, strict: bool,
+             allow_optimizer_change: bool) -> _Prepared:
+    """Steps 1-3 of :func:`load` on this rank alone (no collective): the checks against
+    the checkpoint's metadata ``meta_all``, the fresh tensors, the extra values decoded."""
     sd, meta, om, names, tgt_m, tgt_o, tgt_x = _targets(
         path, meta_all, model, optimizer, strict, allow_optimizer_change
     )
-    # The extra values, decoded before anything is read: a malformed one fails the load here.
     extra: dict[str, Any] = {
         k: _decode(v, f"{os.fspath(path)!r}, extra {k!r}") for k, v in (meta.get("extra") or {}).items()
     }
-    # 4. Read. The destinations are the fresh tensors above, which nothing uses if the load raises:
-    # each block is checked as it is copied (one pass), the ranks agreeing before return.
-    reader = Reader(
-        path, process_group=process_group, expect_checkpoint_id=cid, fresh_destinations=True
-    )
-    _read(sd, reader, path, process_group)
+    return _Prepared(path, cid, meta, sd, om, names, tgt_m, tgt_o, tgt_x, extra)
+
+
+def _plan(prep: _Prepared, pg: Any) -> None:
+    """This rank's read plan of ``prep`` (DCP's default load planner, run alone: "the
+    default load behavior involved no global coordination", its global plan is the local
+    plans unchanged and the reader's ``prepare_global_plan`` the identity too; gathering
+    every rank's plan on one rank and scattering it back, as ``dcp.load`` does, only costs
+    pickles of every read item of every rank, O(world x items) on the coordinator). No
+    collective; no tensor data read."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    coordinator = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(pg) == 0
+    reader = Reader(prep.path, all_or_nothing=False, expect_checkpoint_id=prep.cid)
+    try:
+        md = reader.read_metadata()
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner({k: prep.sd[k] for k in sorted(prep.sd)}, md, coordinator)  # dcp.load's key order
+        reader.set_up_storage_reader(md, coordinator)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+        prep.plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
+        prep.planner, prep.md = planner, md
+    finally:
+        reader.reset()
+
+
+def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout: Any, process_group: Any,
+            allow_optimizer_change: bool, check_extra: Optional[Callable[[dict], Any]]) -> dict:
+    """Steps 4-6 of :func:`load` (every rank, ``prep`` planned on every rank): read into
+    the fresh tensors, every block CRC-checked as it is copied and the ranks agreeing that
+    every read passed; the layout; ``check_extra``; then apply."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    import torch.distributed as dist
+
+    path = prep.path
+    # 4b. Read. The destinations are fresh tensors, which nothing uses if the load raises:
+    # each block is checked as it is copied (one pass); the ranks agree once, below (the
+    # reader's own agreement is not needed on top: all_or_nothing=False).
+    reader = Reader(path, process_group=process_group, all_or_nothing=False,
+                    expect_checkpoint_id=prep.cid, fresh_destinations=True)
+    err: Optional[BaseException] = None
+    try:
+        coordinator = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0
+        reader.set_up_storage_reader(prep.md, coordinator)
+        reader.read_data(prep.plan, prep.planner).wait()
+    except Exception as e:  # noqa: BLE001 - agreed on below
+        err = e
+    finally:
+        reader.reset()
+    _raise_agreed(err, path, process_group)
 
     # 5. Moments in the layout asked for.
-    if layout is not None and tgt_o:
-        _apply_layout(tgt_o, names, optimizer, layout, process_group)
+    if layout is not None and prep.tgt_o:
+        _apply_layout(prep.tgt_o, prep.names, optimizer, layout, process_group)
 
-    extra.update(tgt_x)
+    extra = dict(prep.extra)
+    extra.update(prep.tgt_x)
     if check_extra is not None:
         _check_extra(check_extra, extra, path, process_group)
 
     # 6. Apply: nothing above changed the model or the optimizer.
     if optimizer is not None:
-        keep_live = _changed_class(optimizer, om.get("class"), allow_optimizer_change)
-        optimizer.load_state_dict(_new_optimizer_state(optimizer, names, om, tgt_o, keep_live))
-    set_model_state_dict(model, tgt_m, options=StateDictOptions(strict=strict))
+        keep_live = _changed_class(optimizer, prep.om.get("class"), allow_optimizer_change)
+        optimizer.load_state_dict(_new_optimizer_state(optimizer, prep.names, prep.om, prep.tgt_o, keep_live))
+    set_model_state_dict(model, prep.tgt_m, options=StateDictOptions(strict=strict))
     return extra
-
-
-def _read(sd: dict, reader: Reader, path: Any, pg: Any) -> None:
-    """``dcp.load(sd, storage_reader=reader, process_group=pg)`` without DCP's exchange of
-    plans. DCP's default load planner plans each rank's reads alone ("the default load
-    behavior involved no global coordination": its global plan is the local plans
-    unchanged, and the reader's ``prepare_global_plan`` is the identity too), so gathering
-    every rank's plan on one rank and scattering it back only costs: pickles of every read
-    item of every rank, O(world x items) on the coordinator (0.35 s of a 1.8 s load of
-    2,048 tensors on 3 ranks). The ranks agree after planning and after reading instead
-    (:func:`_raise_agreed`), and the reader's own all-or-nothing check holds as under
-    ``dcp.load``."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    coordinator = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(pg) == 0
-    planner = DefaultLoadPlanner()
-    plan: Any = None
-    err: Optional[BaseException] = None
-    try:
-        md = reader.read_metadata()
-        planner.set_up_planner({k: sd[k] for k in sorted(sd)}, md, coordinator)  # dcp.load's key order
-        reader.set_up_storage_reader(md, coordinator)
-        plan = reader.prepare_local_plan(planner.create_local_plan())
-        plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
-    except Exception as e:  # noqa: BLE001 - agreed on below
-        err = e
-    _raise_agreed(err, path, pg)
-    try:
-        reader.read_data(plan, planner).wait()
-    except Exception as e:  # noqa: BLE001 - agreed on below
-        err = e
-    _raise_agreed(err, path, pg)
 
 
 def _gather_errors(err: Optional[BaseException], pg: Any) -> dict:
@@ -392,7 +434,7 @@ def _targets(
 ) -> tuple:
     """Steps 1-3 of :func:`load`, on this rank alone: the checks against the checkpoint's
     metadata ``meta_all`` and the fresh tensors to read into, as the state dict DCP's load
-    planner plans over (``sd``: :func:`_read`) and its pieces."""
+    planner plans over (``sd``: :func:`_plan`) and its pieces."""
     torch = _torch()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

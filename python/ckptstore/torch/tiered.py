@@ -70,7 +70,7 @@ import time
 import uuid
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from .. import atomic
 from ..errors import CheckpointError, InvalidArgumentError
@@ -163,6 +163,15 @@ def _bounded(fn: Any, timeout: float, what: str) -> Any:
     return box["ok"]
 
 
+class _Request(NamedTuple):
+    """What ``restore_latest`` restores into, and how (its arguments)."""
+
+    model: Any
+    optimizer: Any
+    allow_optimizer_change: bool
+    check_extra: Optional[Callable[[dict], Any]]
+
+
 class CheckpointManager:
     """Tiered checkpoints of an FSDP2 / DTensor / plain model and its optimizer across the
     hosts of a torch.distributed job (see the module docstring). Construct it on every rank
@@ -211,8 +220,6 @@ class CheckpointManager:
         self.timeout = float(timeout)
         self.last_extra: Optional[dict] = None
         self.last_tier: Optional[str] = None
-        self._allow_change = False  # restore_latest's allow_optimizer_change, while it runs
-        self._check_extra: Optional[Callable[[dict], Any]] = None  # restore_latest's, while it runs
         self._closed = False
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
@@ -505,8 +512,7 @@ class CheckpointManager:
         any rank) is passed over like one that cannot be read, and named in the warning.
         Raises :class:`ckptstore.CheckpointError` on every rank alike when steps were
         recorded but none can be read (naming why for each)."""
-        self._allow_change = bool(allow_optimizer_change)
-        self._check_extra = check_extra
+        req = _Request(model, optimizer, bool(allow_optimizer_change), check_extra)
         self.wait()
         held = self._tier.scan(crc=False) if self.leader else None
         pers = self._persistent.steps() if self.rank == 0 and self._persistent is not None else None
@@ -542,7 +548,7 @@ class CheckpointManager:
         if newest is None:
             return None
         for step, kind, f in candidates:
-            extra = self._restore_one(step, kind, f, persisted, notes, model, optimizer)
+            extra = self._restore_one(step, kind, f, persisted, notes, req)
             if extra is None:
                 continue
             if step != newest:
@@ -561,8 +567,8 @@ class CheckpointManager:
             + "; ".join(f"step {s}: " + ", ".join(n) for s, n in sorted(notes.items(), reverse=True))
         )
 
-    def _restore_one(self, step: int, kind: str, f: Any, persisted: list, notes: dict, model: Any,
-                     optimizer: Any) -> Optional[dict]:
+    def _restore_one(self, step: int, kind: str, f: Any, persisted: list, notes: dict,
+                     req: "_Request") -> Optional[dict]:
         """Restore ``step`` from the ``kind`` tier; the extra dict, or None (with a note why)
         when it cannot be. A fast-tier step is first tried with the copies as the scan saw
         them (their size): every byte a load reads is CRC-checked on the way, so a damaged
@@ -578,9 +584,9 @@ class CheckpointManager:
         while True:
             try:
                 if kind == "fast":
-                    return restore_fast(self, step, f, model, optimizer, repersist)
+                    return restore_fast(self, step, f, req, repersist)
                 loc = self._bcast(self._persistent.location(step) if self.rank == 0 else None)  # type: ignore[union-attr]
-                return self._load(step, loc, model, optimizer)
+                return self._load(step, loc, req)
             except _GroupError:
                 raise  # the process group failed: no next candidate can be agreed on
             except CheckpointError as e:  # every rank raised it (the loads agree)
@@ -611,13 +617,17 @@ class CheckpointManager:
             notes.setdefault(step, []).append(f"no good copy on any host of the parts of rank(s) {missing}")
         return not missing
 
-    def _load(self, step: int, loc: str, model: Any, optimizer: Any) -> dict:
-        """:func:`ckptstore.torch.distributed.load` on the manager's group. Its own errors
-        (a damaged or incompatible checkpoint) are raised alike on every rank and pass
-        through; a failure of the group is a ``_GroupError``."""
+    def _load(self, step: int, loc: str, req: "_Request", prep: Any = None) -> dict:
+        """:func:`ckptstore.torch.distributed.load` on the manager's group, or, given
+        ``prep`` (that load's steps up to its reads, planned on every rank), the rest of
+        it. Its own errors (a damaged or incompatible checkpoint) are raised alike on every
+        rank and pass through; a failure of the group is a ``_GroupError``."""
         def load() -> dict:
-            return _d.load(loc, model, optimizer, process_group=self.pg,
-                           allow_optimizer_change=self._allow_change, check_extra=self._check_extra)
+            kw = dict(process_group=self.pg, allow_optimizer_change=req.allow_optimizer_change,
+                      check_extra=req.check_extra)
+            if prep is None:
+                return _d.load(loc, req.model, req.optimizer, **kw)
+            return _d._finish(prep, req.model, req.optimizer, strict=True, layout=None, **kw)
 
         return self._phase(f"restore: load step {step}", load)
 
