@@ -103,7 +103,6 @@ def exit_together(rank: int, world: int, code: int = 0) -> None:
     os._exit(code)
 
 
-
 def end_process(code: int = 0) -> None:
     """Exit a job's process with ``code``: through :func:`exit_together` where a process
     group is initialized (every rank must get here), else plainly."""
@@ -114,6 +113,7 @@ def end_process(code: int = 0) -> None:
     if dist.is_available() and dist.is_initialized():
         exit_together(dist.get_rank(), dist.get_world_size(), code)
     sys.exit(code)
+
 
 def run(world: int, fn, *args, allow_dead=(), join_timeout=PG_TIMEOUT_S * 3):
     """Run ``fn`` on ``world`` ranks; return ``{rank: (ok, result or traceback)}`` and the
