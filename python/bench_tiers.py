@@ -31,8 +31,10 @@ What one run measures, in order (all in the same run, so the ratios compare like
    installed) for leg 3c.
 2. Host 1 lost (``lose_host(1, wipe_local=True)``) and replaced by an empty one.
 3. Three restarts, each a fresh job on the same hosts, timed from the driver's launch of the
-   job to the end of the first training step after the restore (python start, torch import,
-   process group, model build, restore, one step), and the restore alone inside the job:
+   job to two moments: the state restored, the first resumed step about to start (python
+   start, torch import, process group, model build, restore: "to resumed"), and the end of
+   that first step ("to 1st step"; the step is the same work in every leg: 13-20 s of FSDP2
+   over gloo on this 2-core machine at 1 GiB per host); and the restore alone inside the job:
    a) ``fast``: ``mgr.restore_latest`` from the local tiers and the peers;
    b) ``persistent``: every local tier wiped first, ``mgr.restore_latest`` from the
       persistent tier;
@@ -52,7 +54,7 @@ What one run measures, in order (all in the same run, so the ratios compare like
    hosts) are timed from the manager's phase trace (``CKPTSTORE_TIERS_TRACE``) too.
 
 Goals (issue 39) printed with PASS/MISS: restart from peers >= 3x faster than from the
-persistent tier; raw transfer time / peer restore time >= 0.8; median save blocking <= 1.2x
+persistent tier (both to resumed and to the first step's end); raw transfer time / peer restore time >= 0.8; median save blocking <= 1.2x
 the median copy timed alike; memory flat over the saves (here: every rank's VmRSS after the last save <= 1.1x
 its VmRSS after the first). ``--json PATH`` writes every figure.
 """
@@ -295,6 +297,7 @@ def _job_main(name: str, shared: str) -> None:
             tier = mgr.last_tier
             mgr.close()
         res["restore_s"] = time.perf_counter() - t0
+        res["t_resumed"] = time.time()  # restored: the first resumed step can start
         after = _ss_bytes(addrs) if is_leader else {}
         res.update(step=step, tier=tier, fingerprint=_fingerprint(m, o))
         _train_step(m, o, (step or 0) + 1, rank, w)
@@ -478,6 +481,7 @@ def summarize(res) -> dict:
     med = statistics.median
     for leg, reps in legs.items():  # medians over the repetitions of each leg
         s[leg] = {
+            "resumed_s": med([max(_t_resumed(o) for o in d["ranks"]) - d["launch"] for d in reps]),
             "restart_s": med([max(o["t_first_step"] for o in d["ranks"]) - d["launch"] for d in reps]),
             "startup_s": med([max(o["t_built"] for o in d["ranks"]) - d["launch"] for d in reps]),
             "restore_s": med([max(o["restore_s"] for o in d["ranks"]) for d in reps]),
@@ -514,8 +518,11 @@ def summarize(res) -> dict:
                      "last": o["rss"][-1] / MIB, "at10": o["rss"][min(9, n - 1)] / MIB} for o in train]
     goals = []
     if "fast" in s and "persistent" in s:
+        x = s["persistent"]["resumed_s"] / s["fast"]["resumed_s"]
+        goals.append(("restart from peers >= 3x faster than from the persistent tier, to the state restored "
+                      "(the first resumed step starting)", x, x >= 3.0))
         x = s["persistent"]["restart_s"] / s["fast"]["restart_s"]
-        goals.append(("restart from peers >= 3x faster than from the persistent tier", x, x >= 3.0))
+        goals.append(("the same, to the first resumed step done (its own time in both)", x, x >= 3.0))
     if "raw_s" in s:
         x = s["raw_s"] / s["fast"]["restore_s"]
         goals.append(("peer restore >= 0.8x a raw transfer of the same bytes (raw s / restore s)", x, x >= 0.8))
@@ -527,20 +534,28 @@ def summarize(res) -> dict:
     return s
 
 
+def _t_resumed(o: dict) -> float:
+    """When a rank's restore returned (runs before ``t_resumed`` was recorded: its build
+    time plus its restore, which started after a barrier)."""
+    return o.get("t_resumed") or o["t_built"] + o["restore_s"]
+
+
 def report(res, s) -> None:
     print(f"\nmode: {res['mode']}; state per rank (MiB): {s['state_mib_per_rank']}")
     for n in res["notes"]:
         print(f"note: {n}")
-    print(f"\n{'restart after a lost host':28} {'to 1st step s':>13} {'startup s':>10} {'restore s':>10}  step  tier        exact"
+    print(f"\n{'restart after a lost host':28} {'to resumed s':>12} {'to 1st step s':>13} {'startup s':>10} {'restore s':>10}"
+          "  step  tier        exact"
           + (f"   (medians of {res['args']['repeats']})" if res["args"]["repeats"] > 1 else ""))
     for leg in ("fast", "persistent", "dcp"):
         if leg in s:
             d = s[leg]
-            print(f"  {leg:26} {d['restart_s']:13.2f} {d['startup_s']:10.2f} {d['restore_s']:10.2f}  "
+            print(f"  {leg:26} {d['resumed_s']:12.2f} {d['restart_s']:13.2f} {d['startup_s']:10.2f} {d['restore_s']:10.2f}  "
                   f"{d['step'][0]!s:4}  {','.join(d['tier']):10}  {d['bit_identical']}")
     for a, b in (("persistent", "fast"), ("dcp", "fast"), ("dcp", "persistent")):
         if a in s and b in s:
-            print(f"  {a} / {b}: restart {s[a]['restart_s'] / s[b]['restart_s']:.2f}x, "
+            print(f"  {a} / {b}: to resumed {s[a]['resumed_s'] / s[b]['resumed_s']:.2f}x, "
+                  f"to 1st step {s[a]['restart_s'] / s[b]['restart_s']:.2f}x, "
                   f"restore alone {s[a]['restore_s'] / s[b]['restore_s']:.2f}x")
     if "raw_s" in s:
         print(f"\npeer restore moved {s['peer_bytes'] / MIB:.1f} MiB (matrix src->dst, MiB: "
