@@ -367,9 +367,10 @@ def test_planned_byte_ranges_are_all_a_load_reads(saved, tmp_path):
     shutil.copytree(src, cp)
     want = {"a": torch.empty(SPECS["a"][0], dtype=SPECS["a"][1]),
             "d": torch.empty(SPECS["d"][0], dtype=SPECS["d"][1])}
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner(want, Reader(cp).read_metadata(), True)
-    ranges = _plan_ranges(cp, planner.create_local_plan())
+    planner, reader = DefaultLoadPlanner(), Reader(cp)
+    planner.set_up_planner(want, reader.read_metadata(), True)
+    ranges = _plan_ranges(reader, planner.create_local_plan())
+    reader.reset()
     assert ranges and all(os.path.dirname(f) == str(cp) for f, _, _ in ranges), ranges
     keep: dict = {}
     for f, b, e in ranges:

@@ -96,8 +96,7 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
 
     # What each rank's load reads of the placeholders; per host, the union of its ranks'.
     # (Every rank plans, placeholders or not: taking the model's state dict is the same
-    # call on every rank.)
-    # The load planned here is the one run below: planned once.
+    # call on every rank.) The load planned here is the one run below: planned once.
     need: list = []
     perr = None
     prep = None
@@ -107,8 +106,11 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
                            True, req.allow_optimizer_change)
         del rr
         _d._plan(prep, mgr.pg)
-        need = [(os.path.basename(p), b, e) for p, b, e in _plan_ranges(stage, prep.plan)
-                if os.path.basename(p) in placeholders]
+        try:
+            need = [(os.path.basename(p), b, e) for p, b, e in _plan_ranges(prep.reader, prep.plan)
+                    if os.path.basename(p) in placeholders]
+        finally:
+            prep.reader.reset()  # closed while the fetch fills the placeholders; the load reopens
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         perr = _err(mgr.rank, e)
     got = mgr._phase(f"restore: step {step} plan", mgr._gather, (mgr.host, need, perr))

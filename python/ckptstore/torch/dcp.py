@@ -328,23 +328,19 @@ def _requests(plan: LoadPlan) -> tuple[list, list]:
     return tensor_reqs, byte_reqs
 
 
-def _plan_ranges(path: "str | os.PathLike[str]", plan: LoadPlan) -> list[tuple[str, int, int]]:
-    """Where the stored bytes lie that ``plan`` (this rank's load plan against the local
-    checkpoint ``path``, read through a :class:`Reader`) reads: ``(shard file path, begin,
-    end)``, merged per file, each range whole CRC blocks or chunks (what the read checks).
-    No collective; no tensor data read; the checkpoint is closed again on return."""
-    reader = Reader(path, all_or_nothing=False)
-    try:
-        tensor_reqs, byte_reqs = _requests(plan)
-        rr = reader._open()
-        regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
-        for _, name in byte_reqs:
-            _, shape = rr.shape_of(name)
-            if 0 not in shape:
-                regions.append((name, [0] * len(shape), list(shape)))
-        return [(os.fspath(f), int(b), int(e)) for f, b, e in rr.byte_ranges(regions)]
-    finally:
-        reader.reset()
+def _plan_ranges(reader: "Reader", plan: LoadPlan) -> list[tuple[str, int, int]]:
+    """Where the stored bytes lie that ``plan`` (this rank's load plan, read through
+    ``reader``, of a local checkpoint) reads: ``(shard file path, begin, end)``, merged per
+    file, each range whole CRC blocks or chunks (what the read checks). No collective; no
+    tensor data read."""
+    tensor_reqs, byte_reqs = _requests(plan)
+    rr = reader._open()
+    regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
+    for _, name in byte_reqs:
+        _, shape = rr.shape_of(name)
+        if 0 not in shape:
+            regions.append((name, [0] * len(shape), list(shape)))
+    return [(os.fspath(f), int(b), int(e)) for f, b, e in rr.byte_ranges(regions)]
 
 
 def _prefetch(ranges: list) -> None:

@@ -277,12 +277,12 @@ def load(
     meta_all, cid = _broadcast_meta(path, process_group)
     prep = _prepare(path, meta_all, cid, model, optimizer, strict, allow_optimizer_change)
     # 4a. Each rank plans its reads alone; the ranks agree that every plan was made.
-    err: Optional[BaseException] = None
     try:
-        _plan(prep, process_group)
-    except Exception as e:  # noqa: BLE001 - agreed on below
-        err = e
-    _raise_agreed(err, path, process_group)
+        _agreed(lambda: _plan(prep, process_group), path, process_group)
+    except BaseException:
+        if prep.reader is not None:
+            prep.reader.reset()
+        raise
     return _finish(prep, model, optimizer, strict=strict, layout=layout, process_group=process_group,
                    allow_optimizer_change=allow_optimizer_change, check_extra=check_extra)
 
@@ -299,6 +299,7 @@ class _Prepared:
         self.planner: Any = None
         self.plan: Any = None
         self.md: Any = None
+        self.reader: Any = None  # the Reader planned with, that reads (reset: reopened then)
 
 
 def _prepare(path: Any, meta_all: dict, cid: str, model: Any, optimizer: Any, strict: bool,
@@ -320,12 +321,15 @@ def _plan(prep: _Prepared, pg: Any) -> None:
     plans unchanged and the reader's ``prepare_global_plan`` the identity too; gathering
     every rank's plan on one rank and scattering it back, as ``dcp.load`` does, only costs
     pickles of every read item of every rank, O(world x items) on the coordinator). No
-    collective; no tensor data read."""
+    collective; no tensor data read. The reader planned with stays open for the read
+    (:func:`_finish`): its destinations are the fresh tensors, each block checked as it is
+    copied; the ranks agree after the read, not inside it (``all_or_nothing=False``)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     coordinator = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(pg) == 0
-    reader = Reader(prep.path, all_or_nothing=False, expect_checkpoint_id=prep.cid)
+    reader = Reader(prep.path, process_group=pg, all_or_nothing=False, expect_checkpoint_id=prep.cid,
+                    fresh_destinations=True)
     try:
         md = reader.read_metadata()
         planner = DefaultLoadPlanner()
@@ -333,9 +337,10 @@ def _plan(prep: _Prepared, pg: Any) -> None:
         reader.set_up_storage_reader(md, coordinator)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         prep.plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
-        prep.planner, prep.md = planner, md
-    finally:
+        prep.planner, prep.md, prep.reader = planner, md, reader
+    except BaseException:
         reader.reset()
+        raise
 
 
 def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout: Any, process_group: Any,
@@ -345,24 +350,16 @@ def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout
     every read passed; the layout; ``check_extra``; then apply."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    import torch.distributed as dist
-
     path = prep.path
     # 4b. Read. The destinations are fresh tensors, which nothing uses if the load raises:
-    # each block is checked as it is copied (one pass); the ranks agree once, below (the
-    # reader's own agreement is not needed on top: all_or_nothing=False).
-    reader = Reader(path, process_group=process_group, all_or_nothing=False,
-                    expect_checkpoint_id=prep.cid, fresh_destinations=True)
-    err: Optional[BaseException] = None
-    try:
-        coordinator = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0
-        reader.set_up_storage_reader(prep.md, coordinator)
-        reader.read_data(prep.plan, prep.planner).wait()
-    except Exception as e:  # noqa: BLE001 - agreed on below
-        err = e
-    finally:
-        reader.reset()
-    _raise_agreed(err, path, process_group)
+    # each block is checked as it is copied (one pass); the ranks agree once, below.
+    def read() -> None:
+        try:
+            prep.reader.read_data(prep.plan, prep.planner).wait()
+        finally:
+            prep.reader.reset()
+
+    _agreed(read, path, process_group)
 
     # 5. Moments in the layout asked for.
     if layout is not None and prep.tgt_o:
@@ -371,7 +368,7 @@ def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout
     extra = dict(prep.extra)
     extra.update(prep.tgt_x)
     if check_extra is not None:
-        _check_extra(check_extra, extra, path, process_group)
+        _agreed(lambda: check_extra(extra), path, process_group, refusal=True)
 
     # 6. Apply: nothing above changed the model or the optimizer.
     if optimizer is not None:
@@ -394,39 +391,34 @@ def _gather_errors(err: Optional[BaseException], pg: Any) -> dict:
     return {r: e for r, e in enumerate(got) if e is not None}
 
 
-def _raise_agreed(err: Optional[BaseException], path: Any, pg: Any) -> None:
-    """Raise on every rank if any rank failed: the first failing rank's error class (one of
-    :mod:`ckptstore.errors`, else :class:`CheckpointError`), naming the failing ranks."""
-    from .. import errors
-
-    bad = _gather_errors(err, pg)
-    if bad:
-        name, text = next(iter(bad.values()))
-        cls = getattr(errors, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-            cls = CheckpointError
-        raise cls(f"loading {os.fspath(path)!r} failed on rank(s) {sorted(bad)}: {text}") from err
-
-
 class _ExtraRefused(CheckpointError):
     """``check_extra`` raised on some rank (internal: the tiered manager passes such a step
     over without suspecting its copies)."""
 
 
-def _check_extra(fn: Callable[[dict], Any], extra: dict, path: Any, pg: Any) -> None:
-    """``fn(extra)`` on every rank; the ranks agree: what it raised on any rank is raised
-    on every rank."""
+def _agreed(fn: Callable[[], Any], path: Any, pg: Any, *, refusal: bool = False) -> None:
+    """``fn()`` on every rank, then the ranks agree (one all-gather of the error texts):
+    if it raised on any rank, every rank raises the first failing rank's error class (one
+    of :mod:`ckptstore.errors`, else :class:`CheckpointError`) naming the failing ranks;
+    ``refusal``: ``check_extra`` refusing the extra, raised as :class:`_ExtraRefused`."""
+    from .. import errors
+
     err: Optional[BaseException] = None
     try:
-        fn(extra)
+        fn()
     except Exception as e:  # noqa: BLE001 - agreed on below
         err = e
     bad = _gather_errors(err, pg)
-    if bad:
-        name, text = next(iter(bad.values()))
-        raise _ExtraRefused(
-            f"loading {os.fspath(path)!r}: check_extra refused its extra on rank(s) {sorted(bad)}: {name}: {text}"
-        ) from err
+    if not bad:
+        return
+    name, text = next(iter(bad.values()))
+    where = f"loading {os.fspath(path)!r}"
+    if refusal:
+        raise _ExtraRefused(f"{where}: check_extra refused its extra on rank(s) {sorted(bad)}: {name}: {text}") from err
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    raise cls(f"{where} failed on rank(s) {sorted(bad)}: {text}") from err
 
 
 def _targets(
