@@ -171,6 +171,14 @@ def _ss_bytes(addrs: dict) -> dict:
     return got
 
 
+def _disk_kib() -> tuple[int, int]:
+    """KiB the machine has read from and written to disk so far (``/proc/vmstat``
+    ``pgpgin``, ``pgpgout``: every host, one kernel): the local tiers are on disk here, and
+    what a restore reads of them comes from the page cache or, where evicted, the disk."""
+    got = dict(line.split(" ", 1) for line in Path("/proc/vmstat").read_text().splitlines() if " " in line)
+    return int(got.get("pgpgin", 0)), int(got.get("pgpgout", 0))
+
+
 def _dcp_storage(cfg, write: bool):
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
@@ -280,6 +288,7 @@ def _job_main(name: str, shared: str) -> None:
         mode = name.split("-", 1)[1]
         addrs = {a: int(h) for a, h in cfg["addrs"].items()}
         before = _ss_bytes(addrs) if is_leader else {}
+        disk0 = _disk_kib()
         dist.barrier()
         t0 = time.perf_counter()
         if mode == "dcp":
@@ -298,6 +307,7 @@ def _job_main(name: str, shared: str) -> None:
             mgr.close()
         res["restore_s"] = time.perf_counter() - t0
         res["t_resumed"] = time.time()  # restored: the first resumed step can start
+        res["disk_mib"] = [(a - b) / 1024 for a, b in zip(_disk_kib(), disk0)]  # read, written: every host's
         after = _ss_bytes(addrs) if is_leader else {}
         res.update(step=step, tier=tier, fingerprint=_fingerprint(m, o))
         _train_step(m, o, (step or 0) + 1, rank, w)
@@ -486,6 +496,8 @@ def summarize(res) -> dict:
             "startup_s": med([max(o["t_built"] for o in d["ranks"]) - d["launch"] for d in reps]),
             "restore_s": med([max(o["restore_s"] for o in d["ranks"]) for d in reps]),
             "restore_runs_s": [round(max(o["restore_s"] for o in d["ranks"]), 3) for d in reps],
+            "disk_mib": [[round(max((o.get("disk_mib") or [0, 0])[k] for o in d["ranks"]), 1) for k in (0, 1)]
+                         for d in reps],
             "step": [o["step"] for d in reps for o in d["ranks"]],
             "tier": sorted({str(o["tier"]) for d in reps for o in d["ranks"]}),
             "bit_identical": all(o["fingerprint"] == fp[o["rank"]] for d in reps for o in d["ranks"]),
@@ -552,6 +564,8 @@ def report(res, s) -> None:
             d = s[leg]
             print(f"  {leg:26} {d['resumed_s']:12.2f} {d['restart_s']:13.2f} {d['startup_s']:10.2f} {d['restore_s']:10.2f}  "
                   f"{d['step'][0]!s:4}  {','.join(d['tier']):10}  {d['bit_identical']}")
+    print("  disk read, written during each restore (the machine's pgpgin, pgpgout; MiB): "
+          + "; ".join(f"{leg} {s[leg]['disk_mib']}" for leg in ("fast", "persistent", "dcp") if leg in s))
     for a, b in (("persistent", "fast"), ("dcp", "fast"), ("dcp", "persistent")):
         if a in s and b in s:
             print(f"  {a} / {b}: to resumed {s[a]['resumed_s'] / s[b]['resumed_s']:.2f}x, "
