@@ -51,7 +51,9 @@ What one run measures, in order (all in the same run, so the ratios compare like
    ``restore_latest``), then the same bytes sent between the same hosts with
    ``torch.distributed`` isend/irecv of uint8 tensors over gloo, all pairs at once (best of
    2): the raw transfer. The restore's own fetch rounds (the byte ranges moving between
-   hosts) are timed from the manager's phase trace (``CKPTSTORE_TIERS_TRACE``) too.
+   hosts) are timed from the manager's phase trace (``CKPTSTORE_TIERS_TRACE``) too. Around
+   every restore, the MiB the machine read from and wrote to disk (``/proc/vmstat``): the
+   local tiers are directories on disk here, served from the page cache unless evicted.
 
 Goals (issue 39) printed with PASS/MISS: restart from peers >= 3x faster than from the
 persistent tier (both to resumed and to the first step's end); raw transfer time / peer restore time >= 0.8; median save blocking <= 1.2x
