@@ -292,13 +292,12 @@ class _Prepared:
     the fresh tensors to read into, the decoded extra values and, once planned, this rank's
     DCP read plan. The tiered restore plans once, fetches what the plan reads, and loads."""
 
-    def __init__(self, path: Any, cid: str, meta: dict, sd: dict, om: dict, names: list,
+    def __init__(self, path: Any, cid: str, sd: dict, om: dict, names: list,
                  tgt_m: dict, tgt_o: dict, tgt_x: dict, extra: dict) -> None:
-        self.path, self.cid, self.meta, self.sd, self.om, self.names = path, cid, meta, sd, om, names
+        self.path, self.cid, self.sd, self.om, self.names = path, cid, sd, om, names
         self.tgt_m, self.tgt_o, self.tgt_x, self.extra = tgt_m, tgt_o, tgt_x, extra
         self.planner: Any = None
         self.plan: Any = None
-        self.md: Any = None
         self.reader: Any = None  # the Reader planned with, that reads (reset: reopened then)
 
 
@@ -312,7 +311,7 @@ def _prepare(path: Any, meta_all: dict, cid: str, model: Any, optimizer: Any, st
     extra: dict[str, Any] = {
         k: _decode(v, f"{os.fspath(path)!r}, extra {k!r}") for k, v in (meta.get("extra") or {}).items()
     }
-    return _Prepared(path, cid, meta, sd, om, names, tgt_m, tgt_o, tgt_x, extra)
+    return _Prepared(path, cid, sd, om, names, tgt_m, tgt_o, tgt_x, extra)
 
 
 def _plan(prep: _Prepared, pg: Any) -> None:
@@ -337,7 +336,7 @@ def _plan(prep: _Prepared, pg: Any) -> None:
         reader.set_up_storage_reader(md, coordinator)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         prep.plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
-        prep.planner, prep.md, prep.reader = planner, md, reader
+        prep.planner, prep.reader = planner, reader
     except BaseException:
         reader.reset()
         raise
