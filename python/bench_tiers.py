@@ -50,7 +50,9 @@ What one run measures, in order (all in the same run, so the ratios compare like
    ``bytes_received`` of every TCP socket, by peer address, before and after
    ``restore_latest``), then the same bytes sent between the same hosts with
    ``torch.distributed`` isend/irecv of uint8 tensors over gloo, all pairs at once (best of
-   2): the raw transfer. The restore's own fetch rounds (the byte ranges moving between
+   2): the raw transfer; and once more with the receive buffers allocated inside the timed
+   region, first touched by the receive as a restore's fresh tensors are (context, not
+   judged). The restore's own fetch rounds (the byte ranges moving between
    hosts) are timed from the manager's phase trace (``CKPTSTORE_TIERS_TRACE``) too. Around
    every restore, the MiB the machine read from and wrote to disk (``/proc/vmstat``): the
    local tiers are directories on disk here, served from the page cache unless evicted.
@@ -192,9 +194,11 @@ def _dcp_storage(cfg, write: bool):
     return (FsspecWriter if write else FsspecReader)(cfg["dcp"]["path"], **opts)
 
 
-def _raw_transfer(matrix, leaders, host, is_leader, reps=2) -> list:
+def _raw_transfer(matrix, leaders, host, is_leader, reps=2, fresh=False) -> list:
     """Send matrix[src][dst] bytes from each host's first rank to each other one's, all
-    pairs at once (isend/irecv of uint8 tensors); seconds of each repetition."""
+    pairs at once (isend/irecv of uint8 tensors); seconds of each repetition. ``fresh``:
+    the receive buffers are allocated inside the timed region and first touched by the
+    receive, as a restore's fresh tensors are; else allocated and zeroed before it."""
     import torch
     import torch.distributed as dist
 
@@ -205,16 +209,20 @@ def _raw_transfer(matrix, leaders, host, is_leader, reps=2) -> list:
                 sends.append((leaders[h], torch.ones(n, dtype=torch.uint8)))
         for h, row in enumerate(matrix):
             if row[host] and h != host:
-                recvs.append((leaders[h], torch.zeros(row[host], dtype=torch.uint8)))
+                recvs.append((leaders[h], row[host]))
     times = []
     for _ in range(reps):
+        bufs = [] if fresh else [(src, torch.zeros(n, dtype=torch.uint8)) for src, n in recvs]
         dist.barrier()
         t0 = time.perf_counter()
-        reqs = [dist.isend(b, dst) for dst, b in sends] + [dist.irecv(b, src) for src, b in recvs]
+        if fresh:
+            bufs = [(src, torch.empty(n, dtype=torch.uint8)) for src, n in recvs]
+        reqs = [dist.isend(b, dst) for dst, b in sends] + [dist.irecv(b, src) for src, b in bufs]
         for r in reqs:
             r.wait()
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        del bufs
     return times
 
 
@@ -327,6 +335,8 @@ def _job_main(name: str, shared: str) -> None:
                             matrix[src][dst] = n
             res["matrix"] = matrix
             res["raw_s"] = _raw_transfer(matrix, [h * rph for h in range(n_hosts)], host, is_leader)
+            res["raw_fresh_s"] = _raw_transfer(matrix, [h * rph for h in range(n_hosts)], host, is_leader,
+                                               fresh=True)
     nc._result(res)
     nc.exit_together(rank, world)
 
@@ -511,6 +521,9 @@ def summarize(res) -> dict:
         # per repetition: the raw transfer's best of 2 (each timed by its slowest rank)
         raw = [min(max(o["raw_s"][k] for o in d["ranks"]) for k in range(len(r0["raw_s"]))) for d in legs["fast"]]
         s["raw_s"] = med(raw)
+        if "raw_fresh_s" in r0:
+            s["raw_fresh_s"] = med([min(max(o["raw_fresh_s"][k] for o in d["ranks"]) for k in range(len(r0["raw_fresh_s"])))
+                                    for d in legs["fast"]])
         fetch = [d["fetch_s"] for d in legs["fast"] if d.get("fetch_s")]
         s["fetch_s"] = med(fetch) if fetch else None
     n = len(train[0]["block_s"])
@@ -579,6 +592,11 @@ def report(res, s) -> None:
               f"the same: {s['raw_s']:.2f} s ({s['peer_bytes'] / MIB / s['raw_s']:.0f} MiB/s); restore "
               f"{s['fast']['restore_s']:.2f} s" + (f", of which its fetch rounds {s['fetch_s']:.2f} s (raw s / "
                                                     f"fetch s: {s['raw_s'] / s['fetch_s']:.2f})" if s.get("fetch_s") else ""))
+        if s.get("raw_fresh_s"):
+            print(f"  the same into receive buffers allocated in the timed region (first touched by the receive, "
+                  f"as a restore's fresh tensors are): {s['raw_fresh_s']:.2f} s "
+                  f"({s['peer_bytes'] / MIB / s['raw_fresh_s']:.0f} MiB/s; raw fresh s / restore s: "
+                  f"{s['raw_fresh_s'] / s['fast']['restore_s']:.2f})")
     v = s["save"]
     print(f"\nsave: one copy {v['copy_sync_median_s'] * 1e3:.1f} ms timed as the saves (every rank at once after "
           f"a barrier, median of the slowest rank), {v['copy_s'] * 1e3:.1f} ms alone (best of 3); save() blocks median {v['block_median_s'] * 1e3:.0f} ms "
