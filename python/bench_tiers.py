@@ -518,12 +518,12 @@ def summarize(res) -> dict:
         r0 = legs["fast"][0]["ranks"][0]
         s["peer_bytes_matrix"] = r0["matrix"]
         s["peer_bytes"] = sum(map(sum, r0["matrix"]))
-        # per repetition: the raw transfer's best of 2 (each timed by its slowest rank)
-        raw = [min(max(o["raw_s"][k] for o in d["ranks"]) for k in range(len(r0["raw_s"]))) for d in legs["fast"]]
-        s["raw_s"] = med(raw)
+        def raw(key):  # per repetition: the raw transfer's best of 2 (each timed by its slowest rank)
+            return med([min(max(o[key][k] for o in d["ranks"]) for k in range(len(r0[key]))) for d in legs["fast"]])
+
+        s["raw_s"] = raw("raw_s")
         if "raw_fresh_s" in r0:
-            s["raw_fresh_s"] = med([min(max(o["raw_fresh_s"][k] for o in d["ranks"]) for k in range(len(r0["raw_fresh_s"])))
-                                    for d in legs["fast"]])
+            s["raw_fresh_s"] = raw("raw_fresh_s")
         fetch = [d["fetch_s"] for d in legs["fast"] if d.get("fetch_s")]
         s["fetch_s"] = med(fetch) if fetch else None
     n = len(train[0]["block_s"])
