@@ -281,3 +281,34 @@ def write_file(location: str, name: str, data: bytes) -> None:
 
 def copy_files(src_dir: str, location: str, files: Sequence[tuple[str, int, int]]) -> None:
     """``ckptstore.atomic.copy_files``."""
+
+def state_target(
+    param: str,
+    state: str,
+    wire: str,
+    state_shape: Sequence[int],
+    param_shape: Sequence[int],
+    layout: Layout,
+    counters: Sequence[str] = (),
+) -> Target:
+    """The target ``layout`` gives this state by the loaders' rule
+    (``ckptstore::optim::StateLayout::target``; global shapes for a sharded state)."""
+
+def state_absbits(param: str, state: str, wire: str, array: np.ndarray) -> int:
+    """The largest ``|x|`` of a floating-point state (or one shard of it) as FP32 bits
+    (an infinity or NaN: at least ``0x7f800000``); shards fold with ``max``."""
+
+def convert_state(
+    param: str,
+    state: str,
+    wire: str,
+    array: np.ndarray,
+    target: str,
+    *,
+    absmax_bits: Optional[int] = None,
+) -> Any:
+    """The state in ``target`` in fresh arrays (``ckptstore::optim::StateValue::convert``):
+    an array, or an ``F16Scaled`` whose scale comes from ``absmax_bits`` when given."""
+
+def f16_scaled_to_f32(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``float32(q) * scale`` in a fresh array (``F16Scaled.to_float32``)."""

@@ -30,12 +30,14 @@ class F16Scaled:
         return tuple(self.q.shape)
 
     def to_float32(self) -> np.ndarray:
-        """The values as a fresh float32 array (``float32(q) * scale``, rounded as the
-        engine rounds)."""
-        s = np.float32(np.asarray(self.scale, dtype=np.float32).reshape(()))
-        out = self.q.astype(np.float32)  # a fresh array, also for 0-dim states
-        out *= s
-        return out
+        """The values as a fresh float32 array (``float32(q) * scale``), computed by the
+        engine (``ckptstore::convert::f16_scaled_to_f32``)."""
+        from . import _ckptstore
+
+        return _ckptstore.f16_scaled_to_f32(
+            np.require(self.q, dtype=np.float16, requirements="C"),  # 0-dim stays 0-dim
+            np.require(self.scale, dtype=np.float32, requirements="C"),
+        )
 
     def __repr__(self) -> str:
         return (

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use ckptstore::checkpoint::Kind;
-use ckptstore::optim::{ScaleShape, StateLayout, StateValue, Target, Tensor};
+use ckptstore::optim::{StateValue, Tensor};
 use ckptstore::Error;
 
 /// A checkpoint whose shard bytes are in memory: open from a path (memory-mapped) or an
@@ -24,10 +24,11 @@ use crate::args::{indexes, Index, Name};
 use crate::dtypes::{array_over, descr, uint8};
 
 use crate::errors::{invalid_arg, CkError};
+use crate::state::parse_layout;
 use access::*;
 pub(crate) use access::{region_reader, MappedCheckpoint};
-pub(crate) use convert::OwnedBuffer;
 use convert::*;
+pub(crate) use convert::{owned_array, OwnedBuffer};
 
 /// An open checkpoint: a ckptstore directory, a plain `.safetensors` file, or a Hugging
 /// Face sharded directory. Opening validates the structure and maps the shards read-only;

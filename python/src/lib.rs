@@ -23,6 +23,7 @@ mod parts;
 mod reader;
 mod remote;
 mod save;
+mod state;
 
 use pyo3::prelude::*;
 
@@ -37,6 +38,10 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parts::commit, m)?)?;
     m.add_function(wrap_pyfunction!(parts::new_checkpoint_id, m)?)?;
     m.add_function(wrap_pyfunction!(optim::check_optimizer_fit, m)?)?;
+    m.add_function(wrap_pyfunction!(state::state_target, m)?)?;
+    m.add_function(wrap_pyfunction!(state::state_absbits, m)?)?;
+    m.add_function(wrap_pyfunction!(state::convert_state, m)?)?;
+    m.add_function(wrap_pyfunction!(state::f16_scaled_to_f32, m)?)?;
     m.add_class::<PyCheckpoint>()?;
     m.add_class::<manager::PyCheckpointManager>()?;
     m.add_class::<manager::PyStepLease>()?;

@@ -1,140 +1,21 @@
 //! Loading optimizer state from a checkpoint into fresh buffers.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 
-use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::{BufferPool, OptimizerState, ParamGroup, ParamSpec, StateValue, Tensor};
+use super::state::{convert_plain, typed, unscale};
+use super::{
+    BufferPool, OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue, Target,
+    Tensor,
+};
 use crate::checkpoint::{Checkpoint, Region, TensorInfo};
 use crate::convert;
 use crate::crc::crc32_parallel;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::format::manifest::{Encoding, OptimizerSection};
-use crate::view::{Element, TensorView};
-
-/// The shape of the scale tensor of an FP16-scaled state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ScaleShape {
-    /// Keep the checkpoint's scale shape when the stored state is FP16-scaled; `[1]`
-    /// (as TransformerEngine's FusedAdam) when it is converted from plain values.
-    #[default]
-    Keep,
-    /// A 0-dim scale, shape `[]`.
-    Scalar,
-    /// A one-element scale, shape `[1]`.
-    One,
-}
-
-impl ScaleShape {
-    pub(crate) fn dims(self) -> &'static [u64] {
-        match self {
-            ScaleShape::Scalar => &[],
-            ScaleShape::Keep | ScaleShape::One => &[1],
-        }
-    }
-}
-
-/// What the live optimizer holds for a state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Target {
-    /// Whatever the checkpoint stores, copied exactly.
-    #[default]
-    AsStored,
-    /// FP32 values.
-    F32,
-    /// BF16 values (round to nearest even from FP32).
-    BF16,
-    /// FP16 codes with a per-tensor F32 scale (TransformerEngine FusedAdam arithmetic).
-    F16Scaled(ScaleShape),
-}
-
-/// Per state name (and optionally per parameter), the target the live optimizer holds.
-///
-/// Resolution order: a `(parameter, state)` entry, then a state-name entry, then the
-/// default. Explicit entries apply as given and fail on a non-floating-point state; the
-/// default applies only to floating-point states shaped like their parameter and never to
-/// the counters named by [`StateLayout::counter`] (by default `step`), so scalar states
-/// stay as stored even for a 0-dim parameter, whose moments are 0-dim too.
-///
-/// # Example
-/// ```
-/// use ckptstore::optim::{ScaleShape, StateLayout, Target};
-/// let layout = StateLayout::default()
-///     .state("exp_avg", Target::F16Scaled(ScaleShape::Keep))
-///     .state("exp_avg_sq", Target::F16Scaled(ScaleShape::Keep))
-///     .param_state("embed.weight", "exp_avg", Target::F32);
-/// ```
-#[derive(Debug, Clone)]
-pub struct StateLayout {
-    default: Target,
-    states: HashMap<String, Target>,
-    params: HashMap<(String, String), Target>,
-    counters: Vec<String>,
-}
-
-impl Default for StateLayout {
-    /// Everything as stored; `step` is a counter.
-    fn default() -> Self {
-        StateLayout {
-            default: Target::AsStored,
-            states: HashMap::new(),
-            params: HashMap::new(),
-            counters: vec!["step".into()],
-        }
-    }
-}
-
-impl StateLayout {
-    /// A layout whose default target is `t`.
-    pub fn with_default(t: Target) -> Self {
-        StateLayout {
-            default: t,
-            ..Default::default()
-        }
-    }
-
-    /// Name a state the default target never applies to (a counter kept as stored, like
-    /// the built-in `step`).
-    pub fn counter(mut self, state: impl Into<String>) -> Self {
-        self.counters.push(state.into());
-        self
-    }
-
-    /// Set the target of every state named `state`.
-    pub fn state(mut self, state: impl Into<String>, t: Target) -> Self {
-        self.states.insert(state.into(), t);
-        self
-    }
-
-    /// Set the target of one parameter's state.
-    pub fn param_state(
-        mut self,
-        param: impl Into<String>,
-        state: impl Into<String>,
-        t: Target,
-    ) -> Self {
-        self.params.insert((param.into(), state.into()), t);
-        self
-    }
-
-    /// The target for a state, and whether it was given explicitly.
-    fn resolve(&self, param: &str, state: &str) -> (Target, bool) {
-        if let Some(&t) = self.params.get(&(param.to_string(), state.to_string())) {
-            return (t, true);
-        }
-        if let Some(&t) = self.states.get(state) {
-            return (t, true);
-        }
-        if self.counters.iter().any(|c| c == state) {
-            return (Target::AsStored, false);
-        }
-        (self.default, false)
-    }
-}
+use crate::view::TensorView;
 
 enum Source<'a> {
     Plain(&'a TensorInfo),
@@ -260,18 +141,12 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
                     },
                     _ => Source::Plain(self.info(&s.tensor)?),
                 };
-                let (target, explicit) = layout.resolve(&p.name, &s.name);
-                // The default applies only to floating-point states shaped like their
-                // parameter (scaled states are floating-point by definition).
+                // Scaled states are floating-point by definition.
                 let (float, shape) = match &source {
                     Source::Plain(t) => (t.dtype.is_float(), &t.shape),
                     Source::Scaled { q, .. } => (true, &q.shape),
                 };
-                let target = if explicit || (float && *shape == p.shape) {
-                    target
-                } else {
-                    Target::AsStored
-                };
+                let target = layout.target(&p.name, &s.name, float, shape, &p.shape);
                 jobs.push(Job {
                     param: &p.name,
                     state: &s.name,
@@ -371,13 +246,8 @@ impl<B: AsRef<[u8]> + Send + Sync + crate::mmap::ReleasePages> Checkpoint<B> {
                 } else {
                     self.read(&s.tensor).to_tensor()?
                 };
-                let (target, explicit) = layout.resolve(param, state);
                 let float = data.dtype().is_float() || s.encoding == Encoding::F16Scaled;
-                let target = if explicit || (float && shaped) {
-                    target
-                } else {
-                    Target::AsStored
-                };
+                let target = layout.target(param, state, float, stored_shape, pshape);
                 match (&s.scale, target) {
                     (None, Target::AsStored) => Ok(StateValue::Plain(data)),
                     (None, t) => {
@@ -688,111 +558,4 @@ fn assemble<'k>(
         })
         .collect();
     OptimizerState { groups, state }
-}
-
-/// FP16 codes `qv` times scale `s`, in `t` (F32 or BF16), into a fresh tensor.
-fn unscale(
-    qv: &TensorView<'_>,
-    s: f32,
-    t: Target,
-    pool: Option<&BufferPool>,
-) -> Result<StateValue> {
-    let codes = typed::<f16>(qv);
-    let shape = qv.shape();
-    match t {
-        Target::F32 => {
-            let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
-            convert::f16_scaled_to_f32(&codes, s, out.as_mut_slice()?);
-            Ok(StateValue::Plain(out))
-        }
-        Target::BF16 => {
-            let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
-            convert::f16_scaled_to_bf16(&codes, s, out.as_mut_slice()?);
-            Ok(StateValue::Plain(out))
-        }
-        Target::AsStored | Target::F16Scaled(_) => unreachable_as_stored(),
-    }
-}
-
-/// A floating-point plain state `v` (already CRC-checked) in `target` (not `AsStored`),
-/// into a fresh tensor: the general path, without the fused CRC-and-convert kernels.
-fn convert_plain(
-    v: &TensorView<'_>,
-    target: Target,
-    pool: Option<&BufferPool>,
-    conv: impl Fn(String) -> Error,
-) -> Result<StateValue> {
-    let shape = v.shape();
-    match target {
-        Target::F32 => {
-            let mut out = Tensor::for_overwrite(DType::F32, shape, pool)?;
-            widen_to_f32(v, out.as_mut_slice()?);
-            Ok(StateValue::Plain(out))
-        }
-        Target::BF16 => {
-            let mut out = Tensor::for_overwrite(DType::BF16, shape, pool)?;
-            match v.dtype() {
-                DType::F64 => {
-                    for (o, &x) in out
-                        .as_mut_slice::<bf16>()?
-                        .iter_mut()
-                        .zip(typed::<f64>(v).iter())
-                    {
-                        *o = convert::f64_to_bf16(x);
-                    }
-                }
-                _ => {
-                    let x = to_f32(v);
-                    convert::f32_to_bf16(&x, out.as_mut_slice()?);
-                }
-            }
-            Ok(StateValue::Plain(out))
-        }
-        Target::F16Scaled(sh) => {
-            let x = to_f32(v);
-            StateValue::f16_scaled_from_f32(shape, &x, sh).map_err(|e| match e {
-                Error::Conversion { reason, .. } => conv(reason),
-                e => e,
-            })
-        }
-        Target::AsStored => unreachable_as_stored(),
-    }
-}
-
-/// Matched earlier in `run_job`; kept as an error rather than a panic.
-fn unreachable_as_stored<T>() -> Result<T> {
-    Err(Error::InvalidArgument(
-        "internal: AsStored handled above".into(),
-    ))
-}
-
-/// The view's elements as `T`: borrowed when aligned (always, for ckptstore shards),
-/// copied otherwise.
-fn typed<'a, T: Element>(v: &TensorView<'a>) -> Cow<'a, [T]> {
-    match v.as_slice::<T>() {
-        Ok(s) => Cow::Borrowed(s),
-        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(v.bytes())),
-    }
-}
-
-fn widen_to_f32(v: &TensorView<'_>, out: &mut [f32]) {
-    match v.dtype() {
-        DType::BF16 => convert::bf16_to_f32(&typed::<bf16>(v), out),
-        DType::F16 => convert::f16_to_f32(&typed::<f16>(v), out),
-        DType::F64 => {
-            for (o, &x) in out.iter_mut().zip(typed::<f64>(v).iter()) {
-                *o = x as f32;
-            }
-        }
-        _ => convert::copy_bytes(v.bytes(), bytemuck::cast_slice_mut(out)),
-    }
-}
-
-fn to_f32<'a>(v: &TensorView<'a>) -> Cow<'a, [f32]> {
-    if v.dtype() == DType::F32 {
-        return typed::<f32>(v);
-    }
-    let mut out = vec![0f32; v.numel()];
-    widen_to_f32(v, &mut out);
-    Cow::Owned(out)
 }

@@ -12,14 +12,18 @@
 //!   is untouched.
 
 mod compat;
+mod layout;
 mod load;
+mod state;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 pub use crate::tensor::{BufferPool, PoolStats, Tensor};
 pub use compat::{check_compatible, OptimizerSignature};
-pub use load::{LoadOptions, ScaleShape, StateLayout, Target};
+pub use layout::{ScaleShape, StateLayout, Target};
+pub use load::LoadOptions;
+pub use state::state_absbits;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -87,23 +91,17 @@ impl StateValue {
         x: &[f32],
         scale_shape: ScaleShape,
     ) -> Result<StateValue> {
-        let mut q = Tensor::zeros(DType::F16, shape)?;
-        if q.numel() != x.len() {
+        let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if numel != u64::try_from(x.len()).ok() {
             return Err(Error::InvalidArgument(format!(
                 "{} values for shape {shape:?}",
                 x.len()
             )));
         }
-        let s = crate::convert::f32_to_f16_scaled(x, q.as_mut_slice()?).map_err(|e| {
-            Error::Conversion {
-                param: String::new(),
-                state: String::new(),
-                reason: e.to_string(),
-            }
-        })?;
-        Ok(StateValue::F16Scaled {
-            q,
-            scale: Tensor::scalar_f32(s).reshaped(scale_shape.dims()),
+        state::scaled(x, shape, scale_shape, None, None).map_err(|reason| Error::Conversion {
+            param: String::new(),
+            state: String::new(),
+            reason,
         })
     }
 

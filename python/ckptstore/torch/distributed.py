@@ -33,8 +33,9 @@ import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from .. import _ckptstore
-from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError
-from ._dtypes import _torch
+from .._types import F16Scaled
+from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError, OptimizerStateError
+from ._dtypes import _from_array, _to_numpy, _torch
 from ._state import (
     _changed_class,
     _check_fit,
@@ -51,7 +52,6 @@ __all__ = ["save", "load", "META_KEY", "CheckpointManager"]
 #: Manifest metadata key under which :func:`save` records what it stored.
 META_KEY = "ckptstore.torch.distributed"
 _META_VERSION = 1
-_F16_RANGE = 32752.0  # the engine's FP16-scaled range (src/convert: F16_MAX_RANGE)
 
 
 def _dtensor_type() -> type:
@@ -362,12 +362,12 @@ def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout
 
     # 5. Moments in the layout asked for.
     if layout is not None and prep.tgt_o:
-        _apply_layout(prep.tgt_o, prep.names, optimizer, layout, process_group)
+        _apply_layout(prep.tgt_o, prep.names, optimizer, layout, path, process_group)
 
     extra = dict(prep.extra)
     extra.update(prep.tgt_x)
     if check_extra is not None:
-        _agreed(lambda: check_extra(extra), path, process_group, refusal=True)
+        _agreed(lambda: check_extra(extra), path, process_group, refused=_ExtraRefused)
 
     # 6. Apply: nothing above changed the model or the optimizer.
     if optimizer is not None:
@@ -395,11 +395,15 @@ class _ExtraRefused(CheckpointError):
     over without suspecting its copies)."""
 
 
-def _agreed(fn: Callable[[], Any], path: Any, pg: Any, *, refusal: bool = False) -> None:
+def _agreed(fn: Callable[[], Any], path: Any, pg: Any, *,
+            refused: Optional[type[CheckpointError]] = None) -> None:
     """``fn()`` on every rank, then the ranks agree (one all-gather of the error texts):
     if it raised on any rank, every rank raises the first failing rank's error class (one
-    of :mod:`ckptstore.errors`, else :class:`CheckpointError`) naming the failing ranks;
-    ``refusal``: ``check_extra`` refusing the extra, raised as :class:`_ExtraRefused`."""
+    of :mod:`ckptstore.errors`, else :class:`CheckpointError`) naming the failing ranks,
+    with the ``param`` and ``state`` of this rank's own error where it has them;
+    ``refused``: a refusal of the caller's (``check_extra`` refusing the extra,
+    :class:`_ExtraRefused`; the layout refused, :class:`_LayoutRefused`), raised as that
+    class."""
     from .. import errors
 
     err: Optional[BaseException] = None
@@ -412,12 +416,18 @@ def _agreed(fn: Callable[[], Any], path: Any, pg: Any, *, refusal: bool = False)
         return
     name, text = next(iter(bad.values()))
     where = f"loading {os.fspath(path)!r}"
-    if refusal:
+    if refused is _ExtraRefused:
         raise _ExtraRefused(f"{where}: check_extra refused its extra on rank(s) {sorted(bad)}: {name}: {text}") from err
     cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+    if refused is not None:
+        cls = refused
+    elif not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
         cls = CheckpointError
-    raise cls(f"{where} failed on rank(s) {sorted(bad)}: {text}") from err
+    out = cls(f"{where} failed on rank(s) {sorted(bad)}: {text}")
+    for attr in ("param", "state"):
+        if hasattr(err, attr):
+            setattr(out, attr, getattr(err, attr))
+    raise out from err
 
 
 def _targets(
@@ -540,46 +550,59 @@ def _new_optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
-def _apply_layout(tgt_o: dict, names: list[str], optimizer: Any, layout: Any, pg: Any) -> None:
-    """Round the moments in place as BF16 or FP16-scaled storage would (per-tensor scale
-    from the global absmax, one all-reduce per tensor)."""
+class _LayoutRefused(OptimizerStateError):
+    """The engine refused to convert a state to the layout asked for (an absmax too small
+    to scale by, non-finite values), on every rank alike (internal: the tiered manager
+    raises it rather than passing the step over, since every copy holds the same values)."""
+
+
+def _apply_layout(tgt_o: dict, names: list[str], optimizer: Any, layout: Any, path: Any, pg: Any) -> None:
+    """The moments in ``layout``, by the engine: which states a target applies to
+    (``state_target``, the rule of :meth:`ckptstore.Checkpoint.load_optimizer`, on global
+    shapes), each FP16-scaled state's scale from its global absmax (the engine's
+    ``state_absbits`` of every rank's shard, folded by one integer all-reduce for all
+    states), the conversion (``convert_state``) into fresh arrays, whose values, as torch
+    gets them from :func:`ckptstore.torch.load`, replace the fresh tensors' (never a live
+    one). A refusal is raised on every rank alike, as :class:`OptimizerStateError` naming
+    the parameter and the state."""
     torch = _torch()
     import torch.distributed as dist
 
     params = dict(zip(names, [p for g in optimizer.param_groups for p in g["params"]]))
-    for pname in sorted(tgt_o):
-        for k in sorted(tgt_o[pname]):
-            t = tgt_o[pname][k]
-            if isinstance(layout, str):
-                target = layout
-            elif isinstance(layout, Mapping):
-                target = layout.get((pname, k), layout.get(k, layout.get("*", "as_stored")))
-            else:
-                raise InvalidArgumentError(f"layout must be None, a string or a dict, got {layout!r}")
-            if target in ("as_stored", "f32", "float32") or k == "step":
-                continue
-            if not t.is_floating_point() or list(t.shape) != list(params[pname].shape):
-                continue
-            local = t.to_local() if _is_dtensor(t) else t
-            if target in ("bf16", "bfloat16"):
-                local.copy_(local.to(torch.bfloat16).to(local.dtype))
-            elif target in ("f16_scaled", "f16_scaled_scalar", "f16_scaled_one"):
-                amax = local.abs().max().float().reshape(1) if local.numel() else torch.zeros(1)
-                if not torch.isfinite(amax).all():
-                    raise InvalidArgumentError(
-                        f"optimizer state {pname!r}/{k!r} holds non-finite values: no FP16 scale"
-                    )
-                if dist.is_available() and dist.is_initialized():
-                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
-                s = amax / _F16_RANGE
-                if float(s) > 0:
-                    r = 1.0 / s
-                    q = (local.float() * r).to(torch.float16)
-                    local.copy_((q.float() * s).to(local.dtype))
-                else:
-                    local.zero_()
-            else:
-                raise InvalidArgumentError(f"unknown layout target {target!r}")
+    todo: list[tuple[str, str, Any, str, Any, str]] = []
+    bits: list[int] = []
+
+    def plan() -> None:
+        for pname in sorted(tgt_o):
+            for k in sorted(tgt_o[pname]):
+                t = tgt_o[pname][k]
+                local = t.to_local() if _is_dtensor(t) else t
+                _, wire, arr = _to_numpy(f"{pname}/{k}", local.contiguous())
+                target = _ckptstore.state_target(
+                    pname, k, wire, list(t.shape), list(params[pname].shape), layout
+                )
+                if target == "as_stored":
+                    continue
+                todo.append((pname, k, local, wire, arr, target))
+                if target.startswith("f16_scaled"):
+                    bits.append(_ckptstore.state_absbits(pname, k, wire, arr))
+
+    _agreed(plan, path, pg)
+    folded = torch.tensor(bits, dtype=torch.int64)
+    if bits and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(folded, op=dist.ReduceOp.MAX, group=pg)
+    absmax = iter(folded.tolist())
+
+    def convert() -> None:
+        for pname, k, local, wire, arr, target in todo:
+            got = _ckptstore.convert_state(
+                pname, k, wire, arr, target,
+                absmax_bits=next(absmax) if target.startswith("f16_scaled") else None,
+            )
+            values = got.to_float32() if isinstance(got, F16Scaled) else got
+            local.copy_(_from_array(values))
+
+    _agreed(convert, path, pg, refused=_LayoutRefused)
 
 
 def __getattr__(name: str) -> Any:

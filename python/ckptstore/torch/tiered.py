@@ -170,6 +170,7 @@ class _Request(NamedTuple):
     optimizer: Any
     allow_optimizer_change: bool
     check_extra: Optional[Callable[[dict], Any]]
+    layout: Any = None
 
 
 class CheckpointManager:
@@ -501,7 +502,7 @@ class CheckpointManager:
     # -- restore -------------------------------------------------------------------------------
 
     def restore_latest(self, model: Any, optimizer: Any = None, *, allow_optimizer_change: bool = False,
-                       check_extra: Optional[Callable[[dict], Any]] = None) -> Optional[int]:
+                       check_extra: Optional[Callable[[dict], Any]] = None, layout: Any = None) -> Optional[int]:
         """Restore the newest step that can be read whole from some tier (every rank, after
         any save in flight); returns it, or ``None`` when no tier holds any. Afterwards
         ``self.last_extra`` is the ``extra`` it was saved with, ``self.last_tier`` where it
@@ -510,9 +511,12 @@ class CheckpointManager:
         deliberate change of optimizer class). ``check_extra``: as in that function, called
         with a step's ``extra`` before anything changes; a step whose extra it refuses (on
         any rank) is passed over like one that cannot be read, and named in the warning.
-        Raises :class:`ckptstore.CheckpointError` on every rank alike when steps were
+        ``layout``: the moments' layout, as in :func:`ckptstore.torch.distributed.load`
+        (the engine converts them); a state it refuses (an absmax too small for FP16
+        scaling, say) raises :class:`ckptstore.OptimizerStateError` on every rank with
+        nothing changed, since every copy of the step holds the same values. Raises :class:`ckptstore.CheckpointError` on every rank alike when steps were
         recorded but none can be read (naming why for each)."""
-        req = _Request(model, optimizer, bool(allow_optimizer_change), check_extra)
+        req = _Request(model, optimizer, bool(allow_optimizer_change), check_extra, layout)
         self.wait()
         held = self._tier.scan(crc=False) if self.leader else None
         pers = self._persistent.steps() if self.rank == 0 and self._persistent is not None else None
@@ -587,8 +591,10 @@ class CheckpointManager:
                     return restore_fast(self, step, f, req, repersist)
                 loc = self._bcast(self._persistent.location(step) if self.rank == 0 else None)  # type: ignore[union-attr]
                 return self._load(step, loc, req)
-            except _GroupError:
-                raise  # the process group failed: no next candidate can be agreed on
+            except (_GroupError, _d._LayoutRefused):
+                # The process group failed: no next candidate can be agreed on; or the
+                # engine refused the layout for values every copy holds alike.
+                raise
             except CheckpointError as e:  # every rank raised it (the loads agree)
                 if kind == "fast" and not checked and not isinstance(e, _d._ExtraRefused):
                     checked = True
@@ -626,8 +632,8 @@ class CheckpointManager:
             kw = dict(process_group=self.pg, allow_optimizer_change=req.allow_optimizer_change,
                       check_extra=req.check_extra)
             if prep is None:
-                return _d.load(loc, req.model, req.optimizer, **kw)
-            return _d._finish(prep, req.model, req.optimizer, strict=True, layout=None, **kw)
+                return _d.load(loc, req.model, req.optimizer, layout=req.layout, **kw)
+            return _d._finish(prep, req.model, req.optimizer, strict=True, layout=req.layout, **kw)
 
         return self._phase(f"restore: load step {step}", load)
 

@@ -13,7 +13,7 @@ pub(crate) struct OwnedBuffer {
 
 /// A numpy array that owns a freshly loaded tensor's buffer (no copy).
 #[allow(unsafe_code)] // the one call of `array_over` for owned buffers
-pub(super) fn owned_array(py: Python<'_>, mut t: Tensor, raw: bool) -> PyResult<Py<PyAny>> {
+pub(crate) fn owned_array(py: Python<'_>, mut t: Tensor, raw: bool) -> PyResult<Py<PyAny>> {
     let (d, shape) = if raw {
         (uint8(py)?, vec![t.bytes().len() as u64])
     } else {
@@ -42,70 +42,6 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::HfSharded => "hf-sharded",
         _ => "unknown",
     }
-}
-
-/// Parse one layout target name.
-pub(super) fn parse_target(s: &str) -> PyResult<Target> {
-    Ok(match s.to_ascii_lowercase().as_str() {
-        "as_stored" | "stored" => Target::AsStored,
-        "f32" | "float32" => Target::F32,
-        "bf16" | "bfloat16" => Target::BF16,
-        "f16_scaled" => Target::F16Scaled(ScaleShape::Keep),
-        "f16_scaled_scalar" => Target::F16Scaled(ScaleShape::Scalar),
-        "f16_scaled_one" => Target::F16Scaled(ScaleShape::One),
-        _ => {
-            return Err(invalid_arg(format!(
-                "unknown layout target {s:?}: use \"as_stored\", \"f32\", \"bf16\", \
-                 \"f16_scaled\", \"f16_scaled_scalar\" or \"f16_scaled_one\""
-            )))
-        }
-    })
-}
-
-/// Build a `StateLayout` from the Python description (see `Checkpoint.load_optimizer`).
-pub(super) fn parse_layout(
-    layout: Option<&Bound<'_, PyAny>>,
-    counters: Vec<String>,
-) -> PyResult<StateLayout> {
-    let mut l = StateLayout::default();
-    match layout {
-        None => {}
-        Some(obj) if obj.is_none() => {}
-        Some(obj) => {
-            if let Ok(s) = obj.extract::<String>() {
-                l = StateLayout::with_default(parse_target(&s)?);
-            } else if let Ok(d) = obj.cast::<PyDict>() {
-                // The default first, so that the per-state entries survive it.
-                if let Some(t) = d.get_item("*")? {
-                    l = StateLayout::with_default(parse_target(&t.extract::<String>()?)?);
-                }
-                for (k, v) in d.iter() {
-                    let target = parse_target(&v.extract::<String>().map_err(|_| {
-                        invalid_arg(format!("layout value for {k} must be a string"))
-                    })?)?;
-                    if let Ok(key) = k.extract::<String>() {
-                        if key != "*" {
-                            l = l.state(key, target);
-                        }
-                    } else if let Ok((param, state)) = k.extract::<(String, String)>() {
-                        l = l.param_state(param, state, target);
-                    } else {
-                        return Err(invalid_arg(format!(
-                            "layout keys are state names, \"*\" or (param, state) tuples, not {k}"
-                        )));
-                    }
-                }
-            } else {
-                return Err(invalid_arg(
-                    "layout must be None, a target name or a dict of state name -> target name",
-                ));
-            }
-        }
-    }
-    for c in counters {
-        l = l.counter(c);
-    }
-    Ok(l)
 }
 
 /// The path of shard file `f` (as `Shard::file` names it): inside the checkpoint directory,
