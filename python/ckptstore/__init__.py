@@ -49,6 +49,7 @@ import numpy as np
 
 from . import _ckptstore
 from ._ckptstore import Checkpoint
+from ._dtypes import wire_dtype
 from ._types import Chunk, F16Scaled
 from .errors import (
     CheckpointError,
@@ -104,38 +105,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: Prefix of the tensors that hold optimizer state (``optim/<param>/<state>``), the
 #: engine's own naming convention.
 OPTIM_PREFIX = "optim/"
-
-_WIRE = {
-    np.dtype(np.bool_): "BOOL",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.int16): "I16",
-    np.dtype(np.uint16): "U16",
-    np.dtype(np.float16): "F16",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.uint32): "U32",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.uint64): "U64",
-    np.dtype(np.float64): "F64",
-}
-
-
-def wire_dtype(dtype: Any) -> str:
-    """The safetensors wire name ("F32", "BF16", "BOOL", ...) of a numpy dtype; raises
-    :class:`InvalidTensorError` for dtypes the format does not hold."""
-    dt = np.dtype(dtype)
-    if dt.name == "bfloat16" and dt.itemsize == 2:
-        return "BF16"
-    native = dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
-    try:
-        return _WIRE[native]
-    except KeyError:
-        raise InvalidTensorError(
-            f"dtype {dt} cannot be stored: use bool, (u)int8-64, float16/32/64 or "
-            "ml_dtypes.bfloat16"
-        ) from None
-
 
 def _check_utf8(text: str, what: str, error: type) -> None:
     """Raise ``error`` when ``text`` is not valid UTF-8 (a lone surrogate): names and ids are

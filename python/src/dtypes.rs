@@ -67,6 +67,18 @@ pub(crate) fn descr(py: Python<'_>, d: DType) -> PyResult<Bound<'_, PyArrayDescr
         .ok_or_else(|| invalid_arg(format!("dtype {d} has no numpy equivalent")))
 }
 
+/// `dtype_table()`: the one dtype table of the Python package, the engine's: `(wire name,
+/// numpy type string or None, item size, floating-point)` for every dtype a numpy array can
+/// hold (None: BF16, `ml_dtypes.bfloat16`, imported only when used).
+#[pyfunction]
+pub(crate) fn dtype_table() -> Vec<(&'static str, Option<&'static str>, usize, bool)> {
+    DType::ALL
+        .into_iter()
+        .filter(|&d| d == DType::BF16 || numpy_typestr(d).is_some())
+        .map(|d| (d.name(), numpy_typestr(d), d.size(), d.is_float()))
+        .collect()
+}
+
 pub(crate) fn uint8(py: Python<'_>) -> PyResult<Bound<'_, PyArrayDescr>> {
     Ok(UINT8
         .get_or_try_init(py, || PyArrayDescr::new(py, "|u1").map(Bound::unbind))?

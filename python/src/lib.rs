@@ -38,6 +38,7 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parts::commit, m)?)?;
     m.add_function(wrap_pyfunction!(parts::new_checkpoint_id, m)?)?;
     m.add_function(wrap_pyfunction!(optim::check_optimizer_fit, m)?)?;
+    m.add_function(wrap_pyfunction!(dtypes::dtype_table, m)?)?;
     m.add_function(wrap_pyfunction!(state::state_target, m)?)?;
     m.add_function(wrap_pyfunction!(state::state_absbits, m)?)?;
     m.add_function(wrap_pyfunction!(state::convert_state, m)?)?;

@@ -43,7 +43,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _WIRE, _ckptstore, _prepare, open as _open
+from .. import _ckptstore, _prepare, open as _open
+from .._dtypes import numpy_dtype as _np_dtype
 from .._codec import Decoder, Encoder, has_pickle
 from ..errors import CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
 from ..torch.internal import (
@@ -162,20 +163,6 @@ def _tree_of(ck: Any, location: Any) -> Any:
             f"(this ckptstore reads version {_VERSION})"
         )
     return meta["tree"]
-
-
-_NP_OF = {wire: dt for dt, wire in _WIRE.items()}
-
-
-def _np_dtype(wire: str) -> np.dtype:
-    if wire == "BF16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    try:
-        return _NP_OF[wire]
-    except KeyError:
-        raise InvalidArgumentError(f"dtype {wire} has no numpy dtype here") from None
 
 
 class _Loader:

@@ -1,6 +1,7 @@
-"""Dtype tables and tensor <-> array conversion: the wire dtype of each torch dtype (and
-back), and the views and fresh tensors through which tensor bytes go to and from the
-engine. ``torch`` is imported on first use (:func:`_torch`)."""
+"""Torch dtypes and tensor <-> array conversion: the wire dtype of each torch dtype and
+back (derived from the engine's table, :mod:`ckptstore._dtypes`), and the views and fresh
+tensors through which tensor bytes go to and from the engine. ``torch`` is imported on
+first use (:func:`_torch`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Dict
 
 import numpy as np
 
+from .._dtypes import TABLE, type_name
 from ..errors import InvalidTensorError
 
 _wire_of: Dict[Any, str] = {}
@@ -19,29 +21,19 @@ def _torch():
     import torch  # lazy: ckptstore does not depend on torch
 
     if not _wire_of:
-        pairs = [
-            (torch.bool, "BOOL"),
-            (torch.uint8, "U8"),
-            (torch.int8, "I8"),
-            (torch.int16, "I16"),
-            (torch.float16, "F16"),
-            (torch.bfloat16, "BF16"),
-            (torch.int32, "I32"),
-            (torch.float32, "F32"),
-            (torch.int64, "I64"),
-            (torch.float64, "F64"),
-        ]
-        for name, wire in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-            if hasattr(torch, name):
-                pairs.append((getattr(torch, name), wire))
-        for dt, wire in pairs:
-            _wire_of[dt] = wire
-            _torch_of[wire] = dt
+        # The engine's table (ckptstore._dtypes), each dtype by its name in torch; those
+        # this torch lacks (older torch has no uint16/32/64) are left out.
+        for wire, _, _, _ in TABLE:
+            dt = getattr(torch, type_name(wire), None)
+            if isinstance(dt, torch.dtype):
+                _wire_of[dt] = wire
+                _torch_of[wire] = dt
     return torch
 
 
-# Same-size integer dtypes through which tensors without a numpy dtype are viewed.
-_CARRIER = {"BF16": "int16", "U16": "int16", "U32": "int32", "U64": "int64"}
+# Same-size integer dtypes through which tensors that torch cannot hand to numpy (BF16, the
+# wider unsigned ones in some torch versions) are viewed, by item size.
+_CARRIER = {2: "int16", 4: "int32", 8: "int64"}
 
 
 def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
@@ -71,9 +63,10 @@ def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
     wire = _wire_of.get(t.dtype)
     if wire is None:
         raise InvalidTensorError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
-    if wire in _CARRIER:
-        t = t.view(getattr(torch, _CARRIER[wire]))
-    return name, wire, t.numpy()
+    try:
+        return name, wire, t.numpy()
+    except TypeError:  # no numpy dtype in this torch: viewed as same-size integers
+        return name, wire, t.view(getattr(torch, _CARRIER[t.element_size()])).numpy()
 
 
 def _from_array(a: np.ndarray) -> Any:
