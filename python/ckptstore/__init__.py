@@ -369,7 +369,7 @@ def write_part(
         raise InvalidArgumentError("tensors must be a mapping of name -> array or Chunk")
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < 1 << 32:
         raise InvalidArgumentError(f"rank must be an integer in [0, 2**32), got {rank!r}")
-    items = []
+    items: list[tuple[str, str, np.ndarray, Optional[tuple[list[int], list[int]]]]] = []
     for name, value in tensors.items():
         pieces = value if isinstance(value, (list, tuple)) else [value]
         for v in pieces:

@@ -42,7 +42,7 @@ def new_checkpoint_id() -> str:
 
 def check_optimizer_fit(
     live_groups: Sequence[Sequence[tuple[str, Sequence[int]]]],
-    saved_groups: Sequence[Sequence[tuple[str, Optional[Sequence[int]]]]],
+    saved_groups: Any,  # as the checkpoint has them: the engine checks their form
     *,
     live_class: Optional[str] = None,
     saved_class: Optional[str] = None,
@@ -89,7 +89,7 @@ class StepLease:
     def release(self) -> None:
         """Let the step go (idempotent)."""
     def __enter__(self) -> "StepLease": ...
-    def __exit__(self, *args: Any) -> bool: ...
+    def __exit__(self, *args: Any) -> Literal[False]: ...
 
 class CheckpointManager:
     """The engine's checkpoint manager over ``root`` (``ROOT/step-<step>/``). Use
@@ -224,7 +224,12 @@ class Checkpoint:
     def verify(self) -> dict[str, Any]:
         """Check every header and every tensor's CRC32; ``{"tensors", "bytes", "checksummed"}``."""
     def load_optimizer(
-        self, layout: Layout = None, *, counters: Sequence[str] = (), raw: bool = False
+        self,
+        layout: Layout = None,
+        *,
+        counters: Sequence[str] = (),
+        raw: bool = False,
+        release: bool = False,
     ) -> dict[str, Any]:
         """The optimizer state in fresh writable arrays, converted to ``layout``:
         ``{"param_groups": [...], "param_shapes": {...}, "state": {param: {state: array | F16Scaled}}}``."""
@@ -259,7 +264,7 @@ class Checkpoint:
         exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
-    ) -> bool: ...
+    ) -> Literal[False]: ...
 
 def RegionReader(path: Union[str, os.PathLike[str]]) -> Checkpoint:
     """The old region reader: ``Checkpoint(path, lazy=True)``, which has all its methods."""
@@ -312,3 +317,7 @@ def convert_state(
 
 def f16_scaled_to_f32(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """``float32(q) * scale`` in a fresh array (``F16Scaled.to_float32``)."""
+
+def dtype_table() -> list[tuple[str, Optional[str], int, bool]]:
+    """``(wire name, numpy type string or None for BF16, item size, floating-point)`` for
+    every dtype a numpy array can hold: the package's one dtype table."""

@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from .. import atomic
-from ..errors import ChecksumError, CheckpointError, IncompatibleStateError
+from ..errors import CheckpointError, ChecksumError, IncompatibleStateError
 from ..torch.internal import check_class, group_hyper
 
 # ---- errors naming the checkpoint -------------------------------------------------------------

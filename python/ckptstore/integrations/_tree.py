@@ -43,9 +43,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _ckptstore, _prepare, open as _open
-from .._dtypes import numpy_dtype as _np_dtype
+from .. import _ckptstore, _prepare
+from .. import open as _open
 from .._codec import Decoder, Encoder, has_pickle
+from .._dtypes import numpy_dtype as _np_dtype
 from ..errors import CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
 from ..torch.internal import (
     AsyncSaver,

@@ -27,7 +27,8 @@ entry present with its shape; for the optimizer the rule of
 :func:`ckptstore.check_optimizer_fit`: the same optimizer class, the same number of
 parameter groups, each naming the same parameters, in any order, with the same shapes) and
 reads and CRC-checks every tensor it will use before it changes anything (the optimizer
-state straight into fresh ``torch.empty`` tensors, CRC checked on the way). It then replaces the optimizer state whole through
+state straight into fresh ``torch.empty`` tensors, CRC checked on the way). It then replaces the optimizer
+state whole through
 ``optimizer.load_state_dict`` (no copy; state the checkpoint does not name is gone) and
 copies the model tensors in place under ``torch.no_grad()``.
 """
@@ -39,7 +40,8 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from .. import _check_shard_size, _ckptstore, _fspath, open as _open
+from .. import _check_shard_size, _ckptstore, _fspath
+from .. import open as _open
 from ..errors import IncompatibleStateError
 
 # The helpers, one module a job. Their names are imported here too (re-exported), for the
@@ -151,7 +153,8 @@ def load(
     that the engine fills in one pass (read once from the mapped shard, CRC-checked on the
     way, written once; for CUDA, written once into a reused pinned buffer, then copied to
     the device), in the same parallel pass that checks the model's CRCs;
-    ``load_state_dict`` keeps those tensors (no copy). Otherwise ``layout`` is passed to :meth:`Checkpoint.load_optimizer`
+    ``load_state_dict`` keeps those tensors (no copy). Otherwise ``layout`` is passed to
+    :meth:`Checkpoint.load_optimizer`
     (default: as stored); FP16-scaled states are handed to torch as float32. Model tensors
     are then written in place: contiguous CPU tensors of the stored dtype straight from the
     mapped file into their memory (the second read of their bytes: checking them first is
@@ -208,6 +211,7 @@ def load(
             )
         # The section only (no state read yet): the rule first.
         plan = ck.optimizer_plan()
+        assert plan is not None  # has_optimizer
         ometa = meta.get("optimizer") or {}
         saved_class = ometa.get("class") if isinstance(ometa, dict) else None
         names = _param_names(model, optimizer)

@@ -216,7 +216,7 @@ class AsyncSaver:
     def save(
         self,
         handle: Handle,
-        build: Callable[[Callable[[str, Any], Tuple[str, str, np.ndarray]]], Any],
+        build: Callable[[Any], Any],
         write: Callable[[Any], Any],
         *,
         after: Optional[threading.Event] = None,

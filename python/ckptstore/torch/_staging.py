@@ -94,6 +94,7 @@ def _stage_to_cuda(
         if whole:
             fill(whole)
         if ranged:
+            assert fill_range is not None, "pieces of a tensor need fill_range"
             fill_range(ranged)
         with torch.cuda.stream(stream):
             for i, v in views:

@@ -23,7 +23,7 @@ def _param_names(model: Any, optimizer: Any) -> list[str]:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is None:
         return [f"param.{i}" for i in range(len(params))]
-    by_id = {}
+    by_id: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=True):
         by_id.setdefault(id(p), n)
     names = []
@@ -101,7 +101,7 @@ def _check_fit(
         live.append([(names[i], tuple(p.shape)) for i, p in enumerate(ps, start=pos)])
         pos += len(ps)
     shapes = saved_shapes if isinstance(saved_shapes, Mapping) else {}
-    saved = None
+    saved: Any = None  # malformed groups are the engine's to refuse
     if isinstance(saved_groups, (list, tuple)):
         saved = [
             [(n, shapes.get(n) if isinstance(n, str) else None) for n in g.get("params") or []]

@@ -149,7 +149,8 @@ class LocalTier:
             p = os.path.join(self.root, name)
             m = STEP_RE.match(name)
             r = RESTORE_RE.match(name)
-            if (m and int(m.group(1)) not in idx and int(m.group(1)) not in pinned) or (r and int(r.group(1)) not in pinned):
+            stale = m and int(m.group(1)) not in idx and int(m.group(1)) not in pinned
+            if stale or (r and int(r.group(1)) not in pinned):
                 atomic.remove_dir(p)
                 n += 1
             elif m:
@@ -167,14 +168,15 @@ class LocalTier:
         is present in this tier with its recorded size and CRC32 (``good``; without ``crc``,
         the size only: :meth:`check_ranks` then checks the step chosen), and why the others
         that are here are not (``bad``)."""
-        out = {}
+        out: dict[int, dict[str, Any]] = {}
         for step in sorted(self.read_index()):
             try:
                 record = self.load_record(step)
             except CheckpointError as e:
                 out[step] = {"record": None, "good": [], "bad": {"*": str(e)}}
                 continue
-            good, bad = [], {}
+            good: list[int] = []
+            bad: dict[str, str] = {}
             for h, ranks in enumerate(record["hosts"]):
                 src = self.src_dir(step, h)
                 if not os.path.isdir(src):
@@ -240,7 +242,8 @@ def check_arrival(name: str, data: Any, want: dict, src_host: int) -> None:
         raise CheckpointError(f"host {src_host} sent {name}, which the record does not name")
     got = list(data) if isinstance(data, tuple) else [data.numel(), zlib.crc32(data.numpy())]
     if got != list(want[name]):
-        raise CheckpointError(f"{name} from host {src_host}: size or CRC32 differs from the record (damaged in transit or at the source)")
+        raise CheckpointError(f"{name} from host {src_host}: size or CRC32 differs from the record "
+                              "(damaged in transit or at the source)")
 
 
 def new_stage(parent: str, name: str) -> str:

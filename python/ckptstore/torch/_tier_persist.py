@@ -36,9 +36,10 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from typing import Optional
+from typing import Any, Optional
 
-from .. import _ckptstore, atomic, commit as _commit
+from .. import _ckptstore, atomic
+from .. import commit as _commit
 from ._tier_local import LocalTier
 from ._tier_wire import crc_file, kill_point, trim_heap
 
@@ -125,7 +126,8 @@ class Persister:
             kill_point("persist-commit", step, self.rank)
             atomic.copy_files(src, loc, [(MANIFEST, *crc_file(os.path.join(src, MANIFEST)))])
             return
-        shards, parts = [], []
+        shards: list[Any] = []
+        parts: list[Any] = []
         for r in ranks:
             for name, (size, crc) in sorted(record["files"][str(r)].items()):
                 (parts if name.startswith("part-") else shards).append((name, size, crc))

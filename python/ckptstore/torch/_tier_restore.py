@@ -11,12 +11,15 @@ import os
 import shutil
 from typing import Any, Optional
 
-from .. import _ckptstore, commit as _commit
+from .. import _ckptstore
+from .. import commit as _commit
 from ..errors import CheckpointError
 from . import distributed as _d
-from .dcp import _plan_ranges
 from ._tier_local import check_arrival, saved_host, shard_head_len
-from ._tier_wire import dist_or_none as _dist, err_text as _err, kill_point, pwrite_all, transfer
+from ._tier_wire import dist_or_none as _dist
+from ._tier_wire import err_text as _err
+from ._tier_wire import kill_point, pwrite_all, transfer
+from .dcp import _plan_ranges
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
 TAG_HEADS = 1 << 24
@@ -117,8 +120,8 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
     mgr._agree([p for _, _, p in got], f"planning the load of step {step}")
     wanted: dict[int, dict[str, list]] = {}
     for h, ranges, _ in got:
-        for name, b, e in ranges:
-            wanted.setdefault(h, {}).setdefault(name, []).append((int(b), int(e)))
+        for name, begin, end in ranges:
+            wanted.setdefault(h, {}).setdefault(name, []).append((int(begin), int(end)))
     if repersist:  # rank 0's host persists from its stage: every byte of it
         h0 = next(h for h, rs in enumerate(mgr.hosts) if 0 in rs)
         for r in absent[h0]:
@@ -157,7 +160,8 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
                     raise CheckpointError(f"writing {key} from host {src_h} failed: {failed[key]}")
                 return
             if key not in mine or data.numel() != mine[key][2] or data.numel():
-                raise CheckpointError(f"host {src_h} sent {key} ({data.numel()} bytes), which this host did not ask for")
+                raise CheckpointError(
+                    f"host {src_h} sent {key} ({data.numel()} bytes), which this host did not ask for")
 
         try:  # a scratch copy: no fsync
             err = rounds(mgr, f"restore: step {step} fetch", TAG_RANGES, ranges, put_range, None, dest)

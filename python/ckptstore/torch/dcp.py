@@ -54,7 +54,8 @@ saves) have no bytes items, and their load never unpickles anything.
 Supported torch: tested with 2.15 (CPU, gloo). The writer and reader use only the
 ``StorageWriter`` / ``StorageReader`` protocol of torch >= 2.4 (``storage_meta``,
 ``set_up_storage_writer(is_coordinator, rank=..., use_collectives=...)``), so earlier 2.x
-releases from 2.4 on are expected to work but are untested. DTensor placements are not part of DCP's ``Metadata`` in these versions
+releases from 2.4 on are expected to work but are untested. DTensor placements are not part of DCP's
+``Metadata`` in these versions
 (the planner records global shapes and chunk boxes only), so there is nothing more to store.
 """
 
@@ -68,7 +69,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _ckptstore, commit as _commit, new_checkpoint_id
+from .. import _ckptstore, new_checkpoint_id
+from .. import commit as _commit
 from ..errors import CheckpointError, InvalidArgumentError, PartError
 from ._dtypes import _to_numpy, _torch, _torch_of, _wire_of
 from ._values import _decode, _encode
@@ -213,12 +215,14 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
             data = planner.resolve_data(wi)
             fqn = wi.index.fqn
             if wi.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
                 raw = np.frombuffer(data.getvalue(), dtype=np.uint8)
                 keep.append(raw)
                 items.append((BYTES_PREFIX + fqn, "U8", raw, None))
                 results.append(WriteResult(index=wi.index, size_in_bytes=raw.nbytes, storage_data=None))
                 continue
             td = wi.tensor_data
+            assert td is not None and isinstance(data, torch.Tensor)
             t = data.detach()
             if t.device.type != "cpu":
                 t = t.cpu()
@@ -272,13 +276,14 @@ def _metadata_to_json(metadata: Metadata, storage_meta: Optional[StorageMeta]) -
             items[fqn] = {"kind": "bytes", "name": BYTES_PREFIX + fqn}
         elif isinstance(md, TensorStorageMetadata):
             p = md.properties
+            strides = getattr(p, "strides", None)
             items[fqn] = {
                 "kind": "tensor",
                 "name": fqn,
                 "dtype": _dtype_name(p.dtype),
                 "size": [int(d) for d in md.size],
                 "requires_grad": bool(p.requires_grad),
-                "strides": None if getattr(p, "strides", None) is None else list(p.strides),
+                "strides": None if strides is None else list(strides),
             }
         else:
             raise InvalidArgumentError(

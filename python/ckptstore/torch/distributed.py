@@ -45,16 +45,18 @@ from ._state import (
     _param_names,
 )
 from ._values import _decode, _encode
-from .dcp import META_KEY as _DCP_KEY, Reader, Writer
+from .dcp import META_KEY as _DCP_KEY
+from .dcp import Reader, Writer
 
-__all__ = ["save", "load", "META_KEY", "CheckpointManager"]
+# CheckpointManager: from the module __getattr__ below (tiered.py builds on this module).
+__all__ = ["save", "load", "META_KEY", "CheckpointManager"]  # noqa: F822
 
 #: Manifest metadata key under which :func:`save` records what it stored.
 META_KEY = "ckptstore.torch.distributed"
 _META_VERSION = 1
 
 
-def _dtensor_type() -> type:
+def _dtensor_type() -> Any:
     """torch's DTensor class (its public module, or the private one of older torch)."""
     try:
         from torch.distributed.tensor import DTensor
@@ -292,7 +294,7 @@ class _Prepared:
     the fresh tensors to read into, the decoded extra values and, once planned, this rank's
     DCP read plan. The tiered restore plans once, fetches what the plan reads, and loads."""
 
-    def __init__(self, path: Any, cid: str, sd: dict, om: dict, names: list,
+    def __init__(self, path: Any, cid: Optional[str], sd: dict, om: dict, names: list,
                  tgt_m: dict, tgt_o: dict, tgt_x: dict, extra: dict) -> None:
         self.path, self.cid, self.sd, self.om, self.names = path, cid, sd, om, names
         self.tgt_m, self.tgt_o, self.tgt_x, self.extra = tgt_m, tgt_o, tgt_x, extra
@@ -301,7 +303,7 @@ class _Prepared:
         self.reader: Any = None  # the Reader planned with, that reads (reset: reopened then)
 
 
-def _prepare(path: Any, meta_all: dict, cid: str, model: Any, optimizer: Any, strict: bool,
+def _prepare(path: Any, meta_all: dict, cid: Optional[str], model: Any, optimizer: Any, strict: bool,
              allow_optimizer_change: bool) -> _Prepared:
     """Steps 1-3 of :func:`load` on this rank alone (no collective): the checks against
     the checkpoint's metadata ``meta_all``, the fresh tensors, the extra values decoded."""
@@ -454,7 +456,7 @@ def _targets(
         return [int(d) for d in it["size"]], getattr(torch, it["dtype"])
 
     # 1. The model: names and global shapes.
-    msd = get_model_state_dict(model)
+    msd: dict[str, Any] = get_model_state_dict(model)
     missing = [n for n in msd if f"model.{n}" not in items]
     if missing:
         raise IncompatibleStateError(
@@ -483,11 +485,12 @@ def _targets(
     names: list[str] = []
     om: dict = {}
     if optimizer is not None:
-        om = meta.get("optimizer")
-        if not isinstance(om, dict):
+        got = meta.get("optimizer")
+        if not isinstance(got, dict):
             raise IncompatibleStateError(
                 "cannot restore the optimizer: the checkpoint holds no optimizer state"
             )
+        om = got
         names = _param_names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         by_name = dict(zip(names, params))

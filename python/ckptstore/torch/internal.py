@@ -13,10 +13,10 @@ from ._dtypes import _empty_for as empty_for
 from ._dtypes import _to_numpy as to_numpy
 from ._dtypes import _torch as torch_module
 from ._items import _build_items as build_items
+from ._saver import AsyncSaver, Handle, Snapshot, check_max_in_flight
 from ._state import _check_class as check_class
 from ._state import _group_hyper as group_hyper
 from ._state import _optimizer_class as optimizer_class
-from ._saver import AsyncSaver, Handle, Snapshot, check_max_in_flight
 
 __all__ = [
     "bytes_of",

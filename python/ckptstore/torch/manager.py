@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Literal, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -268,7 +268,7 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc is None:
             self.close()
             return False

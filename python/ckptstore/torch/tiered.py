@@ -79,8 +79,9 @@ from ._saver import AsyncSaver, Handle
 from ._tier_local import LocalTier, check_arrival, new_stage
 from ._tier_persist import PersistentTier, Persister
 from ._tier_restore import restore_fast
-from ._tier_wire import (Arrival, Progress, crc_file, discard, dist_or_none as _dist, err_text as _err, kill_point,
-                         transfer, trim_heap, write_fsync)
+from ._tier_wire import Arrival, Progress, crc_file, discard, kill_point, transfer, trim_heap, write_fsync
+from ._tier_wire import dist_or_none as _dist
+from ._tier_wire import err_text as _err
 
 __all__ = ["CheckpointManager"]
 
@@ -116,7 +117,8 @@ def _snapshot(obj: Any, snap: Any, path: str) -> Any:
 
 def _part_writer(path: str, metadata: dict) -> Any:
     """A DCP Writer whose coordinator keeps the manifest metadata instead of committing."""
-    from .dcp import META_KEY as DCP_KEY, Writer, _metadata_to_json
+    from .dcp import META_KEY as DCP_KEY
+    from .dcp import Writer, _metadata_to_json
 
     class _PartWriter(Writer):
         manifest_metadata: Optional[dict] = None
@@ -514,7 +516,8 @@ class CheckpointManager:
         ``layout``: the moments' layout, as in :func:`ckptstore.torch.distributed.load`
         (the engine converts them); a state it refuses (an absmax too small for FP16
         scaling, say) raises :class:`ckptstore.OptimizerStateError` on every rank with
-        nothing changed, since every copy of the step holds the same values. Raises :class:`ckptstore.CheckpointError` on every rank alike when steps were
+        nothing changed, since every copy of the step holds the same values. Raises
+        :class:`ckptstore.CheckpointError` on every rank alike when steps were
         recorded but none can be read (naming why for each)."""
         req = _Request(model, optimizer, bool(allow_optimizer_change), check_extra, layout)
         self.wait()
@@ -529,7 +532,7 @@ class CheckpointManager:
         notes: dict[int, list[str]] = {}
         for h in sorted(by_host):
             for step, ent in by_host[h].items():
-                for r, why in ent["bad"].items():
+                for why in ent["bad"].values():
                     notes.setdefault(step, []).append(f"host {h}: {why}")
                 rec = ent["record"]
                 if rec is None:
@@ -547,7 +550,8 @@ class CheckpointManager:
         candidates += [(s, "persistent", None) for s in persisted]
         # Newest first; for one step the fast tier first (of two saves of one step number,
         # say by a host back with stale files, the later one), then the persistent one.
-        candidates.sort(key=lambda c: (-c[0], c[1] != "fast", -float((c[2] or {}).get("record", {}).get("saved_at") or 0)))
+        candidates.sort(key=lambda c: (-c[0], c[1] != "fast", -float((c[2] or {}).get("record",
+        {}).get("saved_at") or 0)))
         newest = max([s for s, _ in fast] + list(notes) + list(persisted), default=None)
         if newest is None:
             return None

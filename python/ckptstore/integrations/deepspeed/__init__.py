@@ -39,7 +39,8 @@ with no cross-rank commit.
   tag visible in one ``rename(2)`` to ``<save_dir>/<tag>`` (an existing tag of the same name
   is swapped atomically with ``renameat2(RENAME_EXCHANGE)`` on Linux, then removed), fsyncs
   the directory (:func:`ckptstore.atomic.publish_dir`), and only then writes ``latest`` (to
-  a temporary file, fsynced, renamed over ``latest``: :func:`ckptstore.atomic.write_file`). DeepSpeed itself rewrites ``latest`` after ``commit`` returns with a plain
+  a temporary file, fsynced, renamed over ``latest``: :func:`ckptstore.atomic.write_file`). DeepSpeed itself
+  rewrites ``latest`` after ``commit`` returns with a plain
   ``open(..., "w")``, which a kill can leave empty; :func:`install` makes the engine skip
   that write (it passes ``save_latest=False`` and hands the real flag to this engine).
 
@@ -82,7 +83,8 @@ this, or by an engine not installed with :func:`install`) is loaded unchecked.
 
 **Non-tensor values.** JSON values are stored as JSON; tuples, ``OrderedDict``,
 ``torch.Size``, ``torch.dtype``, non-string keys, non-finite floats and bytes in the tagged
-forms of the value codec (format-spec/values.md). DeepSpeed's own values in its state dicts are stored structurally, without
+forms of the value codec (format-spec/values.md). DeepSpeed's own values in its state dicts are stored
+structurally, without
 pickle, and rebuilt as the same types: ``ZeroStageEnum``, the ZeRO optimizer's
 ``LossScaler`` / ``DynamicLossScaler`` (their attributes) and ``fragment_address``, and an
 ``argparse.Namespace`` (its attributes) in the client state; only these classes are rebuilt,

@@ -57,7 +57,7 @@ def _encode(v: Any) -> Any:
     so that ``save_tree`` stores an object met twice once)."""
     if isinstance(v, (str, bytes, bool, int, float)) or v is None:
         name = _name_of(v) if isinstance(v, int) else None
-        if name is not None:  # ZeroStageEnum is an int
+        if name is not None and isinstance(v, int):  # ZeroStageEnum is an int
             return {_MARK: "enum", "class": name, "value": int(v)}
         return v
     if isinstance(v, dict):

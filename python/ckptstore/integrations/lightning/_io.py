@@ -14,7 +14,9 @@ from typing import Any, Dict, Optional
 import lightning.fabric.plugins.io as _lio
 from lightning.fabric.utilities.rank_zero import rank_zero_info as _rank_zero_info
 
-from ... import atomic, open as _open, wait_for_cleanup as _wait_for_cleanup
+from ... import atomic
+from ... import open as _open
+from ... import wait_for_cleanup as _wait_for_cleanup
 from ...errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, PickleNotAllowedError
 from .._common import MANIFEST
 from .._stock import UNREADABLE, WeightsOnlyRefusal, torch_load

@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
-
 from torchtitan.components.checkpointer.base import (
     DATALOADER,
     LR_SCHEDULER,
@@ -34,7 +33,7 @@ from ...torch.dcp import META_KEY, Reader, Writer
 from ...torch.internal import optimizer_class
 from .._common import check_optimizer_class, dcp_error, kill_point
 from . import _tiered
-from ._codec import _VERSION, STATE_KEY, _Encoder, _decode, _merge, _Ref, _substitute
+from ._codec import _VERSION, STATE_KEY, _decode, _Encoder, _merge, _Ref, _substitute
 from ._steps import _join, _Steps
 from ._stock_steps import _DCP_METADATA, _is_stock_step, _StockPlanner, _StockReader
 

@@ -6,7 +6,8 @@ import os
 import re
 from typing import Optional
 
-from ... import CheckpointManager as _EngineManager, atomic
+from ... import CheckpointManager as _EngineManager
+from ... import atomic
 from ._stock_steps import _is_stock_step
 
 #: A step directory of TorchTitan's own manager (``step-<N>``, no padding) or of ours.

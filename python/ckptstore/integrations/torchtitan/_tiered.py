@@ -8,7 +8,6 @@ import binascii
 from typing import Any, Optional
 
 from torch.distributed.checkpoint.stateful import Stateful
-
 from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
 
 from ...errors import CheckpointError

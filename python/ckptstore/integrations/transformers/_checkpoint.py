@@ -14,7 +14,8 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
-from ... import _ckptstore, open as _open
+from ... import _ckptstore
+from ... import open as _open
 from ... import torch as _ct
 from ...errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, InvalidArgumentError
 from ...torch.internal import build_items, empty_for, to_numpy
@@ -175,7 +176,8 @@ def _restore(path: str, model: Any, optimizer: Any = None, allow_optimizer_chang
                 why = f"the checkpoint holds {unexpected[0]!r}, which the model does not have"
             else:
                 n = bad[0]
-                why = f"{n!r} has shape {tuple(infos[n]['shape'])} in the checkpoint, {tuple(live[n].shape)} in the model"
+                why = (f"{n!r} has shape {tuple(infos[n]['shape'])} in the checkpoint, "
+                       f"{tuple(live[n].shape)} in the model")
             raise IncompatibleStateError(f"cannot restore the model: {why}")
     tensors = {n: empty_for(info) for n, info in infos.items()}
     before = optimizer.state_dict() if optimizer is not None else None

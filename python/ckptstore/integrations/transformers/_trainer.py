@@ -15,7 +15,8 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from ... import atomic, open as _open
+from ... import atomic
+from ... import open as _open
 from ...errors import CorruptCheckpointError
 from ...torch.internal import AsyncSaver, Handle, to_numpy
 from .._common import fsync_file, pause_point, remove_leftovers, staging_name
@@ -150,13 +151,15 @@ class Trainer(transformers.Trainer):
         if self.args.should_save:
             exportable = transformers.trainer_callback.ExportableState
             callbacks = self.callback_handler.callbacks + [self.control]
+            # A dict by class name at run time (transformers annotates it as a list).
+            stateful: Any = self.state.stateful_callbacks
             for cb in [c for c in callbacks if isinstance(c, exportable)]:
                 cb_name = cb.__class__.__name__
                 cb_state = cb.state()
-                if isinstance(self.state.stateful_callbacks[cb_name], list):
-                    self.state.stateful_callbacks[cb_name].append(cb_state)
+                if isinstance(stateful[cb_name], list):
+                    stateful[cb_name].append(cb_state)
                 else:
-                    self.state.stateful_callbacks[cb_name] = cb_state
+                    stateful[cb_name] = cb_state
             state_text = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
             self._ckptstore_write(run_dir, name, final, state_text, rng, full)
 
@@ -171,7 +174,8 @@ class Trainer(transformers.Trainer):
         remove_leftovers(run_dir)
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         config = getattr(model, "config", None)
-        config_text = config.to_json_string() if hasattr(config, "to_json_string") else None
+        to_json = getattr(config, "to_json_string", None)
+        config_text = to_json() if to_json is not None else None
         tree: Dict[str, Any] = {
             "trainer_state": state_text,
             "global_step": self.state.global_step,
