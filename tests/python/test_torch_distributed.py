@@ -165,6 +165,30 @@ def job_load_refused(rank, world, path):
     return err, same(before, snapshot(m, o))
 
 
+def job_versions(rank, world, base):
+    """An Adam state saved with this writer (metadata version 2) and as version 1 wrote it
+    (``ctd._META_VERSION = 1``: state named ``optim.<param>.<state>``); each restored into a
+    fresh model, gathered, and the stored names of each."""
+    m, o = build(world, 0, "Adam")
+    train(m, o, 0, 2, rank)
+    want = snapshot(m, o)
+    out = {"want": want}
+    for version in (2, 1):
+        path = os.path.join(base, f"v{version}")
+        ctd._META_VERSION = version
+        try:
+            ctd.save(path, m, o)
+        finally:
+            ctd._META_VERSION = 2
+        m2, o2 = build(world, 1, "Adam")
+        train(m2, o2, 7, 1, rank)
+        ctd.load(path, m2, o2)
+        with ckptstore.open(path) as ck:
+            names = [n for n in ck.globals() if n.startswith("optim")]
+        out[version] = (snapshot(m2, o2), sorted(names))
+    return out
+
+
 def job_check_extra(rank, world, path):
     """``check_extra`` refusing on rank 1 only, then accepting: what each load did."""
     m, o = build(world, 1, "Adam")
@@ -349,3 +373,30 @@ def test_model_state_dict_is_torchs_and_skips_its_name_maps_only_where_they_chan
     assert out["fsdp2"] == ([True, True, True], 1), out  # one call of torch's, the first
     assert out["new_key"] == (True, True, 2), out
     assert out["ddp"] == ([True, True], 2, ["bias", "weight"]), out  # torch's every time
+
+
+def test_optimizer_state_has_the_packages_one_stored_name_and_version_1_is_still_read(tmp_path):
+    """format-spec/optimizer.md, one stored name: ``optim/<param>/<state>`` from metadata
+    version 2 on; version 1 checkpoints (``optim.<param>.<state>``) restore as before."""
+    res = dh.results(2, job_versions, str(tmp_path))
+    for r in range(2):
+        want = res[r]["want"]
+        for version, sep in ((2, "/"), (1, ".")):
+            got, names = res[r][version]
+            assert same(got, want) == [], (version, r)
+            assert f"optim{sep}l1.weight{sep}exp_avg" in names, (version, names)
+            assert all(n.startswith(f"optim{sep}") for n in names), names
+            assert len(names) == 4 * 3, names  # 4 parameters x (step, exp_avg, exp_avg_sq)
+
+
+def test_a_metadata_version_from_the_future_is_refused_naming_it(saved, tmp_path):
+    import ckpt_helpers as h
+
+    base, _ = saved
+    bad = tmp_path / "v3"
+    h.clone_checkpoint(base / "Adam", bad)
+    h.rewrite_manifest(bad, lambda m: m["metadata"][ctd.META_KEY].__setitem__("version", 3))
+    ((err, differ),) = dh.results(1, job_load_refused, str(bad))
+    assert err is not None and err[0] == "UnsupportedFormatError", err
+    assert "version 3" in err[1] and "upgrade ckptstore" in err[1], err
+    assert differ == []

@@ -12,8 +12,10 @@ Built on ``torch.distributed.checkpoint`` (DCP) with ckptstore's storage layer
 and optimizer states, the coordinator commits them as one ckptstore checkpoint, and a load
 on any world size (or mesh) reads the boxes each rank needs. The model is taken with
 ``get_model_state_dict``; the optimizer's state tensors are stored by parameter name
-(``optim.<param>.<state>``), its parameter groups and non-tensor values as JSON in the
-manifest: the DCP state dict holds tensors only, so a load unpickles nothing.
+(``optim/<param>/<state>``, the package's one name: format-spec/optimizer.md; checkpoints
+of metadata version 1, ``optim.<param>.<state>``, are still read), its parameter groups and
+non-tensor values as JSON in the manifest: the DCP state dict holds tensors only, so a load
+unpickles nothing.
 
 :func:`load` has the guarantees of :func:`ckptstore.torch.load`: everything is checked
 before anything changes (names, global shapes, parameter groups, and the CRC32 of every
@@ -34,7 +36,13 @@ from typing import Any, Callable, Mapping, Optional
 
 from .. import _ckptstore
 from .._types import F16Scaled
-from ..errors import CheckpointError, IncompatibleStateError, InvalidArgumentError, OptimizerStateError
+from ..errors import (
+    CheckpointError,
+    IncompatibleStateError,
+    InvalidArgumentError,
+    OptimizerStateError,
+    UnsupportedFormatError,
+)
 from ._dtypes import _from_array, _to_numpy, _torch
 from ._state import (
     _changed_class,
@@ -53,7 +61,15 @@ __all__ = ["save", "load", "META_KEY", "CheckpointManager"]  # noqa: F822
 
 #: Manifest metadata key under which :func:`save` records what it stored.
 META_KEY = "ckptstore.torch.distributed"
-_META_VERSION = 1
+#: 2: optimizer state stored as ``optim/<param>/<state>`` (format-spec/optimizer.md, one
+#: stored name); 1 (still read): ``optim.<param>.<state>``, DCP's flattening of a nested dict.
+_META_VERSION = 2
+
+
+def _state_key(version: int, param: str, state: str) -> str:
+    """The stored name of ``param``'s optimizer state ``state`` in a checkpoint of metadata
+    ``version``: the package's one name from version 2 on."""
+    return f"optim/{param}/{state}" if version >= 2 else f"optim.{param}.{state}"
 
 
 def _dtensor_type() -> Any:
@@ -181,7 +197,9 @@ def state_and_meta(model: Any, optimizer: Any, extra: Optional[Mapping[str, Any]
                     keys.setdefault(n, []).append(k)
                 elif v is not None:
                     values.setdefault(n, {})[k] = _encode(v, f"parameter {n!r}, state {k!r}")
-        sd["optim"] = state
+        for n, st in state.items():
+            for k, v in st.items():
+                sd[_state_key(_META_VERSION, n, k)] = v
         meta["optimizer"] = {
             "class": _optimizer_class(optimizer),
             "groups": groups,
@@ -448,6 +466,12 @@ def _targets(
             f"{os.fspath(path)!r} was not written by ckptstore.torch.distributed.save"
         )
     items = dmeta.get("items") or {}
+    version = meta.get("version")
+    if not isinstance(version, int) or not 1 <= version <= _META_VERSION:
+        raise UnsupportedFormatError(
+            f"{os.fspath(path)!r}: its {META_KEY!r} metadata has version {version!r}; this "
+            f"ckptstore reads versions 1 to {_META_VERSION}: upgrade ckptstore"
+        )
 
     def stored(fqn: str) -> tuple[list[int], Any]:
         it = items.get(fqn)
@@ -510,7 +534,7 @@ def _targets(
                     "which the optimizer does not optimize"
                 )
             for k in keys:
-                size, dtype = stored(f"optim.{pname}.{k}")
+                size, dtype = stored(_state_key(version, pname, k))
                 tgt_o.setdefault(pname, {})[k] = _target(p, size, dtype)
 
     # 3. Extra tensors.
@@ -521,7 +545,9 @@ def _targets(
 
     # The state dict read into (every stored chunk CRC-checked as copied; all ranks agree).
     sd: dict[str, Any] = {"model": tgt_m}
-    if tgt_o:
+    if tgt_o and version >= 2:
+        sd.update({_state_key(version, p, k): t for p, st in tgt_o.items() for k, t in st.items()})
+    elif tgt_o:
         sd["optim"] = tgt_o
     if tgt_x:
         sd["extra"] = tgt_x
