@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long chaos-resume runs: a small PyTorch training run SIGKILLed again and
-# again, at seeded named points (the manager's CKPTSTORE_CHAOS_KILL seam, the Rust writer's
+# again, at seeded named points (the package's CKPTSTORE_FAULT seam, the Rust writer's
 # pause seam, an unlink interposer for the retention sweep) and by random timers, restarted
 # from its newest committed checkpoint until done, on a local CheckpointManager, on s3://
 # (an s3s-fs server on loopback, started here) and as a 2-rank FSDP2 job through

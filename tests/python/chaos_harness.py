@@ -130,7 +130,7 @@ class Server:
         e.update(env or {})
         e["LD_PRELOAD"] = f"{shim} {e['LD_PRELOAD']}" if e.get("LD_PRELOAD") else str(shim)
         e["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), e.get("PYTHONPATH")) if p)
-        e.pop("CKPTSTORE_CHAOS_KILL", None)
+        e.pop("CKPTSTORE_FAULT", None)
         e.pop("CKPT_CHAOS_UNLINK_KILL", None)
         self._buf = b""
         self.proc = subprocess.Popen(

@@ -17,7 +17,7 @@ training step, ``{"ev": "done", "step", "digest"}`` at the end (then the final s
 
 Kill points (``kill = {"point": P, "n": N}``):
 
-* ``snapshot``, ``write``, ``restore``: the manager's own seam, ``CKPTSTORE_CHAOS_KILL=P:N``
+* ``snapshot``, ``write``, ``restore``: the manager's points of the package's fault seam, ``CKPTSTORE_FAULT=manager.P#N``
   (python/ckptstore/torch/manager.py): the N-th tensor copied into a snapshot, before the
   N-th background write, inside the lease before the load.
 * ``before-shards``, ``before-manifest-rename``, ``after-manifest-rename``, ``before-cleanup``,
@@ -193,7 +193,7 @@ def arm(kill: Optional[dict], life_dir: str) -> Optional[PauseKill]:
     if point == "retention":
         os.environ["CKPT_CHAOS_UNLINK_KILL"] = str(n)
     elif point in MANAGER_POINTS:
-        os.environ["CKPTSTORE_CHAOS_KILL"] = f"{point}:{n}"
+        os.environ["CKPTSTORE_FAULT"] = f"manager.{point}#{n}"
     else:
         raise ValueError(f"unknown kill point {point!r}")
     return None

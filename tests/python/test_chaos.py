@@ -6,7 +6,7 @@ FSDP2 job through ``ckptstore.torch.distributed``. The driver is chaos_harness.p
 training run chaos_train.py (which documents the kill points); scripts/chaos.sh runs the
 long version.
 
-Kills are at named points through test seams (the manager's ``CKPTSTORE_CHAOS_KILL``, the
+Kills are at named points through test seams (the package's ``CKPTSTORE_FAULT``, the
 Rust writer's pause seam, an ``unlink`` interposer for the retention sweep), each drawn from
 a printed seed (``CKPT_CHAOS_SEED`` changes the suite's base seed), with random timer kills
 on top that assert only the invariants: every restored state and every trained step is the
@@ -98,22 +98,53 @@ def test_checks_catch_a_wrong_state_a_flipped_bit_and_leftovers(chaos, tmp_path)
     assert ch.root_leftovers(root, [3, 6])[-1] == f"{root / 'step-00000006'} (missing)"
 
 
-def test_manager_seam_is_inert_unset_and_refuses_a_malformed_spec(monkeypatch, tmp_path):
-    from ckptstore.torch import manager as m
+def test_the_fault_seam_is_inert_unset_and_refuses_a_malformed_spec(monkeypatch, tmp_path):
+    """The package's one fault seam (ckptstore._faults): a manager reads it when made;
+    unset it asks for nothing; a spec that does not parse or names no point is refused
+    naming the variable (a fault that could never fire would make a test that cannot fail)."""
+    from ckptstore import _faults as f
 
-    monkeypatch.delenv("CKPTSTORE_CHAOS_KILL", raising=False)
+    monkeypatch.delenv("CKPTSTORE_FAULT", raising=False)
     ct.CheckpointManager(tmp_path / "a")
-    assert m._chaos is None
-    for bad in ("snapshot", "snapshot:0", "snapshot:x", "write:-1"):
-        monkeypatch.setenv("CKPTSTORE_CHAOS_KILL", bad)
-        with pytest.raises(ckptstore.InvalidArgumentError, match="CKPTSTORE_CHAOS_KILL"):
+    assert f._fault is None and not f.armed("manager.snapshot")
+    for bad in ("snapshot", "manager.snapshot#0", "manager.snapshot:x", "manager.write#-1", "tiers.typo",
+                "manager.restore@", "deepspeed.save:1:2"):
+        monkeypatch.setenv("CKPTSTORE_FAULT", bad)
+        with pytest.raises(ckptstore.InvalidArgumentError, match="CKPTSTORE_FAULT"):
             ct.CheckpointManager(tmp_path / "b")
-    monkeypatch.setenv("CKPTSTORE_CHAOS_KILL", "restore:1000")
+    monkeypatch.setenv("CKPTSTORE_FAULT", "manager.restore#1000")
     ct.CheckpointManager(tmp_path / "c")
-    assert m._chaos == ["restore", 1000]
-    monkeypatch.delenv("CKPTSTORE_CHAOS_KILL")
+    assert f._fault == f.Fault("manager.restore", None, None, 1000) and f.armed("manager.restore")
+    assert f.parse("tiers.record:4@1") == f.Fault("tiers.record", 4, 1, 1)
+    # Points that do not match (another point, step or rank) are passed without a count.
+    monkeypatch.setenv("CKPTSTORE_FAULT", "tiers.record:4@1#2")
+    f.arm()
+    for point, step, rank in (("tiers.replicate", 4, 1), ("tiers.record", 3, 1), ("tiers.record", 4, 0)):
+        f.fault_point(point, step, rank)
+    assert f._hits == 0
+    monkeypatch.delenv("CKPTSTORE_FAULT")
     ct.CheckpointManager(tmp_path / "d")  # each manager re-reads the variable
-    assert m._chaos is None
+    assert f._fault is None
+
+
+def test_every_fault_point_in_the_source_exists():
+    """Each ``fault_point("...")`` / ``armed("...")`` call names a point of POINTS (a typo
+    would never fire), and each point is reached from somewhere."""
+    import re
+    from pathlib import Path
+
+    from ckptstore import _faults as f
+
+    pkg = Path(f.__file__).parent
+    used = set()
+    for p in pkg.rglob("*.py"):
+        used |= set(re.findall(r'(?:fault_point|armed)\(\s*"([^"]+)"', p.read_text()))
+        used |= {f"tiers.{m}" for m in re.findall(r'fault_point\(f?"tiers\.([a-z-]+)"', p.read_text())}
+    assert used == set(f.POINTS), (used ^ set(f.POINTS))
+    envs = set()
+    for p in pkg.rglob("*.py"):
+        envs |= set(re.findall(r'"(CKPTSTORE_[A-Z_]*(?:KILL|FAULT)[A-Z_]*)"', p.read_text()))
+    assert envs == {"CKPTSTORE_FAULT"}, envs
 
 
 # ---- every named point, with its known outcome ------------------------------------------------

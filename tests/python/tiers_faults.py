@@ -8,7 +8,7 @@ only what its retention keeps (the persistent tier: committed steps only).
 A fault is one of:
 
 - ``kill POINT:STEP@RANK``: that rank SIGKILLs itself at a point of the save or restore
-  path (``CKPTSTORE_TIERS_KILL``, :mod:`ckptstore.torch._tier_wire`: ``snapshot``,
+  path (``CKPTSTORE_FAULT=tiers.<point>``, :mod:`ckptstore._faults`: ``snapshot``,
   ``local-write``, ``replicate``, ``record``, ``persist-upload``, ``persist-commit``,
   ``restore``); the peers then fail at their next exchange with it;
 - ``lose HOST after SECONDS``: the host's link goes down and its processes are killed (no
@@ -106,7 +106,7 @@ def run_round(c, seed: int, n_faults: int = 2, log=print, faults=None) -> dict:
         if attempts > n_faults + 3:
             raise AssertionError(f"seed {seed}: not done after {attempts - 1} attempts")
         fault = faults.pop(0) if faults else None
-        env = {"CKPTSTORE_TIERS_KILL": fault[1]} if fault and fault[0] == "kill" else None
+        env = {"CKPTSTORE_FAULT": f"tiers.{fault[1]}"} if fault and fault[0] == "kill" else None
         if fault and fault[0] == "kill" and fault[1].startswith("record:"):  # 1 rank per host
             at, _, rank = fault[1].split(":", 1)[1].partition("@")
             unindexed.setdefault(int(rank), set()).add(int(at))

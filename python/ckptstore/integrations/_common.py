@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import time
 import uuid
 from typing import Any, Dict, List, Optional
@@ -152,22 +151,6 @@ def fsync_file(path: str) -> None:
 
 
 # ---- test seams ----------------------------------------------------------------------------------
-
-
-def kill_point(env: str, point: str, step: Optional[int] = None) -> None:
-    """A test seam: SIGKILL this process at ``point`` when the environment variable ``env``
-    asks for it. Without ``step`` its value must be ``point``; with ``step``, ``point`` (at
-    any step) or ``point:<step>``. Unset, it costs one environment lookup."""
-    spec = os.environ.get(env)
-    if not spec:
-        return
-    if step is None:
-        hit = spec == point
-    else:
-        want, _, at = spec.partition(":")
-        hit = want == point and (not at or int(at) == step)
-    if hit:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 #: The pause seam's variables, shared with the engine's own points (``before-manifest-rename``).

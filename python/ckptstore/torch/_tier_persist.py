@@ -40,8 +40,9 @@ from typing import Any, Optional
 
 from .. import _ckptstore, atomic
 from .. import commit as _commit
+from .._faults import fault_point
 from ._tier_local import LocalTier
-from ._tier_wire import crc_file, kill_point, trim_heap
+from ._tier_wire import crc_file, trim_heap
 
 MANIFEST = "ckpt-manifest.json"
 
@@ -122,8 +123,8 @@ class Persister:
         if ranks is None:  # a committed checkpoint (a restore's): its files, the manifest last
             names = sorted(n for n in os.listdir(src) if not n.startswith(".") and n != MANIFEST)
             atomic.copy_files(src, loc, [(n, *crc_file(os.path.join(src, n))) for n in names])
-            kill_point("persist-upload", step, self.rank)
-            kill_point("persist-commit", step, self.rank)
+            fault_point("tiers.persist-upload", step, self.rank)
+            fault_point("tiers.persist-commit", step, self.rank)
             atomic.copy_files(src, loc, [(MANIFEST, *crc_file(os.path.join(src, MANIFEST)))])
             return
         shards: list[Any] = []
@@ -132,10 +133,10 @@ class Persister:
             for name, (size, crc) in sorted(record["files"][str(r)].items()):
                 (parts if name.startswith("part-") else shards).append((name, size, crc))
         atomic.copy_files(src, loc, shards)
-        kill_point("persist-upload", step, self.rank)
+        fault_point("tiers.persist-upload", step, self.rank)
         atomic.copy_files(src, loc, parts)
         if self.rank != 0:
             return
-        kill_point("persist-commit", step, self.rank)
+        fault_point("tiers.persist-commit", step, self.rank)
         _commit(loc, record["checkpoint_id"], world_size=record["world_size"], timeout=self.timeout,
                 metadata=record["metadata"])

@@ -13,12 +13,13 @@ from typing import Any, Optional
 
 from .. import _ckptstore
 from .. import commit as _commit
+from .._faults import fault_point
 from ..errors import CheckpointError
 from . import distributed as _d
 from ._tier_local import check_arrival, saved_host, shard_head_len
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err
-from ._tier_wire import kill_point, pwrite_all, transfer
+from ._tier_wire import pwrite_all, transfer
 from .dcp import _plan_ranges
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
@@ -171,7 +172,7 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
     loaded = False
     try:
         mgr._phase(f"restore: step {step} assembled", mgr._agree, [err], f"assembling step {step}")
-        kill_point("restore", step, mgr.rank)
+        fault_point("tiers.restore", step, mgr.rank)
         extra = mgr._load(step, stage, req, prep)
         loaded = True
         return extra

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import signal
 import sys
 import threading
 import time
@@ -22,30 +21,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-#: The kill seam: ``point[:step][@rank]`` SIGKILLs the process that reaches ``point`` (at
-#: ``step``, on ``rank``; either may be left out). Points: ``snapshot`` (the save's copy
-#: made, on the caller's thread), ``local-write`` (the part written, before its CRCs are
-#: gathered), ``replicate`` (the host's files sent, before the received ones are published),
-#: ``record`` (``commit.json`` written, before the index names the step),
-#: ``persist-upload`` (a host's shards in the persistent tier, before its part
-#: descriptors), ``persist-commit`` (before the persistent commit), ``restore`` (the step
-#: assembled, before the load). Unset, a point costs one environment lookup.
-KILL_ENV = "CKPTSTORE_TIERS_KILL"
 #: Set, each rank writes the seconds since its previous phase as it enters the next one
 #: (where a save or a restore spends its time): to stderr, or appended to the file it names
 #: when it is an absolute path.
 _TRACE = os.environ.get("CKPTSTORE_TIERS_TRACE", "")
-POINTS = (
-    "snapshot",
-    "local-write",
-    "replicate",
-    "record",
-    "persist-upload",
-    "persist-commit",
-    "restore",
-)
-
-
 def dist_or_none() -> Any:
     """``torch.distributed`` when a process group is initialized, else None."""
     import torch.distributed as dist
@@ -56,16 +35,6 @@ def dist_or_none() -> Any:
 def err_text(rank: int, e: BaseException) -> str:
     """An error as the ranks gather it: ``rank <r>: <type>: <message>``."""
     return f"rank {rank}: {type(e).__name__}: {e}"
-
-
-def kill_point(point: str, step: int, rank: int) -> None:
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return
-    spec, _, want_rank = spec.partition("@")
-    want, _, at = spec.partition(":")
-    if want == point and (not at or int(at) == step) and (not want_rank or int(want_rank) == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def trim_heap() -> None:

@@ -30,44 +30,16 @@ Saves commit in the order they were made.
 from __future__ import annotations
 
 import os
-import signal
 from typing import Any, Callable, List, Literal, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .. import CheckpointManager as _StepStore
+from .. import _faults
 from ..errors import CheckpointNotFoundError, InvalidArgumentError
 from ._saver import AsyncSaver, Handle, check_max_in_flight
 
 __all__ = ["CheckpointManager", "SaveHandle"]
-
-
-# ---- test seam: CKPTSTORE_CHAOS_KILL (tests/python/test_chaos.py) -------------------------
-#: ``"point:n"`` SIGKILLs this process the ``n``-th time (from 1) it reaches ``point``:
-#: ``snapshot`` (after each tensor copied into the snapshot buffers), ``write`` (the
-#: background thread, before a save's write) or ``restore`` (inside the step's lease, before
-#: the load). Read when a manager is made; unset, a point costs one ``None`` check.
-_chaos: Optional[List[Any]] = None
-
-
-def _chaos_arm() -> None:
-    global _chaos
-    spec = os.environ.get("CKPTSTORE_CHAOS_KILL")
-    if not spec:
-        _chaos = None
-        return
-    point, _, n = spec.partition(":")
-    if not n.isdigit() or int(n) < 1:
-        raise InvalidArgumentError(f"CKPTSTORE_CHAOS_KILL={spec!r}: expected point:n, n >= 1")
-    _chaos = [point, int(n)]
-
-
-def _chaos_hit(point: str) -> None:
-    c = _chaos
-    if c is not None and c[0] == point:
-        c[1] -= 1
-        if c[1] <= 0:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _pkg():
@@ -150,7 +122,7 @@ class CheckpointManager:
         #: Test seam: called with the step in the background thread, after the snapshot
         #: and before the write (tests hold a save there while they change the model).
         self._before_write: Optional[Callable[[int], None]] = None
-        _chaos_arm()  # test seam: CKPTSTORE_CHAOS_KILL
+        _faults.arm()  # the test seam (ckptstore._faults): a malformed spec raises here
 
     # ---- the steps ---------------------------------------------------------------------
 
@@ -231,10 +203,10 @@ class CheckpointManager:
             return h
 
         def build(copy: Callable[[str, Any], Tuple[str, str, np.ndarray]]) -> tuple:
-            if _chaos is not None:  # test seam
+            if _faults.armed("manager.snapshot"):  # the test seam, per tensor copied
                 def copy_then_hit(name: str, src: Any, copy=copy) -> Tuple[str, str, np.ndarray]:
                     out = copy(name, src)
-                    _chaos_hit("snapshot")
+                    _faults.fault_point("manager.snapshot")
                     return out
 
                 return _build(model, optimizer, extra, copy_then_hit)
@@ -245,8 +217,7 @@ class CheckpointManager:
             hook = self._before_write
             if hook is not None:
                 hook(step)
-            if _chaos is not None:  # test seam
-                _chaos_hit("write")
+            _faults.fault_point("manager.write")
             return self._store._native.save(step, entries, metadata, self._max_shard_size, optim)
 
         return self._saver.save(SaveHandle(step), build, write)  # type: ignore[return-value]
@@ -307,8 +278,7 @@ class CheckpointManager:
         step = _check_step(step)
         ct = _pkg()
         with self._store.lease(step) as lease:
-            if _chaos is not None:  # test seam
-                _chaos_hit("restore")
+            _faults.fault_point("manager.restore")
             return ct.load(
                 lease.path,
                 model,
@@ -342,8 +312,7 @@ class CheckpointManager:
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile: look again
             with lease:
-                if _chaos is not None:  # test seam
-                    _chaos_hit("restore")
+                _faults.fault_point("manager.restore")
                 ct = _pkg()
                 extra = ct.load(
                     lease.path,

@@ -73,13 +73,14 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from .. import atomic
+from .._faults import fault_point
 from ..errors import CheckpointError, InvalidArgumentError
 from . import distributed as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_local import LocalTier, check_arrival, new_stage
 from ._tier_persist import PersistentTier, Persister
 from ._tier_restore import restore_fast
-from ._tier_wire import Arrival, Progress, crc_file, discard, kill_point, transfer, trim_heap, write_fsync
+from ._tier_wire import Arrival, Progress, crc_file, discard, transfer, trim_heap, write_fsync
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err
 
@@ -349,7 +350,7 @@ class CheckpointManager:
 
         def build(snap: Any) -> tuple:
             snapped = _snapshot(sd, snap, "")
-            kill_point("snapshot", step, self.rank)
+            fault_point("tiers.snapshot", step, self.rank)
             return step, snapped, meta, persist
 
         return self._saver.save(Handle(f"step {step}"), build, self._write, whole_snapshot=True)
@@ -371,7 +372,7 @@ class CheckpointManager:
         own = tier.src_dir(step, self.host)
         w = _part_writer(own, {_d.META_KEY: meta})
         self._phase(f"step {step}: local write", lambda: dcp.save(sd, storage_writer=w, process_group=self.pg))
-        kill_point("local-write", step, self.rank)
+        fault_point("tiers.local-write", step, self.rank)
         cid = w.checkpoint_id
         files: dict[str, list[int]] = {}
         err = None
@@ -405,7 +406,7 @@ class CheckpointManager:
         err = None
         if self.leader:
             try:
-                tier.record(step, record, between=lambda: kill_point("record", step, self.rank))
+                tier.record(step, record, between=lambda: fault_point("tiers.record", step, self.rank))
             except Exception as e:  # noqa: BLE001
                 err = _err(self.rank, e)
         if due:  # no upload in flight from here to the agreement below: rank 0's gc is safe
@@ -480,7 +481,7 @@ class CheckpointManager:
             finally:
                 for a in arrivals.values():
                     a.close()
-            kill_point("replicate", step, self.rank)
+            fault_point("tiers.replicate", step, self.rank)
             err = err or got["err"]
             if err is None:
                 try:

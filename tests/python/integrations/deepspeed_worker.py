@@ -223,7 +223,7 @@ def main() -> int:
         engine.checkpoint_engine.wait()  # tag A published before the seam is armed
         torch.save(report, args.out)
         step(engine)
-        os.environ[ckds.KILL_ENV] = args.kill_at
+        os.environ["CKPTSTORE_FAULT"] = f"deepspeed.{args.kill_at}"
         engine.save_checkpoint(args.dir[0])
         engine.checkpoint_engine.wait()  # non-blocking: the publish (and its seams) runs on a thread
         print("NOT KILLED", file=sys.stderr)

@@ -33,6 +33,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # 
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
 from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
 
+from ckptstore._faults import POINTS  # noqa: E402
 from ckptstore.errors import ChecksumError, InvalidArgumentError  # noqa: E402
 from ckptstore.integrations import deepspeed as ckds  # noqa: E402
 from ckptstore.integrations._tree import PickleNotAllowedError  # noqa: E402
@@ -58,7 +59,7 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
                expect_rc: int = 0, non_blocking: bool = False, optimizer: str = "adamw",
                default_engine: bool = False) -> dict:
     env = dict(os.environ)
-    env.pop(ckds.KILL_ENV, None)
+    env.pop("CKPTSTORE_FAULT", None)
     # DeepSpeed's JIT build of its CPU comm op needs ninja from the venv on PATH.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["DS_ACCELERATOR"] = "cpu"
@@ -82,7 +83,7 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
 def run_ranks(mode: str, out: Path, world: int, *, stage: int, dirs) -> list:
     """``world`` worker processes of one job (one port), started together; their reports."""
     env = dict(os.environ)
-    env.pop(ckds.KILL_ENV, None)
+    env.pop("CKPTSTORE_FAULT", None)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["DS_ACCELERATOR"] = "cpu"
     port = _free_port()
@@ -303,7 +304,7 @@ def test_install_refuses_zero3_saying_why_and_what_to_use(work):
 def killed(work):
     """Per kill point: a dir with tag A committed and a second save killed at that point,
     the killed process's report, and one fresh process's load of every dir."""
-    assert tuple(KILL_POINTS) == ckds.KILL_POINTS
+    assert {f"deepspeed.{p}" for p in KILL_POINTS} == {p for p in POINTS if p.startswith("deepspeed.")}
     dirs, reports = {}, {}
     for (point, nb), run in zip(KILL_RUNS, KILL_IDS):
         d = work / f"killed_{run}"

@@ -49,7 +49,7 @@ def run_job(folder, out, *, until, mode="disabled", keep=0, env=None, expect_rc=
     if no_load:
         cmd.append("--no-load")
     e = dict(os.environ)
-    e.pop("CKPTSTORE_TORCHTITAN_KILL", None)
+    e.pop("CKPTSTORE_FAULT", None)
     e.update(env or {})
     r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=180)
     assert r.returncode == expect_rc, f"rc {r.returncode}, expected {expect_rc}:\n{r.stderr[-3000:]}"
@@ -213,7 +213,7 @@ def test_sigkill_during_save_resumes_the_previous_step(tmp_path, uninterrupted, 
     committed step, the manager's own latest-step logic resumes it, and training to step 6
     ends where the uninterrupted run did."""
     ck = tmp_path / "ck"
-    run_job(ck, tmp_path / "a.pt", until=6, env={"CKPTSTORE_TORCHTITAN_KILL": f"{point}:4"},
+    run_job(ck, tmp_path / "a.pt", until=6, env={"CKPTSTORE_FAULT": f"torchtitan.{point}:4"},
             expect_rc=-signal.SIGKILL)
     assert committed(ck) == [2]
     listed = {e["step"]: e["committed"] for e in ckptstore.CheckpointManager(ck).list()}

@@ -112,11 +112,10 @@ the next tag); the files are written and the tag published (the same rename, the
 ``engine.checkpoint_engine.wait()`` wait for it and raise its error; the interpreter's exit
 waits for it too (the threads are not daemons). One tag is in flight at a time.
 
-Test seam: ``CKPTSTORE_DEEPSPEED_KILL_AT=<point>`` makes the process SIGKILL itself at
-``save`` (after a file of a tag has been committed into the staging directory, or handed to
-its background writer), ``publish`` (every file written, before the rename) or ``latest``
-(after the rename, before ``latest`` is written). Unset, a point costs one environment
-lookup.
+Test seam (``ckptstore._faults``): ``CKPTSTORE_FAULT=deepspeed.<point>`` makes the process
+SIGKILL itself at ``save`` (after a file of a tag has been committed into the staging
+directory, or handed to its background writer), ``publish`` (every file written, before the
+rename) or ``latest`` (after the rename, before ``latest`` is written).
 
 ZeRO-3 is refused by :func:`install` (``InvalidArgumentError``): DeepSpeed reads a ZeRO-3
 tag's files itself where no checkpoint engine is asked (a load without optimizer states
@@ -136,7 +135,7 @@ ckptstore checkpoint directory of that name (committed on its own), not a file
 from __future__ import annotations
 
 from ...errors import PickleNotAllowedError
-from ._engine import KILL_ENV, KILL_POINTS, CheckpointEngine
+from ._engine import KILL_ENV, KILL_POINTS, CheckpointEngine  # noqa: F401 - deprecated names
 from ._install import install
 
-__all__ = ["CheckpointEngine", "install", "KILL_ENV", "KILL_POINTS", "PickleNotAllowedError"]
+__all__ = ["CheckpointEngine", "install", "PickleNotAllowedError"]

@@ -20,15 +20,19 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from ... import atomic
+from ..._faults import fault_point
 from ...errors import CheckpointError, CheckpointIOError, InvalidArgumentError
-from .._common import check_optimizer_class, kill_point, name_error
+from .._common import check_optimizer_class, name_error
 from .._tree import TreeSaver, load_tree, save_tree
 from ._values import _decode, _encode, _read_default_file, _recorded_class, _with_class
 
 _log = logging.getLogger(__package__)  # the package's logger
 
 #: The test seam's environment variable and its points (package docstring).
-KILL_ENV = "CKPTSTORE_DEEPSPEED_KILL_AT"
+#: Deprecated (kept for one release, CHANGELOG.md): the test seam is ``ckptstore._faults``'s
+#: ``CKPTSTORE_FAULT`` with the points ``deepspeed.save``, ``deepspeed.publish`` and
+#: ``deepspeed.latest``.
+KILL_ENV = "CKPTSTORE_FAULT"
 KILL_POINTS = ("save", "publish", "latest")
 
 _STAGING = ".ckptstore-staging"
@@ -211,7 +215,7 @@ class CheckpointEngine(_DSCheckpointEngine):
             save_tree(target, obj, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
                       cleanup="inline")
         p.files.append(rel)
-        kill_point(KILL_ENV, "save")
+        fault_point("deepspeed.save")
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         p = self._pending
@@ -245,9 +249,9 @@ class CheckpointEngine(_DSCheckpointEngine):
                 try:
                     if os.path.isdir(p.staging):
                         atomic.fsync_dir(p.staging)
-                        kill_point(KILL_ENV, "publish")
+                        fault_point("deepspeed.publish")
                         atomic.publish_dir(p.staging, p.tag_dir)
-                        kill_point(KILL_ENV, "latest")
+                        fault_point("deepspeed.latest")
                     if write_latest:
                         atomic.write_file(p.save_dir, "latest", p.tag)
                 except OSError as e:

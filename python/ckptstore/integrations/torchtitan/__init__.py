@@ -136,9 +136,10 @@ keys without ``local_folder``; by the manager: several model parts (pipeline par
 several optimizers. The persistent tier's steps are not steps of the untiered mode, nor the
 other way round: a folder serves one mode.
 
-Test seam: ``CKPTSTORE_TORCHTITAN_KILL="<point>[:<step>]"`` SIGKILLs the process at
-``point`` (``commit``: the coordinator, every rank's part written, before the commit;
-``write``: a rank, before writing its part) of the save of ``step`` (any step if omitted).
+Test seam (``ckptstore._faults``): ``CKPTSTORE_FAULT="torchtitan.<point>[:<step>]"``
+SIGKILLs the process at ``point`` (``commit``: the coordinator, every rank's part written,
+before the commit; ``write``: a rank, before writing its part) of the save of ``step`` (any
+step if omitted).
 """
 
 from __future__ import annotations

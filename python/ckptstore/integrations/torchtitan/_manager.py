@@ -28,16 +28,15 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from ... import _ckptstore
+from ..._faults import fault_point
 from ...errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
 from ...torch.dcp import META_KEY, Reader, Writer
 from ...torch.internal import optimizer_class
-from .._common import check_optimizer_class, dcp_error, kill_point
+from .._common import check_optimizer_class, dcp_error
 from . import _tiered
 from ._codec import _VERSION, STATE_KEY, _decode, _Encoder, _merge, _Ref, _substitute
 from ._steps import _join, _Steps
 from ._stock_steps import _DCP_METADATA, _is_stock_step, _StockPlanner, _StockReader
-
-_KILL_ENV = "CKPTSTORE_TORCHTITAN_KILL"
 
 logger = logging.getLogger(__package__)  # the package's logger
 
@@ -79,11 +78,11 @@ class _StepWriter(Writer):
         self.step = step
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        kill_point(_KILL_ENV, "write", self.step)
+        fault_point("torchtitan.write", self.step)
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: Any) -> None:
-        kill_point(_KILL_ENV, "commit", self.step)
+        fault_point("torchtitan.commit", self.step)
         super().finish(metadata, results)
 
 
