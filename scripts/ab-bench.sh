@@ -5,7 +5,7 @@
 #   (a) ckpt bench --size 512MiB --tensors 64 --json          (hot page cache)
 #   (b) ckpt bench --size 512MiB --tensors 64 --cold --json   (shard files evicted)
 #   (c) examples/s3_bench against a freshly started s3s-fs on a free loopback port (256 MiB)
-#   (d) python/bench_torch.py --restore (3 x Linear(4096, 4096) + Adam, ways raw,ckptstore)
+#   (d) python/benches/bench_torch.py --restore (3 x Linear(4096, 4096) + Adam, ways raw,ckptstore)
 # Every figure these print is beside a baseline measured in the same run; the summary gives,
 # per metric, the median over rounds for old and new and new/old (ratios against each run's
 # own baseline are the figures to read: raw seconds move with the machine's load).
@@ -16,7 +16,7 @@
 #   OLD_PY, NEW_PY (env): PYTHONPATH directories holding each build's `ckptstore` package (an
 #     unpacked wheel); NEW_PY empty: the package the interpreter imports by itself (the venv's).
 #   PYTHON (env): the interpreter (default NEW_DIR/.venv/bin/python).
-#   TORCH_SCRIPT=new|own (env, default new): run NEW_DIR's python/bench_torch.py for both
+#   TORCH_SCRIPT=new|own (env, default new): run NEW_DIR's python/benches/bench_torch.py for both
 #     packages (the same measuring code; only the package differs), or each tree's own.
 #   Sizes (env): CKPT_SIZE=512MiB CKPT_TENSORS=64 S3_MIB=256 S3_REPS=3 TORCH_LAYERS=3
 #     TORCH_WIDTH=4096 TORCH_REPEAT=2 TORCH_WAYS=raw,ckptstore.
@@ -163,7 +163,8 @@ for which in old new; do
     case "$pkg" in "$(cd "$py" && pwd)"/*) ;; *) echo "$which: PYTHONPATH=$py imports ckptstore from $pkg, not from it" >&2; exit 1 ;; esac
   fi
   cp -r "$pkg" "$W/$which/py/ckptstore"
-  sdir="$NEW_DIR/python"; [ "$TORCH_SCRIPT" = own ] && sdir="$dir/python"
+  sdir="$NEW_DIR/python/benches"; [ "$TORCH_SCRIPT" = own ] && sdir="$dir/python/benches"
+  [ -d "$sdir" ] || sdir="${sdir%/benches}"  # a tree from before the benches moved
   cp "$sdir/bench_torch.py" "$W/$which/script/"
   [ -f "$sdir/bench_util.py" ] && cp "$sdir/bench_util.py" "$W/$which/script/"
   got="$(PYTHONPATH="$W/$which/py" "$PYTHON" -c 'import ckptstore; print(ckptstore.__file__)')"

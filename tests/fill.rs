@@ -1,6 +1,6 @@
 //! Issue 16: `Checkpoint::fill_and_verify`, the single-pass restore into caller memory.
 //! Behaviour only (bytes, errors, order of checks); speed is measured by
-//! `python/bench_torch.py --restore`, never here.
+//! `python/benches/bench_torch.py --restore`, never here.
 
 #[path = "common/sample.rs"]
 mod sample;

@@ -1,6 +1,6 @@
 //! `ckptstore._ckptstore`: the native half of the `ckptstore` Python package.
 //!
-//! The Python package (`python/ckptstore/`) wraps this module: it maps numpy dtypes to
+//! The Python package (`python/py_src/ckptstore/`) wraps this module: it maps numpy dtypes to
 //! wire names, gathers arrays the writer cannot take as they are, and builds the optimizer
 //! section of torch checkpoints. Everything that touches tensor bytes happens here, in the
 //! Rust engine, with the interpreter detached:

@@ -1,7 +1,7 @@
 //! Local files copied into a store, each checked against the size and CRC32 its writer
 //! recorded while it streams: how the tiered manager moves a step that is already committed
 //! on a host's fast tier into the persistent tier (a directory or an object-store prefix),
-//! without a second snapshot of the training state (python/ckptstore/torch/tiered.py).
+//! without a second snapshot of the training state (python/py_src/ckptstore/torch/tiered.py).
 //!
 //! Each file is published under its name only whole and only when its bytes match the record
 //! ([`Store::put_streamed`], [`crate::store::Put::finish`]); a file that differs is aborted and

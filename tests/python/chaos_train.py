@@ -18,7 +18,7 @@ training step, ``{"ev": "done", "step", "digest"}`` at the end (then the final s
 Kill points (``kill = {"point": P, "n": N}``):
 
 * ``snapshot``, ``write``, ``restore``: the manager's points of the package's fault seam, ``CKPTSTORE_FAULT=manager.P#N``
-  (python/ckptstore/torch/manager.py): the N-th tensor copied into a snapshot, before the
+  (python/py_src/ckptstore/torch/manager.py): the N-th tensor copied into a snapshot, before the
   N-th background write, inside the lease before the load.
 * ``before-shards``, ``before-manifest-rename``, ``after-manifest-rename``, ``before-cleanup``,
   ``before-part``: the Rust writer's pause seam (src/write/pause.rs) during the N-th save of

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "python"
+SCRIPTS = REPO / "python" / "benches"
 
 
 def run_script(name: str, *args: str, timeout: float = 600) -> tuple[str, int]:
@@ -128,7 +128,7 @@ def test_framework_bench_runs(tmp_path, script, args, line):
 
 
 def test_bench_tiers_runs_on_namespace_hosts():
-    """python/bench_tiers.py end to end on a tiny state (s3 persistent tier behind a capped
+    """python/benches/bench_tiers.py end to end on a tiny state (s3 persistent tier behind a capped
     link, the DCP leg skipped without s3fs): every restart restores the trained state
     exactly (the script's own check), and it prints its goals."""
     sys.path.insert(0, str(REPO / "tests" / "python"))

@@ -23,7 +23,7 @@ import ckptstore
 from ckptstore import _ckptstore
 from ckptstore._dtypes import TABLE, numpy_dtype, type_name, wire_dtype
 
-PKG = Path(__file__).resolve().parents[2] / "python" / "ckptstore"
+PKG = Path(__file__).resolve().parents[2] / "python" / "py_src" / "ckptstore"
 SOURCES = sorted(PKG.rglob("*.py"))
 
 # The engine's conversion arithmetic, as a copy of it would be written in Python.

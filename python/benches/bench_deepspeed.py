@@ -31,7 +31,7 @@ Measured:
 
 Ratios: the default's time over ckptstore's (> 1: ckptstore faster).
 
-    python python/bench_deepspeed.py [--layers 5 --width 4096] [--repeat 2] [--saves 50] [--dir DIR]
+    python python/benches/bench_deepspeed.py [--layers 5 --width 4096] [--repeat 2] [--saves 50] [--dir DIR]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 Writer/Reader against torch's FileSystemWriter/Reader and HuggingFaceStorageWriter/Reader,
 measured in one run, ratios printed.
 
-    .venv/bin/python python/bench_dcp.py [--gib 1.0] [--reps 3] [--dir /tmp/bench-dcp]
+    .venv/bin/python python/benches/bench_dcp.py [--gib 1.0] [--reps 3] [--dir /tmp/bench-dcp]
 
 The state: ``--gib`` GiB in total of FP32 tensors: 8 "layers", each a weight and its Adam
 ``exp_avg`` / ``exp_avg_sq``, every one a DTensor sharded ``Shard(0)`` over 2 ranks, plus

@@ -24,7 +24,7 @@ What each column measures:
 * ``--cold`` evicts the checkpoint files from the page cache before each load
   (``posix_fadvise(DONTNEED)``), so loads read the disk; otherwise they read the page cache.
 
-Usage: python python/bench_torch.py [--size 1GiB] [--repeat 3] [--dir /tmp/x] [--cold]
+Usage: python python/benches/bench_torch.py [--size 1GiB] [--repeat 3] [--dir /tmp/x] [--cold]
 
 ``--restore`` (issue 16) measures instead the real resume, **one fresh process per
 measurement**: the child imports torch, builds the model (``--layers`` x
@@ -42,7 +42,7 @@ the order of the ways rotated each repetition. ``--throttle 600MiB`` runs every 
 cgroup that holds its reads from the disk to that rate (root only): on a shared VM whose disk
 speed swings 3x between runs, the cold ratios then compare like with like.
 
-    python python/bench_torch.py --restore [--layers 5 --width 4096] [--repeat 2] [--dir DIR]
+    python python/benches/bench_torch.py --restore [--layers 5 --width 4096] [--repeat 2] [--dir DIR]
                                  [--throttle 600MiB]
 """
 

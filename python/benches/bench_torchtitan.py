@@ -2,8 +2,8 @@
 
 ::
 
-    python python/bench_torchtitan.py --gib 1 --dir DIR [--saves 3] [--modes disabled,async]
-    python python/bench_torchtitan.py --gib 0.0625 --dir DIR --rss-saves 50   # host memory
+    python python/benches/bench_torchtitan.py --gib 1 --dir DIR [--saves 3] [--modes disabled,async]
+    python python/benches/bench_torchtitan.py --gib 0.0625 --dir DIR --rss-saves 50   # host memory
 
 The model: ``--layers`` bias-free ``Linear(width, width)`` layers (``--gib`` sets the width)
 with TorchTitan's ``OptimizersContainer`` (AdamW, foreach) and ``LRSchedulersContainer``, a

@@ -26,8 +26,8 @@ once before. Best of ``--repeat``.
 
 Usage (ratios > 1 mean ckptstore is faster; ``--json`` also writes every figure)::
 
-    python python/bench_gpu.py [--layers 5 --width 4096] [--repeat 3] [--dir DIR] [--json F]
-    python python/bench_gpu.py --device cpu --layers 2 --width 256   # the script runs on CPU
+    python python/benches/bench_gpu.py [--layers 5 --width 4096] [--repeat 3] [--dir DIR] [--json F]
+    python python/benches/bench_gpu.py --device cpu --layers 2 --width 256   # the script runs on CPU
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ blocking=False)`` (snapshot into reused buffers, write in the background) agains
 blocking ``ckptstore.torch.save`` and against ``torch.save``, all measured in the same run
 on the same model + Adam state.
 
-    python python/bench_manager.py --size 1GiB [--runs 5] [--dir DIR] [--device cuda]
+    python python/benches/bench_manager.py --size 1GiB [--runs 5] [--dir DIR] [--device cuda]
 
 Reported per method: the median time the caller is blocked. For the background save also
 the first call (buffers allocated and faulted in), the time until the step is durable,
@@ -30,7 +30,7 @@ import tempfile
 import sys
 import time
 
-# Run as `python python/bench_manager.py`: the installed package, not the source tree
+# Run as `python python/benches/bench_manager.py`: the installed package, not the source tree
 # beside this file (which lacks the compiled extension).
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _here)

@@ -26,7 +26,7 @@ states: 0.76 GiB of model + optimizer state), trained on the CPU (``use_cpu=True
 
 Ratios: stock time / ckptstore time (> 1: ckptstore faster).
 
-    python python/bench_transformers.py [--dir DIR] [--saves 4] [--repeat 2] [--small]
+    python python/benches/bench_transformers.py [--dir DIR] [--saves 4] [--repeat 2] [--small]
 """
 
 from __future__ import annotations

@@ -27,13 +27,13 @@ Measured:
   calls ``fit(ckpt_path=...)``; timed from the ``fit`` call to the end of the first resumed
   training step (``resume``), and the whole process from its start to its exit
   (``process``: Lightning's import included). ``cold``: the checkpoint files are evicted from the
-  page cache first (posix_fadvise DONTNEED, python/bench_util.py's ``evict``); ``warm``: read
+  page cache first (posix_fadvise DONTNEED, python/benches/bench_util.py's ``evict``); ``warm``: read
   once before. Best of ``--repeat``.
 
 Ratios are the default's time over ckptstore's (> 1: ckptstore faster), or for memory
 ckptstore's over its own.
 
-    python python/bench_lightning.py [--layers 3 --width 4096] [--repeat 2] [--saves 50] [--dir DIR]
+    python python/benches/bench_lightning.py [--layers 3 --width 4096] [--repeat 2] [--saves 50] [--dir DIR]
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 tier and against DCP, the save's blocking time, host memory over many saves. Hosts are Linux
 network namespaces (tests/python/netns_cluster.py); needs root, ``ip``, ``tc``, ``ss``.
 
-    .venv/bin/python python/bench_tiers.py                       # smoke: 32 MiB per host
-    .venv/bin/python python/bench_tiers.py --mib-per-host 256 --json /tmp/tiers.json
+    .venv/bin/python python/benches/bench_tiers.py                       # smoke: 32 MiB per host
+    .venv/bin/python python/benches/bench_tiers.py --mib-per-host 256 --json /tmp/tiers.json
 
 The job: ``--hosts`` hosts (default 3) x 1 rank, FSDP2 (``fully_shard``, CPU, gloo) over a
 stack of ``nn.Linear`` (width ``--width``) with Adam, sized so that model + Adam state is

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts python/bench_*.py (not a test, not part of the
+"""Helpers shared by the benchmark scripts python/benches/bench_*.py (not a test, not part of the
 package): the files of a checkpoint, fsync, page-cache eviction and warming, process memory,
 state sizes, best-of timings and the fresh-process children's JSON.
 
