@@ -31,8 +31,8 @@ step "bindings: building python/ with maturin (release)"
 # Fail here, naming any conflict between the installed packages, not in a test's import.
 .venv/bin/python -m pip check --disable-pip-version-check
 
-step "Python lint and types: ruff check, mypy (python/ckptstore; settings in python/pyproject.toml)"
-(cd python && ../.venv/bin/ruff check ckptstore && ../.venv/bin/mypy)
+step "Python lint and types: ruff check (the package and python/examples), mypy (the package; settings in python/pyproject.toml)"
+(cd python && ../.venv/bin/ruff check py_src/ckptstore examples && ../.venv/bin/mypy)
 
 # The S3 server the object-storage tests start on loopback (tests/s3.rs,
 # tests/python/test_s3.py): installed once into ~/.cargo/bin, skipped when the pinned version
