@@ -17,6 +17,7 @@ import torch
 
 import ckptstore
 import ckptstore.torch as ct
+from ckptstore.torch import _dtypes, _staging, _state
 import ckpt_helpers as h
 
 K_STEPS = 4  # steps before the checkpoint
@@ -301,7 +302,7 @@ def test_extra_dtypes_and_zero_copy_save(tmp_path):
     ck = ckptstore.open(tmp_path)
     assert ck.info("weight")["dtype"] == "BF16" and ck.info("mask")["dtype"] == "BOOL"
     # What save hands the engine is a view of the tensor's memory, not a copy.
-    _, wire, arr = ct._to_numpy("weight", model.weight)
+    _, wire, arr = _dtypes._to_numpy("weight", model.weight)
     assert wire == "BF16" and np.shares_memory(arr, model.weight.detach().view(torch.int16).numpy())
 
     new = torch.nn.Linear(4, 4).to(torch.bfloat16)
@@ -373,7 +374,7 @@ def test_stage_batches_fit_keep_order_and_align():
 @pytest.mark.parametrize("stage", [64 << 20, 4096], ids=["one-batch", "many-batches+fallback"])
 def test_cuda_restore_through_staging(tmp_path, monkeypatch, stage):
     # Patched where it is read (ckptstore.torch._staging), not on ckptstore.torch.
-    monkeypatch.setattr(ct._staging, "_STAGE_BYTES", stage)
+    monkeypatch.setattr(_staging, "_STAGE_BYTES", stage)
     torch.manual_seed(7)
     src = Net(torch.float32).cuda()
     opt = make_optimizer("adam", src, 2)
@@ -383,9 +384,9 @@ def test_cuda_restore_through_staging(tmp_path, monkeypatch, stage):
     opt2 = make_optimizer("adam", dst, 2, lr_scale=3.0)
     train(dst, opt2, [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, 1, seed=9)])
     direct = []
-    real_direct_ok = ct._state._direct_ok
+    real_direct_ok = _state._direct_ok
     monkeypatch.setattr(
-        ct._state, "_direct_ok", lambda *a: direct.append(real_direct_ok(*a)) or direct[-1]
+        _state, "_direct_ok", lambda *a: direct.append(real_direct_ok(*a)) or direct[-1]
     )
     ct.load(tmp_path / "ck", dst, opt2)
     # CUDA state goes the single-pass way (fresh CUDA tensors filled through pinned staging).

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 import ckptstore  # noqa: E402
 import ckptstore.torch.distributed as ctd  # noqa: E402
 import dist_helpers as dh  # noqa: E402
+from ckptstore.torch import _sharded  # noqa: E402
 from ckptstore.torch.dcp import Reader  # noqa: E402
 
 OPTIMS = ("Adam", "AdamW")
@@ -167,7 +168,7 @@ def job_load_refused(rank, world, path):
 
 def job_versions(rank, world, base):
     """An Adam state saved with this writer (metadata version 2) and as version 1 wrote it
-    (``ctd._META_VERSION = 1``: state named ``optim.<param>.<state>``); each restored into a
+    (``_sharded._META_VERSION = 1``: state named ``optim.<param>.<state>``); each restored into a
     fresh model, gathered, and the stored names of each."""
     m, o = build(world, 0, "Adam")
     train(m, o, 0, 2, rank)
@@ -175,11 +176,11 @@ def job_versions(rank, world, base):
     out = {"want": want}
     for version in (2, 1):
         path = os.path.join(base, f"v{version}")
-        ctd._META_VERSION = version
+        _sharded._META_VERSION = version
         try:
             ctd.save(path, m, o)
         finally:
-            ctd._META_VERSION = 2
+            _sharded._META_VERSION = 2
         m2, o2 = build(world, 1, "Adam")
         train(m2, o2, 7, 1, rank)
         ctd.load(path, m2, o2)

@@ -17,3 +17,5 @@ frameworks' own ``torch.save`` files read with ``torch.load(weights_only=True)``
 on opt-in). The helpers of :mod:`ckptstore.torch` they use come from
 :mod:`ckptstore.torch.internal`.
 """
+
+__all__: list[str] = []  # the frameworks are the subpackages

@@ -43,10 +43,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _ckptstore, _prepare
+from .. import _ckptstore
 from .. import open as _open
 from .._codec import Decoder, Encoder, has_pickle
 from .._dtypes import numpy_dtype as _np_dtype
+from .._prep import prepare as _prepare
 from ..errors import CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
 from ..torch.internal import (
     AsyncSaver,
@@ -59,7 +60,7 @@ from ..torch.internal import (
 )
 
 __all__ = ["save_tree", "load_tree", "TreeSaver", "TreeSaveHandle", "PickleNotAllowedError", "TREE_KEY",
-           "has_pickle", "check_max_in_flight"]
+           "has_pickle", "check_max_in_flight", "Flattener", "Loader", "flatten", "prepare_any"]
 
 #: Metadata key of the skeleton.
 TREE_KEY = "ckptstore.tree"
@@ -70,7 +71,7 @@ def _torch():
     return torch_module()
 
 
-class _Flattener:
+class Flattener:
     """Walks an object once with the value codec: tensors (torch and numpy) out to
     ``prepare`` under their paths' names (the same object met twice stored once), the rest
     into a JSON skeleton."""
@@ -112,16 +113,16 @@ class _Flattener:
         return self.encoder.encode(v, path)
 
 
-def _flatten(obj: Any, prepare, allow_pickle: bool) -> Tuple[List[Tuple[str, str, np.ndarray]], str]:
+def flatten(obj: Any, prepare, allow_pickle: bool) -> Tuple[List[Tuple[str, str, np.ndarray]], str]:
     import json
 
-    f = _Flattener(prepare, allow_pickle)
+    f = Flattener(prepare, allow_pickle)
     skeleton = f.walk(obj, "")
     metadata = json.dumps({TREE_KEY: {"version": _VERSION, "tree": skeleton}}, allow_nan=False)
     return f.entries, metadata
 
 
-def _prepare_any(name: str, v: Any) -> Tuple[str, str, np.ndarray]:
+def prepare_any(name: str, v: Any) -> Tuple[str, str, np.ndarray]:
     if isinstance(v, np.ndarray):
         return _prepare(name, v)
     return to_numpy(name, v)
@@ -147,7 +148,7 @@ def save_tree(
             ``allow_pickle`` is false (nothing is written).
         ckptstore.errors.CheckpointError: the engine's errors (I/O, invalid tensors).
     """
-    entries, metadata = _flatten(obj, _prepare_any, allow_pickle)
+    entries, metadata = flatten(obj, prepare_any, allow_pickle)
     return _ckptstore.save(os.fspath(location), entries, metadata, max_shard_size, None, cleanup)
 
 
@@ -166,7 +167,7 @@ def _tree_of(ck: Any, location: Any) -> Any:
     return meta["tree"]
 
 
-class _Loader:
+class Loader:
     """Rebuilds the object from its skeleton in two passes: :meth:`collect` makes a fresh
     CPU buffer for every stored tensor (filled and CRC-checked in one engine pass), then
     :meth:`build` decodes the object over the filled buffers."""
@@ -251,7 +252,7 @@ def load_tree(
     """
     with _open(location) as ck:
         tree = _tree_of(ck, location)
-        loader = _Loader(ck, location, allow_pickle, map_location)
+        loader = Loader(ck, location, allow_pickle, map_location)
         loader.collect(tree)
         ck.fill_and_verify(loader.fills, [], release=True)
     return loader.build(tree)
@@ -312,7 +313,7 @@ class TreeSaver:
             entries, metadata = job
             return _ckptstore.save(target, entries, metadata, self.max_shard_size, None, self.cleanup)
 
-        build = lambda copy: _flatten(obj, copy, self.allow_pickle)  # noqa: E731
+        build = lambda copy: flatten(obj, copy, self.allow_pickle)  # noqa: E731
         return self._saver.save(TreeSaveHandle(target), build, write, after=after)  # type: ignore[return-value]
 
     def wait(self) -> None:

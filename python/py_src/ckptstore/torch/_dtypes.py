@@ -11,6 +11,8 @@ from typing import Any, Dict
 import numpy as np
 
 from .._dtypes import TABLE, type_name
+from .._prep import check_utf8 as _check_utf8
+from .._prep import prepare as _prepare
 from ..errors import InvalidTensorError
 
 _wire_of: Dict[Any, str] = {}
@@ -41,15 +43,9 @@ def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
     copied; others are copied to the CPU first)."""
     torch = _torch()
     if isinstance(t, np.ndarray):
-        from .. import _prepare
-
         return _prepare(name, t)
-    from .. import _check_utf8
-
     _check_utf8(name, "tensor name", InvalidTensorError)
     if not isinstance(t, torch.Tensor):
-        from .. import _prepare
-
         return _prepare(name, np.asarray(t))
     t = t.detach()
     if t.device.type == "meta":

@@ -9,7 +9,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from .. import _check_utf8, _optimizer_parts
+from .._prep import check_utf8 as _check_utf8
+from .._prep import optimizer_parts as _optimizer_parts
 from ..errors import InvalidArgumentError, InvalidTensorError
 from ._dtypes import _torch
 from ._state import _encode_groups, _optimizer_class, _param_names

@@ -21,7 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _prepare
+from .._prep import prepare as _prepare
 from ..errors import InvalidArgumentError, InvalidTensorError
 from ._dtypes import _to_numpy, _torch, _wire_of
 

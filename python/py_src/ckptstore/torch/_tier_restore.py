@@ -15,7 +15,7 @@ from .. import _ckptstore
 from .. import commit as _commit
 from .._faults import fault_point
 from ..errors import CheckpointError
-from . import distributed as _d
+from . import _sharded as _d
 from ._tier_local import check_arrival, saved_host, shard_head_len
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err

@@ -37,17 +37,12 @@ import numpy as np
 from .. import CheckpointManager as _StepStore
 from .. import _faults
 from ..errors import CheckpointNotFoundError, InvalidArgumentError
+from ._dtypes import _to_numpy
+from ._items import _build_items
+from ._saveload import load as _load
 from ._saver import AsyncSaver, Handle, check_max_in_flight
 
 __all__ = ["CheckpointManager", "SaveHandle"]
-
-
-def _pkg():
-    """``ckptstore.torch`` (the format of :func:`ckptstore.torch.save` and its helpers),
-    imported at call time: this module is imported while that package initialises."""
-    import ckptstore.torch as ct
-
-    return ct
 
 
 # ---- what a step stores: exactly what ckptstore.torch.save stores -------------------------
@@ -61,7 +56,7 @@ def _build(
 ) -> Tuple[List[Tuple[str, str, np.ndarray]], str, Any]:
     """What :func:`ckptstore.torch.save` stores (so that :func:`ckptstore.torch.load`
     restores it), with ``prepare`` over the live tensors or over snapshot buffers."""
-    return _pkg()._build_items(model, optimizer, extra, prepare)
+    return _build_items(model, optimizer, extra, prepare)
 
 
 class SaveHandle(Handle):
@@ -195,8 +190,7 @@ class CheckpointManager:
         self._saver.check_open()
         if blocking:
             self.wait()
-            ct = _pkg()
-            entries, metadata, optim = _build(model, optimizer, extra, ct._to_numpy)
+            entries, metadata, optim = _build(model, optimizer, extra, _to_numpy)
             info = self._store._native.save(step, entries, metadata, self._max_shard_size, optim)
             h = SaveHandle(step)
             h._finish(info, None)
@@ -276,10 +270,9 @@ class CheckpointManager:
         before anything changes, and the optimizer state is replaced whole. Raises
         :class:`ckptstore.CheckpointNotFoundError` if the step is not committed."""
         step = _check_step(step)
-        ct = _pkg()
         with self._store.lease(step) as lease:
             _faults.fault_point("manager.restore")
-            return ct.load(
+            return _load(
                 lease.path,
                 model,
                 optimizer,
@@ -313,8 +306,7 @@ class CheckpointManager:
                 continue  # deleted meanwhile: look again
             with lease:
                 _faults.fault_point("manager.restore")
-                ct = _pkg()
-                extra = ct.load(
+                extra = _load(
                     lease.path,
                     model,
                     optimizer,

@@ -75,7 +75,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 from .. import atomic
 from .._faults import fault_point
 from ..errors import CheckpointError, InvalidArgumentError
-from . import distributed as _d
+from . import _sharded as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_local import LocalTier, check_arrival, new_stage
 from ._tier_persist import PersistentTier, Persister

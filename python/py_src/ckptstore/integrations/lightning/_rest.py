@@ -22,7 +22,7 @@ def split_rest(rest: Dict[str, Any], allow_pickle: bool) -> tuple:
     """The non-model, non-optimizer part of a Lightning checkpoint as a JSON skeleton and
     its tensors ``{name: tensor}`` (numpy arrays as CPU tensors), described in the
     skeleton."""
-    from .._tree import _Flattener
+    from .._tree import Flattener
 
     tensors: Dict[str, Any] = {}
     described: Dict[str, Any] = {}
@@ -40,7 +40,7 @@ def split_rest(rest: Dict[str, Any], allow_pickle: bool) -> tuple:
         described[name] = {"kind": kind, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
         return (name,)
 
-    f = _Flattener(prepare, allow_pickle)
+    f = Flattener(prepare, allow_pickle)
     skeleton = f.walk(rest, "")
     return {"version": _DCP_TREE_VERSION, "tree": skeleton, "tensors": described}, tensors
 
@@ -49,9 +49,9 @@ def split_rest(rest: Dict[str, Any], allow_pickle: bool) -> tuple:
 def build_rest(tree: Dict[str, Any], fresh: Dict[str, Any], location: str, allow_pickle: bool) -> Any:
     """The object :func:`split_rest` stored as ``tree``, its tensors ``fresh`` (by name, as
     read back: CPU tensors), with pickled values refused unless ``allow_pickle``."""
-    from .._tree import _Loader
+    from .._tree import Loader
 
-    loader = _Loader(None, location, allow_pickle, None)
+    loader = Loader(None, location, allow_pickle, None)
     for name, d in (tree.get("tensors") or {}).items():
         t = fresh[name]
         if d.get("kind") == "ndarray":

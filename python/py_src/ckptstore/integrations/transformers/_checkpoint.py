@@ -20,7 +20,7 @@ from ... import torch as _ct
 from ...errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, InvalidArgumentError
 from ...torch.internal import build_items, empty_for, to_numpy
 from .._common import prefix_message
-from .._tree import TREE_KEY, _flatten, _prepare_any, load_tree
+from .._tree import TREE_KEY, flatten, load_tree, prepare_any
 
 logger = logging.getLogger(__package__)  # the package's logger
 
@@ -46,7 +46,7 @@ def save_checkpoint(
     ``tree`` (JSON values and tensors, :mod:`ckptstore.integrations._tree`) under
     :data:`TREE_ROOT`, as one committed checkpoint in the directory ``path`` (atomically
     replacing one there). Returns the commit info."""
-    items = _items(model, optimizer, tree, kind, allow_pickle, to_numpy, _prepare_any)
+    items = _items(model, optimizer, tree, kind, allow_pickle, to_numpy, prepare_any)
     return _save_items(path, items, max_shard_size)
 
 
@@ -63,7 +63,7 @@ def _items(
     tensor turned into ``(name, wire dtype, array)`` by ``prepare`` (the live tensor, or a
     snapshot buffer's copy)."""
     entries, meta_json, optim = build_items(model, optimizer, None, prepare)
-    t_entries, t_meta = _flatten({TREE_ROOT: tree}, prepare_tree, allow_pickle)
+    t_entries, t_meta = flatten({TREE_ROOT: tree}, prepare_tree, allow_pickle)
     taken = {e[0] for e in entries}
     for name, _, _ in t_entries:
         if name in taken:

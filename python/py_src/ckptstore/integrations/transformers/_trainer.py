@@ -20,7 +20,7 @@ from ... import open as _open
 from ...errors import CorruptCheckpointError
 from ...torch.internal import AsyncSaver, Handle, to_numpy
 from .._common import fsync_file, pause_point, remove_leftovers, staging_name
-from .._tree import _prepare_any
+from .._tree import prepare_any
 from ._checkpoint import (
     TRAINER_STATE_NAME,
     _items,
@@ -195,7 +195,7 @@ class Trainer(transformers.Trainer):
         pickle_ok = self.ckptstore_allow_pickle
         best = self.state.best_model_checkpoint
         if not self.ckptstore_async:
-            items = _items(model, optimizer, tree, kind, pickle_ok, to_numpy, _prepare_any)
+            items = _items(model, optimizer, tree, kind, pickle_ok, to_numpy, prepare_any)
             self._ckptstore_publish(run_dir, name, final, state_text, model, items)
             self._ckptstore_after_publish(run_dir, final, best)
             return
