@@ -21,7 +21,7 @@ What one run measures, in order (all in the same run, so the ratios compare like
 
 1. ``train``: one step (Adam state materialised), then ``--saves`` (50) steps each followed
    by ``mgr.save`` + ``mgr.wait`` (``CheckpointManager(local=$CLUSTER_LOCAL, persistent,
-   persist_every, replicas=1, keep=2)``); per save: the time ``save()`` blocks, the time
+   persist_every, replicas=1, keep_last=2)``); per save: the time ``save()`` blocks, the time
    until ``wait()`` returns, and VmRSS after it. Before each save, after a barrier as the
    save is, every rank times one ``copy_`` of every local parameter shard and optimizer
    state tensor into buffers kept across the saves (their bytes are taken off VmRSS): the
@@ -247,7 +247,7 @@ def _job_main(name: str, shared: str) -> None:
         from ckptstore.torch.distributed import CheckpointManager
 
         return CheckpointManager(local=os.environ["CLUSTER_LOCAL"], persistent=cfg["persistent"],
-                                 persist_every=cfg["persist_every"], replicas=1, keep=2)
+                                 persist_every=cfg["persist_every"], replicas=1, keep_last=2)
 
     if name == "train":
         _train_step(m, o, 0, rank, w)  # Adam state materialised

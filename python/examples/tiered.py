@@ -33,7 +33,7 @@ def job(rank: int, world: int, port: int, d: str, mode: str) -> None:
         model = torch.nn.Linear(16, 16)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         local, persistent = f"{d}/host{rank}", f"{d}/persistent"
-        with CheckpointManager(local, persistent, persist_every=2, replicas=1, keep=2) as mgr:
+        with CheckpointManager(local, persistent, persist_every=2, replicas=1, keep_last=2) as mgr:
             if mode == "train":
                 for step in range(1, 4):
                     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))

@@ -68,11 +68,11 @@ def save_three_steps(c):
     results(job(c, "save"))
     for s in (1, 2, 3):
         assert (c.shared / f"expect-{s}.pt").is_file()
-    # Every host: steps 2 and 3 (keep=2) with its own part and its ring predecessor's.
+    # Every host: steps 2 and 3 (keep_last=2) with its own part and its ring predecessor's.
     for i in range(3):
         d = c.local_dir(i)
-        assert sorted(p.name for p in d.iterdir()) == ["index.json", "step-2", "step-3"], i
-        assert sorted(p.name for p in (d / "step-3").iterdir()) == sorted(
+        assert sorted(p.name for p in d.iterdir()) == ["index.json", "step-00000002", "step-00000003"], i
+        assert sorted(p.name for p in (d / "step-00000003").iterdir()) == sorted(
             ["commit.json", f"src-{i}", f"src-{(i - 1) % 3}"]
         ), i
     assert visible(c.shared / "persistent") == ["step-00000002"]
@@ -90,7 +90,7 @@ def flip(path: Path) -> None:
 
 def rank0_shard(c, host: int) -> Path:
     """The shard file of rank 0 (host 0) of step 3 in host ``host``'s local tier."""
-    (f,) = [p for p in (c.local_dir(host) / "step-3" / "src-0").iterdir() if p.name.startswith("shard-")]
+    (f,) = [p for p in (c.local_dir(host) / "step-00000003" / "src-0").iterdir() if p.name.startswith("shard-")]
     return f
 
 
@@ -132,14 +132,14 @@ def copy_of_saved(make_cluster, snap):
 def test_restart_on_same_hosts_restores_newest_step_bit_identical(saved, ckpt):
     c, _ = saved
     ckpt("verify", str(c.shared / "persistent" / "step-00000002"), expect=0)  # an ordinary checkpoint
-    half = c.local_dir(0) / "step-4" / "src-0"  # a save that never reached the index
+    half = c.local_dir(0) / "step-00000004" / "src-0"  # a save that never reached the index
     half.mkdir(parents=True)
     (half / "part-x-r0.json").write_text("{}")
     out = results(job(c, "restore"))
     assert_restored(out, 3)
     assert all(o["warnings"] == [] for o in out), out
     for i in range(3):  # step-4 gc'd at start, the restore's staging gone; the tier as saved
-        assert sorted(p.name for p in c.local_dir(i).iterdir()) == ["index.json", "step-2", "step-3"]
+        assert sorted(p.name for p in c.local_dir(i).iterdir()) == ["index.json", "step-00000002", "step-00000003"]
 
 
 def test_lost_host_restores_from_the_peer_replica(saved, make_cluster):
@@ -221,7 +221,7 @@ def test_a_replica_damaged_on_the_wire_fails_that_save_and_is_never_recorded(mak
     for i in range(3):
         d = c.local_dir(i)
         assert sorted(json.loads((d / "index.json").read_text())["steps"]) == ["1", "3"], i
-        assert visible(d) == ["index.json", "step-1", "step-3"], i
+        assert visible(d) == ["index.json", "step-00000001", "step-00000003"], i
     assert not (c.shared / "persistent").exists() or visible(c.shared / "persistent") == []
 
 
@@ -303,7 +303,7 @@ def test_a_host_back_with_stale_files_does_not_confuse_the_choice(saved, make_cl
     old_disk = c.local_dir(1)
     c.replace_host(1)  # the machine back: a new namespace, its old disk put back
     shutil.copytree(old_disk, c.local_dir(1), symlinks=True, dirs_exist_ok=True)
-    assert (c.local_dir(1) / "step-3").is_dir()
+    assert (c.local_dir(1) / "step-00000003").is_dir()
     out = results(job(c, "restore-b"))
     for o in out:
         assert o["step"] == 3 and o["extra"] == {"step": 3, "again": True}, o
@@ -380,7 +380,7 @@ def _manager(**kw):
 
     shared = Path(sys.argv[3])
     persistent = os.environ.get("TIERS_PERSISTENT") or shared / "persistent"
-    return CheckpointManager(os.environ["CLUSTER_LOCAL"], persistent, persist_every=2, replicas=1, keep=2, **kw)
+    return CheckpointManager(os.environ["CLUSTER_LOCAL"], persistent, persist_every=2, replicas=1, keep_last=2, **kw)
 
 
 def _restore(m, o, expect="expect-{step}.pt"):
@@ -489,7 +489,7 @@ def _job_main(name: str, shared: str) -> None:
         class Damaging(tiered.Arrival):
             def write(self, offset, chunk):
                 name = os.path.basename(self.path)
-                if offset == 0 and f"{os.sep}step-2{os.sep}" in self.path and name.startswith("shard-"):
+                if offset == 0 and f"{os.sep}step-00000002{os.sep}" in self.path and name.startswith("shard-"):
                     chunk = chunk.clone()
                     chunk[0] ^= 1
                     box["damaged"] += 1

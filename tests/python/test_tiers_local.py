@@ -66,7 +66,7 @@ def test_save_snapshots_then_restore_bit_identical_and_buffers_reused(tmp_path):
     import threading
 
     m, o = _model()
-    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=2, keep=2) as mgr:
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=2, keep_last=2) as mgr:
         allocs = []
         for s in range(1, 6):
             _train(m, o, s)
@@ -88,7 +88,7 @@ def test_save_snapshots_then_restore_bit_identical_and_buffers_reused(tmp_path):
             mgr.wait()
         assert mgr._saver.buffer_sets == 1
         assert allocs[0] == len(want) and allocs == [allocs[0]] * 4, allocs  # allocated once, reused
-    assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-4", "step-5"]
+    assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-00000004", "step-00000005"]
     m2, o2 = _model(seed=1)
     _train(m2, o2, 99)
     with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=2) as mgr:
@@ -103,7 +103,7 @@ def test_save_snapshots_then_restore_bit_identical_and_buffers_reused(tmp_path):
 
 def test_persistent_retention_and_fallback_with_warning(tmp_path):
     m, o = _model()
-    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=1, keep=1, persist_keep=2) as mgr:
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=1, keep_last=1, persist_keep_last=2) as mgr:
         for s in range(1, 5):
             _train(m, o, s)
             mgr.save(s, m, o)
@@ -114,7 +114,7 @@ def test_persistent_retention_and_fallback_with_warning(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path / "pers") if n.startswith("step-")) == ["step-00000003", "step-00000004"]
     # Damage the only fast copy of step 4 and drop the persisted step 4: step 3 from the
     # persistent tier, with a warning naming what was missing.
-    d = tmp_path / "local" / "step-4" / "src-0"
+    d = tmp_path / "local" / "step-00000004" / "src-0"
     shard = next(p for p in d.iterdir() if p.name.startswith("shard-"))
     b = bytearray(shard.read_bytes())
     b[-1] ^= 1
@@ -155,19 +155,19 @@ def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
     with CheckpointManager(tmp_path / "local") as mgr:
         _train(m, o, 1)
         mgr.save(1, m, o)
-    half = tmp_path / "local" / "step-2" / "src-0"  # a save that never reached the index
+    half = tmp_path / "local" / "step-00000002" / "src-0"  # a save that never reached the index
     half.mkdir(parents=True)
     (half / "part-x-r0.json").write_text("{}")
     (tmp_path / "local" / ".restore-1").mkdir()
-    (tmp_path / "local" / "step-1" / ".src-0.tmp-1234").mkdir()
+    (tmp_path / "local" / "step-00000001" / ".src-0.tmp-1234").mkdir()
     with CheckpointManager(tmp_path / "local") as mgr:
-        assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-1"]
-        assert sorted(os.listdir(tmp_path / "local" / "step-1")) == ["commit.json", "src-0"]
+        assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-00000001"]
+        assert sorted(os.listdir(tmp_path / "local" / "step-00000001")) == ["commit.json", "src-0"]
         assert mgr.restore_latest(*_model(seed=2)) == 1
 
 
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
-    for kw in ({"replicas": -1}, {"keep": 0}, {"persist_every": -2}, {"persist_keep": 0}, {"timeout": 0},
+    for kw in ({"replicas": -1}, {"keep_last": 0}, {"persist_every": -2}, {"persist_keep_last": 0}, {"timeout": 0},
                {"timeout": True}):
         with pytest.raises(ckptstore.InvalidArgumentError):
             CheckpointManager(tmp_path / "local", tmp_path / "p", **kw)
@@ -233,7 +233,7 @@ def test_a_fast_tier_restore_plans_its_load_once(tmp_path, monkeypatch):
     monkeypatch.setattr(DefaultLoadPlanner, "create_local_plan", lambda self: plans.append(1) or create(self))
     for tier in ("fast", "persistent"):
         if tier == "persistent":  # the fast tier's step gone: the persisted one is left
-            shutil.rmtree(tmp_path / "local" / "step-1")
+            shutil.rmtree(tmp_path / "local" / "step-00000001")
         plans.clear()
         m2, o2 = _model(seed=1)
         _train(m2, o2, 99)
@@ -241,3 +241,53 @@ def test_a_fast_tier_restore_plans_its_load_once(tmp_path, monkeypatch):
             assert mgr.restore_latest(m2, o2) == 1 and mgr.last_tier == tier
         assert len(plans) == 1, (tier, len(plans))
         _same(_state(m2, o2), want)
+
+
+def test_the_managers_vocabulary_steps_latest_gc_and_the_old_names(tmp_path):
+    """The tiered manager speaks as the other managers do: ``keep_last``, ``steps()``,
+    ``latest()``, ``gc()`` reporting what it removed, steps in ``step-<8 digits>``; ``keep``
+    and ``persist_keep`` still work, with a DeprecationWarning."""
+    m, o = _model()
+    with CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_every=2, keep_last=2,
+                           persist_keep_last=1) as mgr:
+        assert mgr.steps() == [] and mgr.latest() is None
+        for s in range(1, 5):
+            _train(m, o, s)
+            mgr.save(s, m, o)
+        mgr.wait()
+        # local: 3, 4 (retention at each save); persistent: 2 and 4 were persisted.
+        assert mgr.steps() == [2, 3, 4] and mgr.latest() == 4
+        report = mgr.gc()
+        assert report["deleted"] == [] and report["interrupted_removed"] == 0
+        assert report["persistent"]["deleted"] == [2], report
+        assert mgr.steps() == [3, 4]
+        assert mgr.keep_last == 2 and mgr.keep == 2
+    assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-00000003", "step-00000004"]
+    with pytest.warns(DeprecationWarning, match="keep= is now keep_last="):
+        with CheckpointManager(tmp_path / "local", tmp_path / "pers", keep=1) as mgr:
+            assert mgr.keep_last == 1
+    with pytest.warns(DeprecationWarning, match="persist_keep= is now persist_keep_last="):
+        CheckpointManager(tmp_path / "local", tmp_path / "pers", persist_keep=3).close()
+
+
+def test_a_step_directory_of_an_earlier_version_is_still_restored(tmp_path):
+    """Earlier versions named the local tier's steps ``step-<n>`` (unpadded): such a step
+    restores, bit-identical, and gc keeps or removes it like any other."""
+    m, o = _model()
+    with CheckpointManager(tmp_path / "local") as mgr:
+        _train(m, o, 1)
+        mgr.save(1, m, o)
+        mgr.wait()
+        want = _state(m, o)
+    os.rename(tmp_path / "local" / "step-00000001", tmp_path / "local" / "step-1")
+    m2, o2 = _model(seed=1)
+    with CheckpointManager(tmp_path / "local") as mgr:
+        assert mgr.steps() == [1]
+        assert mgr.restore_latest(m2, o2) == 1
+        _same(_state(m2, o2), want)
+        _train(m2, o2, 2)
+        mgr.save(2, m2, o2)
+        mgr.save(3, m2, o2)
+        mgr.wait()
+        mgr.gc()
+    assert sorted(os.listdir(tmp_path / "local")) == ["index.json", "step-00000002", "step-00000003"]

@@ -164,9 +164,9 @@ def check_tiers(c, seed: int, wiped: set, unindexed: dict) -> None:
         assert steps and full == list(range(steps[0], steps[-1] + 1)) and steps[-1] in (STEPS, STEPS - 1), (seed, i, steps)
         assert len(steps) == KEEP or (i in wiped and len(steps) < KEEP), (seed, i, steps)
         newest.append(steps[-1])
-        assert sorted(p.name for p in d.iterdir()) == ["index.json"] + [f"step-{s}" for s in steps], (seed, i)
+        assert sorted(p.name for p in d.iterdir()) == ["index.json"] + [f"step-{s:08d}" for s in steps], (seed, i)
         for s in steps:
-            for p in (d / f"step-{s}").iterdir():
+            for p in (d / f"step-{s:08d}").iterdir():
                 assert p.name == "commit.json" or p.name.startswith("src-"), (seed, i, p)
     assert STEPS in newest, (seed, newest)
     # Persisted: the last step (the finishing job's wait() saw its persist through) and the
@@ -213,7 +213,7 @@ def _job_main(name: str, shared: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
     m, o = nc._fsdp_model(world, seed=0)
     mgr = CheckpointManager(os.environ["CLUSTER_LOCAL"], d / "persistent", persist_every=PERSIST_EVERY,
-                            replicas=1, keep=KEEP, timeout=TIMEOUT_S)
+                            replicas=1, keep_last=KEEP, timeout=TIMEOUT_S)
     out: dict = {"rank": rank}
     start = 0
     if name == "train":

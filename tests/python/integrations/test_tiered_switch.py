@@ -126,7 +126,7 @@ def test_torchtitan_config_selects_the_tiered_manager(tmp_path):
     assert all(REPLICAS_WARNING in " ".join(r["warnings"]) for r in first), first[0]["warnings"]
     assert first[0]["snap"]["train_state"]["step"] == 4
     local, persistent = tmp_path / "local", tmp_path / "persistent"
-    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-2", "step-4"]
+    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-00000002", "step-00000004"]
     assert ckptstore.CheckpointManager(persistent).steps() == [4]  # persist_every=4
     with ckptstore.open(persistent / step_name(4)) as ck:  # an ordinary committed checkpoint
         assert ck.metadata["ckptstore.torch.distributed"]["extra"]["ckptstore.torchtitan"]
@@ -137,7 +137,7 @@ def test_torchtitan_config_selects_the_tiered_manager(tmp_path):
         # parameters and AdamW state (gathered whole) as if never interrupted.
         assert_same(state_of(resumed[r]["snap"]), state_of(want[r]["snap"]), f"rank {r}")
     assert resumed[0]["snap"]["lr"]["lrs"][0] > 0.0
-    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-4", "step-6"]
+    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-00000004", "step-00000006"]
 
     # The local tier lost (RAM of a restarted host): step 4 comes back from ``folder``.
     shutil.rmtree(local)
@@ -203,7 +203,7 @@ def lightning_run(rank, world, d, max_epochs, resume, tiered=True, pickled=None)
     opts = {} if pickled is None else {"allow_pickle": pickled}
     if tiered:
         opts["tiered"] = {"local": os.path.join(d, "local"), "persistent": os.path.join(d, "persistent"),
-                          "persist_every": 4, "replicas": 1, "keep": 2}
+                          "persist_every": 4, "replicas": 1, "keep_last": 2}
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(7)
     ds = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 6, generator=g))
@@ -248,7 +248,7 @@ def test_lightning_strategy_option_selects_the_tiered_manager(tmp_path):
     assert first[0]["global_step"] == 4
     assert any(REPLICAS_WARNING in w for w in first[0]["warnings"]), first[0]["warnings"]
     local, persistent, ckpts = tmp_path / "local", tmp_path / "persistent", tmp_path / "ckpts"
-    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-2", "step-4"]
+    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-00000002", "step-00000004"]
     assert ckptstore.CheckpointManager(persistent).steps() == [4]
     # Lightning's paths hold pointers (no tensors); top-k removed the epoch-0 one.
     assert sorted(os.listdir(ckpts)) == ["epoch=1-step=4.ckpt", "last.ckpt"]
@@ -265,7 +265,7 @@ def test_lightning_strategy_option_selects_the_tiered_manager(tmp_path):
         assert_same(got["model"], want[r]["model"], f"rank {r} model")
         assert_same(got["optimizer"], want[r]["optimizer"], f"rank {r} optimizer")
         assert got["groups"] == want[r]["groups"]
-    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-4", "step-6"]
+    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-00000004", "step-00000006"]
 
     # The local tier lost: "last" (step 6, not persisted) resumes step 4 from the persistent
     # tier, with restore_latest's warning saying what was missing.

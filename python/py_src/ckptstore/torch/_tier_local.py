@@ -6,6 +6,8 @@ Layout (``root``, the same path on every host, private to it)::
 
     index.json                 the steps this host knows saved, each with its commit.json's
                                size and CRC32 (a step is saved on this host when it is here)
+    step-<n, 8+ digits>/       a step (the name of every ckptstore manager's steps; earlier
+                               versions wrote step-<n>, still read)
     step-<n>/commit.json       the step's record: checkpoint id, world size, hosts, every
                                rank's files with size and CRC32, the manifest metadata
     step-<n>/src-<h>/          the files of the ranks of host h (this host's own, and those
@@ -46,7 +48,14 @@ class LocalTier:
         self._lock = threading.Lock()
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.root, f"step-{step}")
+        """``step-<8+ digits>``, the step directory name of every ckptstore manager; a
+        directory an earlier version left unpadded (``step-<n>``) is still found."""
+        padded = os.path.join(self.root, f"step-{step:08d}")
+        if not os.path.exists(padded):
+            old = os.path.join(self.root, f"step-{step}")
+            if old != padded and os.path.isdir(old):
+                return old
+        return padded
 
     def src_dir(self, step: int, host: int) -> str:
         return os.path.join(self.step_dir(step), f"src-{host}")

@@ -186,8 +186,11 @@ class CheckpointManager:
     ``persistent``: a directory every rank can read, or an ``s3://`` URL (``None``: none).
     ``persist_every``: persist the steps that are multiples of it (``None``/0: never).
     ``replicas``: copies of each host's files on other hosts (at most hosts - 1: fewer hosts
-    lower it with a warning). ``keep``: steps kept in each local tier. ``persist_keep``:
-    committed steps kept in the persistent tier (``None``: all). ``timeout``: seconds any one
+    lower it with a warning). ``keep_last``: steps kept in each local tier.
+    ``persist_keep_last``: committed steps kept in the persistent tier (``None``: all); the
+    words of the other managers (``ckptstore.CheckpointManager``,
+    :class:`ckptstore.torch.CheckpointManager`: ``keep_last``; ``keep`` and ``persist_keep``
+    are the old names, deprecated, kept for one release). ``timeout``: seconds any one
     operation between ranks may wait (a lost host is reported after it), also the persistent
     commit's wait for every host's upload. ``process_group``: a gloo group of all ranks for
     the manager's own traffic, which must not be used by anything else while a save is in
@@ -201,17 +204,25 @@ class CheckpointManager:
         persist_every: Optional[int] = None,
         replicas: int = 1,
         *,
-        keep: int = 2,
-        persist_keep: Optional[int] = None,
+        keep_last: int = 2,
+        persist_keep_last: Optional[int] = None,
         timeout: float = 300.0,
         process_group: Any = None,
+        keep: Optional[int] = None,
+        persist_keep: Optional[int] = None,
     ) -> None:
+        for old, new, v in (("keep", "keep_last", keep), ("persist_keep", "persist_keep_last", persist_keep)):
+            if v is not None:
+                warnings.warn(f"ckptstore: the tiered CheckpointManager's {old}= is now {new}= (the other "
+                              f"managers' word); {old}= goes in the next release", DeprecationWarning, stacklevel=2)
+        keep_last = keep if keep is not None else keep_last
+        persist_keep_last = persist_keep if persist_keep is not None else persist_keep_last
         local = os.fspath(local)
         if "://" in local:
             raise InvalidArgumentError(f"local must be a directory, got {local!r}")
-        for name, v, low in (("replicas", replicas, 0), ("keep", keep, 1), ("persist_every", persist_every, 0),
-                             ("persist_keep", persist_keep, 1)):
-            if v is None and name in ("persist_every", "persist_keep"):
+        for name, v, low in (("replicas", replicas, 0), ("keep_last", keep_last, 1),
+                             ("persist_every", persist_every, 0), ("persist_keep_last", persist_keep_last, 1)):
+            if v is None and name in ("persist_every", "persist_keep_last"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidArgumentError(f"{name} must be an int >= {low}, got {v!r}")
@@ -220,7 +231,7 @@ class CheckpointManager:
         self.local = local
         self.persistent = None if persistent is None else os.fspath(persistent)
         self.persist_every = persist_every or 0
-        self.keep = keep
+        self.keep_last = keep_last
         self.timeout = float(timeout)
         self.last_extra: Optional[dict] = None
         self.last_tier: Optional[str] = None
@@ -250,13 +261,13 @@ class CheckpointManager:
             )
             replicas = n_hosts - 1
         self.replicas = replicas
-        self._tier = LocalTier(local, keep)
+        self._tier = LocalTier(local, keep_last)
         self._persistent: Optional[PersistentTier] = None
         self._persister: Optional[Persister] = None
         err = None
         try:
             if self.persistent is not None and (self.leader or self.rank == 0):
-                self._persistent = PersistentTier(self.persistent, persist_keep)
+                self._persistent = PersistentTier(self.persistent, persist_keep_last)
                 if self.leader:
                     self._persister = Persister(self._persistent, self._tier, self.rank, self.host, self.world,
                                                 self.timeout)
@@ -644,20 +655,50 @@ class CheckpointManager:
 
     # -- lifetime ------------------------------------------------------------------------------
 
-    def gc(self) -> None:
+    def gc(self) -> dict:
         """Every rank, with no save in flight: remove what interrupted saves, restores and
-        persists left in every tier, and apply each tier's retention."""
+        persists left in every tier, and apply each tier's retention. Returns what this rank
+        removed, in the other managers' words: ``deleted`` (the steps retention removed from
+        this host's local tier), ``interrupted_removed`` (leftovers removed there; both for
+        the host's first rank, empty elsewhere), ``persistent`` (rank 0: the persistent
+        tier's ``gc()`` report, as :meth:`ckptstore.CheckpointManager.gc` gives it; else
+        ``None``)."""
         self.wait()
         err = None
+        out: dict[str, Any] = {"deleted": [], "interrupted_removed": 0, "persistent": None}
         try:
             if self.leader:
-                self._tier.clean()
-                self._tier.retain()
+                out["interrupted_removed"] = self._tier.clean()
+                out["deleted"] = self._tier.retain()
             if self.rank == 0 and self._persistent is not None:
-                self._persistent.gc()
+                out["persistent"] = self._persistent.gc()
         except Exception as e:  # noqa: BLE001
             err = _err(self.rank, e)
         self._phase("gc", self._agree, [err], "gc")
+        return out
+
+    def steps(self) -> list[int]:
+        """The steps this rank sees saved, oldest first: those its host's local tier has
+        recorded and those committed in the persistent tier. No collective: another rank's
+        view may differ (a host replaced, a copy damaged); :meth:`restore_latest` is where
+        the ranks agree on the newest step they can all read."""
+        self._check_open()
+        got = set(self._tier.read_index())
+        if self._persistent is not None:
+            got.update(self._persistent.steps())
+        elif self.persistent is not None:
+            got.update(PersistentTier(self.persistent, None).steps())
+        return sorted(got)
+
+    def latest(self) -> Optional[int]:
+        """The newest of :meth:`steps`, or ``None``."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    @property
+    def keep(self) -> int:
+        """The old name of :attr:`keep_last` (deprecated, for one release)."""
+        return self.keep_last
 
     def _check_open(self) -> None:
         if self._closed:
@@ -695,5 +736,5 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (
             f"CheckpointManager(local={self.local!r}, persistent={self.persistent!r}, "
-            f"persist_every={self.persist_every}, replicas={self.replicas}, keep={self.keep})"
+            f"persist_every={self.persist_every}, replicas={self.replicas}, keep_last={self.keep_last})"
         )

@@ -105,9 +105,9 @@ a damaged checkpoint leaves every rank's model and optimizer unchanged. The FSDP
 use :class:`ModelParallelStrategy` (FSDP2) instead (see python/README.md).
 
 **Tiered mode.** ``ModelParallelStrategy(..., tiered={"local": "/dev/shm/ckpt",
-"persistent": "s3://bucket/run", "persist_every": 1000, "replicas": 1, "keep": 2})``: the
+"persistent": "s3://bucket/run", "persist_every": 1000, "replicas": 1, "keep_last": 2})``: the
 dict holds the arguments of :class:`ckptstore.torch.distributed.CheckpointManager` (the
-tiered manager; also ``persist_keep``, ``timeout``). Each ``save_checkpoint`` saves the step
+tiered manager; also ``persist_keep_last``, ``timeout``). Each ``save_checkpoint`` saves the step
 ``checkpoint["global_step"]`` through it (the model and its optimizer as
 :func:`ckptstore.torch.distributed.save` stores them, the rest of the dict in its ``extra``
 as above; once per step: ``last.ckpt`` of a step already saved gets its pointer only) and

@@ -107,7 +107,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
 
     ``tiered``: the tiered mode, a dict of the arguments of
     :class:`ckptstore.torch.distributed.CheckpointManager` (``local``, ``persistent``,
-    ``persist_every``, ``replicas``, ``keep``): each save goes through that manager, keyed
+    ``persist_every``, ``replicas``, ``keep_last``): each save goes through that manager, keyed
     by the global step, and the path Lightning names gets a pointer; resuming from a pointer
     restores the newest step the tiers hold (the package docs).
     """

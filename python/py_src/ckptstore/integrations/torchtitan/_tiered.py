@@ -65,7 +65,7 @@ def build(cfg: Any, local: str, persistent: str) -> Any:
         kw["timeout"] = cfg.tiered_timeout_seconds
     return Tiered(
         local, persistent, persist_every=cfg.persist_every or None, replicas=cfg.replicas,
-        keep=cfg.local_keep_latest_k, persist_keep=cfg.keep_latest_k or None, **kw,
+        keep_last=cfg.local_keep_latest_k, persist_keep_last=cfg.keep_latest_k or None, **kw,
     )
 
 
