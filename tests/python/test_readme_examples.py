@@ -1,4 +1,4 @@
-"""The Python examples of README.md and python/README.md run.
+"""The Python examples of README.md, python/README.md and python/FRAMEWORKS.md run.
 
 Every ```python block of both files is one test, run in a fresh temporary working directory
 with a namespace of its own. A block that cannot run here (it needs a GPU, an S3 server, a
@@ -36,7 +36,7 @@ from typing import List, Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FILES = ["README.md", "python/README.md"]
+FILES = ["README.md", "python/README.md", "python/FRAMEWORKS.md"]
 
 FENCE_OPEN = re.compile(r"^(\s*)```\s*python\s*$")
 FENCE_ANY = re.compile(r"^\s*```")  # an opening fence, of any language

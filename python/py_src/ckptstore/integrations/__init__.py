@@ -7,7 +7,7 @@
 
 A framework is imported only by its own package, so ``import ckptstore`` never needs one;
 each is an optional extra of the package (``pip install ckptstore[lightning]``, ...). The
-versions tested are named in python/README.md (Frameworks).
+versions tested are named in python/FRAMEWORKS.md.
 
 Each integration is framework glue; what they share lives once, in private modules here:
 ``_tree`` (a nested object as one committed checkpoint, and its non-blocking saves),
