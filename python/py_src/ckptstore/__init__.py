@@ -117,7 +117,7 @@ def save(
     max_shard_size: Optional[int] = None,
     optimizer: Optional[Mapping[str, Any]] = None,
     cleanup: str = "inline",
-) -> dict:
+) -> dict[Any, Any]:
     """Save ``tensors`` (name -> numpy array) as a checkpoint in the directory ``path``,
     atomically replacing any checkpoint there.
 
@@ -265,7 +265,7 @@ def commit(
     metadata: Optional[Mapping[str, Any]] = None,
     optimizer: Optional[Mapping[str, Any]] = None,
     layout: str = "auto",
-) -> dict:
+) -> dict[Any, Any]:
     """Commit the multi-rank checkpoint ``checkpoint_id`` in ``path``: check every part
     and shard together (every global tensor tiled exactly once, the same dtype and global
     shape from every rank, replicated chunks byte-identical), then write the manifest last
@@ -406,12 +406,12 @@ class CheckpointManager:
         """The newest committed step, or ``None``."""
         return self._native.latest()
 
-    def list(self) -> list[dict]:
+    def list(self) -> list[dict[Any, Any]]:
         """Every step directory, committed or not, and leftovers of interrupted saves:
         ``{"step", "path", "committed", "bytes"}`` each, by step (as ``ckpt ls``)."""
         return self._native.list()
 
-    def gc(self) -> dict:
+    def gc(self) -> dict[Any, Any]:
         """Apply retention now: ``{"deleted": [steps], "in_use": [steps a reader holds,
         kept for now], "interrupted_removed": n, "swept": n}`` (``swept``: files removed
         from kept steps that their manifest does not name)."""
@@ -431,7 +431,7 @@ class CheckpointManager:
         metadata: Optional[Mapping[str, Any]] = None,
         max_shard_size: Optional[int] = None,
         optimizer: Optional[Mapping[str, Any]] = None,
-    ) -> dict:
+    ) -> dict[Any, Any]:
         """Save ``tensors`` (and ``optimizer``) as step ``step``, as :func:`save` does, and
         return once it is committed and durable and retention has run. Saving a committed
         step replaces it atomically. The arrays are read in place: keep them unchanged

@@ -116,8 +116,8 @@ except ImportError:  # pragma: no cover - torch without async staging
     _Stager = object  # type: ignore[assignment,misc]
 
 
-def _done(value: Any) -> Future:
-    fut: Future = Future()
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
 
@@ -149,7 +149,7 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
         path: "str | os.PathLike[str]",
         *,
         max_shard_size: Optional[int] = None,
-        metadata: Optional[dict] = None,
+        metadata: Optional[dict[Any, Any]] = None,
         layout: str = "auto",
     ) -> None:
         if not isinstance(layout, str) or layout not in ("auto", "flat", "two_level"):
@@ -166,7 +166,7 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
         self.is_coordinator = False
         self.rank = 0
         self.checkpoint_id: Optional[str] = None
-        self.commit_info: Optional[dict] = None
+        self.commit_info: Optional[dict[Any, Any]] = None
 
     # -- DCP protocol ---------------------------------------------------------------
 
@@ -198,7 +198,7 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
             for i, p in enumerate(plans)
         ]
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[Any]:
         sd = plan.storage_data or {}
         cid = sd.get("ckptstore_checkpoint_id")
         if not isinstance(cid, str):
@@ -208,7 +208,7 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
             )
         self.checkpoint_id = cid
         rank = int(sd.get("rank", self.rank))
-        items: list[tuple] = []
+        items: list[tuple[Any, ...]] = []
         keep: list[Any] = []  # buffers the engine reads while writing
         results: list[WriteResult] = []
         for wi in plan.items:
@@ -269,7 +269,7 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-def _metadata_to_json(metadata: Metadata, storage_meta: Optional[StorageMeta]) -> dict:
+def _metadata_to_json(metadata: Metadata, storage_meta: Optional[StorageMeta]) -> dict[Any, Any]:
     items: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -317,7 +317,7 @@ def _partly_written(e: CheckpointError, path: str) -> CheckpointError:
     return out
 
 
-def _requests(plan: LoadPlan) -> tuple[list, list]:
+def _requests(plan: LoadPlan) -> tuple[list[Any], list[Any]]:
     """A load plan's read items as region reads ``(item, name, offsets, shape)`` of stored
     tensors and whole reads ``(item, name)`` of stored bytes."""
     tensor_reqs = []
@@ -348,7 +348,7 @@ def _plan_ranges(reader: "Reader", plan: LoadPlan) -> list[tuple[str, int, int]]
     return [(os.fspath(f), int(b), int(e)) for f, b, e in rr.byte_ranges(regions)]
 
 
-def _prefetch(ranges: list) -> None:
+def _prefetch(ranges: list[Any]) -> None:
     """Ask the kernel to read the byte ranges a plan needs ahead (``POSIX_FADV_WILLNEED``):
     the CRC pass then faults in pages the kernel is already reading sequentially. Advisory:
     errors are ignored."""
@@ -456,7 +456,7 @@ class Reader(StorageReader):
             size = [int(d) for d in it["size"]]
             dtype = getattr(torch_, it["dtype"])
             if int(np.prod(size, dtype=np.int64)) == 0:
-                chunks: list = []
+                chunks: list[Any] = []
             else:
                 wire, shape = rr.shape_of(it["name"])
                 if list(shape) != size or _wire_of.get(dtype) != wire:
@@ -511,7 +511,7 @@ class Reader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[Any]:
         rr = self._open()
         tensor_reqs, byte_reqs = _requests(plan)
 
@@ -550,7 +550,7 @@ class Reader(StorageReader):
             planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
         return _done(None)
 
-    def _write(self, rr: Any, planner: LoadPlanner, tensor_reqs: list, fill: bool) -> None:
+    def _write(self, rr: Any, planner: LoadPlanner, tensor_reqs: list[Any], fill: bool) -> None:
         """Copy each read item's box into the destination DCP resolves for it: straight
         into a CPU destination of the stored dtype and layout, through a fresh buffer
         otherwise; ``fill``: each block CRC-checked as it is copied (``fill_into``), else

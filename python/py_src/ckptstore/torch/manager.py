@@ -71,7 +71,7 @@ class SaveHandle(Handle):
         """The step being saved."""
         return self._step
 
-    def wait(self, timeout: Optional[float] = None) -> dict:
+    def wait(self, timeout: Optional[float] = None) -> dict[Any, Any]:
         """Wait until the step is committed and durable (and retention applied); return
         the commit info (``checkpoint_id``, ``shards``, ``tensors``, ``data_bytes``,
         ``removed``). Raises the save's error (a :class:`ckptstore.CheckpointError`), or
@@ -122,7 +122,7 @@ class CheckpointManager:
     # ---- the steps ---------------------------------------------------------------------
 
     @property
-    def root(self):
+    def root(self) -> "os.PathLike[str] | str":
         """The root: a ``pathlib.Path``, or the URL (``str``) of an ``s3://`` root."""
         return self._store.root
 
@@ -139,22 +139,22 @@ class CheckpointManager:
         """The newest committed step, or ``None`` under an empty root."""
         return self._store.latest()
 
-    def list(self) -> List[dict]:
+    def list(self) -> List[dict[Any, Any]]:
         """Every step directory, committed or not, and leftovers of interrupted saves
         (``{"step", "path", "committed", "bytes"}`` each, by step), as ``ckpt ls``."""
         return self._store.list()
 
-    def step_dir(self, step: int):
+    def step_dir(self, step: int) -> "os.PathLike[str] | str":
         """Where ``step`` lives, its directory or URL (a normal checkpoint once committed)."""
         return self._store.step_dir(step)
 
-    def lease(self, step: int):
+    def lease(self, step: int) -> Any:
         """Hold committed ``step`` against retention (a context manager with ``path``):
         open it with :func:`ckptstore.open` or :func:`ckptstore.torch.load` while held.
         Raises :class:`ckptstore.CheckpointNotFoundError` if the step is not committed."""
         return self._store.lease(step)
 
-    def gc(self) -> dict:
+    def gc(self) -> dict[Any, Any]:
         """Apply retention now (it also runs after every save); see
         :meth:`ckptstore.CheckpointManager.gc`."""
         return self._store.gc()
@@ -196,9 +196,9 @@ class CheckpointManager:
             h._finish(info, None)
             return h
 
-        def build(copy: Callable[[str, Any], Tuple[str, str, np.ndarray]]) -> tuple:
+        def build(copy: Callable[[str, Any], Tuple[str, str, np.ndarray]]) -> tuple[Any, ...]:
             if _faults.armed("manager.snapshot"):  # the test seam, per tensor copied
-                def copy_then_hit(name: str, src: Any, copy=copy) -> Tuple[str, str, np.ndarray]:
+                def copy_then_hit(name: str, src: Any, copy: Callable[[str, Any], Any] = copy) -> Any:
                     out = copy(name, src)
                     _faults.fault_point("manager.snapshot")
                     return out
@@ -206,7 +206,7 @@ class CheckpointManager:
                 return _build(model, optimizer, extra, copy_then_hit)
             return _build(model, optimizer, extra, copy)
 
-        def write(items: tuple) -> dict:
+        def write(items: tuple[Any, ...]) -> dict[Any, Any]:
             entries, metadata, optim = items
             hook = self._before_write
             if hook is not None:
@@ -262,7 +262,7 @@ class CheckpointManager:
         strict: bool = True,
         layout: Any = None,
         allow_optimizer_change: bool = False,
-    ) -> dict:
+    ) -> dict[Any, Any]:
         """Restore ``model`` and ``optimizer`` in place from committed ``step``, holding
         the step against retention meanwhile; return its ``extra`` dict. The guarantees
         and arguments are those of :func:`ckptstore.torch.load`: everything is checked

@@ -116,13 +116,13 @@ def _snapshot(obj: Any, snap: Any, path: str) -> Any:
     return walk(obj, path)
 
 
-def _part_writer(path: str, metadata: dict) -> Any:
+def _part_writer(path: str, metadata: dict[Any, Any]) -> Any:
     """A DCP Writer whose coordinator keeps the manifest metadata instead of committing."""
     from .dcp import META_KEY as DCP_KEY
     from .dcp import Writer, _metadata_to_json
 
     class _PartWriter(Writer):
-        manifest_metadata: Optional[dict] = None
+        manifest_metadata: Optional[dict[Any, Any]] = None
 
         def finish(self, metadata: Any, results: Any) -> None:  # noqa: D401 - DCP protocol
             for r, rank_results in enumerate(results):
@@ -172,7 +172,7 @@ class _Request(NamedTuple):
     model: Any
     optimizer: Any
     allow_optimizer_change: bool
-    check_extra: Optional[Callable[[dict], Any]]
+    check_extra: Optional[Callable[[dict[Any, Any]], Any]]
     layout: Any = None
 
 
@@ -233,7 +233,7 @@ class CheckpointManager:
         self.persist_every = persist_every or 0
         self.keep_last = keep_last
         self.timeout = float(timeout)
-        self.last_extra: Optional[dict] = None
+        self.last_extra: Optional[dict[Any, Any]] = None
         self.last_tier: Optional[str] = None
         self._closed = False
         dist = _dist()
@@ -280,7 +280,7 @@ class CheckpointManager:
 
     # -- collectives on the manager's group --------------------------------------------------
 
-    def _gather(self, obj: Any) -> list:
+    def _gather(self, obj: Any) -> list[Any]:
         dist = _dist()
         if not dist:
             return [obj]
@@ -296,7 +296,7 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
-    def _agree(self, errors: list, what: str) -> None:
+    def _agree(self, errors: list[Any], what: str) -> None:
         """All-gather each rank's errors; raise on every rank if any rank has one."""
         got = self._gather([e for e in errors if e])
         bad = [e for es in got for e in es]
@@ -359,14 +359,14 @@ class CheckpointManager:
         persist = persist and self.persistent is not None
         sd, meta = _d.state_and_meta(model, optimizer, extra)
 
-        def build(snap: Any) -> tuple:
+        def build(snap: Any) -> tuple[Any, ...]:
             snapped = _snapshot(sd, snap, "")
             fault_point("tiers.snapshot", step, self.rank)
             return step, snapped, meta, persist
 
         return self._saver.save(Handle(f"step {step}"), build, self._write, whole_snapshot=True)
 
-    def _write(self, job: tuple) -> dict:
+    def _write(self, job: tuple[Any, ...]) -> dict[Any, Any]:
         """The writer thread: steps 1-5 of the module docstring."""
         import torch.distributed.checkpoint as dcp
 
@@ -440,7 +440,7 @@ class CheckpointManager:
         trim_heap()
         return {"step": step, "checkpoint_id": cid}
 
-    def _replicate(self, step: int, all_files: dict) -> Optional[str]:
+    def _replicate(self, step: int, all_files: dict[Any, Any]) -> Optional[str]:
         """Send this host's files around the ring and keep what arrives; the first error as
         text, or None. Every transfer runs to its end even after an error (the peers expect
         its bytes); the receive side records an error and drops the rest."""
@@ -456,7 +456,8 @@ class CheckpointManager:
             got: dict[str, Any] = {"stage": None, "err": None}
             arrivals: dict[str, Arrival] = {}
 
-            def dest(name: str, size: int, got: dict = got, want: dict = want, arrivals: dict = arrivals) -> Any:
+            def dest(name: str, size: int, got: dict[Any, Any] = got,
+                    want: dict[Any, Any] = want, arrivals: dict[Any, Any] = arrivals) -> Any:
                 if got["err"]:  # the rest is dropped
                     return discard
                 if got["stage"] is None or name not in want:
@@ -464,8 +465,8 @@ class CheckpointManager:
                 arrivals[name] = Arrival(os.path.join(got["stage"], name))
                 return arrivals[name].write
 
-            def receive(inc: Any, name: Optional[str], data: Any, src_h: int = src_h, want: dict = want,
-                        got: dict = got, arrivals: dict = arrivals) -> None:
+            def receive(inc: Any, name: Optional[str], data: Any, src_h: int = src_h, want: dict[Any, Any] = want,
+                        got: dict[Any, Any] = got, arrivals: dict[Any, Any] = arrivals) -> None:
                 if got["err"]:
                     return
                 try:
@@ -516,7 +517,8 @@ class CheckpointManager:
     # -- restore -------------------------------------------------------------------------------
 
     def restore_latest(self, model: Any, optimizer: Any = None, *, allow_optimizer_change: bool = False,
-                       check_extra: Optional[Callable[[dict], Any]] = None, layout: Any = None) -> Optional[int]:
+                       check_extra: Optional[Callable[[dict[Any, Any]], Any]] = None,
+                       layout: Any = None) -> Optional[int]:
         """Restore the newest step that can be read whole from some tier (every rank, after
         any save in flight); returns it, or ``None`` when no tier holds any. Afterwards
         ``self.last_extra`` is the ``extra`` it was saved with, ``self.last_tier`` where it
@@ -540,7 +542,7 @@ class CheckpointManager:
         by_host = {h: hd for h, hd, _ in gathered if hd is not None}
 
         # Per (step, checkpoint id): which current hosts hold a good copy of which rank's part.
-        fast: dict[tuple[int, str], dict] = {}
+        fast: dict[tuple[int, str], dict[Any, Any]] = {}
         notes: dict[int, list[str]] = {}
         for h in sorted(by_host):
             for step, ent in by_host[h].items():
@@ -587,8 +589,8 @@ class CheckpointManager:
             + "; ".join(f"step {s}: " + ", ".join(n) for s, n in sorted(notes.items(), reverse=True))
         )
 
-    def _restore_one(self, step: int, kind: str, f: Any, persisted: list, notes: dict,
-                     req: "_Request") -> Optional[dict]:
+    def _restore_one(self, step: int, kind: str, f: Any, persisted: list[Any], notes: dict[Any, Any],
+                     req: "_Request") -> Optional[dict[Any, Any]]:
         """Restore ``step`` from the ``kind`` tier; the extra dict, or None (with a note why)
         when it cannot be. A fast-tier step is first tried with the copies as the scan saw
         them (their size): every byte a load reads is CRC-checked on the way, so a damaged
@@ -620,7 +622,7 @@ class CheckpointManager:
                 notes.setdefault(step, []).append(f"{kind} tier: {e}")
                 return None
 
-    def _check_copies(self, step: int, f: dict, notes: dict) -> bool:
+    def _check_copies(self, step: int, f: dict[Any, Any], notes: dict[Any, Any]) -> bool:
         """The CRC32 check of the copies a fast-tier candidate would use (the scan only saw
         them present with the right size): every host checks its own, the ranks gather the
         damaged ones, which lose their holder. Whether every rank still has a good copy."""
@@ -639,12 +641,12 @@ class CheckpointManager:
             notes.setdefault(step, []).append(f"no good copy on any host of the parts of rank(s) {missing}")
         return not missing
 
-    def _load(self, step: int, loc: str, req: "_Request", prep: Any = None) -> dict:
+    def _load(self, step: int, loc: str, req: "_Request", prep: Any = None) -> dict[Any, Any]:
         """:func:`ckptstore.torch.distributed.load` on the manager's group, or, given
         ``prep`` (that load's steps up to its reads, planned on every rank), the rest of
         it. Its own errors (a damaged or incompatible checkpoint) are raised alike on every
         rank and pass through; a failure of the group is a ``_GroupError``."""
-        def load() -> dict:
+        def load() -> dict[Any, Any]:
             kw = dict(process_group=self.pg, allow_optimizer_change=req.allow_optimizer_change,
                       check_extra=req.check_extra)
             if prep is None:
@@ -655,7 +657,7 @@ class CheckpointManager:
 
     # -- lifetime ------------------------------------------------------------------------------
 
-    def gc(self) -> dict:
+    def gc(self) -> dict[Any, Any]:
         """Every rank, with no save in flight: remove what interrupted saves, restores and
         persists left in every tier, and apply each tier's retention. Returns what this rank
         removed, in the other managers' words: ``deleted`` (the steps retention removed from
