@@ -80,7 +80,7 @@ from pathlib import Path
 
 HERE = os.path.abspath(__file__)
 _here = os.path.dirname(HERE)
-REPO = os.path.dirname(_here)
+REPO = os.path.dirname(os.path.dirname(_here))  # python/benches -> the repository
 sys.path.insert(0, _here)
 sys.path.insert(0, os.path.join(REPO, "tests", "python"))
 from bench_util import copy_seconds, status_kib  # noqa: E402  (stdlib only)

@@ -354,7 +354,7 @@ def test_optimizer_without_model_and_fused_layout(tmp_path):
 
 
 def test_stage_batches_fit_keep_order_and_align():
-    from ckptstore.torch import _ALIGN, _batches
+    from ckptstore.torch._staging import _ALIGN, _batches
 
     sizes = [100, 300, 1, 256, 1024, 5, 1024]
     out = _batches(sizes, 1024)

@@ -344,7 +344,7 @@ def job_model_state_dict(rank, world):
     from torch.distributed.checkpoint import state_dict as tsd
     from torch.nn.parallel import DistributedDataParallel
 
-    from ckptstore.torch import distributed as d
+    from ckptstore.torch import _sharded as d
 
     real, calls = tsd.get_model_state_dict, []
 

@@ -305,7 +305,7 @@ def test_lightning_tiered_option_is_checked():
     assert ok._tiered.args["timeout"] == 60 and ok._tiered.mgr is None  # made at first use
     for kw, msg in [
         ({"tiered": {"persistent": "run"}}, "at least 'local'"),
-        ({"tiered": {"local": "x", "keep_last": 2}}, "unknown argument 'keep_last'"),
+        ({"tiered": {"local": "x", "keep_latest_k": 2}}, "unknown argument 'keep_latest_k'"),
         ({"tiered": {"local": "x"}, "allow_optimizer_change": True}, "not supported in the tiered mode"),
     ]:
         with pytest.raises(InvalidArgumentError, match=msg):
