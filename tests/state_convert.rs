@@ -5,8 +5,8 @@
 //! converted; the refusals name the parameter and the state.
 
 use ckptstore::optim::{
-    state_absbits, OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout, StateValue,
-    Target, Tensor,
+    round_state, state_absbits, OptimizerState, ParamGroup, ParamSpec, ScaleShape, StateLayout,
+    StateValue, Target, Tensor,
 };
 use ckptstore::{Checkpoint, DType, Error, SaveOptions, TensorView};
 use proptest::prelude::*;
@@ -110,6 +110,55 @@ proptest! {
         }
         prop_assert_eq!(codes.as_slice(), q.bytes());
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// `round_state` (one fused pass into the caller's buffer) gives exactly the FP32 values
+    /// of `convert` read back (`to_f32`), for every target, the absmax the values' own or a
+    /// larger one given (another shard's); long inputs cross the kernels' blocks.
+    #[test]
+    fn round_state_is_convert_read_back(
+        x in prop::collection::vec(-1.0e6f32..1.0e6, 0..3000),
+        t in 0usize..TARGETS.len(),
+        larger in prop::option::of(1.0f32..4.0),
+    ) {
+        let shape = [x.len() as u64];
+        let own = f32::from_bits(state_absbits("w", "exp_avg", &view(&shape, &x)).unwrap());
+        let absmax = larger.map(|k| own * k + 1.0);
+        let want = StateValue::convert("w", "exp_avg", &view(&shape, &x), TARGETS[t], absmax)
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        let mut got = vec![f32::NAN; x.len()];
+        round_state("w", "exp_avg", &x, TARGETS[t], absmax, &mut got).unwrap();
+        prop_assert_eq!(bytemuck::cast_slice::<f32, u32>(&got), bytemuck::cast_slice::<f32, u32>(&want));
+    }
+}
+
+#[test]
+fn round_state_refuses_what_convert_refuses() {
+    let f16 = Target::F16Scaled(ScaleShape::Keep);
+    let mut out = [0f32; 3];
+    let refused = |x: &[f32], a: Option<f32>| {
+        let mut o = [0f32; 3];
+        match round_state("w", "exp_avg", x, f16, a, &mut o) {
+            Err(Error::Conversion { reason, .. }) => reason,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(refused(&[1.0e-36, 0.0, -2.0e-37], None).contains("too small for FP16 scaling"));
+    assert!(
+        refused(&[1.0e-36, 0.0, -2.0e-37], Some(1.0e-36)).contains("too small for FP16 scaling")
+    );
+    assert!(refused(&[1.0, f32::NAN, 0.0], None).contains("infinity or NaN"));
+    assert!(refused(&[1.0, f32::INFINITY, 0.0], Some(2.0)).contains("infinity or NaN"));
+    assert!(refused(&[1.0, -3.0, 0.0], Some(2.0)).contains("below the values' own"));
+    assert!(matches!(
+        round_state("w", "exp_avg", &[1.0; 2], f16, None, &mut out),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 /// The motivating underflow: an Adam moment whose absmax is 1e-36 cannot be FP16-scaled

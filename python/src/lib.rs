@@ -42,6 +42,7 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(state::state_target, m)?)?;
     m.add_function(wrap_pyfunction!(state::state_absbits, m)?)?;
     m.add_function(wrap_pyfunction!(state::convert_state, m)?)?;
+    m.add_function(wrap_pyfunction!(state::round_state, m)?)?;
     m.add_function(wrap_pyfunction!(state::f16_scaled_to_f32, m)?)?;
     m.add_class::<PyCheckpoint>()?;
     m.add_class::<manager::PyCheckpointManager>()?;

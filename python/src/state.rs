@@ -6,10 +6,11 @@
 
 use ckptstore::convert::f16_scaled_to_f32 as unscale;
 use ckptstore::optim::{
-    state_absbits as absbits, ScaleShape, StateLayout, StateValue, Target, Tensor,
+    round_state as round_into, state_absbits as absbits, ScaleShape, StateLayout, StateValue,
+    Target, Tensor,
 };
 use ckptstore::{DType, TensorView};
-use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -185,6 +186,37 @@ pub(crate) fn convert_state(
             .call1((owned_array(py, q, false)?, owned_array(py, scale, false)?))?
             .unbind(),
     })
+}
+
+/// `round_state(param, state, src, target, out, *, absmax_bits=None)`: the float32 values
+/// the state holds in `target` (what `convert_state` gives, read back as float32), written
+/// into `out`, a fresh C-contiguous float32 array as long as the C-contiguous float32 `src`
+/// (and not overlapping it: numpy's borrow rules refuse that), in one fused engine pass
+/// (`ckptstore::optim::round_state`). `absmax_bits` as in `convert_state`.
+#[pyfunction]
+#[pyo3(signature = (param, state, src, target, out, *, absmax_bits = None))]
+pub(crate) fn round_state(
+    py: Python<'_>,
+    param: &str,
+    state: &str,
+    src: PyReadonlyArray1<'_, f32>,
+    target: &str,
+    mut out: PyReadwriteArray1<'_, f32>,
+    absmax_bits: Option<u32>,
+) -> PyResult<()> {
+    let t = parse_target(target)?;
+    let x = src.as_slice().map_err(|_| {
+        invalid_arg(format!(
+            "state {param}/{state}: the source is not contiguous"
+        ))
+    })?;
+    let y = out.as_slice_mut().map_err(|_| {
+        invalid_arg(format!(
+            "state {param}/{state}: the destination is not contiguous"
+        ))
+    })?;
+    py.detach(|| round_into(param, state, x, t, absmax_bits.map(f32::from_bits), y))
+        .map_err(|e| CkError(e).into())
 }
 
 /// `f16_scaled_to_f32(q, scale)`: FP16 codes times their one-element FP32 scale, as a fresh

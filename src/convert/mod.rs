@@ -293,6 +293,53 @@ pub fn f16_scaled_to_f32(q: &[f16], s: f32, dst: &mut [f32]) {
         });
 }
 
+/// `dst[i] = f32(f16(src[i] * r)) * s`: the FP32 values an FP16-scaled state holds (the codes
+/// of [`f32_mul_to_f16`], unscaled as [`f16_scaled_to_f32`] does), fused per block so that
+/// the codes never leave the cache; rayon-parallel, bit-identical to the two kernels in turn.
+/// Returns the maximum of `src[i].to_bits() & 0x7fff_ffff` (see [`absmax_from_bits`]).
+///
+/// # Panics
+/// If `src.len() != dst.len()` (a caller bug).
+pub fn f32_round_f16_scaled(src: &[f32], r: f32, s: f32, dst: &mut [f32]) -> u32 {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .map(|(d, x)| {
+            let mut q = [f16::ZERO; BLOCK];
+            let mut bits = 0;
+            for (dc, xc) in d.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
+                let q = &mut q[..xc.len()];
+                bits = bits.max(crate::sys::simd::f32_mul_to_f16_absbits(xc, r, q, false));
+                q.convert_to_f32_slice(dc);
+                for v in dc.iter_mut() {
+                    *v *= s;
+                }
+            }
+            bits
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// `dst[i] = f32(bf16(src[i]))`: the FP32 values a BF16 state holds ([`f32_to_bf16`] then
+/// [`bf16_to_f32`]), fused per block, rayon-parallel.
+///
+/// # Panics
+/// If `src.len() != dst.len()` (a caller bug).
+pub fn f32_round_bf16(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    dst.par_chunks_mut(PAR_CHUNK)
+        .zip(src.par_chunks(PAR_CHUNK))
+        .for_each(|(d, x)| {
+            let mut b = [bf16::ZERO; BLOCK];
+            for (dc, xc) in d.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
+                let b = &mut b[..xc.len()];
+                crate::sys::simd::f32_to_bf16(xc, b, false);
+                b.convert_to_f32_slice(dc);
+            }
+        });
+}
+
 /// `dst[i] = bf16(src[i])`, round to nearest even; NaN stays NaN, infinities stay.
 /// Rayon-parallel, AVX2 where the CPU has it.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {

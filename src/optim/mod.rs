@@ -23,7 +23,7 @@ pub use crate::tensor::{BufferPool, PoolStats, Tensor};
 pub use compat::{check_compatible, OptimizerSignature};
 pub use layout::{ScaleShape, StateLayout, Target};
 pub use load::LoadOptions;
-pub use state::state_absbits;
+pub use state::{round_state, state_absbits};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};

@@ -58,6 +58,59 @@ impl StateValue {
     }
 }
 
+/// The FP32 values state `state` of `param` holds in `target`, from the FP32 values `src`,
+/// written into the caller's fresh buffer `dst`: what [`StateValue::convert`] gives, read
+/// back as FP32 (`F16Scaled`: the codes unscaled; `BF16`: rounded; `F32` and `AsStored`: a
+/// copy), in one fused pass (the codes never leave the cache). `absmax` as in `convert`.
+/// `dst` is written even when an error is returned: give a buffer nothing else uses yet.
+///
+/// # Errors
+/// As [`StateValue::convert`]; [`Error::InvalidArgument`] if the lengths differ.
+pub fn round_state(
+    param: &str,
+    state: &str,
+    src: &[f32],
+    target: Target,
+    absmax: Option<f32>,
+    dst: &mut [f32],
+) -> Result<()> {
+    if src.len() != dst.len() {
+        return Err(Error::InvalidArgument(format!(
+            "parameter {param:?}, state {state:?}: {} values into {} places",
+            src.len(),
+            dst.len()
+        )));
+    }
+    let conv = |reason: String| Error::Conversion {
+        param: param.into(),
+        state: state.into(),
+        reason,
+    };
+    match target {
+        Target::F16Scaled(_) => {
+            let given = match absmax {
+                Some(a) if !a.is_finite() => {
+                    return Err(conv(convert::ScaleError::NonFinite.to_string()))
+                }
+                Some(a) => a,
+                None => convert::absmax_f32(src)
+                    .ok_or_else(|| conv(convert::ScaleError::NonFinite.to_string()))?,
+            };
+            let (s, r) = convert::scale_for(given).map_err(|e| conv(e.to_string()))?;
+            let own = convert::absmax_from_bits(convert::f32_round_f16_scaled(src, r, s, dst))
+                .ok_or_else(|| conv(convert::ScaleError::NonFinite.to_string()))?;
+            if own.to_bits() > given.to_bits() || given.is_sign_negative() {
+                return Err(conv(format!(
+                    "the absmax given, {given:e}, is below the values' own, {own:e}: give the maximum over every shard"
+                )));
+            }
+        }
+        Target::BF16 => convert::f32_round_bf16(src, dst),
+        _ => convert::copy_bytes(bytemuck::cast_slice(src), bytemuck::cast_slice_mut(dst)),
+    }
+    Ok(())
+}
+
 /// The maximum of `|x|` over the floating-point values `src` (widened to FP32), as FP32
 /// bits: an infinity or NaN anywhere gives at least
 /// [`NON_FINITE_BITS`](crate::convert::NON_FINITE_BITS), and for finite values the

@@ -252,3 +252,25 @@ def test_f16_scaled_to_float32_is_the_engines():
     assert ckptstore.F16Scaled(np.array(2.0, dtype=np.float16), np.array(0.5, dtype=np.float32)).to_float32().shape == ()
     with pytest.raises(ckptstore.InvalidArgumentError):
         ckptstore.F16Scaled(q, np.ones(2, dtype=np.float32)).to_float32()
+
+
+def test_round_state_is_convert_state_read_back_and_refuses_aliasing():
+    """The fused engine pass ``distributed.load`` uses for float32 states gives the values of
+    ``convert_state`` read back (``to_float32``), bit for bit; its destination must be a
+    buffer of its own."""
+    from ckptstore import _ckptstore
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(100_000) * 1e-3).astype(np.float32)
+    bits = _ckptstore.state_absbits("w", "exp_avg", "F32", x[:50_000])  # one shard's absmax
+    bits = max(bits, _ckptstore.state_absbits("w", "exp_avg", "F32", x[50_000:]))
+    for target, absmax in (("f16_scaled", None), ("f16_scaled", bits), ("bf16", None), ("f32", None)):
+        want = _ckptstore.convert_state("w", "exp_avg", "F32", x, target, absmax_bits=absmax)
+        want = want.to_float32() if isinstance(want, ckptstore.F16Scaled) else want.astype(np.float32)
+        out = np.empty_like(x)
+        _ckptstore.round_state("w", "exp_avg", x, target, out, absmax_bits=absmax)
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), target
+    with pytest.raises(TypeError, match="already borrowed"):
+        _ckptstore.round_state("w", "exp_avg", x, "bf16", x)
+    with pytest.raises(OptimizerStateError, match=TINY):
+        _ckptstore.round_state("w", "exp_avg", np.full(4, 1e-36, np.float32), "f16_scaled", np.empty(4, np.float32))

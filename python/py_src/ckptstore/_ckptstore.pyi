@@ -315,6 +315,18 @@ def convert_state(
     """The state in ``target`` in fresh arrays (``ckptstore::optim::StateValue::convert``):
     an array, or an ``F16Scaled`` whose scale comes from ``absmax_bits`` when given."""
 
+def round_state(
+    param: str,
+    state: str,
+    src: np.ndarray,
+    target: str,
+    out: np.ndarray,
+    *,
+    absmax_bits: Optional[int] = None,
+) -> None:
+    """The float32 values the state holds in ``target`` (``convert_state`` read back), from
+    the 1-D float32 ``src`` into the fresh 1-D float32 ``out``, in one fused engine pass."""
+
 def f16_scaled_to_f32(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """``float32(q) * scale`` in a fresh array (``F16Scaled.to_float32``)."""
 

@@ -599,10 +599,19 @@ def _apply_layout(tgt_o: dict, names: list[str], optimizer: Any, layout: Any, pa
 
     def convert() -> None:
         for pname, k, local, wire, arr, target in todo:
-            got = _ckptstore.convert_state(
-                pname, k, wire, arr, target,
-                absmax_bits=next(absmax) if target.startswith("f16_scaled") else None,
-            )
+            bits = next(absmax) if target.startswith("f16_scaled") else None
+            if wire == "F32":
+                # One fused engine pass into a fresh buffer (the FP32 values the state holds
+                # in ``target``): taken as the state when the target is a plain CPU tensor,
+                # else copied into the target (a DTensor's shard, a CUDA tensor).
+                out = torch.empty(local.shape, dtype=torch.float32)
+                _ckptstore.round_state(pname, k, arr.reshape(-1), target, out.view(-1).numpy(), absmax_bits=bits)
+                if local is tgt_o[pname][k] and local.device.type == "cpu":
+                    tgt_o[pname][k] = out
+                else:
+                    local.copy_(out)
+                continue
+            got = _ckptstore.convert_state(pname, k, wire, arr, target, absmax_bits=bits)
             values = got.to_float32() if isinstance(got, F16Scaled) else got
             local.copy_(_from_array(values))
 
