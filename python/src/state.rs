@@ -219,14 +219,16 @@ pub(crate) fn round_state(
         .map_err(|e| CkError(e).into())
 }
 
-/// `f16_scaled_to_f32(q, scale)`: FP16 codes times their one-element FP32 scale, as a fresh
-/// float32 array shaped like `q` (`F16Scaled.to_float32`).
+/// `f16_scaled_to_f32(q, scale, out)`: FP16 codes times their one-element FP32 scale, into
+/// `out`, a C-contiguous float32 array as long as the C-contiguous float16 `q`
+/// (`F16Scaled.to_float32`; rayon-parallel, `q` read in place).
 #[pyfunction]
 pub(crate) fn f16_scaled_to_f32(
     py: Python<'_>,
     q: &Bound<'_, PyUntypedArray>,
     scale: &Bound<'_, PyUntypedArray>,
-) -> PyResult<Py<PyAny>> {
+    mut out: PyReadwriteArray1<'_, f32>,
+) -> PyResult<()> {
     let (_, shape, qb) = contiguous("F16Scaled.q", "F16", q)?;
     let (_, _, sb) = contiguous("F16Scaled.scale", "F32", scale)?;
     let s: [u8; 4] = sb.try_into().map_err(|_| {
@@ -236,13 +238,26 @@ pub(crate) fn f16_scaled_to_f32(
         ))
     })?;
     let s = f32::from_le_bytes(s);
-    // Copied into an engine tensor: numpy need not align float16 data.
-    let codes = Tensor::from_bytes(DType::F16, &shape, qb).map_err(CkError)?;
-    let mut out = Tensor::zeros(DType::F32, &shape).map_err(CkError)?;
-    py.detach(|| -> ckptstore::Result<()> {
-        unscale(codes.as_slice::<half::f16>()?, s, out.as_mut_slice()?);
-        Ok(())
-    })
-    .map_err(CkError)?;
-    owned_array(py, out, false)
+    let y = out
+        .as_slice_mut()
+        .map_err(|_| invalid_arg("F16Scaled.to_float32: the destination is not contiguous"))?;
+    let v = TensorView::new("F16Scaled.q", DType::F16, &shape, qb);
+    // The codes in place where numpy aligned them (always, for arrays it made), else copied.
+    let copied;
+    let codes: &[half::f16] = match v.as_slice::<half::f16>() {
+        Ok(c) => c,
+        Err(_) => {
+            copied = Tensor::from_bytes(DType::F16, &shape, qb).map_err(CkError)?;
+            copied.as_slice::<half::f16>().map_err(CkError)?
+        }
+    };
+    if codes.len() != y.len() {
+        return Err(invalid_arg(format!(
+            "F16Scaled.to_float32: {} codes into {} places",
+            codes.len(),
+            y.len()
+        )));
+    }
+    py.detach(|| unscale(codes, s, y));
+    Ok(())
 }

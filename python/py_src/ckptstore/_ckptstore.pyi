@@ -327,8 +327,8 @@ def round_state(
     """The float32 values the state holds in ``target`` (``convert_state`` read back), from
     the 1-D float32 ``src`` into the fresh 1-D float32 ``out``, in one fused engine pass."""
 
-def f16_scaled_to_f32(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """``float32(q) * scale`` in a fresh array (``F16Scaled.to_float32``)."""
+def f16_scaled_to_f32(q: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+    """``float32(q) * scale`` into the float32 ``out`` (``F16Scaled.to_float32``)."""
 
 def dtype_table() -> list[tuple[str, Optional[str], int, bool]]:
     """``(wire name, numpy type string or None for BF16, item size, floating-point)`` for

@@ -34,10 +34,10 @@ class F16Scaled:
         engine (``ckptstore::convert::f16_scaled_to_f32``)."""
         from . import _ckptstore
 
-        return _ckptstore.f16_scaled_to_f32(
-            np.require(self.q, dtype=np.float16, requirements="C"),  # 0-dim stays 0-dim
-            np.require(self.scale, dtype=np.float32, requirements="C"),
-        )
+        q = np.require(self.q, dtype=np.float16, requirements="C")  # 0-dim stays 0-dim
+        out = np.empty(q.shape, dtype=np.float32)
+        _ckptstore.f16_scaled_to_f32(q, np.require(self.scale, dtype=np.float32, requirements="C"), out.reshape(-1))
+        return out
 
     def __repr__(self) -> str:
         return (

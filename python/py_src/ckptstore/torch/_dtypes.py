@@ -17,6 +17,7 @@ from ..errors import InvalidTensorError
 
 _wire_of: Dict[Any, str] = {}
 _torch_of: Dict[str, Any] = {}
+_no_numpy: set[Any] = set()  # torch dtypes whose tensors torch cannot hand to numpy
 
 
 def _torch():
@@ -30,6 +31,10 @@ def _torch():
             if isinstance(dt, torch.dtype):
                 _wire_of[dt] = wire
                 _torch_of[wire] = dt
+                try:
+                    torch.empty(1, dtype=dt).numpy()
+                except TypeError:  # no numpy dtype in this torch: crossed as integers
+                    _no_numpy.add(dt)
     return torch
 
 
@@ -59,10 +64,9 @@ def _to_numpy(name: str, t: Any) -> tuple[str, str, np.ndarray]:
     wire = _wire_of.get(t.dtype)
     if wire is None:
         raise InvalidTensorError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
-    try:
-        return name, wire, t.numpy()
-    except TypeError:  # no numpy dtype in this torch: viewed as same-size integers
-        return name, wire, t.view(getattr(torch, _CARRIER[t.element_size()])).numpy()
+    if t.dtype in _no_numpy:  # viewed as same-size integers
+        t = t.view(getattr(torch, _CARRIER[t.element_size()]))
+    return name, wire, t.numpy()
 
 
 def _from_array(a: np.ndarray) -> Any:
