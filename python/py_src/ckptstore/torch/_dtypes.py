@@ -20,7 +20,7 @@ _torch_of: Dict[str, Any] = {}
 _no_numpy: set[Any] = set()  # torch dtypes whose tensors torch cannot hand to numpy
 
 
-def _torch():
+def _torch() -> Any:
     import torch  # lazy: ckptstore does not depend on torch
 
     if not _wire_of:

@@ -76,7 +76,8 @@ class SaveHandle(Handle):
         the commit info (``checkpoint_id``, ``shards``, ``tensors``, ``data_bytes``,
         ``removed``). Raises the save's error (a :class:`ckptstore.CheckpointError`), or
         ``TimeoutError`` if ``timeout`` seconds pass first."""
-        return super().wait(timeout)
+        info: dict[Any, Any] = super().wait(timeout)
+        return info
 
     def __repr__(self) -> str:
         state = "in flight" if not self.done() else ("failed" if self._error else "committed")
@@ -326,7 +327,7 @@ class CheckpointManager:
 def _check_step(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise InvalidArgumentError(f"a step is an integer >= 0, got {step!r}")
-    step = int(step)
-    if step >= 1 << 64:
-        raise InvalidArgumentError(f"step {step} is too large (at most 2**64 - 1)")
-    return step
+    n = int(step)
+    if n >= 1 << 64:
+        raise InvalidArgumentError(f"step {n} is too large (at most 2**64 - 1)")
+    return n

@@ -653,7 +653,8 @@ class CheckpointManager:
                 return _d.load(loc, req.model, req.optimizer, layout=req.layout, **kw)
             return _d._finish(prep, req.model, req.optimizer, strict=True, layout=req.layout, **kw)
 
-        return self._phase(f"restore: load step {step}", load)
+        extra: dict[Any, Any] = self._phase(f"restore: load step {step}", load)
+        return extra
 
     # -- lifetime ------------------------------------------------------------------------------
 
