@@ -19,7 +19,7 @@ from ..errors import (
     OptimizerStateError,
     UnsupportedFormatError,
 )
-from ._dtypes import _from_array, _to_numpy, _torch
+from ._dtypes import _from_array, _to_numpy, _torch, _wire_of
 from ._state import (
     _changed_class,
     _check_fit,
@@ -581,12 +581,15 @@ def _apply_layout(tgt_o: dict, names: list[str], optimizer: Any, layout: Any, pa
             for k in sorted(tgt_o[pname]):
                 t = tgt_o[pname][k]
                 local = t.to_local() if _is_dtensor(t) else t
-                _, wire, arr = _to_numpy(f"{pname}/{k}", local.contiguous())
+                wire = _wire_of.get(local.dtype)
+                if wire is None:  # a dtype no checkpoint holds: refused there, naming the state
+                    wire = _to_numpy(f"{pname}/{k}", local)[1]
                 target = _ckptstore.state_target(
                     pname, k, wire, list(t.shape), list(params[pname].shape), layout
                 )
                 if target == "as_stored":
-                    continue
+                    continue  # its bytes are not touched (a CUDA shard is not copied out)
+                _, wire, arr = _to_numpy(f"{pname}/{k}", local.contiguous())
                 todo.append((pname, k, local, wire, arr, target))
                 if target.startswith("f16_scaled"):
                     bits.append(_ckptstore.state_absbits(pname, k, wire, arr))
