@@ -7,7 +7,8 @@ a plain copy of the same bytes (``torch.Tensor.copy_``) as the floor.
 
     python python/benches/bench_layout.py [--mib 256] [--tensors 16] [--rounds 7]
 
-Prints the median of each way per layout and the ratios new / old and new / copy. One
+Prints the median of each way per layout and the ratios new / old and new / copy, then the
+same for ``F16Scaled.to_float32`` on a quarter of the bytes in FP16 codes. One
 process, no torch.distributed (the global absmax all-reduce is not timed: one integer
 all-reduce for all states, where the old path made one per state).
 """
@@ -93,6 +94,37 @@ def main() -> None:
               f"new (engine) {med['new'] * 1e3:.1f} ms, old (torch ops) {med['old'] * 1e3:.1f} ms, "
               f"copy {med['copy'] * 1e3:.1f} ms; new/old {med['new'] / med['old']:.2f}, "
               f"new/copy {med['new'] / med['copy']:.2f}; bit-identical to the old values: {same}")
+    bench_to_float32(a.mib // 4, a.rounds)
+
+
+def bench_to_float32(mib: int, rounds: int) -> None:
+    """``F16Scaled.to_float32`` (the engine, into a fresh array) against numpy's ``astype``
+    and multiply (what it computed before), beside a plain copy of the float32 result."""
+    import numpy as np
+
+    from ckptstore import F16Scaled
+
+    q = np.random.default_rng(0).standard_normal(mib * (1 << 20) // 2).astype(np.float16)
+    s = np.array([3e-5], np.float32)
+    f32 = q.astype(np.float32)
+
+    def old() -> np.ndarray:
+        out = q.astype(np.float32)
+        out *= np.float32(s[0])
+        return out
+
+    ways = {"new": lambda: F16Scaled(q, s).to_float32(), "old": old, "copy": f32.copy}
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    for r in range(rounds):
+        for w in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+            t0 = time.perf_counter()
+            ways[w]()
+            times[w].append(time.perf_counter() - t0)
+    med = {w: statistics.median(v) for w, v in times.items()}
+    same = np.array_equal(ways["new"]().view(np.uint32), old().view(np.uint32))
+    print(f"to_float32 {mib} MiB of FP16 codes, {rounds} alternated rounds: new (engine) {med['new'] * 1e3:.1f} ms, "
+          f"old (numpy) {med['old'] * 1e3:.1f} ms, copy {med['copy'] * 1e3:.1f} ms; "
+          f"new/old {med['new'] / med['old']:.2f}, new/copy {med['new'] / med['copy']:.2f}; bit-identical: {same}")
 
 
 if __name__ == "__main__":

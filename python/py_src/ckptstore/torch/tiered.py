@@ -263,6 +263,7 @@ class CheckpointManager:
         self.replicas = replicas
         self._tier = LocalTier(local, keep_last)
         self._persistent: Optional[PersistentTier] = None
+        self._persistent_view: Optional[PersistentTier] = None  # steps() on the other ranks
         self._persister: Optional[Persister] = None
         err = None
         try:
@@ -687,10 +688,14 @@ class CheckpointManager:
         the ranks agree on the newest step they can all read."""
         self._check_open()
         got = set(self._tier.read_index())
-        if self._persistent is not None:
-            got.update(self._persistent.steps())
-        elif self.persistent is not None:
-            got.update(PersistentTier(self.persistent, None).steps())
+        tier = self._persistent
+        if tier is None and self.persistent is not None:
+            # Ranks that neither persist nor commit: a view of the tier, made once.
+            if self._persistent_view is None:
+                self._persistent_view = PersistentTier(self.persistent, None)
+            tier = self._persistent_view
+        if tier is not None:
+            got.update(tier.steps())
         return sorted(got)
 
     def latest(self) -> Optional[int]:
