@@ -675,3 +675,56 @@ fn block_crcs_check_only_the_blocks_a_region_touches() {
         );
     }
 }
+
+#[test]
+fn verify_given_checks_bytes_received_elsewhere_against_one_stored_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    // Chunks of 24, 16 and 24 rows of 1 KiB; 4 KiB blocks: the first chunk has 6.
+    let gshape = [64u64, 256];
+    let chunks = grid(&gshape, &[vec![24, 40], vec![]]);
+    save_chunked_with(dir.path(), DType::F32, &gshape, &chunks, 4096);
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    for (o, s) in &chunks {
+        let mut bytes = expected(&gshape, o, s, 4);
+        ck.read("g").region(o, s).verify_given(&bytes).unwrap();
+        // One flipped bit anywhere: the block holding it is named.
+        let at = bytes.len() - 5;
+        bytes[at] ^= 0x04;
+        let e = ck.read("g").region(o, s).verify_given(&bytes).unwrap_err();
+        let last = (at as u64) / 4096;
+        assert!(
+            matches!(e, Error::ChecksumMismatch { .. })
+                && e.to_string().contains(&format!("block {last}")),
+            "{e}"
+        );
+    }
+    // A whole tensor without block CRCs: its one CRC32.
+    let plain = ck.read("plain").to_tensor().unwrap();
+    let mut bytes = plain.bytes().to_vec();
+    ck.read("plain").verify_given(&bytes).unwrap();
+    bytes[0] ^= 1;
+    let e = ck.read("plain").verify_given(&bytes).unwrap_err();
+    assert!(matches!(e, Error::ChecksumMismatch { .. }), "{e}");
+    // Only one whole stored chunk, of its exact size: anything else is refused, not judged.
+    let first = expected(&gshape, &[0, 0], &[24, 256], 4);
+    for (o, s, n) in [
+        ([0u64, 0u64], [16u64, 256u64], 16 * 1024),
+        ([0, 0], [40, 256], 40 * 1024),
+        ([0, 0], [24, 128], 24 * 512),
+    ] {
+        let e = ck
+            .read("g")
+            .region(&o, &s)
+            .verify_given(&first[..n.min(first.len())])
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{o:?} {s:?}: {e}");
+    }
+    let e = ck
+        .read("g")
+        .region(&[0, 0], &[24, 256])
+        .verify_given(&first[..first.len() - 4])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = ck.read("g").at(0).verify_given(&first).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}

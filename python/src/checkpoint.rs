@@ -747,6 +747,18 @@ impl PyCheckpoint {
         self.region_requests(py, requests, true)
     }
 
+    /// `verify_received([(name, offsets, shape, buf), ...])`: check that each `buf` (a
+    /// C-contiguous 1-D `uint8` array: the memory of a destination the bytes were received
+    /// into, from a peer's copy of the shard) holds exactly the stored bytes of its box, by
+    /// the CRC32s the manifest records; the stored bytes are not read. Each box must be one
+    /// whole stored chunk (a whole tensor, or one chunk of a global tensor). In parallel,
+    /// interpreter released. Raises `ChecksumError` naming the tensor (and block) and shard
+    /// for bytes that differ, `ValueError` for a box that is not one stored chunk or a
+    /// buffer of another size.
+    fn verify_received(&self, py: Python<'_>, requests: Vec<Request<'_>>) -> PyResult<()> {
+        self.given_requests(py, requests)
+    }
+
     /// Drop this object's hold on the mapping. Arrays already handed out stay valid (each
     /// holds the mapping itself); further calls on this object raise `ValueError`.
     fn close(&mut self) {

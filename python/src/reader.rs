@@ -43,6 +43,8 @@ pub(crate) trait Reader: Send + Sync {
     fn read_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error>;
     fn fill_region_into(&self, n: &str, o: &[u64], s: &[u64], out: &mut [u8]) -> Result<(), Error>;
     fn verify_region(&self, name: &str, o: &[u64], s: &[u64]) -> Result<(), Error>;
+    fn verify_region_given(&self, n: &str, o: &[u64], s: &[u64], bytes: &[u8])
+        -> Result<(), Error>;
     fn copy_region_unchecked(
         &self,
         n: &str,
@@ -145,6 +147,15 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
     }
     fn verify_region(&self, name: &str, o: &[u64], s: &[u64]) -> Result<(), Error> {
         self.read(name).region(o, s).verify()
+    }
+    fn verify_region_given(
+        &self,
+        n: &str,
+        o: &[u64],
+        s: &[u64],
+        bytes: &[u8],
+    ) -> Result<(), Error> {
+        self.read(n).region(o, s).verify_given(bytes)
     }
     fn copy_region_unchecked(
         &self,

@@ -315,6 +315,28 @@ impl<'c, 'n, S: ShardSource> Read<'c, 'n, S> {
         }
     }
 
+    /// Check that `bytes` are the stored bytes of the selection, by the CRC32s the
+    /// manifest records (its blocks, or the whole), without reading the stored bytes: for
+    /// bytes that came from elsewhere (a peer's copy of the shard, sent over the network)
+    /// straight into their destination. The selection must be exactly one stored piece:
+    /// a whole tensor, or a region equal to one chunk of a global tensor.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a byte range, a region
+    /// that is not one whole stored chunk, or `bytes` of another size;
+    /// [`Error::ChecksumMismatch`] naming the tensor (and block) and shard where `bytes`
+    /// differ from what was stored.
+    pub fn verify_given(self, bytes: &[u8]) -> Result<()> {
+        match (&self.selection, self.stored()?) {
+            (Selection::Whole, Some(t)) => self.ck.check_given(t, bytes),
+            (Selection::At(_), _) => Err(self.no_range("verify_given")),
+            _ => {
+                let (o, s) = self.region_of()?;
+                self.ck.verify_region_given(self.name, &o, &s, bytes)
+            }
+        }
+    }
+
     /// A zero-copy view of the whole stored tensor, its CRC32 checked just now (not again
     /// where the checkpoint's data was checked as it was downloaded:
     /// [`Checkpoint::data_verified`]).

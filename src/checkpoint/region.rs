@@ -477,6 +477,32 @@ impl<S: ShardSource> Checkpoint<S> {
         self.region_op(name, offsets, shape, None, Pass::CheckFirst)
     }
 
+    /// Check that `bytes` are the stored bytes of the region, which must be exactly one
+    /// stored piece of `name` (a whole tensor, or one chunk of a global tensor, as its
+    /// manifest places it), by the CRC32s recorded for it; the stored bytes are not read.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::InvalidArgument`] for a region that is not one
+    /// whole stored piece, or bytes of another size; [`Error::ChecksumMismatch`] naming the
+    /// tensor (and block) and shard where `bytes` differ from what was stored.
+    pub(crate) fn verify_region_given(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+        bytes: &[u8],
+    ) -> Result<()> {
+        let region = Region::new(offsets, shape);
+        let src = self.source(name, Some(&region))?;
+        let plan = plan_region(&src, &region)?;
+        match plan.as_slice() {
+            [(r, owner, t, _, _)] if **r == region => owner.check_given(t, bytes),
+            _ => Err(Error::InvalidArgument(format!(
+                "tensor {name:?}: the region at offsets {offsets:?}, shape {shape:?} is not one whole stored chunk"
+            ))),
+        }
+    }
+
     /// Copy the region into `out` (exactly its bytes) **without checking any CRC**: the
     /// second half of [`Checkpoint::read_region_into`], for callers that ran
     /// [`Checkpoint::verify_region`] on it (like [`Checkpoint::tensor`] beside

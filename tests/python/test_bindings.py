@@ -432,3 +432,23 @@ def test_stock_safetensors_files_open_read_only(tmp_path):
     native.verify()
     for name, want in arrays.items():
         h.assert_bit_equal(native[name], want, name)
+
+
+def test_verify_received_checks_bytes_from_elsewhere_against_the_stored_crcs(tmp_path):
+    """``Checkpoint.verify_received``: bytes that arrived from a peer's copy straight into a
+    destination are judged by the stored CRC32s (the stored bytes are not read); a changed
+    byte is a ChecksumError naming the tensor, a box that is not one stored chunk a
+    ValueError."""
+    from ckptstore import _ckptstore
+
+    w = np.arange(1 << 18, dtype=np.float32).reshape(512, 512)
+    ckptstore.save(tmp_path / "c", {"w": w, "b": np.ones(7, np.float32)})
+    rr = _ckptstore.Checkpoint(str(tmp_path / "c"), lazy=True)
+    got = [("w", [0, 0], [512, 512], w.reshape(-1).view(np.uint8).copy()),
+           ("b", [0], [7], np.ones(7, np.float32).view(np.uint8).copy())]
+    rr.verify_received(got)
+    got[0][3][100_000] ^= 0x20
+    with pytest.raises(ckptstore.ChecksumError, match='"w", block 0'):
+        rr.verify_received(got)
+    with pytest.raises(ValueError, match="not one whole stored chunk"):
+        rr.verify_received([("w", [0, 0], [256, 512], w[:256].reshape(-1).view(np.uint8).copy())])

@@ -117,6 +117,36 @@ impl PyCheckpoint {
         .map_err(CkError)?;
         Ok(())
     }
+    /// `verify_received`: check each request's buffer against the CRC32s of the one
+    /// stored chunk its box is, in parallel with the interpreter released.
+    pub(super) fn given_requests(
+        &self,
+        py: Python<'_>,
+        mut requests: Vec<Request<'_>>,
+    ) -> PyResult<()> {
+        let ck = self.reader()?;
+        let owned: Vec<Decoded<'_>> = requests
+            .drain(..)
+            .map(|(n, o, s, a)| (n.0, indexes(o), indexes(s), a))
+            .collect();
+        let mut jobs: Vec<(&str, &[u64], &[u64], &[u8])> = Vec::with_capacity(owned.len());
+        for (name, offsets, shape, arr) in owned.iter() {
+            let buf = arr.as_slice().map_err(|_| {
+                invalid_arg(format!("tensor {name:?}: the buffer must be C-contiguous"))
+            })?;
+            jobs.push((name.as_str(), offsets.as_slice(), shape.as_slice(), buf));
+        }
+        py.detach(|| {
+            // The first failure in request order (rayon's own would be the first in time).
+            jobs.par_iter()
+                .map(|(n, o, s, b)| ck.verify_region_given(n, o, s, b))
+                .collect::<Vec<_>>()
+                .into_iter()
+                .collect::<Result<(), _>>()
+        })
+        .map_err(CkError)?;
+        Ok(())
+    }
 }
 
 /// One read: the stored tensor's name, the box `[offsets, offsets + shape)` of its global

@@ -313,6 +313,32 @@ impl<S: ShardSource> Checkpoint<S> {
         Ok(wins)
     }
 
+    /// Check `bytes`, said to be the whole stored bytes of tensor `t` (a whole tensor, or
+    /// one chunk of a global, in this checkpoint or a loaded part), against the CRC32s
+    /// the manifest records for it (its blocks in parallel, or the whole), without reading
+    /// the stored bytes: bytes that came from elsewhere (a peer's copy of the shard)
+    /// straight into their destination.
+    pub(crate) fn check_given(&self, t: &TensorInfo, bytes: &[u8]) -> Result<()> {
+        if bytes.len() as u64 != t.nbytes() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {:?}: {} bytes given for a stored tensor of {}",
+                t.name,
+                bytes.len(),
+                t.nbytes()
+            )));
+        }
+        let blocks = t.blocks.as_ref().map(|bl| {
+            let n = t.nbytes().div_ceil(bl.size.max(1));
+            (0..n).collect()
+        });
+        let w = Window {
+            base: 0,
+            buf: Cow::Borrowed(bytes),
+            blocks,
+        };
+        self.check_window(t, &w)
+    }
+
     /// Check a window's blocks (or its whole tensor) against the recorded CRC32s.
     fn check_window(&self, t: &TensorInfo, w: &Window<'_>) -> Result<()> {
         let Some(blocks) = &w.blocks else {
