@@ -182,14 +182,15 @@ def test_damaged_copy_passed_over_then_older_step_with_warning(saved, make_clust
 
 
 def test_fetch_into_a_full_disk_fails_that_try_then_the_next_source_is_taken(saved, make_cluster):
-    """Host 1, lost and replaced, cannot write what it fetches (every ``pwrite`` of the
-    restore fails with ENOSPC): step 3, and step 2 from the fast tiers, need those bytes on
-    its disk, so step 2 comes from the persistent tier, with a warning naming the file and
-    the error. Then one write fails only: the try fails, the retry restores step 3."""
+    """Host 1 lost; the job restarts on hosts 0 and 2 (resharded: rank 0 reads pieces of
+    host 1's chunks, which only host 2 holds, so host 0 fetches them into its restore's
+    stage) and host 0 cannot write what it fetches (every ``pwrite`` of the restore fails
+    with ENOSPC): step 3, and step 2 from the fast tiers, need those bytes on its disk, so
+    step 2 comes from the persistent tier, with a warning naming the file and the error.
+    Then one write fails only: the try fails, the retry restores step 3."""
     c = copy_of_saved(make_cluster, saved[1])
     c.lose_host(1, wipe_local=True)
-    c.replace_host(1)
-    out = results(job(c, "restore-full-disk"))
+    out = results(job(c, "restore-full-disk", hosts=[0, 2]))
     first = [o["first"] for o in out]
     assert_restored(first, 2, tier="persistent")
     for o in first:
@@ -199,8 +200,26 @@ def test_fetch_into_a_full_disk_fails_that_try_then_the_next_source_is_taken(sav
         assert "No space left on device" in w and ".restore-3" in w, w
     assert_restored([o["second"] for o in out], 3)
     assert all(o["second"]["warnings"] == [] for o in out), out
-    assert [o["failed_writes"] > 0 for o in out] == [False, True, False], out  # only host 1's
-    assert [o["left"] for o in out][1] == 0, out  # the second restore's one failure happened
+    assert [o["failed_writes"] > 0 for o in out] == [True, False], out  # only host 0's
+    assert [o["left"] for o in out][0] == 0, out  # the second restore's one failure happened
+    assert not [p.name for p in c.local_dir(0).iterdir() if p.name.startswith(".restore")]
+
+
+def test_a_replaced_host_restores_into_fresh_tensors_and_a_chunk_damaged_on_the_way_is_fetched_again(
+        saved, make_cluster):
+    """Host 1 lost and replaced: its rank's chunks arrive from host 2 straight into the
+    fresh tensors (its disk is never written: every ``pwrite`` of the restore fails there,
+    and none is tried), the first one with a byte changed on the way (after the sender read
+    it): the load's CRC check catches it on rank 1, no rank changes anything, every copy is
+    checked whole (none damaged) and the retry restores step 3, bit-identical."""
+    c = copy_of_saved(make_cluster, saved[1])
+    c.lose_host(1, wipe_local=True)
+    c.replace_host(1)
+    out = results(job(c, "restore-wire-damage"))
+    assert_restored(out, 3)
+    assert [o["damaged"] for o in out] == [0, 1, 0], out
+    assert out[1]["direct_items"] >= 16, out  # its every shard of a parameter and a moment, twice
+    assert [o["pwrites"] for o in out] == [0, 0, 0], out
     assert not [p.name for p in c.local_dir(1).iterdir() if p.name.startswith(".restore")]
 
 
@@ -470,16 +489,47 @@ def _job_main(name: str, shared: str) -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real(fd, data, offset)
 
-        if os.environ["CLUSTER_HOST"] == "1":
+        if os.environ["CLUSTER_HOST"] == "0":
             _tier_restore.pwrite_all = full
         m, o = nc._fsdp_model(world, seed=1)
         nc._fsdp_train(m, o, 7, 1, rank)
         box["left"] = 1 << 30
         first = _restore(m, o)
-        box["left"] = 1 if os.environ["CLUSTER_HOST"] == "1" else 0
+        box["left"] = 1 if os.environ["CLUSTER_HOST"] == "0" else 0
         nc._fsdp_train(m, o, 8, 1, rank)
         second = _restore(m, o)
         nc._result({"first": first, "second": second, "left": box["left"], "failed_writes": box["failed"]})
+    elif name == "restore-wire-damage":  # host 1 receives its first chunk damaged, into its tensor
+        from ckptstore.torch import _tier_restore
+
+        real_transfer, real_pwrite = _tier_restore.transfer, _tier_restore.pwrite_all
+        real_items = _tier_restore._direct_items
+        box = {"damaged": 0, "pwrites": 0, "direct_items": 0}
+
+        def damaging(out, error, dst, src, tag, pg, receive, dest=None):
+            def recv(inc, key, data):
+                if key is not None and data is not None and tag >= _tier_restore.TAG_DIRECT and not box["damaged"]:
+                    data[0] ^= 1
+                    box["damaged"] += 1
+                receive(inc, key, data)
+
+            return real_transfer(out, error, dst, src, tag, pg, recv, dest)
+
+        def counted(fd, data, offset):
+            box["pwrites"] += 1
+            raise OSError(28, "No space left on device")
+
+        def items(prep, placeholders):
+            got = real_items(prep, placeholders)
+            box["direct_items"] += len(got)
+            return got
+
+        if os.environ["CLUSTER_HOST"] == "1":
+            _tier_restore.transfer, _tier_restore.pwrite_all = damaging, counted
+        _tier_restore._direct_items = items
+        m, o = nc._fsdp_model(world, seed=1)
+        nc._fsdp_train(m, o, 7, 1, rank)
+        nc._result({**_restore(m, o), **box})
     elif name == "save-wire-damage":  # host 2 receives host 1's shard of step 2 damaged
         from ckptstore import CheckpointError
         from ckptstore.torch import tiered

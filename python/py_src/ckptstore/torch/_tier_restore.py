@@ -16,15 +16,17 @@ from .. import commit as _commit
 from .._faults import fault_point
 from ..errors import CheckpointError
 from . import _sharded as _d
+from ._dtypes import _torch, _wire_of
 from ._tier_local import check_arrival, saved_host, shard_head_len
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err
 from ._tier_wire import pwrite_all, transfer
-from .dcp import _plan_ranges
+from .dcp import _plan_ranges, _requests
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
 TAG_HEADS = 1 << 24
 TAG_RANGES = 1 << 25
+TAG_DIRECT = 1 << 26
 
 
 def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dict:
@@ -104,6 +106,7 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
     need: list = []
     perr = None
     prep = None
+    into: dict[str, tuple] = {}  # this rank's direct items: key -> (read item, request)
     try:
         rr = _ckptstore.Checkpoint(stage, lazy=True)
         prep = _d._prepare(stage, json.loads(rr.metadata_json()), rr.checkpoint_id, req.model, req.optimizer,
@@ -111,16 +114,21 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
         del rr
         _d._plan(prep, mgr.pg)
         try:
-            need = [(os.path.basename(p), b, e) for p, b, e in _plan_ranges(prep.reader, prep.plan)
+            if not repersist:  # (a host that persists the step needs every byte in its stage)
+                into = _direct_items(prep, placeholders)
+            need = [(os.path.basename(p), b, e)
+                    for p, b, e in _plan_ranges(prep.reader, prep.plan, {id(ri) for ri, _ in into.values()})
                     if os.path.basename(p) in placeholders]
         finally:
             prep.reader.reset()  # closed while the fetch fills the placeholders; the load reopens
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         perr = _err(mgr.rank, e)
-    got = mgr._phase(f"restore: step {step} plan", mgr._gather, (mgr.host, need, perr))
-    mgr._agree([p for _, _, p in got], f"planning the load of step {step}")
+        into = {}
+    direct = [(k, *_split_key(k), int(r[3].size)) for k, (_, r) in sorted(into.items())]
+    got = mgr._phase(f"restore: step {step} plan", mgr._gather, (mgr.host, need, perr, direct))
+    mgr._agree([g[2] for g in got], f"planning the load of step {step}")
     wanted: dict[int, dict[str, list]] = {}
-    for h, ranges, _ in got:
+    for h, ranges, _, _ in got:
         for name, begin, end in ranges:
             wanted.setdefault(h, {}).setdefault(name, []).append((int(begin), int(end)))
     if repersist:  # rank 0's host persists from its stage: every byte of it
@@ -169,10 +177,16 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
         finally:
             for fd in fds.values():
                 os.close(fd)
+    # Straight into the fresh tensors: each rank receives the whole stored chunks that
+    # are exactly one of its destinations from a rank of the holding host, checked against
+    # the stored CRC32s inside the load (the ranks agree there, before anything changes).
+    derr = direct_rounds(mgr, step, [g[3] for g in got], lambda n, d: holder(owner[n], d), src_path, into)
     loaded = False
     try:
-        mgr._phase(f"restore: step {step} assembled", mgr._agree, [err], f"assembling step {step}")
+        mgr._phase(f"restore: step {step} assembled", mgr._agree, [err or derr], f"assembling step {step}")
         fault_point("tiers.restore", step, mgr.rank)
+        if prep is not None:
+            prep.reader.received = {id(ri): r[3] for ri, r in into.values()}
         extra = mgr._load(step, stage, req, prep)
         loaded = True
         return extra
@@ -186,6 +200,105 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
                 mgr._persister.start(step, rec, stage, None, remove_src=True)
             elif mgr.leader and os.path.exists(stage):
                 shutil.rmtree(stage, ignore_errors=True)
+
+
+def _split_key(key: str) -> tuple[str, int]:
+    """A direct item's key ``"<shard>@<begin>"`` as ``(shard, begin)``."""
+    name, begin = key.rsplit("@", 1)
+    return name, int(begin)
+
+
+def _direct_items(prep: Any, placeholders: set) -> dict[str, tuple]:
+    """The read items of ``prep``'s plan that can be received straight into their
+    destinations: each the whole of one stored chunk in a placeholder shard (bytes this
+    host does not hold), its destination a contiguous CPU tensor of the stored dtype and
+    shape. ``{"<shard>@<begin>": (read item, (name, offsets, shape, destination bytes))}``."""
+    torch = _torch()
+    tensor_reqs, _ = _requests(prep.plan)
+    rr = prep.reader._open()
+    chunks: dict[str, set] = {}
+    out: dict[str, tuple] = {}
+    for ri, name, offs, shape in tensor_reqs:
+        if 0 in shape:
+            continue
+        ranges = rr.byte_ranges([(name, offs, shape)])
+        if len(ranges) != 1 or os.path.basename(ranges[0][0]) not in placeholders:
+            continue
+        f, b, e = ranges[0]
+        if name not in chunks:
+            chunks[name] = {(tuple(o), tuple(z)) for o, z in rr.chunks(name)}
+        if (tuple(offs), tuple(shape)) not in chunks[name]:
+            continue
+        dst = prep.planner.resolve_tensor(ri).detach()
+        if not (dst.device.type == "cpu" and dst.is_contiguous() and tuple(dst.shape) == tuple(shape)
+                and _wire_of.get(dst.dtype) == rr.shape_of(name)[0]):
+            continue
+        u8 = dst.reshape(-1).view(torch.uint8)
+        key = f"{os.path.basename(f)}@{b}"
+        if u8.numel() != e - b or key in out:
+            continue
+        out[key] = (ri, (name, offs, shape, u8.numpy()))
+    return out
+
+
+def direct_rounds(mgr: Any, step: int, wants: list, holder: Any, src_path: Any, into: dict) -> Optional[str]:
+    """Every rank receives its direct items (``into``; ``wants[q]``: rank q's, ``(key,
+    shard, begin, size)``) straight into their destinations, each from a rank of the host
+    that holds its shard (``holder(shard, host of q)``) reading its local tier: in round
+    ``(k, j)`` the ranks of host h send to ranks of host h + k, the receiver with local
+    index i from the sender with local index ``i % (ranks of h)``, in sub-round ``i //
+    (ranks of h)``; every pair at once. The first error as text, or None; every round
+    runs (the peers expect its bytes) even after an error."""
+    torch = _torch()
+    hosts, n_hosts = mgr.hosts, len(mgr.hosts)
+    where = {r: (h, i) for h, rs in enumerate(hosts) for i, r in enumerate(rs)}
+    me_h, me_i = where[mgr.rank]
+
+    def items(src_h: int, q: int) -> list:  # what host src_h sends to rank q
+        d = where[q][0]
+        return [(k, src_path(n), b, z) for k, n, b, z in wants[q] if holder(n, d) == src_h]
+
+    box: dict[str, Any] = {"err": None, "left": set(into)}
+    if not any(wants):
+        return None
+    for k in range(1, n_hosts):
+        subs = max(-(-len(hosts[(h + k) % n_hosts]) // len(hosts[h])) for h in range(n_hosts))
+        for j in range(subs):
+            to_h, from_h = (me_h + k) % n_hosts, (me_h - k) % n_hosts
+            qi = me_i + j * len(hosts[me_h])
+            q = hosts[to_h][qi] if qi < len(hosts[to_h]) else None
+            send = items(me_h, q) if q is not None else []
+            p = hosts[from_h][me_i % len(hosts[from_h])] if me_i // len(hosts[from_h]) == j else None
+            expect = items(from_h, mgr.rank) if p is not None else []
+            if not send and not expect:
+                continue
+
+            def dest(key: str, size: int) -> Any:
+                got = into.get(key)
+                return torch.from_numpy(got[1][3]) if got is not None and got[1][3].size == size else None
+
+            def receive(inc: Any, key: Optional[str], data: Any, src: Any = p) -> None:
+                if box["err"]:
+                    return
+                try:
+                    if key is None:
+                        if inc.error:
+                            raise CheckpointError(f"rank {src} could not send its files: {inc.error}")
+                        return
+                    got = into.get(key)
+                    if got is None or data is None or data.data_ptr() != got[1][3].ctypes.data:
+                        raise CheckpointError(f"rank {src} sent {key}, which rank {mgr.rank} did not ask for")
+                    box["left"].discard(key)
+                except Exception as e:  # noqa: BLE001
+                    box["err"] = _err(mgr.rank, e)
+
+            mgr._phase(f"restore: step {step} direct round {k}.{j}", transfer, send, None,
+                        q if send else None, p if expect else None, TAG_DIRECT + ((k - 1) * subs + j) * 65536,
+                        mgr.pg, receive, dest)
+    if box["err"] is None and box["left"]:
+        box["err"] = _err(mgr.rank, CheckpointError(
+            f"step {step}: {len(box['left'])} chunk(s) never arrived, e.g. {sorted(box['left'])[0]}"))
+    return box["err"]
 
 
 def rounds(mgr: Any, label: str, tag: int, items: Any, put: Any, err: Optional[str],

@@ -262,9 +262,11 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
     of the file, at most :data:`SEND_AHEAD` at a time, while the arriving ones are received
     one ahead of the one being kept. ``receive(incoming, None, None)`` first, with the
     header; then ``receive(incoming, key, data)`` as each item completes. ``dest(key,
-    size)``: None (the item arrives in a fresh buffer, handed over as ``data``), or a
-    callable ``write(offset, chunk)`` that takes each chunk as it arrives (a uint8 tensor,
-    reused once the call returns; ``data`` is then None). ``receive`` does not raise (it
+    size)``: None (the item arrives in a fresh buffer, handed over as ``data``), a uint8
+    tensor of exactly ``size`` elements that the item is received straight into (the
+    memory of its destination; handed over as ``data``), or a callable ``write(offset,
+    chunk)`` that takes each chunk as it arrives (a uint8 tensor, reused once the call
+    returns; ``data`` is then None). ``receive`` does not raise (it
     records what went wrong: the peer keeps sending regardless). A file this side cannot
     read goes as ``error`` in its header (no files follow), which the receiver raises; one
     that fails after the header is sent as zeros (its CRC check fails there), and a
@@ -339,7 +341,10 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
             w = dest(key, size) if dest is not None and size else None
         except Exception:  # noqa: BLE001 - a fresh buffer then; `receive` sees it
             w = None
-        if w is None:
+        if isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.dim() == 1 and w.numel() == size \
+                and w.is_contiguous():
+            whole[i] = w  # straight into the destination
+        elif w is None or isinstance(w, torch.Tensor):  # a tensor that does not fit: `receive` sees it
             whole[i] = torch.empty(size, dtype=torch.uint8)
         else:
             writers[i] = w

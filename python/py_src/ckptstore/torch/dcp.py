@@ -333,14 +333,14 @@ def _requests(plan: LoadPlan) -> tuple[list[Any], list[Any]]:
     return tensor_reqs, byte_reqs
 
 
-def _plan_ranges(reader: "Reader", plan: LoadPlan) -> list[tuple[str, int, int]]:
+def _plan_ranges(reader: "Reader", plan: LoadPlan, skip: Any = ()) -> list[tuple[str, int, int]]:
     """Where the stored bytes lie that ``plan`` (this rank's load plan, read through
-    ``reader``, of a local checkpoint) reads: ``(shard file path, begin, end)``, merged per
-    file, each range whole CRC blocks or chunks (what the read checks). No collective; no
-    tensor data read."""
+    ``reader``, of a local checkpoint) reads, but for the read items in ``skip`` (their
+    ids): ``(shard file path, begin, end)``, merged per file, each range whole CRC
+    blocks or chunks (what the read checks). No collective; no tensor data read."""
     tensor_reqs, byte_reqs = _requests(plan)
     rr = reader._open()
-    regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
+    regions = [(n, o, s) for ri, n, o, s in tensor_reqs if 0 not in s and id(ri) not in skip]
     for _, name in byte_reqs:
         _, shape = rr.shape_of(name)
         if 0 not in shape:
@@ -392,6 +392,12 @@ class Reader(StorageReader):
     Every rank reads the checkpoint the coordinator's ``read_metadata`` found (and, with
     ``expect_checkpoint_id``, that one): a commit into the directory in between makes the
     load fail instead of mixing checkpoints.
+
+    ``received`` (an attribute, empty by default): read items whose bytes are already in
+    their destinations, ``{id(read item): destination bytes as a uint8 numpy array}``, each
+    the whole of one stored chunk (received from a peer's copy of the shard, as the tiered
+    manager's restore does). ``read_data`` checks them against the stored CRC32s in place
+    of reading them (``Checkpoint.verify_received``), with the same agreement as a read.
     """
 
     def __init__(
@@ -409,6 +415,7 @@ class Reader(StorageReader):
         self.fresh_destinations = bool(fresh_destinations)
         self.streaming = bool(streaming)
         self.path = os.fspath(path)
+        self.received: dict[int, Any] = {}
         self.all_or_nothing = all_or_nothing
         self.process_group = process_group
         self.use_collectives = True
@@ -420,6 +427,7 @@ class Reader(StorageReader):
             self.path = os.fspath(checkpoint_id)
         self._rr = None
         self._cid = None
+        self.received = {}
 
     def _open(self) -> Any:
         if self._rr is None:
@@ -514,6 +522,9 @@ class Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[Any]:
         rr = self._open()
         tensor_reqs, byte_reqs = _requests(plan)
+        got = [(ri, (n, o, s, self.received[id(ri)])) for ri, n, o, s in tensor_reqs if id(ri) in self.received]
+        if got:
+            tensor_reqs = [r for r in tensor_reqs if id(r[0]) not in self.received]
 
         one_pass = self.streaming or self.fresh_destinations
         # 1. Read the bytes items, and check every stored tensor the plan reads: all of it
@@ -525,6 +536,8 @@ class Reader(StorageReader):
         try:
             regions = [(n, o, s) for _, n, o, s in tensor_reqs if 0 not in s]
             _prefetch(rr.byte_ranges(regions))
+            if got:  # bytes already in their destinations: checked in place of a read
+                rr.verify_received([req for _, req in got])
             if not one_pass:
                 rr.verify_regions(regions)
             for ri, name in byte_reqs:
@@ -546,6 +559,8 @@ class Reader(StorageReader):
         if not one_pass:
             # 2. Write the destinations: every byte was checked, every rank agreed.
             self._write(rr, planner, tensor_reqs, fill=False)
+        for ri, _ in got:
+            planner.commit_tensor(ri, planner.resolve_tensor(ri).detach())
         for ri, buf in blobs:
             planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
         return _done(None)
