@@ -29,6 +29,7 @@ __all__ = [
     "PartError",
     "MissingPartsError",
     "PickleNotAllowedError",
+    "BudgetError",
 ]
 
 
@@ -114,3 +115,26 @@ class PickleNotAllowedError(InvalidArgumentError):
     """A value that only pickle can store (or a stored pickled value) met without the
     caller's ``allow_pickle=True`` opt-in; nothing was saved or loaded. The one class for
     every module (``ckptstore.torch``, the tree codec and each integration re-export it)."""
+
+
+class BudgetError(CheckpointError):
+    """A tiered save does not fit the local tier's byte budget (the tiered
+    ``CheckpointManager``'s ``local_budget``): raised on every rank alike, before anything
+    of the step is kept; the steps saved before stay as they were. The numbers, per host,
+    also as attributes: ``budget``, ``host`` (the host that does not fit), ``needed`` (the
+    bytes it would hold), ``snapshot`` (its ranks' snapshot buffers), ``own`` and
+    ``replicas`` (one step's files of its own ranks and those it keeps for other hosts),
+    ``record`` (the step's record and directories), ``kept`` (the bytes of the steps that
+    must stay: the newest complete one, those a persist still reads), ``keep_last``, and
+    ``fits_keep_last`` (the largest ``keep_last`` that fits, ``None`` when none does)."""
+
+    budget: int = 0
+    host: int = 0
+    needed: int = 0
+    snapshot: int = 0
+    own: int = 0
+    replicas: int = 0
+    record: int = 0
+    kept: int = 0
+    keep_last: int = 0
+    fits_keep_last: "int | None" = None

@@ -14,6 +14,11 @@ Layout (``root``, the same path on every host, private to it)::
                                replicated here from other hosts)
     step-<n>/.src-<h>.tmp-*    a replica being received (published by one rename)
     .restore-<n>/              a step being assembled for a restore
+
+With a byte budget (the manager's ``local_budget``) the manager measures the tier as ``du``
+does (:meth:`LocalTier.usage`: every entry's allocated blocks, a hard-linked file once) and
+removes steps with :meth:`LocalTier.remove`; a step a persist reads is pinned, and
+:meth:`LocalTier.wait_released` waits for its release.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import os
 import re
 import shutil
 import threading
+import time
 import warnings
 import zlib
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from .. import atomic
 from ..errors import CheckpointError
@@ -36,6 +42,24 @@ COMMIT = "commit.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 RESTORE_RE = re.compile(r"^\.restore-(\d+)$")
 VERSION = 1
+#: The unit a file system holds a file in (a page of tmpfs, a block of most disks): the
+#: budget counts every file and directory as whole pages, as ``du`` does.
+PAGE = 4096
+
+
+def pages(n: int) -> int:
+    """``n`` bytes rounded up to whole pages (:data:`PAGE`)."""
+    return -(-int(n) // PAGE) * PAGE
+
+
+class Usage(NamedTuple):
+    """What the local tier holds, as ``du`` counts it: ``total`` bytes (everything under the
+    root, the root included), ``steps`` (indexed step -> the bytes of its directory),
+    ``pinned`` (indexed steps a persist still reads)."""
+
+    total: int
+    steps: dict
+    pinned: list
 
 
 class LocalTier:
@@ -45,7 +69,7 @@ class LocalTier:
         self.root = root
         self.keep = keep
         self._pins: dict[int, int] = {}  # steps a persist is reading: never removed
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when a pin is released
 
     def step_dir(self, step: int) -> str:
         """``step-<8+ digits>``, the step directory name of every ckptstore manager; a
@@ -130,6 +154,19 @@ class LocalTier:
                 self._pins[step] = n
             else:
                 self._pins.pop(step, None)
+                self._lock.notify_all()
+
+    def wait_released(self, steps: list[int], timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no persist reads any of ``steps``; whether
+        none does."""
+        end = time.monotonic() + max(0.0, timeout)
+        with self._lock:
+            while any(s in self._pins for s in steps):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
 
     def retain(self) -> list[int]:
         """Keep the newest ``keep`` indexed steps, and any step a persist still reads; the
@@ -137,14 +174,52 @@ class LocalTier:
         idx = self.read_index()
         with self._lock:
             old = [s for s in sorted(idx)[: -self.keep] if s not in self._pins]
-        if not old:
+        return self.remove(old)
+
+    def remove(self, steps: list[int]) -> list[int]:
+        """Remove the indexed ``steps`` that no persist reads (the index rewritten first,
+        then their directories removed whole); those removed."""
+        idx = self.read_index()
+        with self._lock:
+            gone = [s for s in sorted(set(steps)) if s in idx and s not in self._pins]
+        if not gone:
             return []
-        for s in old:
+        for s in gone:
             del idx[s]
         self.write_index(idx)
-        for s in old:
+        for s in gone:
             atomic.remove_dir(self.step_dir(s))
-        return old
+        return gone
+
+    def usage(self) -> Usage:
+        """The bytes the tier holds, as ``du`` counts them (allocated blocks of every file
+        and directory, the root's own included; a hard-linked file once; an entry removed
+        meanwhile not at all), with those of each indexed step's directory."""
+        idx = self.read_index()
+        seen: set[tuple[int, int]] = set()
+
+        def du(path: str) -> int:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return 0
+            n = 0
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                n = st.st_blocks * 512
+            if os.path.isdir(path) and not os.path.islink(path):
+                try:
+                    names = os.listdir(path)
+                except (FileNotFoundError, NotADirectoryError):
+                    return n
+                n += sum(du(os.path.join(path, name)) for name in names)
+            return n
+
+        steps = {s: du(self.step_dir(s)) for s in sorted(idx)}
+        total = du(self.root)  # the steps' entries are seen already: counted once
+        with self._lock:
+            pinned = sorted(s for s in self._pins if s in idx)
+        return Usage(total + sum(steps.values()), steps, pinned)
 
     def clean(self) -> int:
         """Remove what an interrupted save or restore left: step directories the index does
