@@ -161,6 +161,11 @@ class Checkpoint:
     ) -> None:
         """Copy each box ``(name, offsets, shape)`` into its writable, C-contiguous 1-D
         uint8 array of exactly the box's bytes, CRC-checked first; in parallel."""
+    def verify_received(
+        self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
+    ) -> None:
+        """Check each buffer (bytes received from elsewhere) against the CRC32s of the one
+        whole stored chunk its box is (``ChecksumError``); the stored bytes are not read."""
     def fill_into(
         self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], np.ndarray]]
     ) -> None:

@@ -20,6 +20,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ._dtypes import _from_array, _to_numpy, _torch, _wire_of
+from ._fanout import read_once
 from ._state import (
     _changed_class,
     _check_fit,
@@ -349,7 +350,10 @@ def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout
     # each block is checked as it is copied (one pass); the ranks agree once, below.
     def read() -> None:
         try:
-            prep.reader.read_data(prep.plan, prep.planner).wait()
+            if prep.reader.received:  # a restore that received its bytes already
+                prep.reader.read_data(prep.plan, prep.planner).wait()
+            else:  # each chunk several ranks need read once, sent to the others
+                read_once(prep, process_group)
         finally:
             prep.reader.reset()
 

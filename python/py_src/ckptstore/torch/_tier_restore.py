@@ -16,12 +16,13 @@ from .. import commit as _commit
 from .._faults import fault_point
 from ..errors import CheckpointError
 from . import _sharded as _d
-from ._dtypes import _torch, _wire_of
+from ._dtypes import _torch
+from ._fanout import whole_chunk_items
 from ._tier_local import check_arrival, saved_host, shard_head_len
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err
 from ._tier_wire import pwrite_all, transfer
-from .dcp import _plan_ranges, _requests
+from .dcp import _plan_ranges
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
 TAG_HEADS = 1 << 24
@@ -210,34 +211,19 @@ def _split_key(key: str) -> tuple[str, int]:
 
 def _direct_items(prep: Any, placeholders: set) -> dict[str, tuple]:
     """The read items of ``prep``'s plan that can be received straight into their
-    destinations: each the whole of one stored chunk in a placeholder shard (bytes this
-    host does not hold), its destination a contiguous CPU tensor of the stored dtype and
-    shape. ``{"<shard>@<begin>": (read item, (name, offsets, shape, destination bytes))}``."""
-    torch = _torch()
-    tensor_reqs, _ = _requests(prep.plan)
+    destinations (:func:`ckptstore.torch._fanout.whole_chunk_items`) whose chunk lies in a
+    placeholder shard (bytes this host does not hold): ``{"<shard>@<begin>": (read item,
+    (name, offsets, shape, destination bytes))}``."""
     rr = prep.reader._open()
-    chunks: dict[str, set] = {}
     out: dict[str, tuple] = {}
-    for ri, name, offs, shape in tensor_reqs:
-        if 0 in shape:
-            continue
-        ranges = rr.byte_ranges([(name, offs, shape)])
+    for ri, req in whole_chunk_items(prep).values():
+        ranges = rr.byte_ranges([req[:3]])
         if len(ranges) != 1 or os.path.basename(ranges[0][0]) not in placeholders:
             continue
         f, b, e = ranges[0]
-        if name not in chunks:
-            chunks[name] = {(tuple(o), tuple(z)) for o, z in rr.chunks(name)}
-        if (tuple(offs), tuple(shape)) not in chunks[name]:
-            continue
-        dst = prep.planner.resolve_tensor(ri).detach()
-        if not (dst.device.type == "cpu" and dst.is_contiguous() and tuple(dst.shape) == tuple(shape)
-                and _wire_of.get(dst.dtype) == rr.shape_of(name)[0]):
-            continue
-        u8 = dst.reshape(-1).view(torch.uint8)
         key = f"{os.path.basename(f)}@{b}"
-        if u8.numel() != e - b or key in out:
-            continue
-        out[key] = (ri, (name, offs, shape, u8.numpy()))
+        if req[3].size == e - b and key not in out:
+            out[key] = (ri, req)
     return out
 
 

@@ -144,15 +144,18 @@ def _file_tensor(path: str, size: int, begin: int = 0) -> Any:
 
 def _header(out: list, error: Optional[str]) -> tuple[list, Optional[str]]:
     """``[key, size, path, begin]`` per item to send: ``(key, path)`` a whole file,
-    ``(key, path, begin, size)`` a byte range of it."""
+    ``(key, path, begin, size)`` a byte range of it, ``(key, tensor)`` the bytes of a
+    1-D uint8 tensor (in place of the path)."""
     files = []
     if error is None:
         try:
             for item in out:
-                if len(item) == 2:
-                    files.append([item[0], os.stat(item[1]).st_size, item[1], 0])
+                if len(item) == 2 and not isinstance(item[1], (str, os.PathLike)):
+                    files.append([item[0], int(item[1].numel()), item[1], 0])
+                elif len(item) == 2:
+                    files.append([item[0], os.stat(item[1]).st_size, os.fspath(item[1]), 0])
                 else:
-                    files.append([item[0], int(item[3]), item[1], int(item[2])])
+                    files.append([item[0], int(item[3]), os.fspath(item[1]), int(item[2])])
         except OSError as e:
             error = f"{e.filename}: {e.strerror or e}"
     return ([] if error else files), error
@@ -255,7 +258,8 @@ def _read_into(buf: Any, path: str, begin: int, fds: dict) -> None:
 def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[int], tag: int, pg: Any,
              receive: Any, dest: Any = None) -> None:
     """Send the files ``out`` (``(key, path)``, or ``(key, path, begin, size)`` for a byte
-    range of the file) to rank ``dst`` while receiving ``src``'s (either may be ``None``):
+    range of the file, or ``(key, tensor)`` for the bytes of a 1-D uint8 tensor) to rank
+    ``dst`` while receiving ``src``'s (either may be ``None``):
     both headers first, then every item in messages (:func:`_messages`: a large item in
     chunks of :data:`CHUNK` bytes, runs of small ones packed together), each its own
     message (tag ``tag + 2 + n``, its number), a large item's sent from a read-only mapping
@@ -291,7 +295,7 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
             mapped.clear()  # the previous item's last chunk holds its own view
             _, size, path, begin = files[i]
             try:
-                mapped[i] = _file_tensor(path, size, begin)
+                mapped[i] = _file_tensor(path, size, begin) if isinstance(path, str) else path
             except OSError as e:  # the peer is waiting for `size` bytes: its CRC check fails
                 failed = failed or e
                 mapped[i] = None
@@ -310,7 +314,10 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
             for i, _, z in segs:
                 _, _, path, begin = files[i]
                 try:
-                    _read_into(buf[at:at + z], path, begin, fds)
+                    if isinstance(path, str):
+                        _read_into(buf[at:at + z], path, begin, fds)
+                    else:
+                        buf[at:at + z].copy_(path[begin:begin + z])
                 except OSError as e:  # sent as zeros: its CRC check fails there
                     failed = failed or e
                     buf[at:at + z].zero_()
