@@ -152,6 +152,26 @@ def test_lost_host_restores_from_the_peer_replica(saved, make_cluster):
     assert all(o["warnings"] == [] for o in out), out
 
 
+def test_a_host_back_empty_gets_its_copies_after_the_restore_so_a_second_loss_is_survived(saved, make_cluster):
+    """Host 1 lost and replaced: after the restore the manager copies in the background
+    (done by ``close``) what host 1 should hold of step 3 (its own part from host 2, host
+    0's replica from host 0) and records the step there; then host 2 is lost before any
+    new save: step 3 still restores from the fast tier, bit-identical, without a warning
+    (before, rank 1's part was on host 2 only: the persisted step 2 came back)."""
+    c = copy_of_saved(make_cluster, saved[1])
+    c.lose_host(1, wipe_local=True)
+    c.replace_host(1)
+    assert_restored(results(job(c, "restore")), 3)
+    d = c.local_dir(1)
+    assert visible(d) == ["index.json", "step-00000003"], visible(d)
+    assert visible(d / "step-00000003") == ["commit.json", "src-0", "src-1"]
+    c.lose_host(2, wipe_local=True)
+    c.replace_host(2)
+    out = results(job(c, "restore"))
+    assert_restored(out, 3)
+    assert all(o["warnings"] == [] for o in out), out
+
+
 def test_lost_host_restart_on_fewer_hosts_reshards_from_the_fast_tier(saved, make_cluster):
     c = copy_of_saved(make_cluster, saved[1])
     c.lose_host(1, wipe_local=True)
@@ -170,6 +190,9 @@ def test_damaged_copy_passed_over_then_older_step_with_warning(saved, make_clust
     first = [json.loads((c.shared / f"phase1.{r}").read_text()) for r in range(3)]
     assert_restored(first, 3)  # from host 1's replica
     assert all(o["warnings"] == [] for o in first), first
+    # The damaged copy was made again from the replica after the restore (copies back).
+    assert rank0_shard(c, 0).read_bytes() == rank0_shard(c, 1).read_bytes()
+    flip(rank0_shard(c, 0))
     flip(rank0_shard(c, 1))  # the replica too: no good copy of rank 0's part of step 3
     (c.shared / "flipped.tmp").write_text("1")
     os.replace(c.shared / "flipped.tmp", c.shared / "flipped")

@@ -295,6 +295,7 @@ class _Prepared:
         self.planner: Any = None
         self.plan: Any = None
         self.reader: Any = None  # the Reader planned with, that reads (reset: reopened then)
+        self.fan_out = True  # read once, fan out (the same on every rank: it is collective)
 
 
 def _prepare(path: Any, meta_all: dict, cid: Optional[str], model: Any, optimizer: Any, strict: bool,
@@ -350,10 +351,10 @@ def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout
     # each block is checked as it is copied (one pass); the ranks agree once, below.
     def read() -> None:
         try:
-            if prep.reader.received:  # a restore that received its bytes already
-                prep.reader.read_data(prep.plan, prep.planner).wait()
-            else:  # each chunk several ranks need read once, sent to the others
+            if prep.fan_out:  # each chunk several ranks need read once, sent to the others
                 read_once(prep, process_group)
+            else:  # (a tiered restore whose bytes came from the hosts' tiers: on every rank)
+                prep.reader.read_data(prep.plan, prep.planner).wait()
         finally:
             prep.reader.reset()
 

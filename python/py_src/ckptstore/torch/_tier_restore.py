@@ -11,23 +11,24 @@ import os
 import shutil
 from typing import Any, Optional
 
-from .. import _ckptstore
+from .. import _ckptstore, atomic
 from .. import commit as _commit
 from .._faults import fault_point
 from ..errors import CheckpointError
 from . import _sharded as _d
 from ._dtypes import _torch
 from ._fanout import whole_chunk_items
-from ._tier_local import check_arrival, saved_host, shard_head_len
+from ._tier_local import check_arrival, new_stage, saved_host, shard_head_len
+from ._tier_wire import Arrival, pwrite_all, transfer, write_fsync
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err
-from ._tier_wire import pwrite_all, transfer
 from .dcp import _plan_ranges
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
 TAG_HEADS = 1 << 24
 TAG_RANGES = 1 << 25
 TAG_DIRECT = 1 << 26
+TAG_RECOPY = 1 << 28
 
 
 def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dict:
@@ -188,6 +189,7 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
         fault_point("tiers.restore", step, mgr.rank)
         if prep is not None:
             prep.reader.received = {id(ri): r[3] for ri, r in into.values()}
+            prep.fan_out = False  # every byte is on this host or here already (every rank)
         extra = mgr._load(step, stage, req, prep)
         loaded = True
         return extra
@@ -201,6 +203,104 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
                 mgr._persister.start(step, rec, stage, None, remove_src=True)
             elif mgr.leader and os.path.exists(stage):
                 shutil.rmtree(stage, ignore_errors=True)
+
+
+def copies_missing(mgr: Any, f: dict) -> dict[int, dict[int, int]]:
+    """Where step ``f`` (a fast-tier candidate: its record and the current hosts holding
+    each saved rank's part) lacks copies: each saved host's files ``src-<x>`` belong on
+    ``1 + replicas`` live hosts, host ``x`` (modulo the hosts there are now) and the
+    ``replicas`` after it on the ring, as a save places them. ``{receiving host: {x:
+    sending host}}``, the sender a host that holds every rank of ``src-<x>``; empty when
+    every copy is in place (or none can be made)."""
+    rec, holders = f["record"], f["holders"]
+    n = len(mgr.hosts)
+    want: dict[int, dict[int, int]] = {}
+    for x, ranks in enumerate(rec["hosts"]):
+        have = set.intersection(*(set(holders.get(r, ())) for r in ranks)) if ranks else set()
+        if not have:
+            continue
+        for j in range(min(1 + mgr.replicas, n)):
+            d = (x + j) % n
+            if d not in have:
+                want.setdefault(d, {})[x] = min(have)
+    return want
+
+
+def recopy(mgr: Any, step: int, f: dict) -> Optional[str]:
+    """After a restore of step ``f`` (every rank, on the manager's writer thread): copy the
+    whole files each host should hold of the step (:func:`copies_missing`) from a host that
+    holds them, each checked against the record's size and CRC32 as it lands, written with
+    fsync into a stage published as ``step-<n>/src-<x>/`` in one rename; then a host that
+    had no record of the step writes it (``commit.json``, then ``index.json``), so a second
+    loss before the next save finds the step on the hosts left. The first error as text,
+    or None (the step stays restorable from where it was)."""
+    rec = f["record"]
+    want = copies_missing(mgr, f)
+    if not want:
+        return None
+    tier = mgr._tier
+    sdir = tier.step_dir(step)
+    files = {x: {n: v for r in ranks for n, v in rec["files"][str(r)].items()} for x, ranks in enumerate(rec["hosts"])}
+    err: Optional[str] = None
+    stages: dict[int, str] = {}
+    arrivals: dict[str, Any] = {}
+    done: set = set()
+    if mgr.leader:
+        def items(src_h: int, dst_h: int) -> list:  # whole files, "src-<x>/<name>"
+            return [(f"src-{x}/{name}", os.path.join(tier.src_dir(step, x), name))
+                    for x, h in sorted(want.get(dst_h, {}).items()) if h == src_h for name in sorted(files[x])]
+
+        def dest(key: str, size: int) -> Any:
+            x, name = _src_key(key)
+            if want.get(mgr.host, {}).get(x) is None or name not in files[x]:
+                return None  # a buffer: `put` refuses it
+            if x not in stages:
+                os.makedirs(sdir, exist_ok=True)
+                stages[x] = new_stage(sdir, f"src-{x}")
+            arrivals[key] = Arrival(os.path.join(stages[x], name))
+            return arrivals[key].write
+
+        def put(src_h: int, key: str, data: Any) -> None:
+            x, name = _src_key(key)
+            if data is None:
+                check_arrival(name, arrivals.pop(key).finish(), files[x], src_h)
+            elif want.get(mgr.host, {}).get(x) is not None and name in files[x]:
+                if x not in stages:
+                    os.makedirs(sdir, exist_ok=True)
+                    stages[x] = new_stage(sdir, f"src-{x}")
+                check_arrival(name, data, files[x], src_h)
+                write_fsync(os.path.join(stages[x], name), data.numpy())
+            else:
+                raise CheckpointError(f"host {src_h} sent {key}, which this host did not ask for")
+            done.add(key)
+
+        try:
+            err = rounds(mgr, f"copies of step {step}", TAG_RECOPY, items, put, None, dest)
+        finally:
+            for a in arrivals.values():
+                a.close()
+        if err is None:
+            try:
+                for x in sorted(want.get(mgr.host, {})):
+                    missing = [n for n in files[x] if f"src-{x}/{n}" not in done]
+                    if missing:
+                        raise CheckpointError(f"src-{x}: {len(missing)} file(s) never arrived, e.g. {missing[0]}")
+                    atomic.fsync_dir(stages[x])
+                    atomic.publish_dir(stages[x], tier.src_dir(step, x))
+                if want.get(mgr.host) and step not in tier.read_index():
+                    tier.record(step, rec)
+            except Exception as e:  # noqa: BLE001
+                err = _err(mgr.rank, e)
+        for stage in stages.values():
+            if os.path.exists(stage):
+                shutil.rmtree(stage, ignore_errors=True)
+    return err
+
+
+def _src_key(key: str) -> tuple[int, str]:
+    """A recopied file's key ``"src-<x>/<name>"`` as ``(x, name)``."""
+    head, name = key.split("/", 1)
+    return int(head[4:]), name
 
 
 def _split_key(key: str) -> tuple[str, int]:

@@ -82,13 +82,19 @@ step whose every part has a copy on some live host (the fast tier), then a persi
 For a fast-tier step every host builds the step in ``.restore-<n>/``: its own copies
 hard-linked, the other ranks' part descriptors and shard headers from a holder with each
 shard a sparse placeholder, committed there (:func:`ckptstore.commit`); each rank plans its
-load against it, each host fetches from holders exactly the byte ranges its ranks read, and
-every rank loads it with :func:`ckptstore.torch.distributed.load` (every byte read
-CRC-checked, resharded onto the current world and mesh, nothing changed unless every rank's
-reads passed, the old state replaced whole). A failed try checks every copy of the step
-whole (size and CRC32), drops the damaged ones and tries once more from the others; a
-candidate that still fails is passed over for the next. Taking an older step than the
-newest any tier recorded warns with what was missing.
+load against it (once); each rank receives the whole stored chunks that are exactly one of
+its fresh tensors (a replaced host on the same mesh: all of them) from a rank of a holding
+host straight into those tensors, each host fetches into its placeholders the byte ranges
+its ranks read of the rest, and every rank loads it with
+:func:`ckptstore.torch.distributed.load` (every byte read or received CRC-checked,
+resharded onto the current world and mesh, nothing changed unless every rank's checks
+passed, the old state replaced whole). A failed try checks every copy of the step whole
+(size and CRC32), drops the damaged ones and tries once more from the others; a candidate
+that still fails is passed over for the next. Taking an older step than the newest any
+tier recorded warns with what was missing. After a fast-tier restore, the copies a host
+lacks (one that came back empty) are made again in the background, before the next save:
+a second loss right after a restore is survived. A restore from the persistent tier reads
+each chunk several ranks need once, sent on to the others (``ckptstore.torch._fanout``).
 
 Where the local tier is on a host, its layout and clean-up are in
 :mod:`ckptstore.torch._tier_local`; the fast-tier restore in
@@ -113,7 +119,7 @@ from . import _sharded as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_local import PAGE, LocalTier, Usage, check_arrival, new_stage, pages
 from ._tier_persist import PersistentTier, Persister
-from ._tier_restore import restore_fast
+from ._tier_restore import copies_missing, recopy, restore_fast
 from ._tier_wire import Arrival, Progress, crc_file, discard, transfer, trim_heap, write_fsync
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err
@@ -995,11 +1001,29 @@ class CheckpointManager:
                 )
             self.last_extra = extra
             self.last_tier = kind
+            if kind == "fast" and self.replicas and copies_missing(self, f):
+                self._copy_back(step, f)
             return step
         raise CheckpointError(
             "ckptstore tiers: no step can be restored from any tier: "
             + "; ".join(f"step {s}: " + ", ".join(n) for s, n in sorted(notes.items(), reverse=True))
         )
+
+    def _copy_back(self, step: int, f: dict[Any, Any]) -> None:
+        """Queue, on the writer thread (the next save runs after it), the copies of ``step``
+        that hosts should hold and do not (a host that came back empty; see
+        :func:`ckptstore.torch._tier_restore.recopy`), so that a second loss before the next
+        save is survived. A failure warns on every rank; the step stays where it was."""
+        def write(_job: Any) -> dict[Any, Any]:
+            err = recopy(self, step, f)
+            errs = self._phase(f"copies of step {step}: done", self._gather, err)
+            bad = [e for e in errs if e]
+            if bad:
+                warnings.warn(f"ckptstore: copying step {step} back onto the hosts that lack it failed "
+                              f"(the next save replicates anew): {'; '.join(bad)}", stacklevel=2)
+            return {"step": step, "copied_back": not bad}
+
+        self._saver.save(Handle(f"copies of step {step}"), lambda _snap: (step,), write, whole_snapshot=True)
 
     def _restore_one(self, step: int, kind: str, f: Any, persisted: list[Any], notes: dict[Any, Any],
                      req: "_Request") -> Optional[dict[Any, Any]]:
