@@ -35,7 +35,9 @@ What one run measures, in order (all in the same run, so the ratios compare like
    start, torch import, process group, model build, restore: "to resumed"), and the end of
    that first step ("to 1st step"; the step is the same work in every leg: 13-20 s of FSDP2
    over gloo on this 2-core machine at 1 GiB per host); and the restore alone inside the job:
-   a) ``fast``: ``mgr.restore_latest`` from the local tiers and the peers;
+   a) ``fast``: ``mgr.restore_latest`` from the local tiers and the peers (timed alone: the
+      copies a replaced host gets back afterwards run in the background, timed as
+      ``close_s``, the first resumed step running beside them);
    b) ``persistent``: every local tier wiped first, ``mgr.restore_latest`` from the
       persistent tier;
    c) ``dcp``: ``dcp.load`` through DCP's reader on the same storage, then
@@ -314,11 +316,17 @@ def _job_main(name: str, shared: str) -> None:
             mgr = manager()
             step = mgr.restore_latest(m, o)
             tier = mgr.last_tier
-            mgr.close()
-        res["restore_s"] = time.perf_counter() - t0
-        res["t_resumed"] = time.time()  # restored: the first resumed step can start
+            res["restore_s"] = time.perf_counter() - t0  # restore_latest alone
+            res["t_resumed"] = time.time()  # restored: the first resumed step can start
+            after = _ss_bytes(addrs) if is_leader else {}  # what the restore moved
+            t1 = time.perf_counter()
+            mgr.close()  # waits for the copies a replaced host gets back (the background)
+            res["close_s"] = time.perf_counter() - t1
+        if mode == "dcp":
+            res["restore_s"] = time.perf_counter() - t0
+            res["t_resumed"] = time.time()
+            after = _ss_bytes(addrs) if is_leader else {}
         res["disk_mib"] = [(a - b) / 1024 for a, b in zip(_disk_kib(), disk0)]  # read, written: every host's
-        after = _ss_bytes(addrs) if is_leader else {}
         res.update(step=step, tier=tier, fingerprint=_fingerprint(m, o))
         _train_step(m, o, (step or 0) + 1, rank, w)
         res["t_first_step"] = time.time()
