@@ -7,6 +7,7 @@ skips), as the integration tests do."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -142,3 +143,33 @@ def test_bench_tiers_runs_on_namespace_hosts():
     for leg in ("fast", "persistent"):
         assert re.search(rf"^  {leg} .* \d+ +{leg} +True", out, re.M), out  # restored exactly
     assert "goals (issue 39):" in out and "host memory flat" in out, out
+
+
+def test_bench_tier_meta_judges_its_goals(tmp_path):
+    """python/benches/bench_tier_meta.py on a tiny state, one size measured by every child
+    process (build, commit, record, scan, plan, a rank's save, the save's coordinator): every
+    group of rows printed and judged, the figures written, the case removed; and its fit
+    (what a run at several sizes extrapolates with) on exact lines and parabolas."""
+    out, _ = run_script("bench_tier_meta.py", "--ranks", "16", "--tensors", "30", "--dir", str(tmp_path),
+                        "--json", str(tmp_path / "r.json"))
+    assert "the tiered manager's metadata at 16 ranks x 30 tensors" in out, out
+    for row in ("holdings all-gather: buffer on every rank", "DCP Metadata (read_metadata)",
+                "host leader: read + commit", "global Metadata broadcast", "coordinator: peak RSS"):
+        assert re.search(rf"^\| {re.escape(row)}.*\| (PASS|MISS) \| measured", out, re.MULTILINE), out
+    assert re.search(r"^goals: \d+ PASS, \d+ MISS", out, re.MULTILINE), out
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["group"] for r in rows} == {"record", "holdings", "plan", "restore commit", "save, a rank",
+                                          "save, coordinator"}, rows
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench-tier-meta-")], "a case left behind"
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_tier_meta as btm
+    finally:
+        sys.path.pop(0)
+    v, coef, resid = btm.fit([32, 64, 128], [3 + 2 * x for x in (32, 64, 128)], "lin", 1024)
+    assert abs(v - 2051) < 1e-6 and resid < 1e-9, (v, coef)
+    v, _, _ = btm.fit([32, 64, 128], [x * x + 5 for x in (32, 64, 128)], "quad", 1024)
+    assert abs(v - (1024 * 1024 + 5)) < 1e-3, v
+    v, coef, _ = btm.fit([32, 64, 128], [0.3, 0.1, 0.2], "lin", 1024)  # no growth: stays flat, >= 0
+    assert coef[1] == 0 and abs(v - 0.2) < 1e-9, (v, coef)
