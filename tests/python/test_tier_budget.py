@@ -40,6 +40,15 @@ from ckptstore.errors import BudgetError  # noqa: E402
 from ckptstore.torch.distributed import CheckpointManager  # noqa: E402
 
 MiB = 1 << 20
+#: Seconds a 2-rank job may go without a result: its processes' start (torch's import) takes
+#: minutes on a loaded 2-core machine; a collective that never completes still fails after
+#: the process group's timeout (dist_helpers.PG_TIMEOUT_S).
+JOB_S = 600
+
+
+def _results(fn, *args):
+    out, _ = dh.run(2, fn, *args, join_timeout=JOB_S)
+    return [out[r][1] for r in range(2)]
 
 
 def _net(width: int, seed: int = 0):
@@ -127,7 +136,7 @@ def _refused_job(rank, world, root):
 
 
 def test_a_budget_too_small_is_refused_at_the_first_save_on_every_rank_naming_the_numbers(tmp_path):
-    got = dh.results(2, _refused_job, str(tmp_path))
+    got = _results(_refused_job, str(tmp_path))
     assert got[0]["msg"] == got[1]["msg"], "the ranks decided differently"
     msg, n = got[0]["msg"], got[0]["numbers"]
     tb = got[0]["tensor_bytes"]
@@ -237,7 +246,7 @@ def test_a_budget_that_fits_holds_over_50_saves_on_2_hosts_tier_and_rss_flat(tmp
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     local_root = os.path.join(shm, f"ckptstore-budget-{os.getpid()}-{uuid.uuid4().hex[:8]}") if shm else str(tmp_path)
     try:
-        got = dh.results(2, _fits_job, local_root)
+        got = _results(_fits_job, local_root)
     finally:
         if shm:
             import shutil
