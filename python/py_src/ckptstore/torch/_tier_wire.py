@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..errors import CheckpointError
+
 #: Set, each rank writes the seconds since its previous phase as it enters the next one
 #: (where a save or a restore spends its time): to stderr, or appended to the file it names
 #: when it is an absolute path.
@@ -494,3 +496,34 @@ class Progress:
             if int(seq) < self.seq:
                 late.append(f"rank {r} on host {host_of.get(r, '?')} (last seen at: {label})")
         return f" (waiting for {', '.join(late)})" if late else ""
+
+
+class GroupError(CheckpointError):
+    """An operation between ranks failed (a peer lost, the group broken): raised on each
+    rank that saw it; nothing more can be agreed on this process group."""
+
+
+def bounded(fn: Any, timeout: float, what: str) -> Any:
+    """``fn()`` on a thread of its own, waited for ``timeout`` seconds (and a little more):
+    gloo's group creation does not return while a peer's host is gone without a FIN (seen
+    with torch 2.15: past any timeout), so a rank gives up on it, raising, and its launcher
+    restarts it (the thread is left behind: a daemon)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["ok"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="ckptstore-tiers-group", daemon=True)
+    t.start()
+    t.join(timeout + 10.0)
+    if "err" in box:
+        raise GroupError(f"ckptstore tiers: {what} failed: {box['err']}") from box["err"]
+    if "ok" not in box:
+        raise GroupError(f"ckptstore tiers: {what} did not finish within {timeout:g} s: a peer is lost "
+                          "(or the job's rendezvous store is)")
+    return box["ok"]
