@@ -129,7 +129,7 @@ impl PyCheckpoint {
             .drain(..)
             .map(|(n, o, s, a)| (n.0, indexes(o), indexes(s), a))
             .collect();
-        let mut jobs: Vec<(&str, &[u64], &[u64], &[u8])> = Vec::with_capacity(owned.len());
+        let mut jobs: Vec<Given<'_>> = Vec::with_capacity(owned.len());
         for (name, offsets, shape, arr) in owned.iter() {
             let buf = arr.as_slice().map_err(|_| {
                 invalid_arg(format!("tensor {name:?}: the buffer must be C-contiguous"))
@@ -168,6 +168,9 @@ pub(super) type Decoded<'py> = (
 
 /// A request ready for the engine: name, offsets, shape and the destination bytes.
 pub(super) type Job<'a> = (&'a str, &'a [u64], &'a [u64], &'a mut [u8]);
+
+/// A received buffer ready for the engine's check: name, offsets, shape and the bytes.
+pub(super) type Given<'a> = (&'a str, &'a [u64], &'a [u64], &'a [u8]);
 
 /// Boxes of a tensor's global index space, as Python sees them: `(offsets, shape)`.
 pub(super) type Boxes = Vec<(Vec<u64>, Vec<u64>)>;
