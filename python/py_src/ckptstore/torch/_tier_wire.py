@@ -1,7 +1,7 @@
 """What the tiered manager (:mod:`ckptstore.torch.tiered`) sends between hosts and how it
 tells who it waited for: files moved over torch.distributed point-to-point (one header,
 then each file or byte range in chunks of 8 MiB, runs of small ones packed into shared
-messages, received one ahead of the one being kept; format-spec/tiers.md),
+messages, up to RECV_AHEAD received ahead of the one being kept; format-spec/tiers.md),
 CRC32 of files, the progress marks that name the rank a failed collective waited for, and
 the kill seam of the fault tests.
 
@@ -207,11 +207,17 @@ def _exchange_heads(out: Any, dst: Optional[int], src: Optional[int], tag: int, 
 
 
 #: Bytes of one wire chunk: every item moves as chunks of this size (the last one shorter),
-#: each its own point-to-point message, so that a receiver writes one chunk out while the
-#: next arrives, into two reused buffers.
+#: each its own point-to-point message, so that a receiver keeps one chunk while the next
+#: ones arrive.
 CHUNK = 8 << 20
 #: Chunks a sender has in flight at most.
 SEND_AHEAD = 4
+#: Messages a receiver has posted at most: gloo sends a message once its receive is posted,
+#: so with one receive ahead every message waited a round trip (a direct restore of 256 MiB
+#: in 384 messages of ~1.3 MiB moved at 40% of the raw rate). Those that land in reused
+#: buffers (packed small items, chunks given to a writer) take one of this many, of
+#: ``CHUNK`` bytes each, mapped when first needed.
+RECV_AHEAD = 8
 #: An item smaller than ``CHUNK // PACK_DIV`` bytes shares its message with the small items
 #: next to it (up to ``CHUNK`` bytes a message): a restore fetches hundreds of ranges of a
 #: few bytes (an Adam ``step`` each), which one message apiece made cost 0.6 ms each.
@@ -266,7 +272,7 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
     chunks of :data:`CHUNK` bytes, runs of small ones packed together), each its own
     message (tag ``tag + 2 + n``, its number), a large item's sent from a read-only mapping
     of the file, at most :data:`SEND_AHEAD` at a time, while the arriving ones are received
-    one ahead of the one being kept. ``receive(incoming, None, None)`` first, with the
+    up to :data:`RECV_AHEAD` ahead of the one being kept. ``receive(incoming, None, None)`` first, with the
     header; then ``receive(incoming, key, data)`` as each item completes. ``dest(key,
     size)``: None (the item arrives in a fresh buffer, handed over as ``data``), a uint8
     tensor of exactly ``size`` elements that the item is received straight into (the
@@ -338,10 +344,10 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
         return dist.isend(t, dst, group=pg, tag=tag + 2 + n), t
 
     # Receiving: item i's fresh buffer (no dest), or its writer; messages land in item i's
-    # buffer (a chunk of a large item without a writer) or in one of two reused buffers.
+    # buffer (a chunk of a large item without a writer) or in one of RECV_AHEAD reused ones.
     whole: dict[int, Any] = {}
     writers: dict[int, Any] = {}
-    ring: list = []
+    ring: dict[int, Any] = {}
 
     def start(i: int) -> None:  # item i's first bytes are next: its writer or its buffer
         key, size = ins[i]
@@ -366,15 +372,16 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
         i, b, z = segs[0]
         if len(segs) == 1 and i in whole:
             return whole[i][b:b + z]
-        if not ring:  # anonymous mappings of their own, unmapped when the transfer ends: 8 MiB
-            # buffers taken from malloc and freed save after save raise glibc's mmap threshold
-            # and fragment the heap (RSS +17% over 50 saves at 256 MiB/host; +9% with these)
-            ring.extend(torch.frombuffer(mmap.mmap(-1, CHUNK), dtype=torch.uint8) for _ in range(2))
-        return ring[n % 2][:sum(z for _, _, z in segs)]
+        slot = n % RECV_AHEAD  # message n - RECV_AHEAD, its last user, is kept by now
+        if slot not in ring:  # anonymous mappings of their own, unmapped when the transfer
+            # ends: 8 MiB buffers taken from malloc and freed save after save raise glibc's
+            # mmap threshold and fragment the heap (RSS +17% over 50 saves at 256 MiB/host)
+            ring[slot] = torch.frombuffer(mmap.mmap(-1, CHUNK), dtype=torch.uint8)
+        return ring[slot][:sum(z for _, _, z in segs)]
 
-    def post_recv(n: int) -> Any:
-        t = bufs[n % 2] = target(n)
-        return dist.irecv(t, src, group=pg, tag=tag + 2 + n) if t.numel() else None
+    def post_recv(n: int) -> None:
+        t = target(n)
+        posted[n] = (dist.irecv(t, src, group=pg, tag=tag + 2 + n) if t.numel() else None, t)
 
     def keep(n: int, got: Any) -> None:  # message n arrived in `got`: each segment kept
         nonlocal failed
@@ -396,8 +403,9 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
                 receive(inc, ins[i][0], whole.pop(i, None))
 
     sends: list = []
-    bufs: list = [None, None]  # message n's target: bufs[n % 2]
-    recv = post_recv(0) if in_msgs else None
+    posted: dict[int, tuple] = {}  # message n: (its receive, its target)
+    for n in range(min(RECV_AHEAD, len(in_msgs))):
+        post_recv(n)
     for n in range(max(len(out_msgs), len(in_msgs))):
         if n < len(out_msgs):
             if len(sends) >= SEND_AHEAD:
@@ -406,12 +414,12 @@ def transfer(out: list, error: Optional[str], dst: Optional[int], src: Optional[
             if w is not None:
                 sends.append(w)
         if n < len(in_msgs):
+            recv, got = posted.pop(n)
             if recv is not None:
                 recv.wait()
-            got = bufs[n % 2]
-            if n + 1 < len(in_msgs):  # the next message arrives while this one is kept
-                recv = post_recv(n + 1)
             keep(n, got)
+            if n + RECV_AHEAD < len(in_msgs):  # its ring slot is free again
+                post_recv(n + RECV_AHEAD)
     _wait([w for w, _ in sends])
     if failed is not None:
         raise failed
