@@ -531,7 +531,8 @@ def _job_main(name: str, shared: str) -> None:
 
         def damaging(out, error, dst, src, tag, pg, receive, dest=None):
             def recv(inc, key, data):
-                if key is not None and data is not None and tag >= _tier_restore.TAG_DIRECT and not box["damaged"]:
+                if key not in (None, "wants") and data is not None and tag >= _tier_restore.TAG_DIRECT \
+                        and not box["damaged"]:
                     data[0] ^= 1
                     box["damaged"] += 1
                 receive(inc, key, data)

@@ -343,7 +343,7 @@ class BudgetMixin:
             record=size.record, kept=room.stays, fits_keep_last=None,
         )
 
-    def _fit_written(self, step: int, room: dict[str, Any], all_files: dict[Any, Any], metadata: Any, cid: str,
+    def _fit_written(self, step: int, room: dict[str, Any], all_files: dict[Any, Any], record: dict[str, Any],
                      views: dict[int, Usage]) -> Optional[str]:
         """The budget once every rank's part is written (its exact size known, the tier
         measured by each host's first rank), before the replicas arrive: remove the older
@@ -352,8 +352,7 @@ class BudgetMixin:
         :class:`BudgetError` on every rank alike."""
         budget = int(self.local_budget or 0)
         files = [sum(pages(v[0]) for v in all_files[r].values()) for r in range(self.world)]
-        rec = pages(len(json.dumps(self._record(step, cid, all_files, metadata, 1e10 + 0.123456789),
-                                   sort_keys=True)))
+        rec = pages(len(json.dumps(record, sort_keys=True)))
         sizes = self._step_bytes(files, rec)
         snap = room["snapshot"]
         rooms = {h: _plan_room(budget, snap[h] + sizes[h].replicas + sizes[h].record, views[h],

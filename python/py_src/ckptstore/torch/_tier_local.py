@@ -33,10 +33,10 @@ import warnings
 import zlib
 from typing import Any, NamedTuple, Optional
 
-from .. import atomic
+from .. import atomic, new_checkpoint_id
 from ..errors import CheckpointError
 from . import _sharded as _d
-from ._tier_wire import crc_file
+from ._tier_wire import crc_file, err_text
 
 INDEX = "index.json"
 COMMIT = "commit.json"
@@ -249,16 +249,20 @@ class LocalTier:
     # -- what this host holds ----------------------------------------------------------------
 
     def scan(self, crc: bool = True) -> dict:
-        """Per indexed step: the record (``None`` when damaged), the ranks whose every file
-        is present in this tier with its recorded size and CRC32 (``good``; without ``crc``,
-        the size only: :meth:`check_ranks` then checks the step chosen), and why the others
-        that are here are not (``bad``)."""
+        """Per indexed step: the record's summary (``None`` when the record is damaged; see
+        :func:`summary`), the ranks whose every file is present in this tier with its
+        recorded size and CRC32 (``good``; without ``crc``, the size only:
+        :meth:`check_ranks` then checks the step chosen), and why the others that are here
+        are not (``bad``). What every rank all-gathers at a restore: a few hundred bytes a
+        step, not the record (megabytes at thousands of ranks x tensors), which the ranks
+        get from one holder for the step they try."""
         out: dict[int, dict[str, Any]] = {}
-        for step in sorted(self.read_index()):
+        idx = self.read_index()
+        for step in sorted(idx):
             try:
                 record = self.load_record(step)
             except CheckpointError as e:
-                out[step] = {"record": None, "good": [], "bad": {"*": str(e)}}
+                out[step] = {"summary": None, "good": [], "bad": {"*": str(e)}}
                 continue
             good: list[int] = []
             bad: dict[str, str] = {}
@@ -272,7 +276,7 @@ class LocalTier:
                         good.append(r)
                     else:
                         bad[str(r)] = why
-            out[step] = {"record": record, "good": sorted(good), "bad": bad}
+            out[step] = {"summary": summary(record, idx[step]), "good": sorted(good), "bad": bad}
         return out
 
     def check_ranks(self, step: int, record: dict, ranks: list[int]) -> dict:
@@ -313,6 +317,15 @@ def shard_head_len(path: str) -> int:
     if not 0 <= n <= min(_MAX_HEADER, size - 8):
         raise CheckpointError(f"{path}: not a shard file (its header length prefix does not fit its {size} bytes)")
     return 8 + n
+
+
+def summary(record: dict, entry: dict) -> dict:
+    """What a restore needs of a step's record to choose it (its id, world size and save
+    time) and to know it got the same record from a holder (the CRC32 and size that the
+    index ``entry`` gives its ``commit.json``)."""
+    return {"checkpoint_id": record["checkpoint_id"], "world_size": record["world_size"],
+            "saved_at": record.get("saved_at"), "commit_crc32": entry.get("commit_crc32"),
+            "commit_size": entry.get("commit_size")}
 
 
 def saved_host(record: dict, rank: int) -> int:
@@ -382,6 +395,9 @@ def part_writer(path: str, metadata: dict[Any, Any]) -> Any:
             for r, rank_results in enumerate(results):
                 if sum(1 for w in rank_results if w.index.fqn == "__ckptstore.part__") != 1:
                     raise CheckpointError(f"rank {r} reported no part descriptor")
+            self.keep(metadata)
+
+        def keep(self, metadata: Any) -> None:
             meta = dict(self.user_metadata)
             meta[DCP_KEY] = _metadata_to_json(metadata, self.storage_meta())
             self.manifest_metadata = meta
@@ -391,3 +407,93 @@ def part_writer(path: str, metadata: dict[Any, Any]) -> Any:
 
 # -- the local budget ---------------------------------------------------------------------
 # Bytes as the tier's file system holds them (whole pages, ``du``'s count: _tier_local.PAGE).
+
+
+#: Whether the tiered save plans each rank's part alone when every rank's entries agree
+#: (:func:`save_part`); ``False``: always ``dcp.save`` and its global plan (the tests
+#: compare the two). The same on every rank.
+SPMD_PLAN = True
+
+
+def save_part(sd: Any, w: Any, rank: int, world: int, gather: Any, dcp_save: Any) -> Optional[str]:
+    """Every rank: write this rank's part of the state dict ``sd`` with ``w``
+    (:func:`part_writer`), as ``dcp.save`` with DCP's default planner would, but without
+    its global plan when every rank's state dict has the same entries (names, kinds,
+    global sizes and dtypes; one all-gather of a digest with ``gather``), as an SPMD job's
+    does: each rank then drops the writes another rank makes (a replicated DTensor's chunk
+    is written by its replica at coordinate 0 of every replicated mesh dimension, a plain
+    tensor or object by rank ``crc32(name) % world``), and rank 0 builds the manifest
+    metadata from its own entries; the ranks then all-gather their errors (every part is
+    written when it returns). ``dcp.save`` gathers every rank's plan on rank 0, plans
+    there and broadcasts the global ``Metadata``, every rank's every chunk, to all: at
+    1,024 ranks x 10,000 tensors, minutes and tens of GiB (python/benches/
+    bench_tier_meta.py). Otherwise (the ranks' entries differ) ``dcp_save()``. Returns
+    the ranks' errors as text (the same on every rank), or None; raises only what the
+    process group (or ``dcp_save``) raises."""
+    import dataclasses
+    import hashlib
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    if not SPMD_PLAN:
+        dcp_save()
+        return None
+    plan = planner = None
+    digest: Optional[str] = None
+    try:
+        planner = DefaultSavePlanner()
+        w.reset()
+        w.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        planner.set_up_planner(sd, w.storage_meta(), rank == 0)
+        plan = w.prepare_local_plan(planner.create_local_plan())
+        entries = sorted({(wi.index.fqn, wi.type.name) + (() if wi.tensor_data is None else (
+            tuple(wi.tensor_data.size), str(wi.tensor_data.properties.dtype))) for wi in plan.items})
+        digest = hashlib.sha256(repr((entries, plan.planner_data)).encode()).hexdigest()
+        err = None
+    except Exception as e:  # noqa: BLE001 - every rank learns it below
+        err = err_text(rank, e)
+    got = gather((digest, err, new_checkpoint_id() if rank == 0 else None))
+    bad = [g[1] for g in got if g[1]]
+    if bad:
+        return "; ".join(bad)
+    if any(g[0] != got[0][0] for g in got):
+        dcp_save()
+        return None
+    assert plan is not None and planner is not None
+    err = None
+    try:
+        keep = [wi for wi in plan.items if _writes_here(wi, planner.state_dict, rank, world)]
+        final = planner.finish_plan(dataclasses.replace(
+            plan, items=keep, storage_data={"ckptstore_checkpoint_id": got[0][2], "rank": rank}))
+        results = w.write_data(final, planner).wait()
+        if sum(1 for r in results if r.index.fqn == "__ckptstore.part__") != 1:
+            raise CheckpointError(f"rank {rank} wrote no part descriptor")
+        if rank == 0:  # the manifest metadata: every entry's kind, dtype and size
+            sdm: dict[str, Any] = {}
+            for wi in plan.items:
+                if wi.type == WriteItemType.BYTE_IO:
+                    sdm[wi.index.fqn] = BytesStorageMetadata()
+                else:
+                    sdm.setdefault(wi.index.fqn, TensorStorageMetadata(
+                        properties=wi.tensor_data.properties, size=wi.tensor_data.size, chunks=[]))
+            w.keep(Metadata(state_dict_metadata=sdm, planner_data=plan.planner_data))
+    except Exception as e:  # noqa: BLE001
+        err = err_text(rank, e)
+    bad = [e for e in gather(err) if e]
+    return "; ".join(bad) if bad else None
+
+
+def _writes_here(wi: Any, sd: dict, rank: int, world: int) -> bool:
+    """Whether this rank writes the item ``wi`` of its local plan (see :func:`save_part`)."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    obj: Any = sd.get(wi.index.fqn)
+    if wi.type == WriteItemType.SHARD:
+        spec = getattr(obj, "_spec", None)
+        if spec is None:  # a ShardedTensor's own shard
+            return True
+        coord = obj.device_mesh.get_coordinate() or []
+        return all(c == 0 for c, pl in zip(coord, spec.placements) if not pl.is_shard())
+    return zlib.crc32(wi.index.fqn.encode()) % world == rank

@@ -127,7 +127,7 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
         perr = _err(mgr.rank, e)
         into = {}
     direct = [(k, *_split_key(k), int(r[3].size)) for k, (_, r) in sorted(into.items())]
-    got = mgr._phase(f"restore: step {step} plan", mgr._gather, (mgr.host, need, perr, direct))
+    got = mgr._phase(f"restore: step {step} plan", mgr._gather, (mgr.host, need, perr, len(direct)))
     mgr._agree([g[2] for g in got], f"planning the load of step {step}")
     wanted: dict[int, dict[str, list]] = {}
     for h, ranges, _, _ in got:
@@ -182,7 +182,9 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
     # Straight into the fresh tensors: each rank receives the whole stored chunks that
     # are exactly one of its destinations from a rank of the holding host, checked against
     # the stored CRC32s inside the load (the ranks agree there, before anything changes).
-    derr = direct_rounds(mgr, step, [g[3] for g in got], lambda n, d: holder(owner[n], d), src_path, into)
+    derr = None
+    if any(g[3] for g in got):
+        derr = direct_rounds(mgr, step, direct, lambda n, d: holder(owner[n], d), src_path, into)
     loaded = False
     try:
         mgr._phase(f"restore: step {step} assembled", mgr._agree, [err or derr], f"assembling step {step}")
@@ -203,6 +205,30 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
                 mgr._persister.start(step, rec, stage, None, remove_src=True)
             elif mgr.leader and os.path.exists(stage):
                 shutil.rmtree(stage, ignore_errors=True)
+
+
+def fetch_record(mgr: Any, step: int, f: dict, notes: dict) -> bool:
+    """``f["record"]``, the fast-tier candidate's record, from the first host that holds
+    it (its first rank loads it, checked against its index, and broadcasts it): the
+    scan gathered only its summary. Whether every rank now has it (else a note why)."""
+    if f["record"] is not None:
+        return True
+    h = min(f["from"])
+    src = mgr.hosts[h][0]
+    got: Any = None
+    if mgr.rank == src:
+        try:
+            got = mgr._tier.load_record(step)
+            if got.get("checkpoint_id") != f["summary"]["checkpoint_id"]:
+                got = f"host {h}: the record of step {step} changed since the scan"
+        except CheckpointError as e:
+            got = f"host {h}: {e}"
+    got = mgr._phase(f"restore: record of step {step}", mgr._bcast, got, src)
+    if isinstance(got, str):
+        notes.setdefault(step, []).append(got)
+        return False
+    f["record"] = got
+    return True
 
 
 def copies_missing(mgr: Any, f: dict) -> dict[int, dict[int, int]]:
@@ -328,36 +354,52 @@ def _direct_items(prep: Any, placeholders: set) -> dict[str, tuple]:
 
 
 def direct_rounds(mgr: Any, step: int, wants: list, holder: Any, src_path: Any, into: dict) -> Optional[str]:
-    """Every rank receives its direct items (``into``; ``wants[q]``: rank q's, ``(key,
+    """Every rank receives its direct items (``into``; ``wants``: this rank's, ``(key,
     shard, begin, size)``) straight into their destinations, each from a rank of the host
-    that holds its shard (``holder(shard, host of q)``) reading its local tier: in round
-    ``(k, j)`` the ranks of host h send to ranks of host h + k, the receiver with local
-    index i from the sender with local index ``i % (ranks of h)``, in sub-round ``i //
-    (ranks of h)``; every pair at once. The first error as text, or None; every round
-    runs (the peers expect its bytes) even after an error."""
+    that holds its shard (``holder(shard, host)``) reading its local tier: in round ``(k,
+    j)`` the ranks of host h send to ranks of host h + k, the receiver with local index i
+    from the sender with local index ``i % (ranks of h)``, in sub-round ``i // (ranks of
+    h)``; every pair at once. Each round opens with the receiver telling its sender which
+    items it wants of that host (no rank holds the others' lists: at 1,024 ranks x 30,000
+    chunks they would be gigabytes on every rank). The first error as text, or None; every
+    round runs (the peers expect its bytes) even after an error."""
     torch = _torch()
     hosts, n_hosts = mgr.hosts, len(mgr.hosts)
     where = {r: (h, i) for h, rs in enumerate(hosts) for i, r in enumerate(rs)}
     me_h, me_i = where[mgr.rank]
-
-    def items(src_h: int, q: int) -> list:  # what host src_h sends to rank q
-        d = where[q][0]
-        return [(k, src_path(n), b, z) for k, n, b, z in wants[q] if holder(n, d) == src_h]
-
     box: dict[str, Any] = {"err": None, "left": set(into)}
-    if not any(wants):
-        return None
+
+    def asked(q: int, data: Any) -> tuple[list, Optional[str]]:  # what rank q asked of this host
+        try:
+            got = json.loads(bytes(data.numpy()))
+            out = []
+            for key, name, begin, size in got:
+                if key != f"{name}@{begin}" or holder(name, where[q][0]) != me_h:
+                    raise CheckpointError(f"rank {q} asked host {me_h} for {key}, which it does not send there")
+                out.append((key, src_path(name), int(begin), int(size)))
+            return out, None
+        except Exception as e:  # noqa: BLE001 - sent to q in the header: q raises it
+            return [], _err(mgr.rank, e)
+
     for k in range(1, n_hosts):
         subs = max(-(-len(hosts[(h + k) % n_hosts]) // len(hosts[h])) for h in range(n_hosts))
         for j in range(subs):
             to_h, from_h = (me_h + k) % n_hosts, (me_h - k) % n_hosts
             qi = me_i + j * len(hosts[me_h])
             q = hosts[to_h][qi] if qi < len(hosts[to_h]) else None
-            send = items(me_h, q) if q is not None else []
             p = hosts[from_h][me_i % len(hosts[from_h])] if me_i // len(hosts[from_h]) == j else None
-            expect = items(from_h, mgr.rank) if p is not None else []
-            if not send and not expect:
-                continue
+            expect = [w for w in wants if holder(w[1], me_h) == from_h] if p is not None else []
+            tag = TAG_DIRECT + ((k - 1) * subs + j) * 65536
+            ask = torch.frombuffer(bytearray(json.dumps(expect).encode()), dtype=torch.uint8)
+            inbox: dict[str, Any] = {}
+
+            def take(inc: Any, key: Optional[str], data: Any, box_: dict = inbox) -> None:
+                if key is not None:
+                    box_["wants"] = data
+
+            mgr._phase(f"restore: step {step} direct round {k}.{j} asks", transfer,
+                       [("wants", ask)] if p is not None else [], None, p, q, tag, mgr.pg, take)
+            send, why = asked(q, inbox.get("wants")) if q is not None else ([], None)
 
             def dest(key: str, size: int) -> Any:
                 got = into.get(key)
@@ -378,9 +420,10 @@ def direct_rounds(mgr: Any, step: int, wants: list, holder: Any, src_path: Any, 
                 except Exception as e:  # noqa: BLE001
                     box["err"] = _err(mgr.rank, e)
 
-            mgr._phase(f"restore: step {step} direct round {k}.{j}", transfer, send, None,
-                        q if send else None, p if expect else None, TAG_DIRECT + ((k - 1) * subs + j) * 65536,
-                        mgr.pg, receive, dest)
+            # Every pair that exchanged lists exchanges headers (an empty list too: neither
+            # side acts on what it cannot be sure the other side knows).
+            mgr._phase(f"restore: step {step} direct round {k}.{j}", transfer, send, why, q, p, tag + 16,
+                       mgr.pg, receive, dest)
     if box["err"] is None and box["left"]:
         box["err"] = _err(mgr.rank, CheckpointError(
             f"step {step}: {len(box['left'])} chunk(s) never arrived, e.g. {sorted(box['left'])[0]}"))

@@ -22,13 +22,14 @@ returns; a writer thread then, on the manager's own gloo process group:
 
 1. writes every rank's part into ``step-<n>/src-<h>/`` of its host's local tier
    (:class:`ckptstore.torch.dcp.Writer`: the state dict and metadata of
-   :func:`ckptstore.torch.distributed.save`; the coordinator keeps the manifest metadata
-   instead of committing), and gathers every file's size and CRC32;
+   :func:`ckptstore.torch.distributed.save`, each rank planning its own part when every
+   rank's entries agree, with no global plan: ``_tier_local.save_part``; nothing is
+   committed), gathers every file's size and CRC32, and broadcasts the step's record;
 2. copies each host's files to the ``replicas`` next hosts of the ring (host h to h+1, ...,
    never itself), its first rank sending to theirs over torch.distributed point-to-point
    in 8 MiB chunks; each file is checked against its writer's CRC32 on arrival, written
    with fsync into a staging directory published as ``step-<n>/src-<h>/`` in one rename;
-3. broadcasts the step's record, which every host writes durably (``commit.json``, then
+3. writes the step's record durably on every host (``commit.json``, then
    ``index.json``): **a step is saved when it is in an index**;
 4. applies retention (``keep`` steps per local tier);
 5. on a step that is a multiple of ``persist_every`` (or saved with ``persist=True``), hands the step's committed local
@@ -76,8 +77,8 @@ Docker's default ``/dev/shm`` is 64 MiB: ``--shm-size``), and a reboot empties i
 persistent tier is what survives one).
 
 **Restore** (every rank, any world size): each host's first rank scans its local tier
-(every indexed step: which ranks' files are present with the recorded size); the ranks
-all-gather that with rank 0's list of committed persistent steps and try, newest first, a
+(every indexed step: its record's summary, which ranks' files are present with the recorded
+size); the ranks all-gather that with rank 0's list of committed persistent steps and try, newest first, a
 step whose every part has a copy on some live host (the fast tier), then a persisted step.
 For a fast-tier step every host builds the step in ``.restore-<n>/``: its own copies
 hard-linked, the other ranks' part descriptors and shard headers from a holder with each
@@ -118,9 +119,9 @@ from ..errors import CheckpointError, InvalidArgumentError
 from . import _sharded as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_budget import BudgetMixin
-from ._tier_local import LocalTier, check_arrival, new_stage, pages, part_writer, snapshot
+from ._tier_local import LocalTier, check_arrival, new_stage, pages, part_writer, save_part, snapshot
 from ._tier_persist import PersistentTier, Persister
-from ._tier_restore import copies_missing, recopy, restore_fast
+from ._tier_restore import copies_missing, fetch_record, recopy, restore_fast
 from ._tier_wire import Arrival, Progress, bounded, crc_file, discard, transfer, trim_heap, write_fsync
 from ._tier_wire import GroupError as _GroupError
 from ._tier_wire import dist_or_none as _dist
@@ -272,12 +273,13 @@ class CheckpointManager(BudgetMixin):
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def _bcast(self, obj: Any) -> Any:
+    def _bcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` (a global rank), on every rank."""
         dist = _dist()
         if not dist:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.pg)
+        dist.broadcast_object_list(box, src=src, group=self.pg)
         return box[0]
 
     def _agree(self, errors: list[Any], what: str) -> None:
@@ -380,7 +382,10 @@ class CheckpointManager(BudgetMixin):
 
         own = tier.src_dir(step, self.host)
         w = part_writer(own, {_d.META_KEY: meta})
-        self._phase(f"step {step}: local write", lambda: dcp.save(sd, storage_writer=w, process_group=self.pg))
+        werr = self._phase(f"step {step}: local write", save_part, sd, w, self.rank, self.world, self._gather,
+                           lambda: dcp.save(sd, storage_writer=w, process_group=self.pg))
+        if werr:  # the same on every rank
+            raise CheckpointError(f"ckptstore tiers: writing step {step} failed: {werr}")
         fault_point("tiers.local-write", step, self.rank)
         cid = w.checkpoint_id
         files: dict[str, list[int]] = {}
@@ -396,27 +401,27 @@ class CheckpointManager(BudgetMixin):
             err = _err(self.rank, e)
         usage = None
         if room is not None and self.leader and err is None:
-            try:  # every rank's part is written (dcp.save returned on all)
+            try:  # every rank's part is written (save_part returned on all)
                 usage = tier.usage()
             except Exception as e:  # noqa: BLE001
                 err = _err(self.rank, e)
-        status = self._phase(f"step {step}: gather", self._gather,
-                             (files, err, w.manifest_metadata if self.rank == 0 else None, usage))
+        # Every rank's files, gathered by all (a few hundred bytes a rank); the record, with the
+        # manifest's metadata (megabytes at thousands of ranks x tensors), broadcast once.
+        status = self._phase(f"step {step}: gather", self._gather, (files, err, usage))
         bad = [s[1] for s in status if s[1]]
         if bad:
             raise CheckpointError(f"ckptstore tiers: writing step {step} failed: " + "; ".join(bad))
         all_files = {r: s[0] for r, s in enumerate(status)}
+        record = self._record(step, cid, all_files, w.manifest_metadata, time.time()) if self.rank == 0 else None
+        record = self._phase(f"step {step}: record", self._bcast, record)
 
         err = None
         if room is not None:
-            views = {h: status[ranks[0]][3] for h, ranks in enumerate(self.hosts)}
-            err = self._fit_written(step, room, all_files, status[0][2], cid, views)
+            views = {h: status[ranks[0]][2] for h, ranks in enumerate(self.hosts)}
+            err = self._fit_written(step, room, all_files, record, views)
         if self.leader and self.replicas:
             err = self._replicate(step, all_files) or err
         self._phase(f"step {step}: replicate", self._agree, [err], f"replicating step {step}")
-
-        record = self._record(step, cid, all_files, status[0][2], time.time()) if self.rank == 0 else None
-        record = self._phase(f"step {step}: record", self._bcast, record)
         err = None
         if self.leader:
             try:
@@ -558,15 +563,17 @@ class CheckpointManager(BudgetMixin):
             for step, ent in by_host[h].items():
                 for why in ent["bad"].values():
                     notes.setdefault(step, []).append(f"host {h}: {why}")
-                rec = ent["record"]
-                if rec is None:
+                summ = ent["summary"]
+                if summ is None:
                     continue
-                f = fast.setdefault((step, rec["checkpoint_id"]), {"record": rec, "holders": {}})
+                f = fast.setdefault((step, summ["checkpoint_id"]),
+                                    {"summary": summ, "record": None, "holders": {}, "from": []})
+                f["from"].append(h)
                 for r in ent["good"]:
                     f["holders"].setdefault(r, []).append(h)
         candidates: list[tuple[int, str, Any]] = []
         for (step, _cid), f in fast.items():
-            missing = [r for r in range(f["record"]["world_size"]) if r not in f["holders"]]
+            missing = [r for r in range(f["summary"]["world_size"]) if r not in f["holders"]]
             if missing:
                 notes.setdefault(step, []).append(f"no good copy on any host of the parts of rank(s) {missing}")
             else:
@@ -574,7 +581,7 @@ class CheckpointManager(BudgetMixin):
         candidates += [(s, "persistent", None) for s in persisted]
         # Newest first; for one step the fast tier first (of two saves of one step number,
         # say by a host back with stale files, the later one), then the persistent one.
-        candidates.sort(key=lambda c: (-c[0], c[1] != "fast", -float((c[2] or {}).get("record",
+        candidates.sort(key=lambda c: (-c[0], c[1] != "fast", -float((c[2] or {}).get("summary",
         {}).get("saved_at") or 0)))
         newest = max([s for s, _ in fast] + list(notes) + list(persisted), default=None)
         if newest is None:
@@ -629,11 +636,13 @@ class CheckpointManager(BudgetMixin):
                          and self.persistent and step not in persisted)
         # A step to persist again is checked whole first: its every byte is uploaded.
         checked = repersist
-        if repersist and not self._check_copies(step, f, notes):
+        if repersist and not (fetch_record(self, step, f, notes) and self._check_copies(step, f, notes)):
             return None
         while True:
             try:
                 if kind == "fast":
+                    if f["record"] is None and not fetch_record(self, step, f, notes):
+                        return None
                     return restore_fast(self, step, f, req, repersist)
                 loc = self._bcast(self._persistent.location(step) if self.rank == 0 else None)  # type: ignore[union-attr]
                 return self._load(step, loc, req)
