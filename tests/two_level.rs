@@ -542,6 +542,44 @@ fn grid_cells_plan_from_the_root_alone() {
 }
 
 #[test]
+fn grid_cells_within_a_box_are_the_cells_it_touches() {
+    let tmp = tempfile::tempdir().unwrap();
+    three_ranks(tmp.path(), Layout::TwoLevel);
+    let ck = Checkpoint::open(tmp.path()).unwrap();
+    let within = |o: &[u64], s: &[u64]| -> Option<Vec<Vec<u64>>> {
+        ck.catalog()
+            .grid_cells_within("w", o, s)
+            .map(|cs| cs.into_iter().map(|c| c.offsets).collect())
+    };
+    assert_eq!(
+        within(&[2, 0], &[2, 4]),
+        Some(vec![vec![2, 0]]),
+        "one rank's rows"
+    );
+    assert_eq!(
+        within(&[3, 1], &[1, 1]),
+        Some(vec![vec![2, 0]]),
+        "inside a cell"
+    );
+    assert_eq!(
+        within(&[1, 0], &[4, 4]),
+        Some(vec![vec![0, 0], vec![2, 0], vec![4, 0]]),
+        "across two splits"
+    );
+    assert_eq!(within(&[0, 0], &[0, 4]), Some(vec![]), "an empty box");
+    assert_eq!(within(&[6, 0], &[1, 4]), Some(vec![]), "outside the tensor");
+    assert_eq!(within(&[5, 0], &[2, 4]), Some(vec![]), "past the end");
+    assert_eq!(
+        within(&[u64::MAX, 0], &[2, 4]),
+        Some(vec![]),
+        "offsets that overflow"
+    );
+    assert_eq!(within(&[0], &[1]), Some(vec![]), "another rank of index");
+    assert!(ck.catalog().grid_cells_within("lr", &[], &[]).is_none());
+    assert_eq!(ck.catalog().parts_read(), (0, 0));
+}
+
+#[test]
 fn a_part_is_loaded_once_however_many_threads_ask() {
     let tmp = tempfile::tempdir().unwrap();
     let (id, all) = three_ranks(tmp.path(), Layout::TwoLevel);

@@ -65,6 +65,8 @@ pub(crate) trait Reader: Send + Sync {
     /// A two-level global's grid cells, from the root alone (loading no part); `None` for
     /// flat globals and whole tensors.
     fn grid_cells(&self, name: &str) -> Option<Vec<Region>>;
+    /// Those of `grid_cells` that intersect the box `(offsets, shape)`.
+    fn grid_cells_within(&self, name: &str, o: &[u64], s: &[u64]) -> Option<Vec<Region>>;
     /// `region_byte_ranges` with each range's shard file named (as `Shard::file` names it),
     /// the shards of a two-level checkpoint's parts included (loading the parts touched).
     fn region_file_ranges(
@@ -182,6 +184,9 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
     }
     fn grid_cells(&self, name: &str) -> Option<Vec<Region>> {
         self.catalog().grid_cells(name)
+    }
+    fn grid_cells_within(&self, name: &str, o: &[u64], s: &[u64]) -> Option<Vec<Region>> {
+        self.catalog().grid_cells_within(name, o, s)
     }
     fn region_file_ranges(
         &self,

@@ -222,7 +222,20 @@ impl<'c, S> Catalog<'c, S> {
     /// so a reader can plan with them as it would with chunks, from the root alone,
     /// loading no part. `None` for a flat checkpoint's globals and for whole tensors.
     pub fn grid_cells(self, name: &str) -> Option<Vec<Region>> {
-        self.ck.grid_cells(name)
+        self.ck.grid_cells(name, None)
+    }
+
+    /// The cells of [`grid_cells`](Self::grid_cells) that intersect the box `[offsets,
+    /// offsets + shape)`: what a rank that reads only that box plans with, so that its
+    /// plan's metadata grows with its own reads, not with the world's chunks. Empty for
+    /// an empty box or one outside the tensor; `None` as `grid_cells`.
+    pub fn grid_cells_within(
+        self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+    ) -> Option<Vec<Region>> {
+        self.ck.grid_cells(name, Some((offsets, shape)))
     }
 
     /// Whether this is a two-level checkpoint (feature `parts`, format-spec/global.md §The

@@ -261,14 +261,26 @@ impl<S> Checkpoint<S> {
     /// in row-major cell order (format-spec/global.md §Root): each lies inside one chunk,
     /// so a reader can plan with them as it would with chunks, from the root alone,
     /// loading no part. `None` for a flat checkpoint's globals and for whole tensors.
-    pub(crate) fn grid_cells(&self, name: &str) -> Option<Vec<Region>> {
+    /// `within`: only the cells that intersect that box `(offsets, shape)` (none for an
+    /// empty box or one outside the tensor).
+    pub(crate) fn grid_cells(
+        &self,
+        name: &str,
+        within: Option<(&[u64], &[u64])>,
+    ) -> Option<Vec<Region>> {
         let g = self.global(name)?;
         let grid = self.manifest()?.grids.get(g.grid? as usize)?;
         let dims = crate::format::grid::dims(grid);
-        let all: Vec<(usize, usize)> = dims.iter().map(|&n| (0, n)).collect();
-        let mut out = Vec::with_capacity(grid.cells.len());
+        let ranges: Vec<(usize, usize)> = match within {
+            None => dims.iter().map(|&n| (0, n)).collect(),
+            Some((o, s)) => match crate::format::grid::cell_ranges(grid, o, s) {
+                Some(r) => r,
+                None => return Some(Vec::new()),
+            },
+        };
+        let mut out = Vec::new();
         let mut at = vec![0usize; dims.len()];
-        crate::format::grid::for_each_cell(&dims, &all, |c| {
+        crate::format::grid::for_each_cell(&dims, &ranges, |c| {
             // Row-major cell index back to per-dimension indexes.
             let mut rest = c;
             for d in (0..dims.len()).rev() {

@@ -443,6 +443,33 @@ def test_grid_cells_come_from_the_root_alone(two_level):
     assert ck.parts_read() == (WORLD, sum(part_size(path, cid, r) for r in range(WORLD)))
 
 
+def test_grid_cells_within_boxes_are_the_cells_they_touch_each_once(two_level):
+    path, _ = two_level
+    ck = ckptstore.open(path)
+    cells = [([r0, 0], [n, COLS]) for r0, n in splits(ROWS, WORLD)]
+    (r0, n0), (r1, n1), (r2, n2) = splits(ROWS, WORLD)
+    for name in SPLIT:
+        assert ck.grid_cells(name, [([r1, 0], [n1, COLS])]) == [cells[1]], "a rank's own rows: its cell"
+        assert ck.grid_cells(name, [([r1 + 1, 2], [1, 1])]) == [cells[1]], "inside one cell"
+        assert ck.grid_cells(name, [([r1 - 1, 0], [2, 1])]) == cells[:2], "across a split"
+        # Two boxes: the union, each cell once, in row-major order.
+        assert ck.grid_cells(name, [([r2, 0], [1, 1]), ([0, 0], [ROWS, 1])]) == cells
+        assert ck.grid_cells(name, [([r2, 0], [n2, 1]), ([r2 + 1, 3], [1, 1])]) == [cells[2]]
+        assert ck.grid_cells(name, [([0, 0], [0, COLS])]) == [], "an empty box touches nothing"
+        assert ck.grid_cells(name, [([ROWS, 0], [1, COLS])]) == [], "outside the tensor"
+        assert ck.grid_cells(name, [([0, 0], [1, 1, 1])]) == [], "a box of another rank of index"
+        assert ck.grid_cells(name, []) == []
+        assert ck.grid_cells(name, None) == cells
+    assert ck.grid_cells("bias", [([1], [2])]) == [([0], [4])]
+    assert ck.grid_cells("step", [([], [])]) == [([], [])]
+    assert ck.grid_cells("table", [([0], [1])]) is None, "a whole tensor has no grid"
+    with pytest.raises(ckptstore.InvalidArgumentError):
+        ck.grid_cells("w", [([-1, 0], [1, 1])])
+    with pytest.raises(ckptstore.TensorNotFoundError):
+        ck.grid_cells("nope", [([0], [1])])
+    assert ck.parts_read() == (0, 0), "the cells come from the root alone"
+
+
 def test_byte_ranges_name_the_part_shards(two_level):
     """The prefetch hints of a two-level checkpoint name the parts' shard files (the root's
     shard list holds only the whole tensor's), inside the directory, within each file."""
@@ -556,6 +583,7 @@ def job_save_two_level_and_load_own_rows(rank, world, path):
     out = {}
     for how, placement in (("rows", Shard(0)), ("cols", Shard(1))):
         sd = {n: distribute_tensor(torch.full_like(t, -7), mesh, [placement]) for n, t in full.items()}
+        out[f"plan_{how}"] = plan_alone_both_ways(path, sd)
         r = Reader(path)
         dcp.load(sd, storage_reader=r)
         out[how] = {
@@ -565,6 +593,32 @@ def job_save_two_level_and_load_own_rows(rank, world, path):
             "checkpoint_id": r._open().checkpoint_id,
         }
     return out
+
+
+def plan_alone_both_ways(path, sd) -> dict:
+    """DCP's default load plan of ``sd`` made by this rank alone (as
+    ``ckptstore.torch.distributed.load`` plans), with the whole ``Metadata`` and with the
+    reader's ``wanted`` boxes (``_sharded._boxes``): each plan's read items, and the cells
+    each ``Metadata`` lists."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ckptstore.torch._sharded import _boxes
+    from ckptstore.torch.dcp import Reader
+
+    got = {}
+    for way in ("whole", "wanted"):
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(dict(sd), None, False)
+        r = Reader(path)
+        if way == "wanted":
+            r.wanted = _boxes(planner.state_dict)
+        planner.metadata = md = r.read_metadata()
+        items = [(i.type.name, i.dest_index.fqn, list(i.dest_index.offset or []), list(i.dest_offsets),
+                  list(i.storage_index.offset or []), list(i.storage_offsets), list(i.lengths))
+                 for i in planner.create_local_plan().items]
+        got[way] = {"items": sorted(items), "cells": {n: len(md.state_dict_metadata[n].chunks) for n in SPLIT}}
+        r.reset()
+    return got
 
 
 def test_dcp_writer_two_level_saves_and_each_rank_loads_its_own_part(tmp_path):
@@ -590,6 +644,13 @@ def test_dcp_writer_two_level_saves_and_each_rank_loads_its_own_part(tmp_path):
         assert got["rows"]["parts_read"] == (1, part_size(path, cid, rank)), rank
         # Its columns of every row: both parts.
         assert got["cols"]["parts_read"] == (2, part_size(path, cid, 0) + part_size(path, cid, 1))
+        # A rank planning alone with its wanted boxes: the same plan, from the cells it
+        # touches only (its own rows: its own cell; its columns of every row: both).
+        for how, cells in (("rows", 1), ("cols", 2)):
+            plans = got[f"plan_{how}"]
+            assert plans["wanted"]["items"] == plans["whole"]["items"] and plans["whole"]["items"], how
+            assert plans["whole"]["cells"] == {n: 2 for n in SPLIT}
+            assert plans["wanted"]["cells"] == {n: cells for n in SPLIT}, (rank, how)
     # The same checkpoint through the Python reader, bit for bit.
     ck = ckptstore.open(path)
     assert ck.two_level

@@ -193,10 +193,14 @@ class Checkpoint:
     def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
         """How ``name`` is stored: ``(offsets, shape)`` boxes of its global index space
         (of a two-level checkpoint, loading every part index holding one)."""
-    def grid_cells(self, name: str) -> Optional[list[tuple[list[int], list[int]]]]:
+    def grid_cells(
+        self, name: str, within: Optional[Sequence[tuple[Sequence[int], Sequence[int]]]] = None
+    ) -> Optional[list[tuple[list[int], list[int]]]]:
         """A two-level checkpoint's global: the ``(offsets, shape)`` cells of its chunk
         grid, from the root manifest alone (no part index read), each inside one stored
-        chunk. None for flat globals and whole tensors; ``TensorNotFoundError`` if absent."""
+        chunk; with ``within`` (boxes ``(offsets, shape)``), only the cells that intersect
+        one of them, each once, row-major. None for flat globals and whole tensors;
+        ``TensorNotFoundError`` if absent."""
     @property
     def two_level(self) -> bool:
         """Whether the chunk entries live in part indexes read on first use (``parts``)."""

@@ -327,9 +327,11 @@ def _plan(prep: _Prepared, pg: Any) -> None:
     reader = Reader(prep.path, process_group=pg, all_or_nothing=False, expect_checkpoint_id=prep.cid,
                     fresh_destinations=True)
     try:
-        md = reader.read_metadata()
         planner = DefaultLoadPlanner()
-        planner.set_up_planner({k: prep.sd[k] for k in sorted(prep.sd)}, md, coordinator)  # dcp.load's key order
+        planner.set_up_planner({k: prep.sd[k] for k in sorted(prep.sd)}, None, coordinator)  # dcp.load's key order
+        # Only the grid cells this rank's tensors touch (the planner's flattened state dict).
+        reader.wanted = _boxes(planner.state_dict)
+        md = planner.metadata = reader.read_metadata()
         reader.set_up_storage_reader(md, coordinator)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         prep.plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
@@ -337,6 +339,20 @@ def _plan(prep: _Prepared, pg: Any) -> None:
     except BaseException:
         reader.reset()
         raise
+
+
+def _boxes(sd: dict) -> dict[str, list[Any]]:
+    """``{fqn: [(offsets, sizes)]}``: the box of the global tensor that each tensor of the
+    flattened state dict ``sd`` holds (a DTensor its local chunks, DCP's own
+    ``__create_chunk_list__``; a plain tensor the whole of it)."""
+    torch = _torch()
+    out: dict[str, list[Any]] = {}
+    for fqn, obj in sd.items():
+        if hasattr(obj, "__create_chunk_list__"):
+            out[fqn] = [([int(o) for o in c.offsets], [int(n) for n in c.sizes]) for c in obj.__create_chunk_list__()]
+        elif isinstance(obj, torch.Tensor):
+            out[fqn] = [([0] * obj.dim(), [int(n) for n in obj.shape])]
+    return out
 
 
 def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout: Any, process_group: Any,
