@@ -32,9 +32,10 @@ last reference goes; with it on, the save's coordinator at 16 x 10,000 took 6.8x
   coordinator broadcasts and every host writes (``LocalTier.record``: commit.json, then
   index.json, steps 1 and 2), read back (``LocalTier.load_record``);
 * ``scan``: a host's scan of its local tier (``LocalTier.scan(crc=False)``, its own ranks' and
-  its ring predecessor's files), then the restore's all-gather of every host's scan on one
-  rank: the buffer ``all_gather_object`` allocates (world x the largest pickle, every rank's
-  slot padded to it) and every pickle decoded;
+  its ring predecessor's files, each step named by its record's summary), then the restore's
+  all-gather of every host's scan on one rank: the buffer ``all_gather_object`` allocates
+  (world x the largest pickle, every rank's slot padded to it) and every pickle decoded (the
+  record of the step tried is then broadcast: ``record``);
 * ``plan``: one rank's restore plan against the committed checkpoint, under torch's ``fake``
   process group (the rank's DTensors need a mesh; nothing is sent): the manifest metadata
   (``metadata_json``), DCP's ``Metadata`` (``dcp.Reader.read_metadata``, measured apart: its
@@ -485,21 +486,35 @@ def child_plan(case: str, rank: int) -> None:
     with Phase("plan") as pl:
         _d._plan(prep, None)
     items = len(prep.plan.items)
+    plan_cells = sum(len(getattr(v, "chunks", ())) for v in prep.planner.metadata.state_dict_metadata.values())
+    # A restore where host `rank // rph` was replaced: its ranks' shards are placeholders;
+    # the whole chunks that are one destination each come straight from peers (each rank
+    # sends its list of them to its senders, point to point), the rest as byte ranges.
+    from ckptstore.torch._tier_restore import _direct_items, _split_key
+
+    lost = rank // rph
+    with open(os.path.join(case, "all_files.json")) as f:
+        all_files = json.load(f)
+    placeholders = {n for r in hosts_of(R, rph)[lost] for n in all_files[str(r)] if not n.startswith("part-")}
     with Phase("ranges") as rg:
-        need = [(os.path.basename(p), b, e) for p, b, e in _plan_ranges(prep.reader, prep.plan)]
+        into = _direct_items(prep, placeholders)
+        direct = [(k, *_split_key(k), int(q[3].size)) for k, (_, q) in sorted(into.items())]
+        need = [(os.path.basename(p), b, e)
+                for p, b, e in _plan_ranges(prep.reader, prep.plan, {id(ri) for ri, _ in into.values()})]
+    wants = len(json.dumps(direct))
     parts_read = prep.reader.parts_read()
     prep.reader.reset()
-    del prep, md
-    # The plan's gather in a restore where host `rank // rph` was replaced: its ranks read
-    # everything from peers (ranges as large as this rank's), the others nothing.
-    lost = rank // rph
-    mine = pickle.dumps((lost, need, None))
-    g = gathered(lambda r: mine if r // rph == lost else pickle.dumps((r // rph, [], None)), R, case)
+    del prep, md, into
+    # The plan's gather (``restore_fast``): the replaced host's ranks with their ranges and
+    # the number of their direct items, the others nothing.
+    mine = pickle.dumps((lost, need, None, len(direct)))
+    g = gathered(lambda r: mine if r // rph == lost else pickle.dumps((r // rph, [], None, 0)), R, case)
     g.pop("objs")
     out({"metadata_json_bytes": len(text), "metadata_json_s": mj.s, "read_metadata_s": rm.s,
          "read_metadata_held_bytes": rm.held, "metadata_chunks": chunks,
          "metadata_pickle_bytes": md_pickle, "metadata_pickle_s": pk.s, "prepare_s": pr.s,
          "plan_s": pl.s, "plan_held_bytes": pl.held, "plan_peak_bytes": pl.peak, "plan_items": items,
+         "plan_metadata_chunks": plan_cells, "direct_items": len(direct), "direct_wants_bytes": wants,
          "ranges": len(need), "ranges_s": rg.s, "parts_read": list(parts_read),
          "ranges_pickle_bytes": len(mine), **{f"ranges_gather_{k}": v for k, v in g.items()}})
 
@@ -574,13 +589,13 @@ def write_results(w, planner, plan, rank: int, cid: str, scratch: str) -> list:
     return w.write_data(planner.finish_plan(plan), planner).value()
 
 
-def status_gathered(case: str, R: int, mm: dict) -> dict:
+def status_gathered(case: str, R: int) -> dict:
     """The manager's all-gather after the local write, on one rank: what every rank gives
-    (its files, its error, rank 0 the manifest metadata, a leader its tier's usage when a
-    local budget is set: none here) decoded."""
+    (its files, its error, a leader its tier's usage when a local budget is set: none here)
+    decoded. The record, with the manifest metadata, is broadcast apart (``record``)."""
     with open(os.path.join(case, "all_files.json")) as f:
         all_files = json.load(f)
-    return gathered(lambda r: pickle.dumps((all_files[str(r)], None, mm if r == 0 else None, None)), R, case)
+    return gathered(lambda r: pickle.dumps((all_files[str(r)], None, None)), R, case)
 
 
 def child_rank(case: str, rank: int) -> None:
@@ -588,8 +603,6 @@ def child_rank(case: str, rank: int) -> None:
     c = case_info(case)
     R, T, cid = c["R"], c["T"], c["cid"]
     ck = os.path.join(case, "ckpt")
-    with open(os.path.join(case, "manifest_metadata.json")) as f:
-        mm = json.load(f)
     sd, w, planner, sm_s = save_planner(T, R, rank, ck)
     with Phase("local_plan") as lp:
         plan = local_plan(sd, w, planner, rank)
@@ -618,18 +631,52 @@ def child_rank(case: str, rank: int) -> None:
         md = pickle.loads(blob)
     md_bytes = len(blob)
     del md, blob
-    g = status_gathered(case, R, mm)
+    g = status_gathered(case, R)
     g.pop("objs")
     with open(os.path.join(case, "tier", f"step-{STEP:08d}", "commit.json"), "rb") as f:
         rec_blob = pickle.dumps(json.loads(f.read()))
     with Phase("record_unpickle") as rb:
         pickle.loads(rec_blob)
-    out({"state_and_meta_s": sm_s, "local_plan_s": lp.s, "local_plan_items": len(plan.items),
+    sp = save_part_alone(case, R, sd, w.user_metadata)
+    out({**sp, "state_and_meta_s": sm_s, "local_plan_s": lp.s, "local_plan_items": len(plan.items),
          "local_plan_pickle_bytes": len(sent), "final_plan_pickle_bytes": len(back), "write_data_s": wd.s,
          "results_pickle_bytes": len(res_blob), "metadata_bcast_bytes": md_bytes, "metadata_unpickle_s": mb.s,
          "metadata_held_bytes": mb.held, "metadata_peak_bytes": mb.peak,
          **{f"status_{k}": v for k, v in g.items()},
          "record_bcast_bytes": len(rec_blob), "record_unpickle_s": rb.s})
+
+
+def save_part_alone(case: str, R: int, sd: dict, user_metadata: dict) -> dict:
+    """The tiered save as it runs now (``_tier_local.save_part``: each rank plans its part
+    alone, no coordinator): this rank's state dict ``sd`` (its manifest metadata
+    ``user_metadata``, as ``save_planner`` made them) written into a scratch directory as rank 0
+    (which also builds the manifest metadata, so the rank with the most to do), its two
+    all-gathers (the digest with rank 0's checkpoint id, then the errors) answered as
+    every rank would answer them; ``dcp.save`` must not be called. Its time, CPU, peak RSS
+    and gather buffers."""
+    try:
+        from ckptstore.torch._tier_local import save_part
+    except ImportError:  # an earlier version: dcp.save's coordinator only
+        return {}
+    scratch = tempfile.mkdtemp(dir=case, prefix="scratch-")
+    w = part_writer()(scratch, user_metadata)
+    sizes: list = []
+
+    def gather(obj):  # every rank gives what this one gives (the same digest; no error)
+        sizes.append(R * len(pickle.dumps(obj)))
+        return [obj] * R
+
+    def dcp_save():
+        raise AssertionError("save_part fell back to dcp.save: the ranks' entries differ")
+
+    with Phase("save_part") as sp:
+        err = save_part(sd, w, 0, R, gather, dcp_save)
+    if err:
+        raise SystemExit(f"save_part: {err}")
+    meta_bytes = len(json.dumps(w.manifest_metadata, sort_keys=True))
+    shutil.rmtree(scratch)
+    return {"save_part_s": sp.s, "save_part_peak_bytes": sp.peak, "save_part_gather_bytes": max(sizes),
+            "save_part_manifest_metadata_bytes": meta_bytes}
 
 
 def child_coord(case: str) -> None:
@@ -754,13 +801,17 @@ ROWS_SPEC = [
     ("holdings", "holdings all-gather: decode on every rank", "scan", "holdings_decode_s", "s", "quad", None),
     ("plan", "manifest metadata (metadata_json) every rank parses: bytes", "plan", "metadata_json_bytes", "B",
      "lin", "rank"),
-    ("plan", "DCP Metadata (read_metadata): objects held", "plan", "read_metadata_held_bytes", "B", "lin", "rank"),
+    ("plan", "DCP Metadata, whole (as dcp.load's coordinator reads it): objects held", "plan",
+     "read_metadata_held_bytes", "B", "lin", None),
     ("plan", "DCP Metadata: its pickle", "plan", "metadata_pickle_bytes", "B", "lin", None),
     ("plan", "DCP Metadata: read_metadata time", "plan", "read_metadata_s", "s", "lin", None),
     ("plan", "_prepare (checks, fresh DTensors)", "plan", "prepare_s", "s", "lin", None),
-    ("plan", "_plan (read_metadata + DCP load planner): time", "plan", "plan_s", "s", "lin", None),
-    ("plan", "_plan: RSS growth (its own Metadata again, partly in memory freed above)", "plan",
-     "plan_held_bytes", "B", "lin", None),
+    ("plan", "_plan (read_metadata of the rank's cells + DCP load planner): time", "plan", "plan_s", "s", "lin",
+     None),
+    ("plan", "_plan: memory held after it (its Metadata, planner, plan: RSS growth)", "plan",
+     "plan_held_bytes", "B", "lin", "rank"),
+    ("plan", "direct items' wants, sent to the senders (JSON, point to point)", "plan", "direct_wants_bytes",
+     "B", "lin", "rank"),
     ("plan", "plan's byte ranges all-gather (a replaced host): buffer per rank", "plan",
      "ranges_gather_buffer_bytes", "B", "lin", "rank"),
     ("restore commit", "host leader: read every part descriptor", "commit", "read_parts_s", "s", "lin", None),
@@ -775,24 +826,30 @@ ROWS_SPEC = [
     ("save, a rank", "plan back from the coordinator (pickle)", "rank", "final_plan_pickle_bytes", "B", "lin", None),
     ("save, a rank", "write results sent (pickle, with the part descriptor)", "rank", "results_pickle_bytes", "B",
      "lin", None),
-    ("save, a rank", "global Metadata broadcast at dcp.save's end: bytes", "rank", "metadata_bcast_bytes", "B",
-     "lin", "rank"),
-    ("save, a rank", "global Metadata broadcast: objects held", "rank", "metadata_held_bytes", "B", "lin", "rank"),
+    ("save, a rank", "tiered save, each rank alone (save_part, rank 0's share): time", "rank", "save_part_s", "s",
+     "lin", "time"),
+    ("save, a rank", "save_part: peak RSS over its start (the state's plan and part, its metadata)", "rank",
+     "save_part_peak_bytes", "B", "lin", "coord"),
+    ("save, a rank", "save_part: largest all-gather buffer (digest and checkpoint id; errors)", "rank",
+     "save_part_gather_bytes", "B", "lin", "rank"),
+    ("save, a rank", "dcp.save (distributed.save; the tiered save before save_part): global Metadata "
+     "broadcast at its end, bytes", "rank", "metadata_bcast_bytes", "B", "lin", None),
+    ("save, a rank", "  the same: objects held on every rank", "rank", "metadata_held_bytes", "B", "lin", None),
     ("save, a rank", "global Metadata broadcast: unpickle", "rank", "metadata_unpickle_s", "s", "lin", None),
     ("save, a rank", "manager's files all-gather: buffer per rank", "rank", "status_buffer_bytes", "B", "lin",
      "rank"),
     ("save, a rank", "manager's files all-gather: decode", "rank", "status_decode_s", "s", "lin", None),
-    ("save, coordinator", "gather of the local plans: buffer", "coord", "plans_gather_bytes", "B", "lin", None),
-    ("save, coordinator", "gather of the local plans: decode", "coord", "plans_gather_s", "s", "lin", None),
-    ("save, coordinator", "create_global_plan + prepare_global_plan", "coord", "global_plan_s", "s", "lin", None),
-    ("save, coordinator", "scatter of the plans: pickles", "coord", "scatter_s", "s", "lin", None),
-    ("save, coordinator", "gather of the write results: buffer", "coord", "results_gather_bytes", "B", "lin", None),
-    ("save, coordinator", "gather of the write results: decode", "coord", "results_gather_s", "s", "lin", None),
-    ("save, coordinator", "finish (_PartWriter) + Metadata pickle", "coord", "finish_pickle_s", "s", "lin", None),
-    ("save, coordinator", "tiered save, coordinator's work (gathers, plan, scatter, finish)", "coord", "coord_s",
-     "s", "lin", "time"),
-    ("save, coordinator", "coordinator: peak RSS over its start", "coord", "peak_over_start_bytes", "B", "lin",
-     "coord"),
+    ("dcp.save coordinator", "gather of the local plans: buffer", "coord", "plans_gather_bytes", "B", "lin", None),
+    ("dcp.save coordinator", "gather of the local plans: decode", "coord", "plans_gather_s", "s", "lin", None),
+    ("dcp.save coordinator", "create_global_plan + prepare_global_plan", "coord", "global_plan_s", "s", "lin", None),
+    ("dcp.save coordinator", "scatter of the plans: pickles", "coord", "scatter_s", "s", "lin", None),
+    ("dcp.save coordinator", "gather of the write results: buffer", "coord", "results_gather_bytes", "B", "lin", None),
+    ("dcp.save coordinator", "gather of the write results: decode", "coord", "results_gather_s", "s", "lin", None),
+    ("dcp.save coordinator", "finish (_PartWriter) + Metadata pickle", "coord", "finish_pickle_s", "s", "lin", None),
+    ("dcp.save coordinator", "dcp.save's coordinator (the tiered save's before save_part; distributed.save's): "
+     "gathers, plan, scatter, finish", "coord", "coord_s", "s", "lin", None),
+    ("dcp.save coordinator", "coordinator: peak RSS over its start", "coord", "peak_over_start_bytes", "B", "lin",
+     None),
 ]
 
 GOALS = {"rank": (16 * MiB, "<= 16 MiB per rank"), "time": (10.0, "<= 10 s"), "coord": (GiB, "<= 1 GiB")}

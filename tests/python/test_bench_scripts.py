@@ -153,13 +153,16 @@ def test_bench_tier_meta_judges_its_goals(tmp_path):
     out, _ = run_script("bench_tier_meta.py", "--ranks", "16", "--tensors", "30", "--dir", str(tmp_path),
                         "--json", str(tmp_path / "r.json"))
     assert "the tiered manager's metadata at 16 ranks x 30 tensors" in out, out
-    for row in ("holdings all-gather: buffer on every rank", "DCP Metadata (read_metadata)",
-                "host leader: read + commit", "global Metadata broadcast", "coordinator: peak RSS"):
+    for row in ("holdings all-gather: buffer on every rank", "_plan: memory held after it",
+                "direct items' wants", "host leader: read + commit", "tiered save, each rank alone",
+                "save_part: peak RSS"):
         assert re.search(rf"^\| {re.escape(row)}.*\| (PASS|MISS) \| measured", out, re.MULTILINE), out
+    for row in ("DCP Metadata, whole", "dcp.save (distributed.save", "coordinator: peak RSS"):  # context
+        assert re.search(rf"^\| {re.escape(row)}", out, re.MULTILINE), out
     assert re.search(r"^goals: \d+ PASS, \d+ MISS", out, re.MULTILINE), out
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["group"] for r in rows} == {"record", "holdings", "plan", "restore commit", "save, a rank",
-                                          "save, coordinator"}, rows
+                                          "dcp.save coordinator"}, rows
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench-tier-meta-")], "a case left behind"
 
     sys.path.insert(0, str(SCRIPTS))
