@@ -401,3 +401,35 @@ def test_a_metadata_version_from_the_future_is_refused_naming_it(saved, tmp_path
     assert err is not None and err[0] == "UnsupportedFormatError", err
     assert "version 3" in err[1] and "upgrade ckptstore" in err[1], err
     assert differ == []
+
+
+def test_a_load_and_a_tiered_restore_run_with_the_cyclic_collector_paused_then_restored():
+    """A restore's many small objects would set off a full collection of the training
+    process's heap (0.15 s on a bare torch import's): ``load`` and ``restore_latest`` run
+    with the collector paused, and leave it as they found it, also when they raise."""
+    import gc
+
+    from ckptstore.torch import _sharded
+    from ckptstore.torch.tiered import CheckpointManager
+
+    assert _sharded.load.__wrapped__ and CheckpointManager.restore_latest.__wrapped__
+    seen = []
+
+    @_sharded._gc_paused
+    def body(fail=False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("boom")
+        return 7
+
+    assert gc.isenabled()
+    assert body() == 7 and seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError):
+        body(fail=True)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        body()
+        assert not gc.isenabled(), "a collector paused by the caller stays paused"
+    finally:
+        gc.enable()

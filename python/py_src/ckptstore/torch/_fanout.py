@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ..errors import CheckpointError, ChecksumError
 from ._dtypes import _torch, _wire_of
 from ._tier_wire import err_text, transfer
-from .dcp import _requests
+from .dcp import _requests, _resolve
 
 #: Whether loads fan out (``CKPTSTORE_READ_ONCE``, default on); the same on every rank.
 ENABLED = os.environ.get("CKPTSTORE_READ_ONCE", "1") != "0"
@@ -53,7 +53,7 @@ def whole_chunk_items(prep: Any) -> dict[tuple, tuple]:
             chunks[name] = {(tuple(o), tuple(z)) for o, z in rr.chunks(name)}
         if (tuple(offs), tuple(shape)) not in chunks[name]:
             continue
-        dst = prep.planner.resolve_tensor(ri).detach()
+        dst = _resolve(prep.planner, ri).detach()
         if not (dst.device.type == "cpu" and dst.is_contiguous() and tuple(dst.shape) == tuple(shape)
                 and _wire_of.get(dst.dtype) == rr.shape_of(name)[0]):
             continue
@@ -99,7 +99,7 @@ def read_once(prep: Any, pg: Any) -> None:
     LAST.clear()
     if world == 1 or not ENABLED:
         reader.read_data(plan, planner).wait()
-        got = [planner.resolve_tensor(ri) for ri, _, _, _ in _requests(plan)[0]]
+        got = [_resolve(planner, ri) for ri, _, _, _ in _requests(plan)[0]]
         LAST.update(read_bytes=sum(int(t.numel()) * t.element_size() for t in got))
         return
     me = dist.get_rank(pg)
@@ -167,7 +167,7 @@ def read_once(prep: Any, pg: Any) -> None:
     if again:
         rr.fill_into([items[key][1] for key in sorted(again)])
     for key in incoming:
-        planner.commit_tensor(items[key][0], planner.resolve_tensor(items[key][0]).detach())
+        planner.commit_tensor(items[key][0], _resolve(planner, items[key][0]).detach())
     LAST.update(sent_bytes=sent, received=len(arrived), read_again=len(again),
                 read_bytes=LAST["read_bytes"] + sum(int(items[k][1][3].size) for k in again))
 

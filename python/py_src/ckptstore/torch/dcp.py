@@ -305,6 +305,25 @@ def _metadata_to_json(metadata: Metadata, storage_meta: Optional[StorageMeta]) -
     }
 
 
+def _resolve(planner: Any, ri: Any) -> Any:
+    """``planner.resolve_tensor(ri)``: the destination of the read item ``ri``. For DCP's
+    default planner and a plain tensor, found here: its lookup tests the tensor against
+    the ``_Checkpointable`` runtime protocol, 0.5 ms a call on Python 3.11 (half of a
+    one-rank restore of 256 MiB in 672 calls); the same tensor, narrowed the same way."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    cls = type(planner)
+    if (cls.resolve_tensor is DefaultLoadPlanner.resolve_tensor
+            and cls.lookup_tensor is DefaultLoadPlanner.lookup_tensor
+            and cls.transform_tensor is DefaultLoadPlanner.transform_tensor):
+        obj = planner.state_dict.get(ri.dest_index.fqn)
+        off = ri.dest_index.offset
+        if type(obj) is torch.Tensor and (off is None or not any(off)):
+            return narrow_tensor_by_index(obj, ri.dest_offsets, ri.lengths)
+    return planner.resolve_tensor(ri)
+
+
 def _partly_written(e: CheckpointError, path: str) -> CheckpointError:
     """``e`` of a streaming load (same class and attributes), its message saying that the
     destinations are partly written and must not be used."""
@@ -570,7 +589,7 @@ class Reader(StorageReader):
             # 2. Write the destinations: every byte was checked, every rank agreed.
             self._write(rr, planner, tensor_reqs, fill=False)
         for ri, _ in got:
-            planner.commit_tensor(ri, planner.resolve_tensor(ri).detach())
+            planner.commit_tensor(ri, _resolve(planner, ri).detach())
         for ri, buf in blobs:
             planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
         return _done(None)
@@ -586,7 +605,7 @@ class Reader(StorageReader):
         for ri, name, offs, shape in tensor_reqs:
             if 0 in shape:
                 continue
-            dst = planner.resolve_tensor(ri).detach()
+            dst = _resolve(planner, ri).detach()
             wire, _ = rr.shape_of(name)
             if (
                 dst.device.type == "cpu"

@@ -531,6 +531,7 @@ class CheckpointManager(BudgetMixin):
 
     # -- restore -------------------------------------------------------------------------------
 
+    @_d._gc_paused
     def restore_latest(self, model: Any, optimizer: Any = None, *, allow_optimizer_change: bool = False,
                        check_extra: Optional[Callable[[dict[Any, Any]], Any]] = None,
                        layout: Any = None) -> Optional[int]:
