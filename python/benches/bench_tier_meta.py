@@ -11,7 +11,8 @@ The state (FSDP2 with Adam): ``T`` DTensors sharded ``Shard(0)`` over the ``R`` 
 rank holding one row block of every one (``T // 3`` parameters named like a decoder's,
 ``model.layers.<i>.self_attn.q_proj.weight`` ..., their ``exp_avg`` and ``exp_avg_sq``; the
 ``T - 3 (T // 3)`` parameters left have no state), plus Adam's 0-dim ``step`` per parameter
-with state (one rank writes each, as DCP's deduplication has it). The values are tiny (a row
+with state (rank 0 writes them, as the tiered save does; --steps-spread: one rank each, as DCP's
+deduplication has it). The values are tiny (a row
 block is 1 x 4 FP32): the metadata of a real run differs only in the digits of its offsets
 and sizes. Ranks are grouped ``--ranks-per-host`` (8) to a host; ``replicas=1``,
 ``keep_last=2``.
@@ -40,8 +41,9 @@ last reference goes; with it on, the save's coordinator at 16 x 10,000 took 6.8x
   process group (the rank's DTensors need a mesh; nothing is sent): the manifest metadata
   (``metadata_json``), DCP's ``Metadata`` (``dcp.Reader.read_metadata``, measured apart: its
   objects in memory, its pickle), ``_sharded._prepare`` and ``_sharded._plan`` (DCP's default
-  load planner), the byte ranges it reads (``dcp._plan_ranges``) and their all-gather with one
-  replaced host's ranks reading everything from peers;
+  load planner, with the grid cells the rank's tensors touch), its direct items and the byte
+  ranges it reads (``dcp._plan_ranges``), with one replaced host's ranks reading everything
+  from peers: the plan's all-gather (sizes and errors) and the lists each leader receives;
 * ``rank``: one rank's side of the tiered save (``_tier_local.part_writer`` under ``dcp.save``'s
   steps, run one by one: DCP's default save planner's local plan, its pickle sent to the
   coordinator, the plan it gets back, ``write_data``'s results, the global ``Metadata``
@@ -113,8 +115,10 @@ def offsets(nd: int, r: int) -> list[int]:
 
 def write_items(T: int, R: int, r: int) -> list:
     """Rank ``r``'s items for the engine's ``write_part``, as ``dcp.Writer.write_data``
-    makes them from its plan: every DTensor's block as a chunk, and the 0-dim ``step`` of
-    the parameters whose index is ``r`` mod R (DCP's deduplication keeps one writer each)."""
+    makes them from its plan: every DTensor's block as a chunk, and on rank 0 the 0-dim
+    ``step`` of every parameter with state (``_tier_local.save_part``: small plain tensors
+    on rank 0; ``STEPS_SPREAD``: of the parameters whose index is ``r`` mod R, as DCP's
+    deduplication and the tiered save before it spread them)."""
     import numpy as np
 
     ps, P = params(T)
@@ -123,9 +127,13 @@ def write_items(T: int, R: int, r: int) -> list:
     for i, (n, nd) in enumerate(ps[:P]):
         for k in ("exp_avg", "exp_avg_sq"):
             items.append((f"optim/{n}/{k}", "F32", arr[nd], (gshape(nd, R), offsets(nd, r))))
-        if i % R == r:
+        if (i % R == r) if STEPS_SPREAD else r == 0:
             items.append((f"optim/{n}/step", "F32", arr[0], ([], [])))
     return items
+
+
+#: Whether the synthetic parts spread the steps over the ranks (``--steps-spread``).
+STEPS_SPREAD = bool(os.environ.get("BENCH_TIER_META_STEPS_SPREAD"))
 
 
 def part_writer():
@@ -505,18 +513,21 @@ def child_plan(case: str, rank: int) -> None:
     parts_read = prep.reader.parts_read()
     prep.reader.reset()
     del prep, md, into
-    # The plan's gather (``restore_fast``): the replaced host's ranks with their ranges and
-    # the number of their direct items, the others nothing.
-    mine = pickle.dumps((lost, need, None, len(direct)))
-    g = gathered(lambda r: mine if r // rph == lost else pickle.dumps((r // rph, [], None, 0)), R, case)
+    # The plan's gather (``restore_fast``): each rank's host, the size of its ranges' list
+    # and its number of direct items; the lists themselves go to every leader (each rank of
+    # the replaced host sends its own, as large as this rank's).
+    blob = json.dumps(need).encode() if need else b""
+    mine = pickle.dumps((lost, len(blob), None, len(direct)))
+    g = gathered(lambda r: mine if r // rph == lost else pickle.dumps((r // rph, 0, None, 0)), R, case)
     g.pop("objs")
+    g["leader_lists_bytes"] = len(hosts_of(R, rph)[lost]) * len(blob)
     out({"metadata_json_bytes": len(text), "metadata_json_s": mj.s, "read_metadata_s": rm.s,
          "read_metadata_held_bytes": rm.held, "metadata_chunks": chunks,
          "metadata_pickle_bytes": md_pickle, "metadata_pickle_s": pk.s, "prepare_s": pr.s,
          "plan_s": pl.s, "plan_held_bytes": pl.held, "plan_peak_bytes": pl.peak, "plan_items": items,
          "plan_metadata_chunks": plan_cells, "direct_items": len(direct), "direct_wants_bytes": wants,
          "ranges": len(need), "ranges_s": rg.s, "parts_read": list(parts_read),
-         "ranges_pickle_bytes": len(mine), **{f"ranges_gather_{k}": v for k, v in g.items()}})
+         "ranges_json_bytes": len(blob), **{f"ranges_gather_{k}": v for k, v in g.items()}})
 
 
 def save_planner(T: int, R: int, rank: int, ck: str):
@@ -612,7 +623,7 @@ def child_rank(case: str, rank: int) -> None:
     from torch.distributed.checkpoint.planner import WriteItemType
 
     ps, P = params(T)
-    mine = {f"optim/{n}/step" for i, (n, _) in enumerate(ps[:P]) if i % R == rank}
+    mine = {f"optim/{n}/step" for i, (n, _) in enumerate(ps[:P]) if ((i % R == rank) if STEPS_SPREAD else rank == 0)}
     import dataclasses
 
     final = dataclasses.replace(plan, items=[i for i in plan.items if i.type == WriteItemType.SHARD
@@ -812,8 +823,10 @@ ROWS_SPEC = [
      "plan_held_bytes", "B", "lin", "rank"),
     ("plan", "direct items' wants, sent to the senders (JSON, point to point)", "plan", "direct_wants_bytes",
      "B", "lin", "rank"),
-    ("plan", "plan's byte ranges all-gather (a replaced host): buffer per rank", "plan",
+    ("plan", "plan's all-gather (a replaced host; sizes, errors): buffer per rank", "plan",
      "ranges_gather_buffer_bytes", "B", "lin", "rank"),
+    ("plan", "byte ranges a leader receives (the replaced host's ranks' lists)", "plan",
+     "ranges_gather_leader_lists_bytes", "B", "lin", "rank"),
     ("restore commit", "host leader: read every part descriptor", "commit", "read_parts_s", "s", "lin", None),
     ("restore commit", "host leader: part descriptors read (bytes)", "commit", "parts_bytes", "B", "lin", None),
     ("restore commit", "host leader: ckptstore.commit of the stage", "commit", "commit_s", "s", "lin", None),
@@ -1006,6 +1019,9 @@ def main() -> None:
     ap.add_argument("--coord-at", default=None,
                     help="rank counts at which the save's coordinator is run (default: --ranks when R x T <= "
                          "400,000, else 16,32: it holds every rank's plan, about 1.3 KiB an item)")
+    ap.add_argument("--steps-spread", action="store_true",
+                    help="the parts spread the Adam steps over the ranks (dcp.save's deduplication; the tiered save "
+                         "before it wrote small plain tensors on rank 0)")
     ap.add_argument("--gc", action="store_true",
                     help="keep Python's cyclic garbage collector on in the children (default: off, objects "
                          "still freed by reference counting; with it the DCP phases took 2-7x longer here)")
@@ -1022,6 +1038,8 @@ def main() -> None:
            else [a.ranks] if small <= 400_000 else [16, 32])
     if a.gc:
         os.environ["BENCH_TIER_META_GC"] = "1"
+    if a.steps_spread:
+        os.environ["BENCH_TIER_META_STEPS_SPREAD"] = "1"
     print(f"R x T = {a.ranks} x {a.tensors}, {a.ranks_per_host} ranks a host; measuring at R = {at}, the save's "
           f"coordinator at R = {cat}; garbage collector {'on' if a.gc else 'off'}; load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
