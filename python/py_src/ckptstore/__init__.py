@@ -59,6 +59,7 @@ from ._prep import optimizer_parts as _optimizer_parts
 from ._prep import prepare as _prepare
 from ._types import Chunk, F16Scaled
 from .errors import (
+    BudgetError,
     CheckpointError,
     CheckpointIOError,
     CheckpointNotFoundError,
@@ -105,6 +106,7 @@ __all__ = [
     "PickleNotAllowedError",
     "TensorNotFoundError",
     "UnsupportedFormatError",
+    "BudgetError",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
