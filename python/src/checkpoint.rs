@@ -7,7 +7,7 @@ mod convert;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use ckptstore::checkpoint::{Kind, Region};
+use ckptstore::checkpoint::Kind;
 use ckptstore::optim::{StateValue, Tensor};
 use ckptstore::Error;
 
@@ -233,17 +233,12 @@ impl PyCheckpoint {
             .collect())
     }
 
-    /// `ck.grid_cells(name) -> list[(offsets, shape)] | None`: of a global tensor of a
-    /// two-level checkpoint, the cells of its chunk grid (row-major), read from the root
-    /// manifest alone: no part index is loaded. Each cell lies inside one stored chunk, so
-    /// a reader may plan its reads with the cells as it would with `chunks(name)` (which
-    /// loads every part holding one). `None` for the globals of a flat checkpoint and for
-    /// whole tensors. Raises `TensorNotFoundError` for an unknown name.
-    ///
-    /// `within`: boxes `(offsets, shape)` of the tensor's index space (a rank's reads):
-    /// only the cells that intersect one of them, each once, in row-major order, so that
-    /// a plan's metadata grows with the rank's own reads (a few cells per tensor) and not
-    /// with the world's (every rank's cell of every tensor).
+    /// `ck.grid_cells(name, within=None) -> list[(offsets, shape)] | None`: of a global
+    /// tensor of a two-level checkpoint, the cells of its chunk grid (row-major), from the
+    /// root manifest alone (no part index loaded), each inside one stored chunk: a reader
+    /// may plan with them as with `chunks(name)` (which loads every part holding one).
+    /// `within`: boxes `(offsets, shape)` (a rank's reads): only the cells touching one,
+    /// each once. `None` for flat globals and whole tensors; else `TensorNotFoundError`.
     #[pyo3(signature = (name, within = None))]
     fn grid_cells(
         &self,
@@ -252,27 +247,8 @@ impl PyCheckpoint {
     ) -> PyResult<Option<Boxes>> {
         let ck = self.reader()?;
         ck.shape_of(&name.0).map_err(CkError)?; // known?
-        let cells = match within {
-            None => ck.grid_cells(&name.0),
-            Some(boxes) => {
-                let mut all: Option<Vec<Region>> = None;
-                for (o, s) in boxes {
-                    let got = ck.grid_cells_within(&name.0, &indexes(o), &indexes(s));
-                    match (got, all.as_mut()) {
-                        (None, _) => return Ok(None),
-                        (Some(g), Some(a)) => a.extend(g),
-                        (Some(g), None) => all = Some(g),
-                    }
-                }
-                all.map(|mut a| {
-                    a.sort_by(|x, y| x.offsets.cmp(&y.offsets));
-                    a.dedup_by(|x, y| x.offsets == y.offsets);
-                    a
-                })
-                .or_else(|| ck.grid_cells(&name.0).map(|_| Vec::new()))
-            }
-        };
-        Ok(cells.map(|cells| cells.into_iter().map(|r| (r.offsets, r.shape)).collect()))
+        Ok(cells_within(ck.as_ref(), &name.0, within)
+            .map(|cells| cells.into_iter().map(|r| (r.offsets, r.shape)).collect()))
     }
 
     /// Whether this is a two-level checkpoint (feature `parts`): the root manifest names

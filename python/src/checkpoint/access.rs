@@ -3,6 +3,7 @@
 //! region requests decoded for the engine.
 
 use super::*;
+use ckptstore::checkpoint::Region;
 
 impl PyCheckpoint {
     pub(super) fn inner(&self) -> PyResult<&Inner> {
@@ -252,4 +253,24 @@ pub(super) mod batch {
             .fill(strs(names).into_iter().zip(dsts).collect());
         batch.check(&vs).release_pages(release).run()
     }
+}
+
+/// `grid_cells(name)`, or with `within` (boxes of the tensor's index space) the cells that
+/// intersect one of them, each once, in row-major order (offsets sorted). `None` where
+/// the tensor has no grid.
+pub(super) fn cells_within(
+    ck: &dyn Reader,
+    name: &str,
+    within: Option<Vec<(Vec<Index>, Vec<Index>)>>,
+) -> Option<Vec<Region>> {
+    let Some(boxes) = within else {
+        return ck.grid_cells(name);
+    };
+    let mut all = ck.grid_cells_within(name, &[], &[]).map(|_| Vec::new())?;
+    for (o, s) in boxes {
+        all.extend(ck.grid_cells_within(name, &indexes(o), &indexes(s))?);
+    }
+    all.sort_by(|x, y| x.offsets.cmp(&y.offsets));
+    all.dedup_by(|x, y| x.offsets == y.offsets);
+    Some(all)
 }
