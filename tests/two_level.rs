@@ -580,6 +580,41 @@ fn grid_cells_within_a_box_are_the_cells_it_touches() {
 }
 
 #[test]
+fn chunks_within_a_box_load_only_the_parts_holding_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (id, _) = three_ranks(tmp.path(), Layout::TwoLevel);
+    let ck = Checkpoint::open(tmp.path()).unwrap();
+    let within = |o: &[u64], s: &[u64]| -> Vec<Vec<u64>> {
+        ck.catalog()
+            .chunks_within("w", o, s)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.offsets)
+            .collect()
+    };
+    assert_eq!(within(&[2, 0], &[2, 4]), vec![vec![2, 0]]);
+    let size = std::fs::metadata(tmp.path().join(part_file_name(&id, 1)))
+        .unwrap()
+        .len();
+    assert_eq!(ck.catalog().parts_read(), (1, size), "rank 1's part alone");
+    assert_eq!(within(&[3, 1], &[1, 1]), vec![vec![2, 0]]);
+    assert_eq!(within(&[1, 0], &[2, 4]), vec![vec![0, 0], vec![2, 0]]);
+    assert_eq!(ck.catalog().parts_read().0, 2);
+    for (o, s) in [
+        (vec![0, 0], vec![0, 4]),
+        (vec![6, 0], vec![1, 4]),
+        (vec![u64::MAX, 0], vec![2, 4]),
+        (vec![0], vec![1]),
+    ] {
+        assert!(within(&o, &s).is_empty(), "{o:?} {s:?}");
+    }
+    assert!(matches!(
+        ck.catalog().chunks_within("nope", &[0], &[1]),
+        Err(ckptstore::Error::TensorNotFound { .. })
+    ));
+}
+
+#[test]
 fn a_part_is_loaded_once_however_many_threads_ask() {
     let tmp = tempfile::tempdir().unwrap();
     let (id, all) = three_ranks(tmp.path(), Layout::TwoLevel);

@@ -219,18 +219,14 @@ impl PyCheckpoint {
         owned_array(py, t, false)
     }
 
-    /// `ck.chunks(name) -> list[(offsets, shape)]`: how `name` is stored, as boxes of its
-    /// global index space (one box at the origin for a whole tensor). Of a two-level
-    /// checkpoint's global this loads every part index holding one of its chunks (see
-    /// `grid_cells(name)`, which reads the root only).
-    fn chunks(&self, name: Name) -> PyResult<Boxes> {
-        let ck = self.reader()?;
-        Ok(ck
-            .chunks(&name.0)
-            .map_err(CkError)?
-            .into_iter()
-            .map(|r| (r.offsets, r.shape))
-            .collect())
+    /// `ck.chunks(name, within=None) -> list[(offsets, shape)]`: how `name` is stored, as
+    /// boxes of its global index space (one at the origin for a whole tensor). Of a
+    /// two-level checkpoint's global this loads every part holding one (`grid_cells` reads
+    /// the root only); `within=(offsets, shape)`: the chunks meeting that box, from the
+    /// parts holding it alone.
+    #[pyo3(signature = (name, within = None))]
+    fn chunks(&self, name: Name, within: Option<(Vec<Index>, Vec<Index>)>) -> PyResult<Boxes> {
+        Ok(chunks_of(self.reader()?.as_ref(), &name.0, within).map_err(CkError)?)
     }
 
     /// `ck.grid_cells(name, within=None) -> list[(offsets, shape)] | None`: of a global

@@ -34,6 +34,7 @@ pub(crate) trait Reader: Send + Sync {
     fn globals(&self) -> &[GlobalEntry];
     fn shape_of(&self, name: &str) -> Result<(DType, Vec<u64>), Error>;
     fn chunks(&self, name: &str) -> Result<Vec<Region>, Error>;
+    fn chunks_within(&self, name: &str, o: &[u64], s: &[u64]) -> Result<Vec<Region>, Error>;
     fn data_bytes(&self) -> u64;
     fn check_optimizer_section(&self) -> Result<(), Error>;
     fn verify(&self) -> Result<ckptstore::VerifyReport, Error>;
@@ -122,6 +123,9 @@ impl<S: ShardSource + Send> Reader for Checkpoint<S> {
     }
     fn chunks(&self, name: &str) -> Result<Vec<Region>, Error> {
         self.catalog().chunks(name)
+    }
+    fn chunks_within(&self, name: &str, o: &[u64], s: &[u64]) -> Result<Vec<Region>, Error> {
+        self.catalog().chunks_within(name, o, s)
     }
     fn data_bytes(&self) -> u64 {
         Checkpoint::data_bytes(self)

@@ -265,6 +265,17 @@ impl<'c, S: ShardSource> Catalog<'c, S> {
         self.ck.chunks(name)
     }
 
+    /// The chunks of `name` that intersect the box `[offsets, offsets + shape)`, in
+    /// manifest order (empty for an empty box or one outside the tensor). Of a two-level
+    /// checkpoint this reads only the parts holding a cell of the box: whether a rank's
+    /// read is one whole stored chunk costs its own part, not every rank's.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; a part's load errors.
+    pub fn chunks_within(self, name: &str, offsets: &[u64], shape: &[u64]) -> Result<Vec<Region>> {
+        self.ck.chunks_within(name, offsets, shape)
+    }
+
     /// Every stored chunk of the global tensor `name`, replicas included: for `inspect`
     /// and tools. Of a two-level checkpoint this reads every part.
     ///

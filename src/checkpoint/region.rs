@@ -121,6 +121,49 @@ impl<S> Checkpoint<S> {
             .collect())
     }
 
+    /// The chunks of `name` that intersect the box `[offsets, offsets + shape)`, in
+    /// manifest order: of a two-level checkpoint's global, only the parts holding a cell of
+    /// the box are loaded. Empty for an empty box or one outside the tensor.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; a part's load errors.
+    pub(crate) fn chunks_within(
+        &self,
+        name: &str,
+        offsets: &[u64],
+        shape: &[u64],
+    ) -> Result<Vec<Region>>
+    where
+        S: ShardSource,
+    {
+        let (_, global) = self.shape_of(name)?;
+        let inside = offsets.len() == global.len()
+            && shape.len() == global.len()
+            && offsets
+                .iter()
+                .zip(shape)
+                .zip(global)
+                .all(|((&o, &n), &g)| n > 0 && o.checked_add(n).is_some_and(|e| e <= g));
+        if !inside {
+            return Ok(Vec::new());
+        }
+        let region = Region::new(offsets, shape);
+        let meets = |r: &Region| {
+            r.offsets
+                .iter()
+                .zip(&r.shape)
+                .zip(offsets.iter().zip(shape))
+                .all(|((&a, &m), (&b, &n))| a < b + n && b < a + m)
+        };
+        Ok(self
+            .source(name, Some(&region))?
+            .pieces
+            .into_iter()
+            .map(|(r, _, _)| r)
+            .filter(|r| meets(r))
+            .collect())
+    }
+
     /// The pieces of `name`: of a two-level checkpoint's global, those of the parts that
     /// hold cells `region` intersects (every part of its grid for `None`), loaded on first
     /// use; else every chunk.

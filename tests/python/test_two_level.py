@@ -470,6 +470,24 @@ def test_grid_cells_within_boxes_are_the_cells_they_touch_each_once(two_level):
     assert ck.parts_read() == (0, 0), "the cells come from the root alone"
 
 
+def test_chunks_within_a_box_load_only_the_parts_holding_it(two_level):
+    path, cid = two_level
+    ck = ckptstore.open(path)
+    (r0, n0), (r1, n1), _ = splits(ROWS, WORLD)
+    assert ck.chunks("w", ([r1, 0], [n1, COLS])) == [([r1, 0], [n1, COLS])]
+    assert ck.parts_read() == (1, part_size(path, cid, 1)), "rank 1's part alone"
+    assert ck.chunks("w", ([r1 + 1, 1], [1, 2])) == [([r1, 0], [n1, COLS])], "inside one chunk"
+    assert ck.chunks("w", ([r1 - 1, 0], [2, 1])) == [([r0, 0], [n0, COLS]), ([r1, 0], [n1, COLS])]
+    assert ck.parts_read()[0] == 2
+    for empty in (([0, 0], [0, COLS]), ([ROWS, 0], [1, 1]), ([0], [1]), ([2**64 - 1, 0], [2, 1])):
+        assert ck.chunks("w", empty) == [], empty
+    assert ck.chunks("table", ([0], [2])) == [([0], [5])], "a whole tensor: one chunk at the origin"
+    with pytest.raises(ckptstore.TensorNotFoundError):
+        ck.chunks("nope", ([0], [1]))
+    with pytest.raises(ckptstore.InvalidArgumentError):
+        ck.chunks("w", ([-1, 0], [1, 1]))
+
+
 def test_byte_ranges_name_the_part_shards(two_level):
     """The prefetch hints of a two-level checkpoint name the parts' shard files (the root's
     shard list holds only the whole tensor's), inside the directory, within each file."""

@@ -190,9 +190,12 @@ class Checkpoint:
     ) -> np.ndarray:
         """The box ``[offsets, offsets + shape)`` of a global (or whole) tensor in a fresh
         writable array, every chunk read CRC-checked."""
-    def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
+    def chunks(
+        self, name: str, within: Optional[tuple[Sequence[int], Sequence[int]]] = None
+    ) -> list[tuple[list[int], list[int]]]:
         """How ``name`` is stored: ``(offsets, shape)`` boxes of its global index space
-        (of a two-level checkpoint, loading every part index holding one)."""
+        (of a two-level checkpoint, loading every part index holding one); ``within``: the
+        boxes meeting that box only, loading only the parts that hold it."""
     def grid_cells(
         self, name: str, within: Optional[Sequence[tuple[Sequence[int], Sequence[int]]]] = None
     ) -> Optional[list[tuple[list[int], list[int]]]]:

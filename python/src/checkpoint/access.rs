@@ -274,3 +274,17 @@ pub(super) fn cells_within(
     all.dedup_by(|x, y| x.offsets == y.offsets);
     Some(all)
 }
+
+/// `chunks(name)`, or with `within` (a box of the tensor's index space) the chunks that
+/// intersect it, loading only the parts that hold it.
+pub(super) fn chunks_of(
+    ck: &dyn Reader,
+    name: &str,
+    within: Option<(Vec<Index>, Vec<Index>)>,
+) -> Result<Boxes, Error> {
+    let got = match within {
+        None => ck.chunks(name)?,
+        Some((o, s)) => ck.chunks_within(name, &indexes(o), &indexes(s))?,
+    };
+    Ok(got.into_iter().map(|r| (r.offsets, r.shape)).collect())
+}
