@@ -314,10 +314,14 @@ def _job_main(name: str, shared: str) -> None:
             set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             step, tier = int(sd["step"]), "dcp"
         else:
-            mgr = manager()
+            mgr = manager()  # its gloo group, the hosts found, the tiers opened
+            t_open = time.perf_counter()
+            res["open_s"] = t_open - t0
+            cpu0 = time.process_time()  # every thread of this rank, user + system
             step = mgr.restore_latest(m, o)
             tier = mgr.last_tier
-            res["restore_s"] = time.perf_counter() - t0  # restore_latest alone
+            res["restore_s"] = time.perf_counter() - t_open  # restore_latest alone
+            res["restore_cpu_s"] = time.process_time() - cpu0
             res["t_resumed"] = time.time()  # restored: the first resumed step can start
             after = _ss_bytes(addrs) if is_leader else {}  # what the restore moved
             t1 = time.perf_counter()
@@ -517,6 +521,10 @@ def summarize(res) -> dict:
             "startup_s": med([max(o["t_built"] for o in d["ranks"]) - d["launch"] for d in reps]),
             "restore_s": med([max(o["restore_s"] for o in d["ranks"]) for d in reps]),
             "restore_runs_s": [round(max(o["restore_s"] for o in d["ranks"]), 3) for d in reps],
+            # the manager's opening before it (runs before it was timed apart: 0), and the CPU
+            # seconds of the restore summed over the ranks (they share the machine's cores)
+            "open_s": med([max(o.get("open_s", 0) for o in d["ranks"]) for d in reps]),
+            "restore_cpu_s": med([sum(o.get("restore_cpu_s", 0) for o in d["ranks"]) for d in reps]),
             "disk_mib": [[round(max((o.get("disk_mib") or [0, 0])[k] for o in d["ranks"]), 1) for k in (0, 1)]
                          for d in reps],
             "step": [o["step"] for d in reps for o in d["ranks"]],
@@ -609,6 +617,13 @@ def report(res, s) -> None:
                   f"as a restore's fresh tensors are): {s['raw_fresh_s']:.2f} s "
                   f"({s['peer_bytes'] / MIB / s['raw_fresh_s']:.0f} MiB/s; raw fresh s / restore s: "
                   f"{s['raw_fresh_s'] / s['fast']['restore_s']:.2f})")
+        f, cores = s["fast"], os.cpu_count() or 1
+        if f.get("restore_cpu_s"):
+            print(f"  restore_latest alone (the manager's opening before it, {f['open_s']:.2f} s, is not in it): "
+                  f"its CPU seconds summed over the ranks {f['restore_cpu_s']:.2f} s; over this machine's "
+                  f"{cores} cores, the least wall time that CPU work allows here is "
+                  f"{f['restore_cpu_s'] / cores:.2f} s ({f['restore_s'] / (f['restore_cpu_s'] / cores):.2f}x "
+                  "of it); hosts of their own would run each rank's share beside the others'")
     v = s["save"]
     print(f"\nsave: one copy {v['copy_sync_median_s'] * 1e3:.1f} ms timed as the saves (every rank at once after "
           f"a barrier, median of the slowest rank), {v['copy_s'] * 1e3:.1f} ms alone (best of 3); save() blocks median {v['block_median_s'] * 1e3:.0f} ms "

@@ -234,7 +234,8 @@ def test_a_replaced_host_restores_into_fresh_tensors_and_a_chunk_damaged_on_the_
     fresh tensors (its disk is never written: every ``pwrite`` of the restore fails there,
     and none is tried), the first one with a byte changed on the way (after the sender read
     it): the load's CRC check catches it on rank 1, no rank changes anything, every copy is
-    checked whole (none damaged) and the retry restores step 3, bit-identical."""
+    checked whole (none damaged) and the retry restores step 3, bit-identical. The other
+    hosts read their ranks' parts from their own copies while those bytes travel."""
     c = copy_of_saved(make_cluster, saved[1])
     c.lose_host(1, wipe_local=True)
     c.replace_host(1)
@@ -242,6 +243,9 @@ def test_a_replaced_host_restores_into_fresh_tensors_and_a_chunk_damaged_on_the_
     assert_restored(out, 3)
     assert [o["damaged"] for o in out] == [0, 1, 0], out
     assert out[1]["direct_items"] >= 16, out  # its every shard of a parameter and a moment, twice
+    # Hosts 0 and 2 read their own ranks' parts from their own copies while host 1's bytes
+    # travel (each try); host 1 holds none of the step.
+    assert [o["pre_read"] > 0 for o in out] == [True, False, True], out
     assert [o["pwrites"] for o in out] == [0, 0, 0], out
     assert not [p.name for p in c.local_dir(1).iterdir() if p.name.startswith(".restore")]
 
@@ -526,8 +530,8 @@ def _job_main(name: str, shared: str) -> None:
         from ckptstore.torch import _tier_restore
 
         real_transfer, real_pwrite = _tier_restore.transfer, _tier_restore.pwrite_all
-        real_items = _tier_restore._direct_items
-        box = {"damaged": 0, "pwrites": 0, "direct_items": 0}
+        real_items, real_pre = _tier_restore._direct_items, _tier_restore._start_pre_read
+        box = {"damaged": 0, "pwrites": 0, "direct_items": 0, "pre_read": 0}
 
         def damaging(out, error, dst, src, tag, pg, receive, dest=None):
             def recv(inc, key, data):
@@ -548,9 +552,13 @@ def _job_main(name: str, shared: str) -> None:
             box["direct_items"] += len(got)
             return got
 
+        def pre_read(prep, pre):
+            box["pre_read"] += len(pre.items)
+            real_pre(prep, pre)
+
         if os.environ["CLUSTER_HOST"] == "1":
             _tier_restore.transfer, _tier_restore.pwrite_all = damaging, counted
-        _tier_restore._direct_items = items
+        _tier_restore._direct_items, _tier_restore._start_pre_read = items, pre_read
         m, o = nc._fsdp_model(world, seed=1)
         nc._fsdp_train(m, o, 7, 1, rank)
         nc._result({**_restore(m, o), **box})

@@ -321,6 +321,10 @@ class _Prepared:
         self.plan: Any = None
         self.reader: Any = None  # the Reader planned with, that reads (reset: reopened then)
         self.fan_out = True  # read once, fan out (the same on every rank: it is collective)
+        # Set by the tiered restore: the part of the plan already being read (in a thread,
+        # while the other bytes arrive); ``result()`` waits for it and raises its error. Its
+        # items are no longer in ``plan``.
+        self.pre_read: Any = None
 
 
 def _prepare(path: Any, meta_all: dict, cid: Optional[str], model: Any, optimizer: Any, strict: bool,
@@ -392,6 +396,8 @@ def _finish(prep: _Prepared, model: Any, optimizer: Any, *, strict: bool, layout
     # each block is checked as it is copied (one pass); the ranks agree once, below.
     def read() -> None:
         try:
+            if prep.pre_read is not None:  # its error is this rank's error, agreed below
+                prep.pre_read.result()
             if prep.fan_out:  # each chunk several ranks need read once, sent to the others
                 read_once(prep, process_group)
             else:  # (a tiered restore whose bytes came from the hosts' tiers: on every rank)

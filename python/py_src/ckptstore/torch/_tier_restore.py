@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Optional
 
 from .. import _ckptstore, atomic
@@ -22,7 +25,7 @@ from ._tier_local import check_arrival, new_stage, saved_host, shard_head_len
 from ._tier_wire import Arrival, pwrite_all, transfer, write_fsync
 from ._tier_wire import dist_or_none as _dist
 from ._tier_wire import err_text as _err
-from .dcp import _plan_ranges
+from .dcp import _plan_ranges, _requests
 
 #: Base tags of a restore's rounds: the headers, then the byte ranges (+ 65536 k in round k).
 TAG_HEADS = 1 << 24
@@ -110,6 +113,7 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
     perr = None
     prep = None
     into: dict[str, tuple] = {}  # this rank's direct items: key -> (read item, request)
+    pre = None  # the part of the plan read from this host's own copies while the rest arrives
     try:
         rr = _ckptstore.Checkpoint(stage, lazy=True)
         prep = _d._prepare(stage, json.loads(rr.metadata_json()), rr.checkpoint_id, req.model, req.optimizer,
@@ -122,8 +126,11 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
             need = [(os.path.basename(p), b, e)
                     for p, b, e in _plan_ranges(prep.reader, prep.plan, {id(ri) for ri, _ in into.values()})
                     if os.path.basename(p) in placeholders]
+            pre = _split_held(prep, placeholders, into)
         finally:
             prep.reader.reset()  # closed while the fetch fills the placeholders; the load reopens
+        if pre is not None:
+            _start_pre_read(prep, pre)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         perr = _err(mgr.rank, e)
         into = {}
@@ -193,12 +200,15 @@ def restore_fast(mgr: Any, step: int, f: dict, req: Any, repersist: bool) -> dic
         mgr._phase(f"restore: step {step} assembled", mgr._agree, [err or derr], f"assembling step {step}")
         fault_point("tiers.restore", step, mgr.rank)
         if prep is not None:
+            _settled(prep)  # (its error, if any, is raised and agreed inside the load)
             prep.reader.received = {id(ri): r[3] for ri, r in into.values()}
             prep.fan_out = False  # every byte is on this host or here already (every rank)
         extra = mgr._load(step, stage, req, prep)
         loaded = True
         return extra
     finally:
+        if prep is not None:
+            _settled(prep)  # nothing reads the stage when it goes
         dist = _dist()
         try:
             if dist:
@@ -384,6 +394,53 @@ def _direct_items(prep: Any, placeholders: set) -> dict[str, tuple]:
         if req[3].size == e - b and key not in out:
             out[key] = (ri, req)
     return out
+
+
+def _split_held(prep: Any, placeholders: set, into: dict) -> Optional[Any]:
+    """The read items of ``prep``'s plan (its reader open) whose bytes lie wholly in shards
+    this host holds (no placeholder) and that are not received directly (``into``), as a
+    plan of their own, taken out of ``prep.plan``; None when there are none. Those can be
+    read while the other bytes travel."""
+    rr = prep.reader._open()
+    direct = {id(ri) for ri, _ in into.values()}
+    held = set()
+    for ri, name, offs, shape in _requests(prep.plan)[0]:
+        if id(ri) in direct or 0 in shape:
+            continue
+        if all(os.path.basename(f) not in placeholders for f, _, _ in rr.byte_ranges([(name, offs, shape)])):
+            held.add(id(ri))
+    if not held:
+        return None
+    pre = replace(prep.plan, items=[ri for ri in prep.plan.items if id(ri) in held])
+    prep.plan = replace(prep.plan, items=[ri for ri in prep.plan.items if id(ri) not in held])
+    return pre
+
+
+def _start_pre_read(prep: Any, pre: Any) -> None:
+    """Read the plan ``pre`` (:func:`_split_held`) into its fresh destinations in a
+    thread, each block CRC-checked as it is copied (the engine runs with the interpreter
+    released), while this rank's other bytes arrive; ``prep.pre_read`` is its future, which
+    the load waits on first (its error is the load's, agreed there like any read's)."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            prep.reader.read_data(pre, prep.planner).wait()
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - raised by the load, on its thread
+            done.set_exception(e)
+        finally:
+            prep.reader.reset()
+
+    prep.pre_read = done
+    threading.Thread(target=run, name="ckptstore-pre-read", daemon=True).start()
+
+
+def _settled(prep: Any) -> None:
+    """Wait until the pre-read of ``prep`` (if any) has ended, without raising its error
+    (the load raises it); its reader is closed then."""
+    if prep.pre_read is not None:
+        prep.pre_read.exception()
 
 
 def direct_rounds(mgr: Any, step: int, wants: list, holder: Any, src_path: Any, into: dict) -> Optional[str]:
