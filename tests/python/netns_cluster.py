@@ -353,6 +353,7 @@ class Host:
         self.local_dir = local_dir
         self.generation = 0
         self.lost = False
+        self.holder = None  # a process holding mounts of this host's own (hold_mounts)
 
     def __repr__(self):
         return f"Host({self.index}, {self.ns}, {self.addr}{', lost' if self.lost else ''})"
@@ -506,12 +507,55 @@ class Cluster:
         """Host i's local directory as the root namespace sees it (not at local_path)."""
         return self.hosts[i].local_dir
 
-    def host_argv(self, i: int, argv) -> list:
-        """``argv`` wrapped to run in host i with its local directory at local_path."""
+    def hold_mounts(self, i: int, setup: str, *args: str, ready: str, timeout: float = 30) -> None:
+        """Give host i a mount namespace of its own that outlives its processes (a machine's
+        mounts: a FUSE file system, say): a holder process in the host runs the shell
+        ``setup`` (with ``args`` as $1...), then sleeps; from then on every process started
+        in host i starts inside a copy of that namespace (its mounts made there later, by
+        :meth:`run` with ``in_holder=True``, included). ``ready``: a path whose mount shows
+        in the holder's mountinfo once ``setup`` is done. The holder dies with the host
+        (lose_host, replace_host, close)."""
+        self._check_open()
         h = self.hosts[i]
+        if h.holder is not None:
+            raise ClusterError(f"host {i} already holds mounts")
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", h.ns, "unshare", "--mount", "--propagation", "private",
+             "sh", "-c", setup + "\nexec sleep infinity", "sh", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        self._procs.append(p)
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                mounts = Path(f"/proc/{p.pid}/mountinfo").read_text()
+            except OSError:
+                mounts = ""
+            # The holder's own namespace (not the one `ip netns exec` made) shows `ready`.
+            if f" {ready} " in mounts and os.readlink(f"/proc/{p.pid}/exe").endswith("sleep"):
+                break
+            if p.poll() is not None or time.monotonic() > end:
+                err = p.stderr.read().decode(errors="replace") if p.poll() is not None and p.stderr else ""
+                raise ClusterError(f"host {i}: the mount holder did not come up: {err.strip()}")
+            time.sleep(0.05)
+        h.holder = p
+
+    def host_argv(self, i: int, argv, in_holder: bool = False) -> list:
+        """``argv`` wrapped to run in host i with its local directory at local_path (inside
+        a copy of its held mounts, if any; ``in_holder``: in the holder's namespace itself,
+        for mounts every later process of the host should see)."""
+        h = self.hosts[i]
+        if h.holder is not None:
+            enter = ["nsenter", "-t", str(h.holder.pid), "-m", "-n", "--"]
+            if in_holder:
+                return [*enter, *[str(a) for a in argv]]
+            head = [*enter, "unshare", "--mount", "--propagation", "private"]
+        elif in_holder:
+            raise ClusterError(f"host {i} holds no mounts (hold_mounts first)")
+        else:
+            head = ["ip", "netns", "exec", h.ns, "unshare", "--mount", "--propagation", "private"]
         return [
-            "ip", "netns", "exec", h.ns,
-            "unshare", "--mount", "--propagation", "private",
+            *head,
             "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
             str(h.local_dir), self.local_path, *[str(a) for a in argv],
         ]
@@ -537,15 +581,18 @@ class Cluster:
         self._procs.append(p)
         return p
 
-    def run(self, i: int, argv, env=None, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-        """Run ``argv`` in host i to completion (output captured as text unless overridden)."""
+    def run(self, i: int, argv, env=None, timeout: float = 60, in_holder: bool = False,
+            **kw) -> subprocess.CompletedProcess:
+        """Run ``argv`` in host i to completion (output captured as text unless overridden;
+        ``in_holder``: see :meth:`host_argv`)."""
         self._check_open()
         if self.hosts[i].lost:
             raise ClusterError(f"host {i} is lost (replace_host({i}) first)")
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
         kw.setdefault("stdin", subprocess.DEVNULL)
-        return subprocess.run(self.host_argv(i, argv), env=self.host_env(i, env), timeout=timeout, **kw)
+        return subprocess.run(self.host_argv(i, argv, in_holder), env=self.host_env(i, env), timeout=timeout,
+                              **kw)
 
     def start(self, argv, ranks_per_host: int = 1, hosts=None, env=None, port: int | None = None) -> Job:
         """A job of ``len(hosts) * ranks_per_host`` ranks, each running ``argv`` (a full
@@ -602,6 +649,7 @@ class Cluster:
         _kill_ns(h.ns)
         self._reap()
         h.lost = True
+        h.holder = None
         if wipe_local:
             for p in h.local_dir.iterdir():
                 if p.is_dir() and not p.is_symlink():

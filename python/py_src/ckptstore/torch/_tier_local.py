@@ -391,6 +391,10 @@ def part_writer(path: str, metadata: dict[Any, Any]) -> Any:
     class _PartWriter(Writer):
         manifest_metadata: Optional[dict[Any, Any]] = None
 
+        def prepare_local_plan(self, plan: Any) -> Any:  # noqa: D401 - DCP protocol
+            os.makedirs(self.path, exist_ok=True)  # every host's own local directory
+            return plan
+
         def finish(self, metadata: Any, results: Any) -> None:  # noqa: D401 - DCP protocol
             for r, rank_results in enumerate(results):
                 if sum(1 for w in rank_results if w.index.fqn == "__ckptstore.part__") != 1:

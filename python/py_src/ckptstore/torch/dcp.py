@@ -188,11 +188,15 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if "://" not in self.path:  # a local directory; object stores have no directories
-            os.makedirs(self.path, exist_ok=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator alone makes the directory, before any rank writes (they get their
+        # plans after this): on a shared file system, ranks that each look the path up and
+        # make it race through their clients' caches (a negative lookup cached on one host
+        # while another made the parent), and fail. Object stores have no directories.
+        if "://" not in self.path:
+            os.makedirs(self.path, exist_ok=True)
         cid = new_checkpoint_id()
         self.checkpoint_id = cid
         return [
