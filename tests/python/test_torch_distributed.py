@@ -433,3 +433,43 @@ def test_a_load_and_a_tiered_restore_run_with_the_cyclic_collector_paused_then_r
         assert not gc.isenabled(), "a collector paused by the caller stays paused"
     finally:
         gc.enable()
+
+
+# ---- decisions made once (ckptstore.torch.internal.decided_once) -----------------------------
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
+def job_decided_once(rank, world):
+    from ckptstore.errors import CheckpointNotFoundError
+    from ckptstore.torch.internal import decided_once
+
+    out = {"value": decided_once(lambda: f"seen by rank {rank}", what="a listing")}
+    for err in (CheckpointNotFoundError("no step under /ck"), _Unpicklable("a socket")):
+        def decide(err=err):
+            if rank == 0:
+                raise err
+            return "rank 1's own view"  # never asked: rank 0 decides
+
+        try:
+            decided_once(decide, what="choosing a step")
+            out[type(err).__name__] = None
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            out[type(err).__name__] = (type(e).__name__, str(e))
+    return out
+
+
+def test_decided_once_hands_the_first_ranks_answer_or_its_error_to_every_rank():
+    """What every rank must act on alike (issue 52: ranks whose caches show different
+    listings) is decided by rank 0: its value on every rank, its error raised on every rank
+    (the same type where it pickles, else a CheckpointError naming what was decided)."""
+    r0, r1 = dh.results(2, job_decided_once)
+    assert r0["value"] == r1["value"] == "seen by rank 0"
+    assert r0["CheckpointNotFoundError"] == r1["CheckpointNotFoundError"] == (
+        "CheckpointNotFoundError", "no step under /ck")
+    assert r0["_Unpicklable"] == ("_Unpicklable", "a socket")
+    assert r1["_Unpicklable"] == (
+        "CheckpointError", "choosing a step (decided on the first rank): _Unpicklable: a socket")

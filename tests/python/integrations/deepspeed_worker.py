@@ -147,6 +147,8 @@ def main() -> int:
     ap.add_argument("--kill-at", default="")
     ap.add_argument("--non-blocking", action="store_true")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--stale-latest", default="",
+                    help="resume: rank 1 reads this tag from `latest` (a host's stale client caches)")
     ap.add_argument("--default-engine", action="store_true",
                     help="DeepSpeed's own checkpoint engine (no install): a run before its switch")
     args = ap.parse_args()
@@ -205,6 +207,10 @@ def main() -> int:
             for st in engine.optimizer.optimizer.state.values():
                 st["ckptstore_stray"] = torch.ones(3)
         report["before_load"] = snapshot(engine)
+        if args.stale_latest and args.rank == 1:
+            from ckptstore.integrations.deepspeed import _install
+
+            _install._latest_tag = lambda _engine, _dir: args.stale_latest
         path, client = engine.load_checkpoint(args.dir[0])
         report["load_path"] = path
         report["client_state_keys"] = sorted(client)

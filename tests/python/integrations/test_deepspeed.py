@@ -80,8 +80,9 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
     return torch.load(out, weights_only=False)
 
 
-def run_ranks(mode: str, out: Path, world: int, *, stage: int, dirs) -> list:
-    """``world`` worker processes of one job (one port), started together; their reports."""
+def run_ranks(mode: str, out: Path, world: int, *, stage: int, dirs, args=()) -> list:
+    """``world`` worker processes of one job (one port), started together (each with the
+    worker's ``args`` besides); their reports."""
     env = dict(os.environ)
     env.pop("CKPTSTORE_FAULT", None)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -92,7 +93,8 @@ def run_ranks(mode: str, out: Path, world: int, *, stage: int, dirs) -> list:
         cmd = [sys.executable, str(WORKER), "--mode", mode, "--stage", str(stage),
                "--out", f"{out}.rank{r}", "--port", str(port), "--rank", str(r), "--world", str(world),
                "--steps", str(STEPS), "--more", str(MORE)] + [a for d in dirs for a in ("--dir", str(d))]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+        procs.append(subprocess.Popen(cmd + list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env))
     logs = []
     try:
         for p in procs:
@@ -258,6 +260,13 @@ def test_two_ranks_zero1_each_writes_its_partition_resume_bit_identical(work):
     # The two ranks held different partitions (so each really read its own file).
     part = "optimizer/single_partition_of_fp32_groups/0"
     assert not same_tensor(train[0]["at_save"]["tensors"][part], train[1]["at_save"]["tensors"][part])
+    # Rank 1's client caches still show the ``latest`` that a rename replaced, naming a tag
+    # gone since (a shared file system): the tag is read by rank 0 alone and handed to rank 1
+    # (issue 52), so both resume the same tag; before, rank 1 looked for the old one.
+    stale = run_ranks("resume", work / "two_stale.pt", 2, stage=1, dirs=[d], args=["--stale-latest", "global_step0"])
+    for r in range(2):
+        assert stale[r]["load_path"] == resume[r]["load_path"], r
+        assert_same_state(stale[r]["loaded"], train[r]["at_save"], f"rank {r} loaded (stale latest) vs saved")
 
 
 # ---- SIGKILL during a save -------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import struct
 import subprocess
@@ -505,6 +506,63 @@ def test_fsdp2_save_on_2_resume_on_1(tmp_path):
     assert one["loaded_step"] == 2
     for part in ("params", "optimizer", "lr", "train_state"):
         assert_same(one[part], saved[0][part], part)
+
+
+# ---- a rank whose listing is stale (a shared file system's client caches) --------------------
+
+
+def job_save_2_and_4(rank, world, folder):
+    job = tj.build(folder, rank=rank, world=world, fsdp=True, steps=STEPS)
+    tj.train(job, 2)
+    at_2 = tj.snapshot(job)
+    tj.train(job, 4, load=False)
+    job.checkpointer.close()
+    return at_2, tj.snapshot(job)
+
+
+def job_resume_with_stale_views(rank, world, folder, points):
+    """For each ``(stale_rank, view)``: a fresh job whose rank ``stale_rank`` lists the
+    folder as a host with stale caches would (``none``: no step; ``older``: not the newest),
+    then ``load(step=-1)`` on every rank."""
+    out = []
+    for stale_rank, view in points:
+        job = tj.build(folder, rank=rank, world=world, fsdp=True, steps=STEPS)
+        if rank == stale_rank:
+            steps = job.checkpointer._steps
+            seen = {"none": [], "older": steps.steps()[:-1]}[view]
+            steps.steps = lambda seen=seen: list(seen)
+            steps.stock_steps = lambda: {}
+        loaded = job.checkpointer.load(step=-1)
+        snap = tj.snapshot(job)
+        job.checkpointer.close()
+        out.append((loaded, snap))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_a_rank_with_a_stale_listing_resumes_the_step_the_first_rank_chose(tmp_path, seed):
+    """Issue 52: the step to resume is chosen by the first rank alone. One rank at a time sees
+    the folder as stale client caches would show it (no step, or not the newest), the points
+    in a seeded order: both ranks resume the same step, the one rank 0 saw, bit-identical to
+    what was saved at it (or both start fresh); before, the ranks chose apart and the one
+    that loaded waited in a collective the other never joined."""
+    folder = str(tmp_path / "ck")
+    saved = dh.results(2, job_save_2_and_4, folder)
+    assert committed(folder) == [2, 4]
+    points = [(r, v) for r in (0, 1) for v in ("none", "older")]
+    random.Random(seed).shuffle(points)
+    got = dh.results(2, job_resume_with_stale_views, folder, points)
+    for i, (stale_rank, view) in enumerate(points):
+        want = 4 if stale_rank == 1 else {"none": None, "older": 2}[view]
+        for rank in (0, 1):
+            loaded, snap = got[rank][i]
+            where = f"{(stale_rank, view)} rank {rank}"
+            assert loaded is (want is not None) and snap["loaded_step"] == want, where
+            if want is not None:
+                at = saved[rank][0 if want == 2 else 1]
+                for part in ("params", "optimizer", "lr", "train_state"):
+                    assert_same(snap[part], at[part], f"{where} {part}")
+                assert snap["dataloader"] == at["dataloader"], where
 
 
 # ---- s3:// ------------------------------------------------------------------------------------

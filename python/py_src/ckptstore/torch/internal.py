@@ -13,6 +13,7 @@ from ._dtypes import _empty_for as empty_for
 from ._dtypes import _to_numpy as to_numpy
 from ._dtypes import _torch as torch_module
 from ._items import _build_items as build_items
+from ._once import _decided_once as decided_once
 from ._saver import AsyncSaver, Handle, Snapshot, check_max_in_flight
 from ._state import _check_class as check_class
 from ._state import _group_hyper as group_hyper
@@ -24,6 +25,7 @@ __all__ = [
     "to_numpy",
     "torch_module",
     "build_items",
+    "decided_once",
     "check_class",
     "group_hyper",
     "optimizer_class",
@@ -41,6 +43,9 @@ __all__ = [
 # * ``bytes_of(tensor)``: the tensor's bytes as a flat ``uint8`` array (no copy);
 # * ``build_items(model, optimizer, extra, prepare)``: what :func:`ckptstore.torch.save`
 #   stores (entries, metadata JSON, optimizer parts), tensors through ``prepare``;
+# * ``decided_once(decide, what=, process_group=None)``: ``decide()`` on the group's first rank
+#   alone, its result (or its error) on every rank (what the ranks must act on alike, read
+#   once where client caches could show each host another directory);
 # * ``optimizer_class(optimizer)``: the class name recorded and compared (rule F1), seen
 #   through the frameworks' pass-through wrappers;
 # * ``check_class(live, saved, allow_optimizer_change)``: rule F1 alone; whether this is an

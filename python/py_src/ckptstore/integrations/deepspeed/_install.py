@@ -9,7 +9,7 @@ import os
 from typing import Any, Dict, Optional
 
 from ...errors import InvalidArgumentError
-from ...torch.internal import optimizer_class
+from ...torch.internal import decided_once, optimizer_class
 from .._common import keep_live_hyper_hook
 from ._engine import CheckpointEngine
 
@@ -119,11 +119,18 @@ def install(engine: Any, *, allow_pickle: bool = False, max_shard_size: Optional
     def _load_checked(load_dir: str, tag: Any, kwargs: Dict[str, Any], cur: CheckpointEngine) -> Any:
         load_optimizer_states = kwargs["load_optimizer_states"]
         load_module_only = kwargs["load_module_only"]
-        if not prefetch:
-            return load_orig(load_dir, tag=tag, **kwargs)
-        resolved = _latest_tag(engine, load_dir) if tag is None else str(tag)
+        if tag is None:
+            # The tag ``latest`` names is read by the first rank alone and handed to the
+            # others: on a shared file system a host's caches may still show the ``latest``
+            # a rename replaced (or none), and ranks would load different tags or deadlock.
+            resolved = decided_once(lambda: _latest_tag(engine, load_dir),
+                                    what=f"reading the latest tag of {load_dir}")
+        else:
+            resolved = str(tag)
         if resolved is None:  # DeepSpeed warns and returns (None, None)
-            return load_orig(load_dir, tag=tag, **kwargs)
+            return load_orig(load_dir, tag=None, **kwargs)
+        if not prefetch:
+            return load_orig(load_dir, tag=resolved if tag is None else tag, **kwargs)
         dp_rank = None
         group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
         elastic = bool(getattr(engine, "zero_elastic_checkpoint", lambda: False)())

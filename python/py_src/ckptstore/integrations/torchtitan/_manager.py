@@ -31,7 +31,7 @@ from ... import _ckptstore
 from ..._faults import fault_point
 from ...errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
 from ...torch.dcp import META_KEY, Reader, Writer
-from ...torch.internal import optimizer_class
+from ...torch.internal import decided_once, optimizer_class
 from .._common import check_optimizer_class, dcp_error
 from . import _tiered
 from ._codec import _VERSION, STATE_KEY, _decode, _Encoder, _merge, _Ref, _substitute
@@ -401,6 +401,31 @@ class CheckpointManager(BaseCheckpointManager):
                 return self._load_initial()
             self.loaded_step = restored
             return True
+        # Which step to resume is read by the first rank alone and handed to the others: on a
+        # shared file system another host's caches may still show an older listing (or none),
+        # and ranks that each chose would load different steps, or one none, and deadlock.
+        load_step, stock_path = decided_once(
+            lambda: self._choose_step(step), what=f"choosing the step to resume under {self.folder}"
+        )
+        if stock_path is not None:
+            self._load_stock(stock_path, model_only=load_step == 0)
+            self.loaded_step = load_step
+            logger.warning(
+                "ckptstore: resumed step %d from %s, a checkpoint of TorchTitan's own manager "
+                "(DCP format, loaded as TorchTitan loads it: no CRC check); the next saves are "
+                "ckptstore checkpoints (%s)",
+                load_step, stock_path, _join(self.folder, "step-<8 digits>"),
+            )
+            return True
+        if load_step == -1:
+            return self._load_initial()
+        self._load_path(self.step_path(load_step), model_only=load_step == 0)
+        self.loaded_step = load_step
+        return True
+
+    def _choose_step(self, step: int) -> tuple[int, Optional[str]]:
+        """The step to resume (``-1``: none) and, for a step of TorchTitan's own manager,
+        its directory (``None`` for a ckptstore step), from this rank's listing."""
         steps = self._steps.steps()
         # Steps of TorchTitan's own manager (a job switched to ckptstore): the newest step of
         # either kind is the latest (a ckptstore step wins a tie).
@@ -416,21 +441,8 @@ class CheckpointManager(BaseCheckpointManager):
         else:
             load_step = max(steps[-1] if steps else -1, max(stock) if stock else -1)
         if load_step != -1 and load_step not in steps:
-            path = stock[load_step]
-            self._load_stock(path, model_only=load_step == 0)
-            self.loaded_step = load_step
-            logger.warning(
-                "ckptstore: resumed step %d from %s, a checkpoint of TorchTitan's own manager "
-                "(DCP format, loaded as TorchTitan loads it: no CRC check); the next saves are "
-                "ckptstore checkpoints (%s)",
-                load_step, path, _join(self.folder, "step-<8 digits>"),
-            )
-            return True
-        if load_step == -1:
-            return self._load_initial()
-        self._load_path(self.step_path(load_step), model_only=load_step == 0)
-        self.loaded_step = load_step
-        return True
+            return load_step, stock[load_step]
+        return load_step, None
 
     def _load_initial(self) -> bool:
         """No step to resume: ``initial_load_path`` (a ckptstore or stock checkpoint, or a
