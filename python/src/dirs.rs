@@ -37,6 +37,13 @@ pub(crate) fn sweep_leftovers(py: Python<'_>, parent: PathBuf) -> PyResult<usize
         .map_err(CkError)?)
 }
 
+/// Make a directory and its missing parents durably, also beside other hosts making them
+/// through a shared file system (`ckptstore.atomic.make_dirs`).
+#[pyfunction]
+pub(crate) fn make_dirs(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    Ok(py.detach(|| publish::make_dir(&path)).map_err(CkError)?)
+}
+
 /// Flush a directory's entries to stable storage (`ckptstore.atomic.fsync_dir`).
 #[pyfunction]
 pub(crate) fn fsync_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {

@@ -54,6 +54,7 @@ fn _ckptstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dirs::remove_dir, m)?)?;
     m.add_function(wrap_pyfunction!(dirs::sweep_leftovers, m)?)?;
     m.add_function(wrap_pyfunction!(dirs::fsync_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(dirs::make_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(dirs::write_file, m)?)?;
     m.add_function(wrap_pyfunction!(dirs::copy_files, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

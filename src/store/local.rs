@@ -228,7 +228,7 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
         .ancestors()
         .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
         .collect();
-    std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+    create_dir_all_shared(dir).map_err(|e| Error::io("create directory", dir, e))?;
     // Each new directory's entry lives in its parent: fsync those parents.
     for d in missing.iter().rev() {
         let parent = match d.parent() {
@@ -240,6 +240,46 @@ pub(crate) fn prepare_dir(dir: &Path) -> Result<()> {
             .map_err(|e| Error::io("fsync directory", parent, e))?;
     }
     Ok(())
+}
+
+/// `std::fs::create_dir_all`, also where other hosts make the same directories at the same
+/// moment through a shared file system's client caches (format-spec/durability.md, "On a
+/// shared file system"): there `mkdir` can answer "exists" from the server while this
+/// client's cache still says the name is missing (and `create_dir_all`'s own check after it
+/// fails), or a parent another host made a moment ago is still missing here. After such a
+/// failure the nearest ancestor that can be listed is listed (which refreshes an NFS-like
+/// client's entries of it) and the creation is tried again, four times at most.
+fn create_dir_all_shared(dir: &Path) -> io::Result<()> {
+    let mut tries: u64 = 0;
+    loop {
+        let e = match std::fs::create_dir_all(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if tries == 4
+            || !matches!(
+                e.kind(),
+                io::ErrorKind::AlreadyExists | io::ErrorKind::NotFound
+            )
+        {
+            return Err(e);
+        }
+        tries += 1;
+        for a in dir
+            .ancestors()
+            .skip(1)
+            .filter(|a| !a.as_os_str().is_empty())
+        {
+            if let Ok(entries) = std::fs::read_dir(a) {
+                entries.for_each(drop);
+                break;
+            }
+        }
+        if dir.is_dir() {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20 * tries));
+    }
 }
 
 /// How [`lock_file`] takes a lock.

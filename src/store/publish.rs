@@ -15,6 +15,8 @@
 //!   whole or gone, never half-deleted under its own name.
 //! * [`sweep_leftovers`][]: what a crash left in a parent directory: trash is deleted, an old
 //!   directory whose target exists is deleted, one whose target is missing is restored.
+//! * [`make_dir`][]: a directory and its missing parents made, their entries durable, also
+//!   where other hosts make them at the same moment through a shared file system.
 
 use std::io::{self, ErrorKind};
 use std::path::{Path, PathBuf};
@@ -92,6 +94,19 @@ pub fn remove_dir<F: Fs>(fs: &F, target: &Path) -> Result<bool> {
         .map_err(|e| Error::io("fsync directory", parent, e))?;
     let _ = fs.remove_dir_all(&trash);
     Ok(true)
+}
+
+/// Make the directory `dir` and its missing parents, each new entry durable (its parent
+/// fsynced), as a save prepares its checkpoint directory; nothing when `dir` is a directory
+/// already. Also where other hosts make the same directories at the same moment through a
+/// shared file system, whose client caches can answer "missing" for what another host just
+/// made (format-spec/durability.md, "On a shared file system").
+///
+/// # Errors
+/// [`Error::Io`] naming the directory when it cannot be made (a file in the way, say), or
+/// a parent when its fsync fails.
+pub fn make_dir(dir: &Path) -> Result<()> {
+    super::local::prepare_dir(dir)
 }
 
 /// Clean what an interrupted [`publish_dir`] or [`remove_dir`] left in `parent`: every

@@ -99,3 +99,24 @@ def test_copy_files_checks_each_file_against_its_record(tmp_path):
         atomic.copy_files(src, tmp_path / "dst", [("missing", 1, 0)])
     assert sorted(n for n in os.listdir(tmp_path / "dst") if not n.startswith(".")) == [
         "empty", "part.json", "shard.bin"]
+
+
+def test_make_dirs_makes_the_missing_parents_once_beside_other_makers_and_refuses_a_file(tmp_path):
+    """``make_dirs`` (the engine's, as every save prepares its directory): the missing
+    parents made, nothing when the directory is there, eight threads making one directory
+    at once all succeed; a file in the way is a CheckpointIOError naming the path."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = tmp_path / "a" / "b" / "c"
+    atomic.make_dirs(target)
+    assert target.is_dir()
+    (target / "kept").write_text("x")
+    atomic.make_dirs(target)
+    assert (target / "kept").read_text() == "x"
+    many = tmp_path / "m" / "n"
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: atomic.make_dirs(many), range(8)))
+    assert many.is_dir() and os.listdir(tmp_path / "m") == ["n"]
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(ckptstore.CheckpointIOError, match=r"create directory .*/f: File exists"):
+        atomic.make_dirs(tmp_path / "f")

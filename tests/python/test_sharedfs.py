@@ -11,6 +11,9 @@ upcalls). Skipped, with the reason, where GlusterFS or namespaces are missing, u
   ``load`` on 2 of them: bit-identical. (Before the step directory was made by the
   coordinator alone, every rank's ``os.makedirs`` raced the others' through the caches and
   failed: ``FileNotFoundError``.)
+- The tiered manager (test_tiers.py's jobs) with its persistent tier on the volume: saved,
+  persisted, every local tier lost, restored from the volume bit-identical.
+- The tiered manager with its local tier on the volume by mistake: refused on every rank.
 
 Each job runs this file as a script (``python test_sharedfs.py job NAME SHARED``).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -98,6 +102,44 @@ def test_distributed_save_from_three_hosts_loads_on_two_others_bit_identical(vol
         assert o["differ"] == [] and o["compared"] > 0, out
 
 
+def test_tiered_persistent_tier_on_the_volume_restores_when_every_local_tier_is_gone(volume):
+    """The tiered manager of test_tiers.py (3 hosts, ``replicas=1``, ``persist_every=2``)
+    with its persistent tier on the volume: steps 1-3 saved, step 2 persisted by every
+    host's first rank; then every host's local tier lost (the hosts and the volume stay):
+    every rank restores step 2 from the volume, bit-identical. (Before rank 0 alone made
+    the tier's root and each step's directory, the hosts' first ranks made both at once,
+    raced through their caches and failed with ``File exists``.)"""
+    needs_torch()
+    c, v = volume
+    tiers = HERE.with_name("test_tiers.py")
+    env = {"TIERS_PERSISTENT": f"{v.mount}/persistent", "SHAREDFS": v.mount}
+    results(c.start([sys.executable, str(tiers), "job", "save", str(c.shared)], env=env))
+    for i in range(3):
+        for p in c.local_dir(i).iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out = results(c.start([sys.executable, str(tiers), "job", "restore", str(c.shared)], env=env))
+    for o in out:
+        assert o["step"] == 2 and o["tier"] == "persistent", out
+        assert o["differ"] == [] and o["compared"] > 0 and o["extra"] == {"step": 2}, out
+        assert o["warnings"] == [], o  # no host remembers step 3: step 2 is the newest known
+    listing = on(c, 2, f"import os; print(sorted(n for n in os.listdir('{v.mount}/persistent') if n[0] != '.'))")
+    assert listing == "['step-00000002']", listing
+
+
+def test_a_local_tier_on_the_volume_is_refused_on_every_rank(volume):
+    """The tiered manager's local tier pointed at the shared volume by mistake: the three
+    hosts see one another's marker files there, which made them one "host" (whose loss loses
+    every copy); now every rank refuses it, naming the directory and what belongs there."""
+    needs_torch()
+    c, v = volume
+    out = results(job(c, v, "local_on_volume"))
+    for o in out:
+        assert o["error"] is not None and o["error"][0] == "InvalidArgumentError", out
+        assert f"the local tier '{v.mount}/tiers-local' is shared between machines" in o["error"][1], o
+        assert "ranks [0, 1, 2]" in o["error"][1] and "3 different machines" in o["error"][1], o
+    assert on(c, 0, f"import os; print(os.listdir('{v.mount}/tiers-local'))") == "[]"  # markers gone
+
+
 # ---- the jobs (run in the hosts) -----------------------------------------------------------
 
 
@@ -129,6 +171,14 @@ def _job_main(name: str, shared: str) -> None:
         differ = sorted(set(got) ^ set(want)) + sorted(
             k for k in set(got) & set(want) if not torch.equal(nc._bits(got[k]), nc._bits(want[k])))
         nc._result({"differ": differ, "compared": len(want), "extra": extra})
+    elif name == "local_on_volume":
+        from ckptstore.torch.tiered import CheckpointManager
+
+        try:
+            CheckpointManager(os.path.join(os.environ["SHAREDFS"], "tiers-local"), None).close()
+            nc._result({"error": None})
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            nc._result({"error": (type(e).__name__, str(e))})
     dh.exit_together(rank, world)
 
 

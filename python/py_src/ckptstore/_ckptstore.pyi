@@ -293,6 +293,9 @@ def sweep_leftovers(parent: str) -> int:
 def fsync_dir(path: str) -> None:
     """``ckptstore.atomic.fsync_dir``."""
 
+def make_dirs(path: str) -> None:
+    """``ckptstore.atomic.make_dirs``."""
+
 def write_file(location: str, name: str, data: bytes) -> None:
     """``ckptstore.atomic.write_file``."""
 

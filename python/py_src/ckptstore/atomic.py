@@ -14,6 +14,10 @@ crash simulation enumerates (format-spec/durability.md §Directories).
   fsyncs the parent, then deletes it: whole or gone, never half-deleted under its name.
 - :func:`sweep_leftovers` removes (or restores) what a crash left of either; run it where
   no publish into that directory is in flight (at start-up, say).
+- :func:`make_dirs` makes a directory and its missing parents, each new entry durable, also
+  where other hosts make the same directory at the same moment through a shared file
+  system's client caches (``os.makedirs(exist_ok=True)`` fails there: format-spec/
+  durability.md, "On a shared file system").
 - :func:`fsync_dir` and :func:`write_file` (a temporary file, fsync, rename, directory
   fsync; one PUT on an ``s3://`` prefix) for the small files beside checkpoints, such as a
   ``latest`` pointer.
@@ -33,7 +37,7 @@ from typing import Iterable, Tuple, Union
 
 from . import _ckptstore
 
-__all__ = ["publish_dir", "remove_dir", "sweep_leftovers", "fsync_dir", "write_file", "copy_files"]
+__all__ = ["publish_dir", "remove_dir", "sweep_leftovers", "fsync_dir", "make_dirs", "write_file", "copy_files"]
 
 _Path = Union[str, "os.PathLike[str]"]
 
@@ -58,6 +62,12 @@ def sweep_leftovers(parent: _Path) -> int:
 def fsync_dir(path: _Path) -> None:
     """Flush the entries of the directory ``path`` to stable storage."""
     _ckptstore.fsync_dir(os.fspath(path))
+
+
+def make_dirs(path: _Path) -> None:
+    """Make the directory ``path`` and its missing parents (nothing if it is one), each new
+    entry durable; beside other hosts making it at once on a shared file system too."""
+    _ckptstore.make_dirs(os.fspath(path))
 
 
 def write_file(location: _Path, name: str, data: Union[bytes, str]) -> None:

@@ -53,6 +53,20 @@ def pages(n: int) -> int:
     return -(-int(n) // PAGE) * PAGE
 
 
+
+def machine_id() -> str:
+    """This process's machine, as far as a local tier can tell: the kernel's boot id and the
+    network namespace (the ranks of one host share both; separate machines differ in the
+    first, network-namespace hosts on one machine in the second); ``""`` where ``/proc``
+    does not say. Two ranks that see one another's files in their local directory but have
+    different ids share the directory through a network file system."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        return ""
+
 class Usage(NamedTuple):
     """What the local tier holds, as ``du`` counts it: ``total`` bytes (everything under the
     root, the root included), ``steps`` (indexed step -> the bytes of its directory),
@@ -392,7 +406,7 @@ def part_writer(path: str, metadata: dict[Any, Any]) -> Any:
         manifest_metadata: Optional[dict[Any, Any]] = None
 
         def prepare_local_plan(self, plan: Any) -> Any:  # noqa: D401 - DCP protocol
-            os.makedirs(self.path, exist_ok=True)  # every host's own local directory
+            atomic.make_dirs(self.path)  # every host's own local directory
             return plan
 
         def finish(self, metadata: Any, results: Any) -> None:  # noqa: D401 - DCP protocol

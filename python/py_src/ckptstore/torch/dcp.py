@@ -69,7 +69,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _ckptstore, new_checkpoint_id
+from .. import _ckptstore, atomic, new_checkpoint_id
 from .. import commit as _commit
 from ..errors import CheckpointError, InvalidArgumentError, PartError
 from ._dtypes import _to_numpy, _torch, _torch_of, _wire_of
@@ -196,7 +196,7 @@ class Writer(StorageWriter, _Stager):  # type: ignore[misc]
         # make it race through their clients' caches (a negative lookup cached on one host
         # while another made the parent), and fail. Object stores have no directories.
         if "://" not in self.path:
-            os.makedirs(self.path, exist_ok=True)
+            atomic.make_dirs(self.path)
         cid = new_checkpoint_id()
         self.checkpoint_id = cid
         return [

@@ -119,7 +119,7 @@ from ..errors import CheckpointError, InvalidArgumentError
 from . import _sharded as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_budget import BudgetMixin
-from ._tier_local import LocalTier, check_arrival, new_stage, pages, part_writer, save_part, snapshot
+from ._tier_local import LocalTier, check_arrival, machine_id, new_stage, pages, part_writer, save_part, snapshot
 from ._tier_persist import PersistentTier, Persister
 from ._tier_restore import copies_missing, fetch_record, recopy, restore_fast
 from ._tier_wire import Arrival, Progress, bounded, crc_file, discard, transfer, trim_heap, write_fsync
@@ -229,7 +229,13 @@ class CheckpointManager(BudgetMixin):
                 self.timeout, f"rank {self.rank}: making the manager's gloo group",
             )
         self.pg = process_group
-        os.makedirs(local, exist_ok=True)
+        err = None
+        try:
+            # Where local is (by mistake) on a shared file system, every host makes it at once.
+            atomic.make_dirs(local)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            err = _err(self.rank, e)
+        self._agree([err], "making the local tier")
         token = self._bcast(uuid.uuid4().hex if self.rank == 0 else None)
         self.hosts = self._find_hosts(token)
         self.host = next(i for i, g in enumerate(self.hosts) if self.rank in g)
@@ -249,9 +255,20 @@ class CheckpointManager(BudgetMixin):
         self._persistent_view: Optional[PersistentTier] = None  # steps() on the other ranks
         self._persister: Optional[Persister] = None
         err = None
+        if self.persistent is not None and self.rank == 0:
+            try:
+                self._persistent = PersistentTier(self.persistent, persist_keep_last)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                err = _err(self.rank, e)
+        # Rank 0 opened (and so made) the persistent tier's root before any other host opens
+        # it: on a shared file system, hosts that each make it race through their clients'
+        # caches and fail (format-spec/durability.md).
+        if self._bcast(err) is not None:
+            self._agree([err], "opening the tiers")
         try:
             if self.persistent is not None and (self.leader or self.rank == 0):
-                self._persistent = PersistentTier(self.persistent, persist_keep_last)
+                if self._persistent is None:
+                    self._persistent = PersistentTier(self.persistent, persist_keep_last)
                 if self.leader:
                     self._persister = Persister(self._persistent, self._tier, self.rank, self.host, self.world,
                                                 self.timeout)
@@ -317,12 +334,24 @@ class CheckpointManager(BudgetMixin):
         if dist:
             dist.barrier(group=self.pg)
         os.unlink(mark)
-        groups = self._gather(mine)
+        got = self._gather((mine, machine_id()))
+        groups = [g for g, _ in got]
         hosts = sorted({tuple(g) for g in groups})
         if sorted(r for g in hosts for r in g) != list(range(self.world)):
             raise InvalidArgumentError(
                 f"the ranks do not split into hosts by their local directory {self.local!r}: {groups}"
             )
+        for g in hosts:
+            machines = {got[r][1] for r in g} - {""}
+            if len(machines) > 1:
+                # Every rank raises this (each gathered the same): a local tier on a shared file
+                # system would make the job one "host" whose loss loses every copy.
+                raise InvalidArgumentError(
+                    f"the local tier {self.local!r} is shared between machines: ranks {list(g)} see "
+                    f"one another's files there but run on {len(machines)} different machines (boot id "
+                    "and network namespace); a local tier must be each host's own storage (/dev/shm, "
+                    "a local disk), a shared directory is the persistent tier (persistent=)"
+                )
         return [list(g) for g in hosts]
 
     # -- save ----------------------------------------------------------------------------------
@@ -436,6 +465,15 @@ class CheckpointManager(BudgetMixin):
                     self._persistent.gc()
                 except Exception as e:  # noqa: BLE001 - retention retries at the next persist
                     warnings.warn(f"ckptstore: retention in {self.persistent} failed: {e}", stacklevel=2)
+                # The step's directory is made once, here, before any host uploads into it
+                # (after the agreement below): on a shared file system, hosts that each make it
+                # race through their clients' caches and fail (format-spec/durability.md).
+                loc = self._persistent.location(step)
+                if err is None and "://" not in loc:
+                    try:
+                        atomic.make_dirs(loc)
+                    except OSError as e:
+                        err = _err(self.rank, e)
         self._phase(f"step {step}: recorded", self._agree, [err], f"recording step {step}")
 
         if self.leader:

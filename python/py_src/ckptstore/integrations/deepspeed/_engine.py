@@ -189,7 +189,10 @@ class CheckpointEngine(_DSCheckpointEngine):
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         target, rel = self._target(path)
-        os.makedirs(target, exist_ok=exist_ok or rel is not None)
+        if exist_ok or rel is not None:
+            atomic.make_dirs(target)  # every rank makes it: on a shared file system too
+        else:
+            os.makedirs(target)
 
     def save(self, state_dict: Any, path: str) -> None:
         target, rel = self._target(path)
@@ -202,7 +205,7 @@ class CheckpointEngine(_DSCheckpointEngine):
             return
         p = self._pending
         assert p is not None
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        atomic.make_dirs(os.path.dirname(target))
         if self.non_blocking:
             saver = self._savers.get(rel)
             if saver is None:

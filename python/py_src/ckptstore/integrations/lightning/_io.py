@@ -106,7 +106,7 @@ class CheckpointIO(_lio.CheckpointIO):
         location = _location(path)
         if not _is_remote(location):
             parent = os.path.dirname(os.path.abspath(_local(location)))
-            os.makedirs(parent, exist_ok=True)
+            atomic.make_dirs(parent)
         self.saves += 1
         if not self.async_save:
             save_tree(

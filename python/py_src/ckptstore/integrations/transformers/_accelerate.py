@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional
 
+from ... import atomic
 from ... import open as _open
 from ...errors import InvalidArgumentError
 from ._checkpoint import _naming, _read_tree, _restore, _rng_state, _set_rng_state, save_checkpoint
@@ -62,7 +63,7 @@ def save_state(
         "custom": [o.state_dict() for o in accelerator._custom_objects],
         "rng": [_rng_state()],
     }
-    os.makedirs(output_dir, exist_ok=True)
+    atomic.make_dirs(output_dir)
     save_checkpoint(
         output_dir,
         model,

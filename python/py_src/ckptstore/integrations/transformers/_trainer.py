@@ -170,7 +170,7 @@ class Trainer(transformers.Trainer):
     def _ckptstore_write(
         self, run_dir: str, name: str, final: str, state_text: str, rng: Any, full: bool
     ) -> None:
-        os.makedirs(run_dir, exist_ok=True)
+        atomic.make_dirs(run_dir)
         remove_leftovers(run_dir)
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         config = getattr(model, "config", None)
