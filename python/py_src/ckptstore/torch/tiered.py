@@ -76,6 +76,14 @@ the process's own, the tmpfs must be sized above the budget (a warning at start 
 Docker's default ``/dev/shm`` is 64 MiB: ``--shm-size``), and a reboot empties it (the
 persistent tier is what survives one).
 
+**Hosts** are found from the local tier: the ranks that see one another's marker files in
+``local`` are one host. ``local`` must be each host's own storage; where it is a directory of
+a shared file system (the same files seen from several machines, which would make them one
+"host" whose loss loses every copy), every rank refuses it at start
+(:class:`~ckptstore.errors.InvalidArgumentError`). A shared directory is for ``persistent``:
+rank 0 makes its root and each step's directory, the hosts upload into it, rank 0 commits
+(format-spec/durability.md, "On a shared file system").
+
 **Restore** (every rank, any world size): each host's first rank scans its local tier
 (every indexed step: its record's summary, which ranks' files are present with the recorded
 size); the ranks all-gather that with rank 0's list of committed persistent steps and try, newest first, a
