@@ -14,6 +14,8 @@ upcalls). Skipped, with the reason, where GlusterFS or namespaces are missing, u
 - The tiered manager (test_tiers.py's jobs) with its persistent tier on the volume: saved,
   persisted, every local tier lost, restored from the volume bit-identical.
 - The tiered manager with its local tier on the volume by mistake: refused on every rank.
+- A host lost in the middle of a save (its brick with it): the survivors raise, nothing is
+  committed, and a restart on the two others restores the step before, bit-identical.
 
 Each job runs this file as a script (``python test_sharedfs.py job NAME SHARED``).
 """
@@ -35,10 +37,9 @@ HERE = Path(__file__).resolve()
 JOB_S = 240  # upper bound for one torch job on a loaded 2-core machine (a failure bound only)
 
 
-@pytest.fixture
-def volume(make_cluster):
-    """A 3-host cluster and a GlusterFS volume across its hosts, mounted in each at the
-    same path (``SHAREDFS`` in every job's environment)."""
+def new_volume(make_cluster, **kw):
+    """A 3-host cluster and a GlusterFS volume across its hosts (``kw``: gluster_hosts.Volume's
+    options), mounted in each at the same path (``SHAREDFS`` in every job's environment)."""
     import gluster_hosts as gl
 
     why = gl.skip_reason()
@@ -47,8 +48,14 @@ def volume(make_cluster):
             pytest.fail(f"GlusterFS cannot run here (CKPT_REQUIRE_GLUSTER is set): {why}")
         pytest.skip(f"GlusterFS cannot run here: {why}")
     c = make_cluster(3)
-    v = gl.Volume(c, [0, 1, 2], c.base / "gluster", str(c.base / "sharedfs"))
+    v = gl.Volume(c, [0, 1, 2], c.base / "gluster", str(c.base / "sharedfs"), **kw)
     return c, v
+
+
+@pytest.fixture
+def volume(make_cluster):
+    """:func:`new_volume` with the NFS-like client caches."""
+    return new_volume(make_cluster)
 
 
 def on(c, i, code: str):
@@ -126,6 +133,32 @@ def test_tiered_persistent_tier_on_the_volume_restores_when_every_local_tier_is_
     assert listing == "['step-00000002']", listing
 
 
+def test_a_host_lost_mid_save_leaves_the_last_whole_step_which_two_hosts_restore(make_cluster):
+    """Step 2 saved on 3 hosts; step 3's save holds host 2 after its shards, before its part
+    descriptor (the engine's pause seam), and host 2 is lost there (link down, every process
+    killed: its brick and its client with it). The volume keeps its quorum (2 of 3 bricks;
+    ``network.ping-timeout`` 3 s, as a job on a shared file system would set it); the two
+    survivors raise (the coordinator never gets rank 2's part: nothing of step 3 is
+    committed). A restart on hosts 0 and 1 takes the newest step that opens whole, decided
+    by its rank 0 (step 2), and restores it bit-identical."""
+    import gluster_hosts as gl
+
+    needs_torch()
+    c, v = new_volume(make_cluster, options={**gl.NFS_LIKE, "network.ping-timeout": "3"})
+    assert [o["saved"] for o in results(job(c, v, "save"))] == [True] * 3
+    j = job(c, v, "save_held")
+    assert nc.wait_file(c.shared / "before-part", JOB_S), j.tails()
+    c.lose_host(2)
+    assert j.wait(timeout=JOB_S, ranks=[0, 1]) == [0, 0], j.tails()
+    for r in (0, 1):
+        o = nc.job_result(j.output(r))
+        assert o is not None and o["raised"] is not None, j.tails()
+    out = results(job(c, v, "restart", hosts=[0, 1]))
+    for o in out:
+        assert o["step"] == 2 and o["step3"] == "CheckpointNotFoundError", out
+        assert o["differ"] == [] and o["compared"] > 0 and o["extra"] == {"step": 2}, out
+
+
 def test_a_local_tier_on_the_volume_is_refused_on_every_rank(volume):
     """The tiered manager's local tier pointed at the shared volume by mistake: the three
     hosts see one another's marker files there, which made them one "host" (whose loss loses
@@ -152,7 +185,9 @@ def _job_main(name: str, shared: str) -> None:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # A job that loses a host fails its collectives at this timeout (no FIN comes back).
+    timeout = timedelta(seconds=20 if name == "save_held" else 120)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     path = os.path.join(os.environ["SHAREDFS"], "ck", "step2")
     expect = Path(shared) / "expect.pt"
     if name == "save":
@@ -163,14 +198,40 @@ def _job_main(name: str, shared: str) -> None:
         if rank == 0:
             torch.save(full, expect)
         nc._result({"saved": True})
-    elif name == "load":
+    elif name == "save_held":
+        if os.environ["CLUSTER_HOST"] == "2":  # held after its shards, before its part
+            os.environ["CKPTSTORE_TEST_PAUSE"] = "before-part"
+            os.environ["CKPTSTORE_TEST_PAUSE_DIR"] = shared
+        m, o = nc._fsdp_model(world, seed=0)
+        nc._fsdp_train(m, o, 1, 3, rank)
+        try:
+            cd.save(path.replace("step2", "step3"), m, o, extra={"step": 3})
+            nc._result({"raised": None})
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            nc._result({"raised": type(e).__name__, "msg": str(e)[:400]})
+        sys.stdout.flush()
+        os._exit(0)  # no exit_together: host 2 is gone
+    elif name in ("load", "restart"):
+        import ckptstore
+        from ckptstore.torch.internal import decided_once
+
+        def opens(s: int):
+            try:
+                ckptstore.open(path.replace("step2", f"step{s}"))
+                return None
+            except Exception as e:  # noqa: BLE001 - its name is the answer
+                return type(e).__name__
+
+        step = 2
+        if name == "restart":  # the newest step that opens whole, as rank 0 sees the volume
+            step = decided_once(lambda: next((s for s in (3, 2) if opens(s) is None), None), what="the newest step")
         m, o = nc._fsdp_model(world, seed=1)
         nc._fsdp_train(m, o, 1, 1, rank)
-        extra = cd.load(path, m, o)
+        extra = cd.load(path.replace("step2", f"step{step}"), m, o)
         got, want = nc._fsdp_gather(m, o), torch.load(expect)
         differ = sorted(set(got) ^ set(want)) + sorted(
             k for k in set(got) & set(want) if not torch.equal(nc._bits(got[k]), nc._bits(want[k])))
-        nc._result({"differ": differ, "compared": len(want), "extra": extra})
+        nc._result({"differ": differ, "compared": len(want), "extra": extra, "step": step, "step3": opens(3)})
     elif name == "local_on_volume":
         from ckptstore.torch.tiered import CheckpointManager
 
