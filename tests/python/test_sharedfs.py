@@ -14,6 +14,7 @@ upcalls). Skipped, with the reason, where GlusterFS or namespaces are missing, u
 - The tiered manager (test_tiers.py's jobs) with its persistent tier on the volume: saved,
   persisted, every local tier lost, restored from the volume bit-identical.
 - The tiered manager with its local tier on the volume by mistake: refused on every rank.
+- The file rendezvous commit, its committer's cache holding the other parts as missing.
 - A host lost in the middle of a save (its brick with it): the survivors raise, nothing is
   committed, and a restart on the two others restores the step before, bit-identical.
 
@@ -159,6 +160,28 @@ def test_a_host_lost_mid_save_leaves_the_last_whole_step_which_two_hosts_restore
         assert o["differ"] == [] and o["compared"] > 0 and o["extra"] == {"step": 2}, out
 
 
+def test_the_file_rendezvous_commits_though_the_committer_cached_every_part_as_missing(volume):
+    """The file rendezvous (``ckptstore.commit(world_size=, timeout=)``) on the volume: host 0
+    writes its part, then looks up the other two parts' names before they exist (its client
+    now caches them as missing, 10 s at least), and only then do hosts 1 and 2 write theirs;
+    looked up again, they are still missing there (measured). The commit, started after both
+    were written, with an 8 s timeout, sees them by listing the directory (a new name shows in
+    a listing at once) and commits; hosts 1 and 2 open the checkpoint, verify every CRC and
+    read the tensor the three parts tiled. A rendezvous that looked the parts up by name
+    would have waited past its timeout for names its cache said were missing."""
+    import uuid
+
+    c, v = volume
+    cid = uuid.uuid4().hex
+    out = results(c.start([sys.executable, str(HERE), "job", "rendezvous", str(c.shared)],
+                          env={"SHAREDFS": v.mount, "CID": cid}))
+    assert out[0]["missed"][:2] == [False, False] and out[0]["error"] is None, out
+    for i in (1, 2):
+        got = on(c, i, f"import ckptstore; ck = ckptstore.open('{v.mount}/rv'); ck.verify(); "
+                       f"print(ck['w'].ravel().tolist(), ck.checkpoint_id)")
+        assert got == f"{[float(x) for x in range(24)]} {cid}", got
+
+
 def test_a_local_tier_on_the_volume_is_refused_on_every_rank(volume):
     """The tiered manager's local tier pointed at the shared volume by mistake: the three
     hosts see one another's marker files there, which made them one "host" (whose loss loses
@@ -176,8 +199,41 @@ def test_a_local_tier_on_the_volume_is_refused_on_every_rank(volume):
 # ---- the jobs (run in the hosts) -----------------------------------------------------------
 
 
+def _rendezvous_job(rank: int, shared: str) -> None:
+    import ckptstore
+    import numpy as np
+
+    d, cid = os.path.join(os.environ["SHAREDFS"], "rv"), os.environ["CID"]
+    full = np.arange(24, dtype=np.float32).reshape(6, 4)
+    part = {"w": ckptstore.Chunk(full[2 * rank:2 * rank + 2], (6, 4), (2 * rank, 0))}
+    ready = Path(shared) / "rv-ready"
+    if rank == 0:
+        os.mkdir(d)
+        ckptstore.write_part(d, cid, 0, part)
+        missed = [os.path.exists(os.path.join(d, f"part-{cid}-r{r}.json")) for r in (1, 2)]
+        ready.write_text("1")
+        for r in (1, 2):  # the commit starts once every part is written
+            assert nc.wait_file(Path(shared) / f"rv-wrote-{r}", JOB_S)
+        # What this host's cache says now (measured: missing, both; not asserted, as it ages).
+        missed += [os.path.exists(os.path.join(d, f"part-{cid}-r{r}.json")) for r in (1, 2)]
+        try:
+            ckptstore.commit(d, cid, world_size=3, timeout=8)
+            nc._result({"missed": missed, "error": None})
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            nc._result({"missed": missed, "error": f"{type(e).__name__}: {e}"})
+    else:
+        assert nc.wait_file(ready, JOB_S)
+        ckptstore.write_part(d, cid, rank, part)
+        (Path(shared) / f"rv-wrote-{rank}").write_text("1")
+        nc._result({"wrote": True})
+
+
 def _job_main(name: str, shared: str) -> None:
     from datetime import timedelta
+
+    if name == "rendezvous":  # no process group: the file rendezvous alone
+        _rendezvous_job(int(os.environ["RANK"]), shared)
+        return
 
     import ckptstore.torch.distributed as cd
     import torch
