@@ -112,6 +112,17 @@ class Volume:
             self.g(i, "mount", "-t", "glusterfs", "-o", "log-file=/var/log/glusterfs/mnt.log",
                    f"{c.addr(i)}:/{VOLUME}", mount, cli=False)
 
+    def mount_client(self, i: int, server: int) -> None:
+        """Mount the volume in host i, a host without a brick or a daemon (one made by
+        ``c.replace_host`` after a loss, say), from host ``server``'s daemon (the others
+        listed as backups): a fresh client, with cold caches."""
+        c = self.c
+        backups = ":".join(c.addr(h) for h in self.hosts if h not in (i, server))
+        log = self.work / f"client-h{i}.log"
+        c.hold_mounts(i, 'set -e\nmount -t glusterfs -o "log-file=$1,backup-volfile-servers=$2" "$3:/' + VOLUME
+                      + '" "$4"', str(log), backups, c.addr(server), self.mount, ready=self.mount,
+                      timeout=self.timeout)
+
     def g(self, i: int, *args: str, cli: bool = True, check: bool = True):
         """Run ``gluster --mode=script args`` (``cli``) or ``args`` in host i's holder."""
         argv = ["gluster", "--mode=script", *args] if cli else list(args)

@@ -16,7 +16,8 @@ upcalls). Skipped, with the reason, where GlusterFS or namespaces are missing, u
 - The tiered manager with its local tier on the volume by mistake: refused on every rank.
 - The file rendezvous commit, its committer's cache holding the other parts as missing.
 - A host lost in the middle of a save (its brick with it): the survivors raise, nothing is
-  committed, and a restart on the two others restores the step before, bit-identical.
+  committed, and a restart on a survivor and a new host restores the step before,
+  bit-identical.
 
 Each job runs this file as a script (``python test_sharedfs.py job NAME SHARED``).
 """
@@ -134,14 +135,15 @@ def test_tiered_persistent_tier_on_the_volume_restores_when_every_local_tier_is_
     assert listing == "['step-00000002']", listing
 
 
-def test_a_host_lost_mid_save_leaves_the_last_whole_step_which_two_hosts_restore(make_cluster):
+def test_a_host_lost_mid_save_leaves_the_last_whole_step_for_a_restart_with_a_new_host(make_cluster):
     """Step 2 saved on 3 hosts; step 3's save holds host 2 after its shards, before its part
     descriptor (the engine's pause seam), and host 2 is lost there (link down, every process
     killed: its brick and its client with it). The volume keeps its quorum (2 of 3 bricks;
     ``network.ping-timeout`` 3 s, as a job on a shared file system would set it); the two
     survivors raise (the coordinator never gets rank 2's part: nothing of step 3 is
-    committed). A restart on hosts 0 and 1 takes the newest step that opens whole, decided
-    by its rank 0 (step 2), and restores it bit-identical."""
+    committed). Host 2 is replaced by a new machine that mounts the volume as a client
+    (cold caches). A restart on hosts 1 and 2 takes the newest step that opens whole,
+    decided by its rank 0 (step 2), and restores it bit-identical."""
     import gluster_hosts as gl
 
     needs_torch()
@@ -154,7 +156,9 @@ def test_a_host_lost_mid_save_leaves_the_last_whole_step_which_two_hosts_restore
     for r in (0, 1):
         o = nc.job_result(j.output(r))
         assert o is not None and o["raised"] is not None, j.tails()
-    out = results(job(c, v, "restart", hosts=[0, 1]))
+    c.replace_host(2)
+    v.mount_client(2, server=0)
+    out = results(job(c, v, "restart", hosts=[1, 2]))
     for o in out:
         assert o["step"] == 2 and o["step3"] == "CheckpointNotFoundError", out
         assert o["differ"] == [] and o["compared"] > 0 and o["extra"] == {"step": 2}, out
