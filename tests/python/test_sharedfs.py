@@ -12,7 +12,8 @@ upcalls). Skipped, with the reason, where GlusterFS or namespaces are missing, u
   coordinator alone, every rank's ``os.makedirs`` raced the others' through the caches and
   failed: ``FileNotFoundError``.)
 - The tiered manager (test_tiers.py's jobs) with its persistent tier on the volume: saved,
-  persisted, every local tier lost, restored from the volume bit-identical.
+  persisted, a host lost and replaced and every local tier lost: restored from the volume
+  bit-identical; a byte of the persisted copy flipped: the same error on every rank.
 - The tiered manager with its local tier on the volume by mistake: refused on every rank.
 - The file rendezvous commit, its committer's cache holding the other parts as missing.
 - A host lost in the middle of a save (its brick with it): the survivors raise, nothing is
@@ -111,28 +112,52 @@ def test_distributed_save_from_three_hosts_loads_on_two_others_bit_identical(vol
         assert o["differ"] == [] and o["compared"] > 0, out
 
 
-def test_tiered_persistent_tier_on_the_volume_restores_when_every_local_tier_is_gone(volume):
+def test_tiered_persistent_tier_on_the_volume_with_a_host_lost_then_a_damaged_copy(make_cluster):
     """The tiered manager of test_tiers.py (3 hosts, ``replicas=1``, ``persist_every=2``)
     with its persistent tier on the volume: steps 1-3 saved, step 2 persisted by every
-    host's first rank; then every host's local tier lost (the hosts and the volume stay):
-    every rank restores step 2 from the volume, bit-identical. (Before rank 0 alone made
-    the tier's root and each step's directory, the hosts' first ranks made both at once,
-    raced through their caches and failed with ``File exists``.)"""
+    host's first rank (rank 0 made the tier's root and the step's directory; before, the
+    hosts made both at once, raced through their caches and failed with ``File exists``).
+    Then host 1 is lost (its brick with it; ``network.ping-timeout`` 3 s) and replaced by a
+    new machine that mounts the volume as a client, and every local tier is gone: every
+    rank restores step 2 from the volume, bit-identical. Then one byte of a persisted shard
+    is flipped on the volume: every rank raises the same error naming the damage, its state
+    unchanged."""
+    import gluster_hosts as gl
+
     needs_torch()
-    c, v = volume
+    c, v = new_volume(make_cluster, options={**gl.NFS_LIKE, "network.ping-timeout": "3"})
     tiers = HERE.with_name("test_tiers.py")
     env = {"TIERS_PERSISTENT": f"{v.mount}/persistent", "SHAREDFS": v.mount}
-    results(c.start([sys.executable, str(tiers), "job", "save", str(c.shared)], env=env))
-    for i in range(3):
+
+    def tiers_job(name):
+        return c.start([sys.executable, str(tiers), "job", name, str(c.shared)], env=env)
+
+    results(tiers_job("save"))
+    listing = on(c, 2, f"import os; print(sorted(n for n in os.listdir('{v.mount}/persistent') if n[0] != '.'))")
+    assert listing == "['step-00000002']", listing
+    c.lose_host(1, wipe_local=True)
+    c.replace_host(1)
+    v.mount_client(1, server=0)
+    for i in (0, 2):
         for p in c.local_dir(i).iterdir():
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    out = results(c.start([sys.executable, str(tiers), "job", "restore", str(c.shared)], env=env))
+    out = results(tiers_job("restore"))
     for o in out:
         assert o["step"] == 2 and o["tier"] == "persistent", out
         assert o["differ"] == [] and o["compared"] > 0 and o["extra"] == {"step": 2}, out
         assert o["warnings"] == [], o  # no host remembers step 3: step 2 is the newest known
-    listing = on(c, 2, f"import os; print(sorted(n for n in os.listdir('{v.mount}/persistent') if n[0] != '.'))")
-    assert listing == "['step-00000002']", listing
+    shard = on(c, 0, f"import glob; print(sorted(glob.glob('{v.mount}/persistent/step-00000002/shard-*'))[0])")
+    on(c, 0, f"f = open('{shard}', 'r+b'); f.seek(-1, 2); b = f.read(1); f.seek(-1, 2); "
+             f"f.write(bytes([b[0] ^ 0x40])); f.close()")
+    for i in range(3):
+        for p in c.local_dir(i).iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out = results(tiers_job("restore-or-error"))
+    assert len({tuple(o["error"]) for o in out}) == 1, out  # the same error on every rank
+    for o in out:
+        assert o["error"][0] == "CheckpointError" and "no step can be restored" in o["error"][1], o
+        assert "step 2: persistent tier" in o["error"][1] and "checksum mismatch in tensor" in o["error"][1], o
+        assert o["unchanged"] is True, o
 
 
 def test_a_host_lost_mid_save_leaves_the_last_whole_step_for_a_restart_with_a_new_host(make_cluster):

@@ -477,6 +477,17 @@ def _job_main(name: str, shared: str) -> None:
         m, o = nc._fsdp_model(world, seed=1)
         nc._fsdp_train(m, o, 7, 1, rank)  # a state of its own, to be replaced whole
         nc._result(_restore(m, o))
+    elif name == "restore-or-error":  # the restore, or the error every rank raised and the state it left
+        m, o = nc._fsdp_model(world, seed=1)
+        nc._fsdp_train(m, o, 7, 1, rank)
+        before = nc._fsdp_gather(m, o)
+        try:
+            nc._result(_restore(m, o))
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            after = nc._fsdp_gather(m, o)
+            same = sorted(before) == sorted(after) and all(
+                torch.equal(nc._bits(before[k]), nc._bits(after[k])) for k in before)
+            nc._result({"error": [type(e).__name__, str(e)], "unchanged": same})
     elif name == "restore-b":  # the state the "resave" job saved
         m, o = nc._fsdp_model(world, seed=1)
         nc._result(_restore(m, o, expect="expect-{step}b.pt"))
