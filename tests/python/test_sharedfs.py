@@ -15,7 +15,9 @@ upcalls). Skipped, with the reason, where GlusterFS or namespaces are missing, u
   persisted, a host lost and replaced and every local tier lost: restored from the volume
   bit-identical; a byte of the persisted copy flipped: the same error on every rank.
 - The tiered manager with its local tier on the volume by mistake: refused on every rank.
-- The file rendezvous commit, its committer's cache holding the other parts as missing.
+- The file rendezvous commit, its committer's cache holding the other parts as missing;
+  ``ckpt verify`` and ``ckpt consolidate`` of it from the other hosts.
+- ``ckpt gc`` on one host beside a reader's lease on another.
 - A host lost in the middle of a save (its brick with it): the survivors raise, nothing is
   committed, and a restart on a survivor and a new host restores the step before,
   bit-identical.
@@ -26,6 +28,7 @@ Each job runs this file as a script (``python test_sharedfs.py job NAME SHARED``
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -209,6 +212,46 @@ def test_the_file_rendezvous_commits_though_the_committer_cached_every_part_as_m
         got = on(c, i, f"import ckptstore; ck = ckptstore.open('{v.mount}/rv'); ck.verify(); "
                        f"print(ck['w'].ravel().tolist(), ck.checkpoint_id)")
         assert got == f"{[float(x) for x in range(24)]} {cid}", got
+    # The shell tools from other hosts: verify on host 1, consolidate on host 2, read on host 0.
+    bin_ = os.environ.get("CKPT_BIN") or str(HERE.parents[2] / "target" / "release" / "ckpt")
+    r = c.run(1, [bin_, "verify", f"{v.mount}/rv"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = c.run(2, [bin_, "consolidate", f"{v.mount}/rv", "--out", f"{v.mount}/rv-whole"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = on(c, 0, f"import ckptstore; print(ckptstore.open('{v.mount}/rv-whole')['w'].ravel().tolist())")
+    assert got == str([float(x) for x in range(24)]), got
+
+
+def test_ckpt_gc_on_one_host_keeps_the_step_a_reader_on_another_host_holds(volume):
+    """A manager root on the volume (steps 1-3 saved from host 0). Host 1 holds a lease on
+    step 1 (a shared lock on the step's lock file; GlusterFS holds such locks across
+    clients); ``ckpt gc --keep 1`` on host 2 deletes step 2 and keeps step 1 as in use; once
+    host 1 lets go, the next gc deletes it. Step 3 stays and verifies from host 1."""
+    c, v = volume
+    bin_ = os.environ.get("CKPT_BIN") or str(HERE.parents[2] / "target" / "release" / "ckpt")
+    root = f"{v.mount}/mgr"
+    on(c, 0, "import ckptstore, numpy as np; m = ckptstore.CheckpointManager('" + root + "')\n"
+             "for s in (1, 2, 3): m.save(s, {'w': np.full(64, s, np.float32)})")
+    held, release = c.shared / "lease-held", c.shared / "lease-release"
+    reader = c.popen(1, [sys.executable, "-c",
+                         "import ckptstore, os, sys, time\n"
+                         f"with ckptstore.CheckpointManager('{root}').lease(1):\n"
+                         f"    open('{held}', 'w').close()\n"
+                         f"    while not os.path.exists('{release}'): time.sleep(0.02)\n"])
+    try:
+        assert nc.wait_file(held, JOB_S), "the reader on host 1 never held step 1"
+        r = c.run(2, [bin_, "gc", root, "--keep", "1", "--json"])
+        assert r.returncode == 0, r.stdout + r.stderr
+        got = json.loads(r.stdout)
+        assert got["deleted"] == [2] and got["in_use"] == [1], got
+    finally:
+        release.write_text("1")
+        reader.wait(timeout=JOB_S)
+    assert reader.returncode == 0
+    r = c.run(2, [bin_, "gc", root, "--keep", "1", "--json"])
+    assert r.returncode == 0 and json.loads(r.stdout)["deleted"] == [1], r.stdout + r.stderr
+    assert c.run(1, [bin_, "verify", f"{root}/step-00000003"]).returncode == 0
+    assert on(c, 0, f"import ckptstore; print(ckptstore.CheckpointManager('{root}').steps())") == "[3]"
 
 
 def test_a_local_tier_on_the_volume_is_refused_on_every_rank(volume):
