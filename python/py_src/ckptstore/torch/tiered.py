@@ -476,12 +476,14 @@ class CheckpointManager(BudgetMixin):
                 # The step's directory is made once, here, before any host uploads into it
                 # (after the agreement below): on a shared file system, hosts that each make it
                 # race through their clients' caches and fail (format-spec/durability.md).
+                # Where it cannot be made, the persist fails on it in turn and is raised by
+                # ``wait`` (the step stands in the fast tier), as any failed persist.
                 loc = self._persistent.location(step)
                 if err is None and "://" not in loc:
                     try:
                         atomic.make_dirs(loc)
-                    except OSError as e:
-                        err = _err(self.rank, e)
+                    except OSError:
+                        pass
         self._phase(f"step {step}: recorded", self._agree, [err], f"recording step {step}")
 
         if self.leader:
