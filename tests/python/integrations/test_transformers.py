@@ -686,3 +686,23 @@ def test_accelerate_save_state_load_state(tmp_path):
     assert sched.state_dict()["last_epoch"] == want[1]
     assert torch.equal(torch.random.get_rng_state(), want[2])
     assert isinstance(acc, accelerate.Accelerator)
+
+
+def test_resume_true_takes_the_newest_checkpoint_as_a_path_or_raises_the_trainers_error(ref, tmp_path, monkeypatch):
+    """``resume_from_checkpoint=True``: the newest committed checkpoint is chosen once (by the
+    first rank, ``decided_once``; here the only one) and handed to the Trainer as a path, so
+    the stock ``get_last_checkpoint`` inside ``Trainer.train`` is never asked again (on a
+    shared file system another rank's caches could answer otherwise). An output directory
+    without one raises the Trainer's own error."""
+    out = copy_checkpoint(ref, tmp_path)
+    asked = []
+    monkeypatch.setattr(transformers.trainer, "get_last_checkpoint",
+                        lambda d: asked.append(d) or pytest.fail("the Trainer chose the checkpoint itself"))
+    trainer = tt.make_trainer(str(out), 8, 4)
+    trainer.train(resume_from_checkpoint=True)
+    assert asked == [] and trainer.state.global_step == 8
+    assert_same(tt.dump(trainer), ref["dump"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"No valid checkpoint found in output directory ({empty})")):
+        tt.make_trainer(str(empty), 8, 4).train(True)

@@ -18,7 +18,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 from ... import atomic
 from ... import open as _open
 from ...errors import CorruptCheckpointError
-from ...torch.internal import AsyncSaver, Handle, to_numpy
+from ...torch.internal import AsyncSaver, Handle, decided_once, to_numpy
 from .._common import fsync_file, pause_point, remove_leftovers, staging_name
 from .._tree import prepare_any
 from ._checkpoint import (
@@ -220,6 +220,20 @@ class Trainer(transformers.Trainer):
             self._ckptstore_saver.wait()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        if (args[0] if args else kwargs.get("resume_from_checkpoint")) is True:
+            # The newest checkpoint is chosen by the first rank and handed to the others (as
+            # a path: the Trainer then looks no further): on a shared file system another
+            # host's caches may show an older listing, and ranks would resume apart.
+            from transformers.trainer_utils import get_last_checkpoint
+
+            out_dir = self.args.output_dir
+            last = decided_once(lambda: get_last_checkpoint(out_dir), what=f"the last checkpoint in {out_dir}")
+            if last is None:  # the Trainer's own error, on every rank
+                raise ValueError(f"No valid checkpoint found in output directory ({out_dir})")
+            if args:
+                args = (last, *args[1:])
+            else:
+                kwargs["resume_from_checkpoint"] = last
         try:
             out = super().train(*args, **kwargs)
         except BaseException:
