@@ -18,6 +18,7 @@ upcalls). Skipped, with the reason, where GlusterFS or namespaces are missing, u
 - The file rendezvous commit, its committer's cache holding the other parts as missing;
   ``ckpt verify`` and ``ckpt consolidate`` of it from the other hosts.
 - ``ckpt gc`` on one host beside a reader's lease on another.
+- Nothing left behind when the cluster closes (daemons, mounts, bricks, namespaces).
 - A host lost in the middle of a save (its brick with it): the survivors raise, nothing is
   committed, and a restart on a survivor and a new host restores the step before,
   bit-identical.
@@ -266,6 +267,42 @@ def test_a_local_tier_on_the_volume_is_refused_on_every_rank(volume):
         assert f"the local tier '{v.mount}/tiers-local' is shared between machines" in o["error"][1], o
         assert "ranks [0, 1, 2]" in o["error"][1] and "3 different machines" in o["error"][1], o
     assert on(c, 0, f"import os; print(os.listdir('{v.mount}/tiers-local'))") == "[]"  # markers gone
+
+
+def test_closing_the_cluster_leaves_no_daemon_mount_brick_or_namespace(make_cluster):
+    """What the fixtures do after every test, passed or failed (``c.close``): with the volume
+    in use (a host lost and a new one mounted as a client among them), no glusterd,
+    glusterfsd or client process, no mount, no brick directory and no namespace is left."""
+    import subprocess
+
+    c, v = new_volume(make_cluster)
+    on(c, 0, f"open('{v.mount}/x', 'w').write('in use')")
+    c.lose_host(2)
+    c.replace_host(2)
+    v.mount_client(2, server=0)
+    assert on(c, 2, f"print(open('{v.mount}/x').read())") == "in use"
+    base, names = str(c.base), [h.ns for h in c.hosts]
+    c.close()
+
+    def leftovers():
+        procs = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if base in cmd:
+                procs.append(cmd)
+        mounts = [ln for ln in open("/proc/self/mountinfo") if base in ln]
+        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return procs, mounts, [n for n in names if n in netns], os.path.exists(base)
+
+    import time
+
+    end = time.monotonic() + 10  # killed processes are reaped by their parent (a failure bound)
+    while leftovers() != ([], [], [], False) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert leftovers() == ([], [], [], False)
 
 
 # ---- the jobs (run in the hosts) -----------------------------------------------------------
