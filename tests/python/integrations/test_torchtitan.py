@@ -182,6 +182,31 @@ def test_steps_of_torchtitans_own_manager_resume_and_count_for_keep_latest_k(tmp
     assert fresh.train_state.step == 0
 
 
+def test_a_data_loader_with_an_empty_state_resumes_from_stock_and_own_steps(tmp_path):
+    """Issue 53: TorchTitan's own checkpoint tests use a data loader whose ``state_dict()``
+    is ``{}``; its manager saves nothing for it and resumes such a step. So does ckptstore's:
+    a stock step 2 after the switch (before: "the checkpoint holds no state 'dataloader'"),
+    then its own step 4, each bit-identical to the run that saved it, the data loader handed
+    its empty state as DCP hands it."""
+    ck = str(tmp_path / "ck")
+    stock = tj.build(ck, stock=True, empty_dataloader=True, steps=STEPS)
+    stock.model.use_late = True  # TorchTitan's manager cannot resume a parameter without state
+    tj.train(stock, 2)
+    stock.checkpointer.close()
+    assert sorted(os.listdir(ck)) == ["step-2"]
+    job = tj.build(ck, empty_dataloader=True, steps=STEPS)
+    job.model.use_late = True
+    assert job.checkpointer.load() and job.checkpointer.loaded_step == 2
+    assert job.dataloader.loaded == 1
+    assert_same(state_of(tj.snapshot(job)), state_of(tj.snapshot(stock)))
+    tj.train(job, 4, load=False)
+    job.checkpointer.close()
+    again = tj.build(ck, empty_dataloader=True, steps=STEPS)
+    again.model.use_late = True
+    assert again.checkpointer.load() and again.checkpointer.loaded_step == 4
+    assert_same(state_of(tj.snapshot(again)), state_of(tj.snapshot(job)))
+
+
 def test_stock_dcp_metadata_naming_other_globals_is_refused(tmp_path):
     """DCP's ``.metadata`` is a pickle: a stock step whose metadata names a global DCP
     metadata is not made of is refused (PickleNotAllowedError) before anything changes,

@@ -80,6 +80,20 @@ class Tokens(IterableDataset, Stateful):
         self.i = sd["i"]
 
 
+class NoStateDataloader(ParallelAwareDataloader):
+    """A data loader with no state to keep (``state_dict()`` is ``{}``), as the dummy data
+    loader of TorchTitan's checkpoint tests; ``loaded`` counts its ``load_state_dict`` calls."""
+
+    loaded = 0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        assert sd == {}, sd
+        self.loaded += 1
+
+
 class TrainState(Stateful):
     def __init__(self) -> None:
         self.step = 0
@@ -138,6 +152,7 @@ def build(
     export_dtype: str = "float32",
     optimizer: str = "AdamW",
     stock: bool = False,
+    empty_dataloader: bool = False,
     **checkpoint_config: Any,
 ) -> Job:
     torch.manual_seed(0)
@@ -159,7 +174,9 @@ def build(
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_type="cosine").build(
         optimizers=optimizers, training_steps=steps
     )
-    dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
+    # ``empty_dataloader``: a data loader whose state_dict() is {} (TorchTitan's own tests').
+    loader_class = NoStateDataloader if empty_dataloader else ParallelAwareDataloader
+    dataloader = loader_class(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
     train_state = TrainState()
     # ``stock``: TorchTitan's own manager (DCP, ``step-N``), the job before its switch.
     config_class = StockCheckpointManager.Config if stock else CheckpointManager.Config

@@ -86,6 +86,17 @@ class _StepWriter(Writer):
         super().finish(metadata, results)
 
 
+def _holds_nothing(component: Any) -> bool:
+    """Whether ``component``'s state (its ``state_dict()``, else itself) flattens to no entry:
+    dicts all the way down, none holding a value."""
+
+    def empty(x: Any) -> bool:
+        return isinstance(x, dict) and all(empty(v) for v in x.values())
+
+    sd = component.state_dict() if callable(getattr(component, "state_dict", None)) else component
+    return empty(sd)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -495,7 +506,10 @@ class CheckpointManager(BaseCheckpointManager):
             def held(k: str) -> bool:
                 return any(n == k or n.startswith(k + ".") for n in stored)
 
-            absent = [k for k in parts if not held(k)]
+            # A component whose state holds nothing (a data loader whose state_dict() is {},
+            # as in TorchTitan's own tests) left nothing in the step: DCP loads it as it is,
+            # and so does this (TorchTitan's manager resumes such a step).
+            absent = [k for k in parts if not held(k) and not _holds_nothing(states[k])]
             if absent and not any(held(k) for k in parts):
                 raise CheckpointError(
                     f"{path}: a model-only export of TorchTitan's own manager; load an earlier "
@@ -578,7 +592,7 @@ class CheckpointManager(BaseCheckpointManager):
         keys = [k for k in live if k not in enc.tensors] if isinstance(live, dict) else []
         if not isinstance(skeleton, dict):
             raise CheckpointError(f"{path}: the stored state is not an object")
-        absent = [k for k in keys if k not in skeleton and live[k] is not None]
+        absent = [k for k in keys if k not in skeleton and live[k] is not None and not _holds_nothing(live[k])]
         if absent:
             raise CheckpointError(f"{path}: the checkpoint holds no state {absent[0]!r}")
         # Decode before anything is read, so that a refused value changes nothing.
