@@ -53,8 +53,8 @@ pub fn publish_dir<F: Fs>(fs: &F, staging: &Path, target: &Path) -> Result<()> {
     match fs.exchange(staging, target) {
         Ok(()) => {
             sync_all(fs, &parents)?;
-            // `staging` now holds the replaced directory.
-            let _ = fs.remove_dir_all(staging);
+            // `staging` now holds the replaced directory (or file).
+            remove_replaced(fs, staging);
             return Ok(());
         }
         Err(e) if e.kind() == ErrorKind::Unsupported => {}
@@ -70,8 +70,17 @@ pub fn publish_dir<F: Fs>(fs: &F, staging: &Path, target: &Path) -> Result<()> {
         return Err(Error::io("rename", staging, e));
     }
     sync_all(fs, &parents)?;
-    let _ = fs.remove_dir_all(&old);
+    remove_replaced(fs, &old);
     Ok(())
+}
+
+/// Delete what a publish replaced: a directory (a checkpoint), or a file (a framework's own
+/// checkpoint file that a checkpoint directory of the same name replaces: Lightning's
+/// `last.ckpt` after a switch). A failure leaves garbage, never damage.
+fn remove_replaced<F: Fs>(fs: &F, old: &Path) {
+    if fs.remove_dir_all(old).is_err() {
+        let _ = fs.remove(old);
+    }
 }
 
 /// Remove the directory `target` and everything in it: renamed to a hidden sibling, that

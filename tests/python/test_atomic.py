@@ -120,3 +120,14 @@ def test_make_dirs_makes_the_missing_parents_once_beside_other_makers_and_refuse
     (tmp_path / "f").write_text("a file")
     with pytest.raises(ckptstore.CheckpointIOError, match=r"create directory .*/f: File exists"):
         atomic.make_dirs(tmp_path / "f")
+
+
+def test_publish_over_a_file_replaces_it_and_leaves_nothing_behind(tmp_path):
+    """A framework's own checkpoint file where a checkpoint directory goes (Lightning's
+    ``last.ckpt`` after the switch): replaced in one step, and the file deleted afterwards
+    (before, the exchanged file stayed behind under the staging directory's name)."""
+    (tmp_path / "last.ckpt").write_bytes(b"PK\x03\x04 a torch.save file")
+    _dir(tmp_path / ".stage", "new")
+    atomic.publish_dir(tmp_path / ".stage", tmp_path / "last.ckpt")
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert _read(tmp_path / "last.ckpt") == "new"
