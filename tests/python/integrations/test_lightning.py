@@ -272,6 +272,25 @@ def test_resume_in_a_new_process_is_bit_identical(uninterrupted, tmp_path):
         h.assert_bit_equal(a[n], b[n], n)
 
 
+def test_a_run_begun_with_lightnings_own_io_switches_in_the_same_dirpath(tmp_path, ckpt):
+    """Issue 53: epochs 0-1 saved by Lightning's own CheckpointIO (torch.save files: the
+    top-1 and ``last.ckpt``), then the same ``dirpath`` resumed (``ckpt_path="last"``) with
+    ckptstore's. The first save replaces the stock ``last.ckpt`` in one step (before: "create
+    directory .../last.ckpt: File exists"), top-k rotation removes the stock file it
+    supersedes, and the run ends where the stock run ends: the same state, bit for bit, and
+    the same checkpoint names, each now a committed ckptstore checkpoint."""
+    stock, mixed = tmp_path / "stock", tmp_path / "mixed"
+    run_train(stock, 4, "--io", "torch", "--top-k", "1", "--dump", stock / "final.pt")
+    run_train(mixed, 2, "--io", "torch", "--top-k", "1")
+    assert (mixed / "ckpts" / "last.ckpt").is_file()
+    run_train(mixed, 4, "--io", "sync", "--resume", "last", "--top-k", "1", "--dump", mixed / "final.pt")
+    names = sorted(os.listdir(mixed / "ckpts"))
+    assert names == sorted(os.listdir(stock / "ckpts")), names
+    for n in names:
+        ckpt("verify", str(mixed / "ckpts" / n), expect=0)
+    assert_dumps_equal(load_dump(mixed / "final.pt"), load_dump(stock / "final.pt"))
+
+
 def test_checkpoints_open_with_the_cli(uninterrupted, ckpt):
     d = uninterrupted / "ckpts" / "last.ckpt"
     r = ckpt("verify", d, expect=0)
@@ -359,18 +378,23 @@ def test_top_k_removes_only_superseded_checkpoints(tmp_path):
     for n in os.listdir(d):
         ckptstore.open(d / n).verify()
 
-    # remove_checkpoint: a missing path is a no-op; what is not a committed ckptstore
+    # remove_checkpoint: a missing path is a no-op; a file torch.save wrote (a stock
+    # checkpoint from before the switch) goes; what is neither that nor a committed ckptstore
     # checkpoint is refused and left in place.
     io.remove_checkpoint(d / "missing.ckpt")
+    stock = tmp_path / "stock.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, stock)
+    io.remove_checkpoint(stock)
+    assert not stock.exists()
     f = tmp_path / "torch.ckpt"
     f.write_bytes(b"not ours")
-    with pytest.raises(InvalidArgumentError, match="not a committed ckptstore checkpoint"):
+    with pytest.raises(InvalidArgumentError, match="neither a committed ckptstore checkpoint"):
         io.remove_checkpoint(f)
     assert f.read_bytes() == b"not ours"
     plain = tmp_path / "plain.ckpt"
     plain.mkdir()
     (plain / "data.bin").write_bytes(b"x")
-    with pytest.raises(InvalidArgumentError, match="not a committed ckptstore checkpoint"):
+    with pytest.raises(InvalidArgumentError, match="neither a committed ckptstore checkpoint"):
         io.remove_checkpoint(plain)
     assert (plain / "data.bin").exists()
     victim = d / sorted(kept)[0]

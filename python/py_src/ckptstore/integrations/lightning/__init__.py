@@ -53,7 +53,9 @@ detect damage, not malice. Without the opt-in nothing is ever unpickled.
 with ``torch.load(weights_only=True)`` as ``TorchCheckpointIO`` reads it (every tensor on the
 CPU unless ``map_location`` says otherwise), so that ``fabric.load_raw("pretrained.pt",
 model)`` works and a run begun with the default IO resumes after the switch (the load is
-logged; later saves are ckptstore checkpoints). A file that needs pickle is refused with
+logged; later saves are ckptstore checkpoints), in the same ``dirpath``: a save whose path
+holds a file ``torch.save`` wrote (``last.ckpt``) writes beside it and replaces it in one step
+(:func:`ckptstore.atomic.publish_dir`; blocking, also with ``async_save``). A file that needs pickle is refused with
 :class:`PickleNotAllowedError` unless ``allow_pickle=True`` (then ``weights_only=False``,
 unless Lightning asks for ``weights_only=True``).
 
@@ -85,13 +87,15 @@ frees the buffers and raises the first error of a background save; a later save 
 earlier save's error too. ``load_checkpoint`` and ``remove_checkpoint`` of a path with a
 save in flight wait for that save first.
 
-**remove_checkpoint** (``ModelCheckpoint``'s top-k and ``last``) removes only a committed
-ckptstore checkpoint: a directory holding ``ckpt-manifest.json`` (its manifest is removed
-first, so an interruption leaves no half checkpoint that still opens), or an ``s3://``
-checkpoint that opens (removed with fsspec, which needs ``s3fs`` for that; without it the
-checkpoint is kept and a warning says so). A missing path is a no-op, as with
-``TorchCheckpointIO``; anything else (a ``torch.save`` file, a directory that is not a
-checkpoint) raises :class:`ckptstore.errors.InvalidArgumentError` and is left alone.
+**remove_checkpoint** (``ModelCheckpoint``'s top-k and ``last``) removes a committed
+ckptstore checkpoint (a directory holding ``ckpt-manifest.json``, whose manifest is removed
+first, so an interruption leaves no half checkpoint that still opens; or an ``s3://``
+checkpoint that opens, removed with fsspec, which needs ``s3fs`` for that: without it the
+checkpoint is kept and a warning says so), or a file ``torch.save`` wrote (Lightning's own
+checkpoints from before the switch, which top-k counts as the stock IO would). A missing
+path is a no-op, as with ``TorchCheckpointIO``; anything else (another file, a directory
+that is not a checkpoint) raises :class:`ckptstore.errors.InvalidArgumentError` and is left
+alone.
 
 **FSDP2 / ModelParallel.** Lightning's ``ModelParallelStrategy`` (FSDP2 / DTensor) and
 ``FSDPStrategy`` save sharded checkpoints with ``torch.distributed.checkpoint.save`` directly

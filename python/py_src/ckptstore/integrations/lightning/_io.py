@@ -18,7 +18,7 @@ from ... import atomic
 from ... import open as _open
 from ... import wait_for_cleanup as _wait_for_cleanup
 from ...errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, PickleNotAllowedError
-from .._common import MANIFEST
+from .._common import MANIFEST, remove_leftovers, staging_name
 from .._stock import UNREADABLE, WeightsOnlyRefusal, torch_load
 from .._tree import TreeSaver, check_max_in_flight, save_tree
 from ._base import _is_remote, _key, _load_ckptstore, _local, _location
@@ -105,8 +105,18 @@ class CheckpointIO(_lio.CheckpointIO):
             raise InvalidArgumentError(f"a Lightning checkpoint is a dict, got {type(checkpoint).__name__}")
         location = _location(path)
         if not _is_remote(location):
-            parent = os.path.dirname(os.path.abspath(_local(location)))
+            local = os.path.abspath(_local(location))
+            parent = os.path.dirname(local)
             atomic.make_dirs(parent)
+            if os.path.lexists(local) and not os.path.isdir(local) and _is_torch_file(Path(local)):
+                # Lightning's own checkpoint file where this one goes (``last.ckpt`` of the run
+                # before its switch to ckptstore): the checkpoint is made beside it and put in
+                # its place in one step (a save killed first leaves the file as it was). Any
+                # other file in the way fails the save, as before.
+                self._wait_for(location)
+                self.saves += 1
+                self._replace_file(local, checkpoint)
+                return
         self.saves += 1
         if not self.async_save:
             save_tree(
@@ -122,6 +132,22 @@ class CheckpointIO(_lio.CheckpointIO):
         with self._lock:
             self._pending = {k: h for k, h in self._pending.items() if not h.done()}
             self._pending[_key(location)] = handle
+
+    def _replace_file(self, local: str, checkpoint: Dict[str, Any]) -> None:
+        """Save ``checkpoint`` into a staging directory beside the file ``local`` and publish
+        it over the file (:func:`ckptstore.atomic.publish_dir`); blocking, also with
+        ``async_save`` (once per file: the first save over each after the switch)."""
+        parent = os.path.dirname(local)
+        remove_leftovers(parent)  # stagings of killed processes
+        stage = os.path.join(parent, staging_name(os.path.basename(local)))
+        try:
+            save_tree(stage, checkpoint, allow_pickle=self.allow_pickle, max_shard_size=self.max_shard_size,
+                      cleanup="inline")
+            atomic.publish_dir(stage, local)
+        except BaseException:
+            if os.path.isdir(stage):
+                atomic.remove_dir(stage)
+            raise
 
     def _ensure_saver(self) -> TreeSaver:
         if self._saver is None:
@@ -214,11 +240,17 @@ class CheckpointIO(_lio.CheckpointIO):
             # ModelCheckpoint(save_last="link") points last.ckpt at a checkpoint: drop the link.
             d.unlink()
             return
+        if d.is_file() and _is_torch_file(d):
+            # Lightning's own checkpoint file, written before the switch to ckptstore (top-k
+            # rotation counts it as Lightning's CheckpointIO would, and removes it likewise).
+            d.unlink()
+            atomic.fsync_dir(d.parent)
+            return
         manifest = d / MANIFEST
         if not d.is_dir() or not manifest.is_file():
             raise InvalidArgumentError(
-                f"refusing to remove {location!r}: it is not a committed ckptstore checkpoint "
-                f"(no {MANIFEST})"
+                f"refusing to remove {location!r}: it is neither a committed ckptstore checkpoint "
+                f"(no {MANIFEST}) nor a checkpoint file torch.save wrote"
             )
         if self.cleanup == "background":
             _wait_for_cleanup()  # a background cleanup may still be removing files there
@@ -302,3 +334,13 @@ def _load_torch_file(location: str, map_location: Any, allow_pickle: bool, hint:
         "on are ckptstore checkpoints"
     )
     return obj
+
+
+def _is_torch_file(path: Path) -> bool:
+    """Whether ``path`` begins as a file ``torch.save`` writes (its zip archive format, the
+    default since torch 1.6: Lightning's own checkpoint files)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
