@@ -706,3 +706,25 @@ def test_resume_true_takes_the_newest_checkpoint_as_a_path_or_raises_the_trainer
     empty.mkdir()
     with pytest.raises(ValueError, match=re.escape(f"No valid checkpoint found in output directory ({empty})")):
         tt.make_trainer(str(empty), 8, 4).train(True)
+
+
+def test_rotation_after_the_switch_counts_the_stock_checkpoints_and_ends_as_stock(tmp_path):
+    """Issue 53: a run begun with the stock Trainer (checkpoint-2 and checkpoint-4, its own
+    format), resumed from checkpoint-4 with ckptstore's and ``save_total_limit=2``: rotation
+    counts both kinds, as the stock Trainer counts every ``checkpoint-N``, and removes the
+    stock ones as they are superseded; the run ends with the checkpoints (and the state) of
+    a stock run of the same steps (before: the stock ones were never counted or removed)."""
+    stock_out, full, mixed = tmp_path / "stock", tmp_path / "full", tmp_path / "mixed"
+    stock = tt.make_trainer(str(stock_out), 8, 2, cls=transformers.Trainer, save_total_limit=2)
+    stock.train()
+    tt.make_trainer(str(full), 8, 2, cls=transformers.Trainer).train()  # the run before the switch
+    mixed.mkdir()
+    for n in ("checkpoint-2", "checkpoint-4"):
+        shutil.copytree(full / n, mixed / n)
+    trainer = tt.make_trainer(str(mixed), 8, 2, save_total_limit=2)
+    trainer.train(resume_from_checkpoint=str(mixed / "checkpoint-4"))
+    names = sorted(p.name for p in mixed.iterdir())
+    assert names == sorted(p.name for p in stock_out.iterdir()) == ["checkpoint-6", "checkpoint-8"], names
+    for n in names:
+        ckptstore.open(mixed / n).verify()
+    assert_same(tt.dump(trainer), tt.dump(stock))

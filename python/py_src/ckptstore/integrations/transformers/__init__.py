@@ -46,9 +46,11 @@ override or a pre-hook) decides names and shapes itself (they are not checked fi
 ``load_state_dict`` raises, the optimizer gets its previous state back. Checkpoint directories that are
 not ckptstore checkpoints (the stock Trainer's) are loaded by the stock code.
 
-Rotation (``save_total_limit``): after a checkpoint is published, the oldest committed
-ckptstore ``checkpoint-N`` directories (by step) beyond the limit are removed; the one just
-written and ``state.best_model_checkpoint`` are never removed. A removed checkpoint is first
+Rotation (``save_total_limit``): after a checkpoint is published, the oldest
+``checkpoint-N`` directories (by step) beyond the limit are removed, counting the committed
+ckptstore ones and the stock Trainer's (those holding ``trainer_state.json``: a run switched
+to ckptstore ends with the checkpoints a stock run would keep); the one just written and
+``state.best_model_checkpoint`` are never removed. A removed checkpoint is first
 renamed out of the ``checkpoint-N`` namespace and then deleted, so a crash during removal
 leaves no half-deleted ``checkpoint-N`` behind.
 

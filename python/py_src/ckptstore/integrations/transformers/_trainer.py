@@ -39,12 +39,17 @@ _CKPT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 
 
 def _committed_checkpoints(run_dir: str) -> List[tuple]:
-    """``(step, path)`` of the committed checkpoints of this package in ``run_dir``."""
+    """``(step, path)`` of the checkpoints in ``run_dir`` that rotation counts: the committed
+    ones of this package, and the stock Trainer's (``checkpoint-N`` holding its
+    ``trainer_state.json``: a run switched to ckptstore counts both kinds, as the stock
+    Trainer counts every ``checkpoint-N``)."""
     out = []
     for n in os.listdir(run_dir):
         m = _CKPT_RE.match(n)
         p = os.path.join(run_dir, n)
-        if m and os.path.isdir(p) and is_ckptstore_checkpoint(p):
+        if m and os.path.isdir(p) and (
+            is_ckptstore_checkpoint(p) or os.path.isfile(os.path.join(p, TRAINER_STATE_NAME))
+        ):
             out.append((int(m.group(1)), p))
     return sorted(out)
 
