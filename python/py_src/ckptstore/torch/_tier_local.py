@@ -34,7 +34,7 @@ import zlib
 from typing import Any, NamedTuple, Optional
 
 from .. import atomic, new_checkpoint_id
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InvalidArgumentError
 from . import _sharded as _d
 from ._tier_wire import crc_file, err_text
 
@@ -66,6 +66,39 @@ def machine_id() -> str:
         return f"{boot}:{os.readlink('/proc/self/ns/net')}"
     except OSError:
         return ""
+
+
+def find_hosts(local: str, rank: int, world: int, token: str, gather: Any, barrier: Any) -> list[list[int]]:
+    """The job's ranks grouped into hosts by the local directory they share: each rank
+    leaves a marker file in ``local`` (named with the job's ``token``), and the ranks that
+    see one another's markers are one host (``gather``: an all-gather of one object per
+    rank; ``barrier``: the group's barrier). Raises on every rank alike
+    (:class:`~ckptstore.errors.InvalidArgumentError`) where the ranks do not split into
+    hosts, or where ranks of one "host" run on different machines (:func:`machine_id`: the
+    local tier is then a shared file system's directory, whose loss would lose every copy)."""
+    mark = os.path.join(local, f".member-{token}-r{rank}")
+    with open(mark, "w"):
+        pass
+    barrier()
+    prefix = f".member-{token}-r"
+    mine = sorted(int(n[len(prefix):]) for n in os.listdir(local) if n.startswith(prefix))
+    barrier()
+    os.unlink(mark)
+    got = gather((mine, machine_id()))
+    groups = [g for g, _ in got]
+    hosts = sorted({tuple(g) for g in groups})
+    if sorted(r for g in hosts for r in g) != list(range(world)):
+        raise InvalidArgumentError(f"the ranks do not split into hosts by their local directory {local!r}: {groups}")
+    for g in hosts:
+        machines = {got[r][1] for r in g} - {""}
+        if len(machines) > 1:
+            raise InvalidArgumentError(
+                f"the local tier {local!r} is shared between machines: ranks {list(g)} see one another's "
+                f"files there but run on {len(machines)} different machines (boot id and network "
+                "namespace); a local tier must be each host's own storage (/dev/shm, a local disk), a "
+                "shared directory is the persistent tier (persistent=)"
+            )
+    return [list(g) for g in hosts]
 
 class Usage(NamedTuple):
     """What the local tier holds, as ``du`` counts it: ``total`` bytes (everything under the

@@ -127,7 +127,7 @@ from ..errors import CheckpointError, InvalidArgumentError
 from . import _sharded as _d
 from ._saver import AsyncSaver, Handle
 from ._tier_budget import BudgetMixin
-from ._tier_local import LocalTier, check_arrival, machine_id, new_stage, pages, part_writer, save_part, snapshot
+from ._tier_local import LocalTier, check_arrival, find_hosts, new_stage, pages, part_writer, save_part, snapshot
 from ._tier_persist import PersistentTier, Persister
 from ._tier_restore import copies_missing, fetch_record, recopy, restore_fast
 from ._tier_wire import Arrival, Progress, bounded, crc_file, discard, transfer, trim_heap, write_fsync
@@ -245,7 +245,8 @@ class CheckpointManager(BudgetMixin):
             err = _err(self.rank, e)
         self._agree([err], "making the local tier")
         token = self._bcast(uuid.uuid4().hex if self.rank == 0 else None)
-        self.hosts = self._find_hosts(token)
+        self.hosts = find_hosts(local, self.rank, self.world, token, self._gather,
+                                (lambda: dist.barrier(group=self.pg)) if dist else (lambda: None))
         self.host = next(i for i, g in enumerate(self.hosts) if self.rank in g)
         self.leader = self.hosts[self.host][0] == self.rank
         self._progress = Progress(self.rank, self.world, token)
@@ -268,9 +269,8 @@ class CheckpointManager(BudgetMixin):
                 self._persistent = PersistentTier(self.persistent, persist_keep_last)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 err = _err(self.rank, e)
-        # Rank 0 opened (and so made) the persistent tier's root before any other host opens
-        # it: on a shared file system, hosts that each make it race through their clients'
-        # caches and fail (format-spec/durability.md).
+        # Rank 0 made the persistent root before other hosts open it (durability.md: hosts that
+        # each make it race through their clients' caches on a shared file system, and fail).
         if self._bcast(err) is not None:
             self._agree([err], "opening the tiers")
         try:
@@ -327,40 +327,6 @@ class CheckpointManager(BudgetMixin):
         except BaseException as e:  # noqa: BLE001 - gloo's RuntimeError, DCP's CheckpointException
             behind = self._progress.behind(self.hosts)
             raise _GroupError(f"ckptstore tiers: {label} failed on rank {self.rank}{behind}: {e}") from e
-
-    def _find_hosts(self, token: str) -> list[list[int]]:
-        """Ranks grouped by the local directory they share (each rank leaves a marker file
-        there; the ranks that see one another's markers are one host)."""
-        mark = os.path.join(self.local, f".member-{token}-r{self.rank}")
-        with open(mark, "w"):
-            pass
-        dist = _dist()
-        if dist:
-            dist.barrier(group=self.pg)
-        prefix = f".member-{token}-r"
-        mine = sorted(int(n[len(prefix):]) for n in os.listdir(self.local) if n.startswith(prefix))
-        if dist:
-            dist.barrier(group=self.pg)
-        os.unlink(mark)
-        got = self._gather((mine, machine_id()))
-        groups = [g for g, _ in got]
-        hosts = sorted({tuple(g) for g in groups})
-        if sorted(r for g in hosts for r in g) != list(range(self.world)):
-            raise InvalidArgumentError(
-                f"the ranks do not split into hosts by their local directory {self.local!r}: {groups}"
-            )
-        for g in hosts:
-            machines = {got[r][1] for r in g} - {""}
-            if len(machines) > 1:
-                # Every rank raises this (each gathered the same): a local tier on a shared file
-                # system would make the job one "host" whose loss loses every copy.
-                raise InvalidArgumentError(
-                    f"the local tier {self.local!r} is shared between machines: ranks {list(g)} see "
-                    f"one another's files there but run on {len(machines)} different machines (boot id "
-                    "and network namespace); a local tier must be each host's own storage (/dev/shm, "
-                    "a local disk), a shared directory is the persistent tier (persistent=)"
-                )
-        return [list(g) for g in hosts]
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -473,11 +439,9 @@ class CheckpointManager(BudgetMixin):
                     self._persistent.gc()
                 except Exception as e:  # noqa: BLE001 - retention retries at the next persist
                     warnings.warn(f"ckptstore: retention in {self.persistent} failed: {e}", stacklevel=2)
-                # The step's directory is made once, here, before any host uploads into it
-                # (after the agreement below): on a shared file system, hosts that each make it
-                # race through their clients' caches and fail (format-spec/durability.md).
-                # Where it cannot be made, the persist fails on it in turn and is raised by
-                # ``wait`` (the step stands in the fast tier), as any failed persist.
+                # The step's directory is made once, before any host uploads into it (as the
+                # root above). Where it cannot be, the persist fails on it and ``wait`` raises
+                # that (the step stands in the fast tier), as for any failed persist.
                 loc = self._persistent.location(step)
                 if err is None and "://" not in loc:
                     try:
