@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -498,6 +499,32 @@ def test_initial_load_path_loads_the_model_only(tmp_path):
     assert now["dataloader"] == fresh["dataloader"]
     assert_same(now["optimizer"], fresh["optimizer"])
     assert job.checkpointer.loaded_step is None
+    # The run's own steps win once it has some: a restart with the same arguments resumes its
+    # step 2, not the initial weights (TorchTitan's
+    # test_initial_load_path_ignored_when_folder_has_valid_checkpoints).
+    tj.train(job, 2, load=False)
+    job.checkpointer.close()
+    mine = tj.snapshot(job)
+    again = tj.build(str(tmp_path / "run"), steps=STEPS, initial_load_path=str(tmp_path / "src" / step_name(2)))
+    assert again.checkpointer.load() and again.checkpointer.loaded_step == 2
+    assert_same(state_of(tj.snapshot(again)), state_of(mine))
+
+
+def test_load_only_never_saves_and_the_first_step_is_saved_when_asked(tmp_path):
+    """TorchTitan's ``load_only`` (evaluation: resume, never save) and
+    ``enable_first_step_checkpoint`` (step 1 saved besides the interval's steps), as its own
+    manager's tests assert them (test_load_only_prevents_saving,
+    test_enable_first_step_checkpoint)."""
+    first = tj.build(str(tmp_path / "first"), steps=STEPS, enable_first_step_checkpoint=True)
+    tj.train(first, 4)
+    first.checkpointer.close()
+    assert committed(tmp_path / "first") == [1, 2, 4]
+    shutil.copytree(tmp_path / "first", tmp_path / "eval")
+    ev = tj.build(str(tmp_path / "eval"), steps=STEPS, load_only=True)
+    tj.train(ev, 8)  # resumes step 4, trains to 8, saves nothing
+    ev.checkpointer.close()
+    assert ev.checkpointer.loaded_step == 4 and ev.train_state.step == 8
+    assert committed(tmp_path / "eval") == [1, 2, 4]
 
 
 # ---- FSDP2: save on 2 ranks, resume on 1 ------------------------------------------------------
