@@ -133,6 +133,15 @@ def snapshot(engine) -> dict:
             "global_samples": int(engine.global_samples)}
 
 
+#: The partial loads of mode ``partial``, in order (DeepSpeed's ``load_checkpoint`` flags).
+PARTIAL_LOADS = [
+    {"load_module_only": True},
+    {"load_optimizer_states": False},
+    {"load_lr_scheduler_states": False},
+    {"load_optimizer_states": False, "load_lr_scheduler_states": False},
+]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True)
@@ -254,6 +263,16 @@ def main() -> int:
                 err = {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
                        "name": getattr(e, "name", None), "trace": traceback.format_exc()}
             report["attempts"].append({"dir": d, "error": err, "after": snapshot(engine)})
+    elif args.mode == "partial":
+        # DeepSpeed's partial loads, one after another on one engine (each after steps of its
+        # own, so that what a load leaves alone differs from the checkpoint).
+        report["partial"] = []
+        for i, kw in enumerate(PARTIAL_LOADS):
+            for _ in range(2):
+                step(engine, seed_offset=3000 + 100 * i)
+            before = snapshot(engine)
+            path, _client = engine.load_checkpoint(args.dir[0], **kw)
+            report["partial"].append({"kw": kw, "path": path, "before": before, "after": snapshot(engine)})
     elif args.mode == "changed":
         for _ in range(2):
             step(engine, seed_offset=7000)

@@ -295,6 +295,31 @@ def test_a_run_begun_with_deepspeeds_default_engine_resumes_after_install(work):
     assert len(said) == 1 and str(d / TAG) in said[0] and "weights_only=True" in said[0], resume["log"]
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_partial_loads_end_where_deepspeeds_default_engine_ends(work, stage):
+    """DeepSpeed's partial loads (``load_module_only``, ``load_optimizer_states=False``,
+    ``load_lr_scheduler_states=False`` and both), the usual start of a fine-tuning run: the
+    same run saved once by DeepSpeed's default engine and once through ckptstore, each then
+    loaded partially by a fresh process of its kind (after steps of its own before each
+    load). Every state after every load is the default engine's, bit for bit: what a flag
+    leaves alone stays, what it loads comes from the checkpoint."""
+    runs = {}
+    for kind, default in (("stock", True), ("ours", False)):
+        d = work / f"partial_{kind}_zero{stage}"
+        run_worker("train_save", work / f"partial_train_{kind}{stage}.pt", stage=stage, dirs=[d],
+                   default_engine=default)
+        runs[kind] = run_worker("partial", work / f"partial_{kind}{stage}.pt", stage=stage, dirs=[d],
+                                default_engine=default)["partial"]
+    assert len(runs["ours"]) == len(runs["stock"]) == 4
+    for theirs, ours in zip(runs["stock"], runs["ours"]):
+        what = f"ZeRO-{stage} {ours['kw']}"
+        assert ours["kw"] == theirs["kw"]
+        assert_same_state(ours["before"], theirs["before"], f"{what}: before the load")
+        assert_same_state(ours["after"], theirs["after"], f"{what}: after the load")
+        assert not all(same_tensor(ours["before"]["params"][n], ours["after"]["params"][n])
+                       for n in ours["after"]["params"]), f"{what}: the load changed no parameter"
+
+
 def test_install_refuses_zero3_saying_why_and_what_to_use(work):
     """ZeRO-3's load without optimizer states reads the tag's files itself
     (zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint): install refuses a ZeRO-3 engine
