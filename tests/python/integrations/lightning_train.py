@@ -67,7 +67,7 @@ def data():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
-def make_trainer(out: str, max_epochs: int, io: str, top_k: int, extra_callbacks=()) -> L.Trainer:
+def make_trainer(out: str, max_epochs: int, io: str, top_k: int, extra_callbacks=(), devices: int = 1) -> L.Trainer:
     plugins = []
     if io == "sync":
         plugins = [CheckpointIO()]
@@ -82,7 +82,10 @@ def make_trainer(out: str, max_epochs: int, io: str, top_k: int, extra_callbacks
     )
     return L.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
+        # Several devices: DDP over gloo, Lightning's launcher starting the other ranks as
+        # processes of this script.
+        strategy="ddp" if devices > 1 else "auto",
         max_epochs=max_epochs,
         plugins=plugins,
         callbacks=[ckpt, RngState(), *extra_callbacks],
@@ -116,13 +119,14 @@ def main(argv=None) -> int:
     ap.add_argument("--io", default="sync", choices=["sync", "async", "torch"])
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--devices", type=int, default=1)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     model = Net()
-    trainer = make_trainer(a.out, a.max_epochs, a.io, a.top_k)
+    trainer = make_trainer(a.out, a.max_epochs, a.io, a.top_k, devices=a.devices)
     trainer.fit(model, data(), ckpt_path=a.resume)
-    if a.dump:
-        torch.save(dump_state(trainer, model), a.dump)
+    if a.dump:  # each rank its own (DDP: rank 1's beside rank 0's)
+        torch.save(dump_state(trainer, model), a.dump + (f".rank{trainer.global_rank}" if trainer.global_rank else ""))
     print("done", trainer.global_step, flush=True)
     return 0
 

@@ -291,6 +291,25 @@ def test_a_run_begun_with_lightnings_own_io_switches_in_the_same_dirpath(tmp_pat
     assert_dumps_equal(load_dump(mixed / "final.pt"), load_dump(stock / "final.pt"))
 
 
+def test_ddp_on_two_processes_resumes_bit_identical(tmp_path, ckpt):
+    """Lightning's DDP on 2 processes (gloo, Lightning's own launcher): rank 0 saves through
+    this CheckpointIO, every rank loads. A run stopped after 2 epochs and resumed from
+    ``last`` ends bit-identical to an uninterrupted 4-epoch run (rank 0 whole; rank 1's model,
+    optimizer, scheduler and counters: its RNG state is rank 0's after any resume, as with the
+    stock IO, since the checkpoint holds one). Lightning's DDP checkpoint tests run it so."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_train(full, 4, "--devices", "2", "--dump", full / "final.pt")
+    run_train(part, 2, "--devices", "2")
+    run_train(part, 4, "--devices", "2", "--resume", "last", "--dump", part / "final.pt")
+    assert_dumps_equal(load_dump(part / "final.pt"), load_dump(full / "final.pt"))
+    assert_dumps_equal(load_dump(part / "final.pt.rank1"), load_dump(full / "final.pt.rank1"),
+                       keys=("params", "optimizer", "scheduler", "global_step", "epoch"))
+    names = sorted(os.listdir(part / "ckpts"))
+    assert names == sorted(os.listdir(full / "ckpts")), names
+    for n in names:
+        ckpt("verify", str(part / "ckpts" / n), expect=0)
+
+
 def test_checkpoints_open_with_the_cli(uninterrupted, ckpt):
     d = uninterrupted / "ckpts" / "last.ckpt"
     r = ckpt("verify", d, expect=0)
