@@ -560,6 +560,34 @@ def test_fsdp2_save_on_2_resume_on_1(tmp_path):
         assert_same(one[part], saved[0][part], part)
 
 
+def job_fsdp2_keep_2(rank, world, folder):
+    """FSDP2 on 2 ranks with ``keep_latest_k=2``: steps 2, 4 and 6 saved; what the folder
+    holds after each save, as each rank sees it."""
+    job = tj.build(folder, rank=rank, world=world, fsdp=True, steps=STEPS, keep=2)
+    seen = []
+    job.it = iter(job.dataloader)
+    job.checkpointer.load(step=-1)
+    while job.train_state.step < 6:
+        tj.train_step(job)
+        if job.train_state.step % 2 == 0:
+            job.checkpointer.maybe_wait_for_saving()
+            import torch.distributed as dist
+
+            dist.barrier()
+            seen.append(committed(folder))
+    job.checkpointer.close()
+    return seen
+
+
+def test_fsdp2_keep_latest_k_on_two_ranks_keeps_the_newest_steps(tmp_path):
+    """Retention in a multi-rank job (TorchTitan's test_nonzero_rank_does_not_purge_or_save:
+    only the coordinator purges): with ``keep_latest_k=2`` (TorchTitan's least) on 2 ranks,
+    after each save both ranks see exactly the newest two steps."""
+    folder = str(tmp_path / "ck")
+    seen = dh.results(2, job_fsdp2_keep_2, folder)
+    assert seen[0] == seen[1] == [[2], [2, 4], [4, 6]], seen
+
+
 # ---- a rank whose listing is stale (a shared file system's client caches) --------------------
 
 
