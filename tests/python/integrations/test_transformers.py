@@ -728,3 +728,29 @@ def test_rotation_after_the_switch_counts_the_stock_checkpoints_and_ends_as_stoc
     for n in names:
         ckptstore.open(mixed / n).verify()
     assert_same(tt.dump(trainer), tt.dump(stock))
+
+
+@pytest.mark.parametrize("kw", [{"gradient_accumulation_steps": 2}, {"per_device_train_batch_size": 2}],
+                         ids=["grad-accumulation", "batch-2"])
+def test_resume_with_gradient_accumulation_is_bit_identical(tmp_path, kw):
+    """The stock Trainer's resume contract with gradient accumulation
+    (test_resume_training_with_gradient_accumulation), and with a batch size of 2 (the data
+    skipped by other counts): a run resumed from checkpoint-4 (mid-epoch) trains steps 5-8
+    only and ends bit for bit where the uninterrupted run with the same arguments ends."""
+    full = tt.make_trainer(str(tmp_path / "full"), 8, 4, **kw)
+    full.train()
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-4", part / "checkpoint-4")
+    resumed = tt.make_trainer(str(part), 8, 4, **kw)
+    steps = []
+
+    class Count(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **_):
+            steps.append(state.global_step)
+
+    resumed.add_callback(Count())
+    resumed.train(resume_from_checkpoint=True)
+    assert steps == [5, 6, 7, 8]  # from the checkpoint on, not from the start
+    assert resumed.state.global_step == full.state.global_step == 8
+    assert_same(tt.dump(resumed), tt.dump(full))
