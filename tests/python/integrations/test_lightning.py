@@ -310,6 +310,38 @@ def test_ddp_on_two_processes_resumes_bit_identical(tmp_path, ckpt):
         ckpt("verify", str(part / "ckpts" / n), expect=0)
 
 
+@pytest.mark.parametrize("io", ["sync", "async"])
+def test_the_checkpoint_saved_on_an_exception_is_whole_before_the_exception_reaches_the_caller(tmp_path, io, ckpt):
+    """``ModelCheckpoint(save_on_exception=True)`` (Lightning's test_model_checkpoint
+    save-on-exception family): training raises at step 9; by the time ``fit`` re-raises, the
+    checkpoint of that moment (and ``last.ckpt``) is committed, also with ``async_save`` (the
+    teardown waits for it), and holds the model as it was at the exception, bit for bit."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Boom(Callback):
+        def on_train_batch_end(self, trainer, *args, **kwargs):
+            if trainer.global_step == 9:
+                raise RuntimeError("boom at step 9")
+
+    torch.manual_seed(0)
+    model = lt.Net()
+    trainer = lt.make_trainer(str(tmp_path), 4, io, -1, extra_callbacks=[Boom()])
+    trainer.checkpoint_callback.save_on_exception = True
+    with pytest.raises(RuntimeError, match="boom at step 9"):
+        trainer.fit(model, lt.data())
+    d = tmp_path / "ckpts"
+    at_9 = [n for n in os.listdir(d) if "step=9" in n]
+    assert len(at_9) == 1 and (d / "last.ckpt").is_dir(), os.listdir(d)
+    for n in (at_9[0], "last.ckpt"):
+        ckpt("verify", str(d / n), expect=0)
+        got = CheckpointIO().load_checkpoint(d / n)
+        assert got["global_step"] == 9
+        want = model.state_dict()
+        assert sorted(got["state_dict"]) == sorted(want)
+        for k, v in want.items():
+            assert torch.equal(got["state_dict"][k], v), (n, k)
+
+
 def test_checkpoints_open_with_the_cli(uninterrupted, ckpt):
     d = uninterrupted / "ckpts" / "last.ckpt"
     r = ckpt("verify", d, expect=0)
