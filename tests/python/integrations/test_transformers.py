@@ -754,3 +754,26 @@ def test_resume_with_gradient_accumulation_is_bit_identical(tmp_path, kw):
     assert steps == [5, 6, 7, 8]  # from the checkpoint on, not from the start
     assert resumed.state.global_step == full.state.global_step == 8
     assert_same(tt.dump(resumed), tt.dump(full))
+
+
+def test_save_strategy_best_saves_what_the_stock_trainer_saves(tmp_path):
+    """``save_strategy="best"`` (the stock Trainer's test_save_best_checkpoint): a checkpoint
+    only at each new best score. The same run with the stock Trainer and with ckptstore's
+    ends with the same checkpoint names and the same ``best_model_checkpoint``; ours are
+    committed ckptstore checkpoints."""
+
+    def run(out, cls):
+        scores = iter([1.0, 5.0, 2.0, 3.0, 6.0, 0.0])
+        t = tt.make_trainer(str(out), 6, 1, cls=cls, save_strategy="best", eval_strategy="steps", eval_steps=1,
+                            metric_for_best_model="score", greater_is_better=True, eval_dataset=tt.Tokens(n=4),
+                            compute_metrics=lambda p: {"score": next(scores)})
+        t.train()
+        return t
+
+    stock, ours = run(tmp_path / "stock", transformers.Trainer), run(tmp_path / "ours", tt.Trainer)
+    names = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "stock").iterdir()), names
+    assert names == ["checkpoint-1", "checkpoint-2", "checkpoint-5"], names
+    assert Path(ours.state.best_model_checkpoint).name == Path(stock.state.best_model_checkpoint).name == "checkpoint-5"
+    for n in names:
+        ckptstore.open(tmp_path / "ours" / n).verify()
