@@ -51,7 +51,8 @@ def _env(port: int, rank: int, world: int) -> None:
                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
 
 
-def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw", install: bool = True):
+def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw", install: bool = True,
+          freeze: bool = False):
     import deepspeed
     import torch
 
@@ -72,6 +73,8 @@ def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw", inst
 
     torch.manual_seed(0)
     net = Net()
+    if freeze:  # a frozen first layer (fine-tuning): no gradient, no optimizer state
+        net.a.requires_grad_(False)
     opt_cfg = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
     if optimizer == "sgd":
         opt_cfg = {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}
@@ -84,7 +87,8 @@ def build(stage: int, non_blocking: bool = False, optimizer: str = "adamw", inst
     }
     if optimizer == "sgd":
         cfg["zero_allow_untested_optimizer"] = True  # ZeRO's list of tested optimizers lacks SGD
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    params = [p for p in net.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=params, config=cfg)
     if install:
         ckds.install(engine, non_blocking=non_blocking)
     return engine, net
@@ -156,6 +160,9 @@ def main() -> int:
     ap.add_argument("--kill-at", default="")
     ap.add_argument("--non-blocking", action="store_true")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--freeze", action="store_true", help="the first layer frozen")
+    ap.add_argument("--exclude-frozen", action="store_true",
+                    help="train_save: save_checkpoint(exclude_frozen_parameters=True)")
     ap.add_argument("--stale-latest", default="",
                     help="resume: rank 1 reads this tag from `latest` (a host's stale client caches)")
     ap.add_argument("--default-engine", action="store_true",
@@ -189,7 +196,8 @@ def main() -> int:
         report["engine_class"] = type(engine.checkpoint_engine).__name__
         torch.save(report, args.out)
         return 0
-    engine, net = build(args.stage, args.non_blocking, args.optimizer, install=not args.default_engine)
+    engine, net = build(args.stage, args.non_blocking, args.optimizer, install=not args.default_engine,
+                        freeze=args.freeze)
     if args.mode == "train_save":
         for _ in range(args.steps):
             step(engine)
@@ -198,7 +206,7 @@ def main() -> int:
             # parameter that never had a gradient); both runs then restart its state.
             for p in net.extra.parameters():
                 engine.optimizer.state.pop(p, None)
-        engine.save_checkpoint(args.dir[0])
+        engine.save_checkpoint(args.dir[0], exclude_frozen_parameters=args.exclude_frozen)
         report["at_save"] = snapshot(engine)
         for _ in range(args.more):  # non-blocking: while the save may still be writing
             step(engine)
@@ -267,10 +275,17 @@ def main() -> int:
         # DeepSpeed's partial loads, one after another on one engine (each after steps of its
         # own, so that what a load leaves alone differs from the checkpoint).
         report["partial"] = []
+        if args.freeze:  # what a load leaves alone shows: the frozen layer moved since the save
+            import torch
+
+            with torch.no_grad():
+                net.a.weight.add_(1.0)
         for i, kw in enumerate(PARTIAL_LOADS):
             for _ in range(2):
                 step(engine, seed_offset=3000 + 100 * i)
             before = snapshot(engine)
+            if args.freeze:  # the saved module lacks the frozen layer (exclude_frozen_parameters)
+                kw = {**kw, "load_module_strict": False}
             path, _client = engine.load_checkpoint(args.dir[0], **kw)
             report["partial"].append({"kw": kw, "path": path, "before": before, "after": snapshot(engine)})
     elif args.mode == "changed":

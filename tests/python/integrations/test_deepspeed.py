@@ -57,7 +57,7 @@ def _free_port() -> int:
 
 def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = "",
                expect_rc: int = 0, non_blocking: bool = False, optimizer: str = "adamw",
-               default_engine: bool = False) -> dict:
+               default_engine: bool = False, args=()) -> dict:
     env = dict(os.environ)
     env.pop("CKPTSTORE_FAULT", None)
     # DeepSpeed's JIT build of its CPU comm op needs ninja from the venv on PATH.
@@ -74,6 +74,7 @@ def run_worker(mode: str, out: Path, *, stage: int = 1, dirs=(), kill_at: str = 
     cmd += ["--optimizer", optimizer]
     if default_engine:
         cmd.append("--default-engine")
+    cmd += list(args)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     tail = "\n".join((r.stdout + r.stderr).splitlines()[-40:])
     assert r.returncode == expect_rc, f"{' '.join(cmd)}: exit {r.returncode}\n{tail}"
@@ -295,21 +296,25 @@ def test_a_run_begun_with_deepspeeds_default_engine_resumes_after_install(work):
     assert len(said) == 1 and str(d / TAG) in said[0] and "weights_only=True" in said[0], resume["log"]
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_partial_loads_end_where_deepspeeds_default_engine_ends(work, stage):
+@pytest.mark.parametrize("stage,frozen", [(0, ()), (2, ()), (2, ("--freeze", "--exclude-frozen"))],
+                         ids=["zero0", "zero2", "zero2-frozen-excluded"])
+def test_partial_loads_end_where_deepspeeds_default_engine_ends(work, stage, frozen):
     """DeepSpeed's partial loads (``load_module_only``, ``load_optimizer_states=False``,
     ``load_lr_scheduler_states=False`` and both), the usual start of a fine-tuning run: the
     same run saved once by DeepSpeed's default engine and once through ckptstore, each then
     loaded partially by a fresh process of its kind (after steps of its own before each
     load). Every state after every load is the default engine's, bit for bit: what a flag
-    leaves alone stays, what it loads comes from the checkpoint."""
+    leaves alone stays, what it loads comes from the checkpoint. Also with a frozen first
+    layer saved with ``exclude_frozen_parameters=True`` (moved in the loading process before
+    the loads: it stays where it is, as with the default engine)."""
     runs = {}
+    tag = f"{stage}{'f' if frozen else ''}"
     for kind, default in (("stock", True), ("ours", False)):
-        d = work / f"partial_{kind}_zero{stage}"
-        run_worker("train_save", work / f"partial_train_{kind}{stage}.pt", stage=stage, dirs=[d],
-                   default_engine=default)
-        runs[kind] = run_worker("partial", work / f"partial_{kind}{stage}.pt", stage=stage, dirs=[d],
-                                default_engine=default)["partial"]
+        d = work / f"partial_{kind}_zero{tag}"
+        run_worker("train_save", work / f"partial_train_{kind}{tag}.pt", stage=stage, dirs=[d],
+                   default_engine=default, args=frozen)
+        runs[kind] = run_worker("partial", work / f"partial_{kind}{tag}.pt", stage=stage, dirs=[d],
+                                default_engine=default, args=frozen[:1])["partial"]
     assert len(runs["ours"]) == len(runs["stock"]) == 4
     for theirs, ours in zip(runs["stock"], runs["ours"]):
         what = f"ZeRO-{stage} {ours['kw']}"
@@ -318,6 +323,8 @@ def test_partial_loads_end_where_deepspeeds_default_engine_ends(work, stage):
         assert_same_state(ours["after"], theirs["after"], f"{what}: after the load")
         assert not all(same_tensor(ours["before"]["params"][n], ours["after"]["params"][n])
                        for n in ours["after"]["params"]), f"{what}: the load changed no parameter"
+        if frozen:  # the excluded frozen layer stays as the loading process moved it
+            assert same_tensor(ours["before"]["params"]["a.weight"], ours["after"]["params"]["a.weight"]), what
 
 
 def test_install_refuses_zero3_saying_why_and_what_to_use(work):
