@@ -777,3 +777,47 @@ def test_save_strategy_best_saves_what_the_stock_trainer_saves(tmp_path):
     assert Path(ours.state.best_model_checkpoint).name == Path(stock.state.best_model_checkpoint).name == "checkpoint-5"
     for n in names:
         ckptstore.open(tmp_path / "ours" / n).verify()
+
+
+def test_pushes_during_training_carry_the_models_weights_as_the_stock_trainers_do(tmp_path, monkeypatch):
+    """``push_to_hub`` with ``hub_strategy="every_save"`` (the Hub faked: no network): the
+    stock Trainer's push copies model.safetensors and config.json from checkpoint-N into the
+    output directory and uploads it; a ckptstore checkpoint-N has no such file, so before,
+    the pushes carried no weights. Each push of ours uploads the same files as the stock
+    Trainer's, and the last pushed weights equal the stock run's, bit for bit."""
+    from concurrent.futures import Future
+
+    from safetensors.torch import load_file
+
+    uploads: dict = {}
+
+    class FakeHub:
+        def __init__(self, key):
+            self.key = key
+
+        def create_repo(self, name, **kw):
+            return type("Repo", (), {"repo_id": f"me/{Path(str(name)).name}"})()
+
+        def upload_folder(self, *, folder_path, ignore_patterns=(), **kw):
+            names = sorted(n for n in os.listdir(folder_path) if not n.startswith(("_", "checkpoint-", ".")))
+            if Path(folder_path).name.startswith("checkpoint-"):
+                names = ["<checkpoint>"]
+            uploads.setdefault(self.key, []).append(names)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    def run(out, cls, key):
+        monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeHub(key))
+        t = tt.make_trainer(str(out), 4, 2, cls=cls, push_to_hub=True, hub_model_id=f"me/{key}",
+                            hub_strategy="every_save")
+        t.train()
+        return load_file(str(out / "model.safetensors"))
+
+    stock = run(tmp_path / "stock", transformers.Trainer, "stock")
+    ours = run(tmp_path / "ours", tt.Trainer, "ours")
+    assert uploads["ours"] == uploads["stock"], uploads
+    assert any("model.safetensors" in u for u in uploads["ours"]), uploads
+    assert sorted(ours) == sorted(stock)
+    for k in stock:
+        assert torch.equal(ours[k], stock[k]), k

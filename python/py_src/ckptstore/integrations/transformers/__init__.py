@@ -46,6 +46,11 @@ override or a pre-hook) decides names and shapes itself (they are not checked fi
 ``load_state_dict`` raises, the optimizer gets its previous state back. Checkpoint directories that are
 not ckptstore checkpoints (the stock Trainer's) are loaded by the stock code.
 
+Hub pushes during training (``push_to_hub``, every ``hub_strategy`` but ``end``): the stock
+push copies ``model.safetensors`` and ``config.json`` from ``checkpoint-N`` into the output
+directory and uploads that; a ckptstore ``checkpoint-N`` holds no such files, so the model
+is first written there as ``save_model`` writes it (the same weights the checkpoint holds).
+
 Rotation (``save_total_limit``): after a checkpoint is published, the oldest
 ``checkpoint-N`` directories (by step) beyond the limit are removed, counting the committed
 ckptstore ones and the stock Trainer's (those holding ``trainer_state.json``: a run switched

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import transformers
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 
 from ... import atomic
 from ... import open as _open
@@ -171,6 +171,25 @@ class Trainer(transformers.Trainer):
         if self.args.push_to_hub:
             self.ckptstore_wait()
             self._push_from_checkpoint(final)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The stock push copies model.safetensors (and config.json) from checkpoint-N into the
+        # output directory and uploads that; a ckptstore checkpoint-N holds no such file, so
+        # the model is written there first, as ``save_model`` writes it (the checkpoint was
+        # saved from this model a moment ago: the same weights).
+        args = self.args
+        if (
+            self._ckptstore_active()
+            and self.is_world_process_zero()
+            and args.hub_strategy != HubStrategy.END
+            and (args.hub_always_push or self.push_in_progress is None or self.push_in_progress.is_done())
+            and is_ckptstore_checkpoint(checkpoint_folder)
+        ):
+            if getattr(self, "is_distributed_loading_by_transformers", False):
+                logger.warning("ckptstore: the model is sharded across ranks: this push carries no weights")
+            else:
+                self._save(args.output_dir)
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def _ckptstore_write(
         self, run_dir: str, name: str, final: str, state_text: str, rng: Any, full: bool
