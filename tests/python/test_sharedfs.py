@@ -41,6 +41,7 @@ import pytest
 from netns_fixtures import make_cluster  # noqa: F401 - the fixture
 
 HERE = Path(__file__).resolve()
+CKPT = os.environ.get("CKPT_BIN") or str(HERE.parents[2] / "target" / "release" / "ckpt")  # the CLI
 JOB_S = 240  # upper bound for one torch job on a loaded 2-core machine (a failure bound only)
 
 
@@ -214,10 +215,10 @@ def test_the_file_rendezvous_commits_though_the_committer_cached_every_part_as_m
                        f"print(ck['w'].ravel().tolist(), ck.checkpoint_id)")
         assert got == f"{[float(x) for x in range(24)]} {cid}", got
     # The shell tools from other hosts: verify on host 1, consolidate on host 2, read on host 0.
-    bin_ = os.environ.get("CKPT_BIN") or str(HERE.parents[2] / "target" / "release" / "ckpt")
-    r = c.run(1, [bin_, "verify", f"{v.mount}/rv"])
+
+    r = c.run(1, [CKPT, "verify", f"{v.mount}/rv"])
     assert r.returncode == 0, r.stdout + r.stderr
-    r = c.run(2, [bin_, "consolidate", f"{v.mount}/rv", "--out", f"{v.mount}/rv-whole"])
+    r = c.run(2, [CKPT, "consolidate", f"{v.mount}/rv", "--out", f"{v.mount}/rv-whole"])
     assert r.returncode == 0, r.stdout + r.stderr
     got = on(c, 0, f"import ckptstore; print(ckptstore.open('{v.mount}/rv-whole')['w'].ravel().tolist())")
     assert got == str([float(x) for x in range(24)]), got
@@ -229,7 +230,7 @@ def test_ckpt_gc_on_one_host_keeps_the_step_a_reader_on_another_host_holds(volum
     clients); ``ckpt gc --keep 1`` on host 2 deletes step 2 and keeps step 1 as in use; once
     host 1 lets go, the next gc deletes it. Step 3 stays and verifies from host 1."""
     c, v = volume
-    bin_ = os.environ.get("CKPT_BIN") or str(HERE.parents[2] / "target" / "release" / "ckpt")
+
     root = f"{v.mount}/mgr"
     on(c, 0, "import ckptstore, numpy as np; m = ckptstore.CheckpointManager('" + root + "')\n"
              "for s in (1, 2, 3): m.save(s, {'w': np.full(64, s, np.float32)})")
@@ -241,7 +242,7 @@ def test_ckpt_gc_on_one_host_keeps_the_step_a_reader_on_another_host_holds(volum
                          f"    while not os.path.exists('{release}'): time.sleep(0.02)\n"])
     try:
         assert nc.wait_file(held, JOB_S), "the reader on host 1 never held step 1"
-        r = c.run(2, [bin_, "gc", root, "--keep", "1", "--json"])
+        r = c.run(2, [CKPT, "gc", root, "--keep", "1", "--json"])
         assert r.returncode == 0, r.stdout + r.stderr
         got = json.loads(r.stdout)
         assert got["deleted"] == [2] and got["in_use"] == [1], got
@@ -249,9 +250,9 @@ def test_ckpt_gc_on_one_host_keeps_the_step_a_reader_on_another_host_holds(volum
         release.write_text("1")
         reader.wait(timeout=JOB_S)
     assert reader.returncode == 0
-    r = c.run(2, [bin_, "gc", root, "--keep", "1", "--json"])
+    r = c.run(2, [CKPT, "gc", root, "--keep", "1", "--json"])
     assert r.returncode == 0 and json.loads(r.stdout)["deleted"] == [1], r.stdout + r.stderr
-    assert c.run(1, [bin_, "verify", f"{root}/step-00000003"]).returncode == 0
+    assert c.run(1, [CKPT, "verify", f"{root}/step-00000003"]).returncode == 0
     assert on(c, 0, f"import ckptstore; print(ckptstore.CheckpointManager('{root}').steps())") == "[3]"
 
 
